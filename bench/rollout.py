@@ -1,0 +1,195 @@
+"""Rollout throughput: rollout.generate against transformers' generate on the same weights, in one run.
+
+CPU (default): SmolLM2-135M-Instruct, 8 chat prompts x 4 samples, 64 new tokens, temperature 1.
+GPU (--device cuda): Qwen3-1.7B and Qwen3-8B shapes with random bf16 weights, 32 prompts x 8 samples,
+128-token prompts, 256 new tokens, temperature 1, against plain generate and against generate with a
+static cache and torch.compile. --device meta only builds the GPU models, a check that runs anywhere.
+No stop tokens on either side, so every row runs to full length and both produce the same token count.
+
+    .venv/bin/python bench/rollout.py [--device cpu|cuda|meta] [--repeats 2] [--threads N] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import model as model_lib  # noqa: E402
+import rollout  # noqa: E402
+
+QUESTIONS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?",
+    "Betty is saving money for a new wallet which costs $100. Betty has only half of the money she needs. "
+    "Her parents decided to give her $15 for that purpose, and her grandparents twice as much as her parents. "
+    "How much more money does Betty need to buy the wallet?",
+    "James writes a 3-page letter to 2 different friends twice a week. How many pages does he write a year?",
+    "What is 17 * 23 - 45?",
+    "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total does it take?",
+    "Find the remainder when 2^10 is divided by 7.",
+    "Albert buys 2 large pizzas and 2 small pizzas. A large pizza has 16 slices and a small pizza has 8 slices. "
+    "If he eats it all, how many pieces does he eat that day?",
+]
+
+QWEN3 = {  # the published config.json values that matter for speed; the weights are random
+    "Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       tie_word_embeddings=True),
+    "Qwen3-8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     tie_word_embeddings=False),
+}
+QWEN3_COMMON = dict(model_type="qwen3", vocab_size=151936, num_key_value_heads=8, head_dim=128,
+                    rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=40960)
+
+
+def timed(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def ours_from_hf(hf_model) -> model_lib.Transformer:
+    """Our model sharing the Hugging Face model's weight tensors: same weights, no second copy."""
+    cfg = model_lib.ModelConfig.from_hf(hf_model.config.to_dict())
+    with torch.device("meta"):
+        ours = model_lib.Transformer(cfg)
+    ours.load_state_dict(hf_model.state_dict(), strict=True, assign=True)
+    if cfg.tie_word_embeddings:
+        ours.lm_head.weight = ours.model.embed_tokens.weight
+    return ours.eval()
+
+
+def left_padded(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    P = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (P - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return ids, mask
+
+
+def hf_generate(hf_model, prompts, samples: int, new_tokens: int, pad_id: int, **extra) -> torch.Tensor:
+    ids, mask = left_padded(prompts, pad_id, hf_model.device)
+    out = hf_model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                            num_return_sequences=samples, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                            pad_token_id=pad_id, **extra)
+    assert out.shape == (len(prompts) * samples, ids.shape[1] + new_tokens), out.shape
+    return out
+
+
+def ours_generate(model, prompts, samples: int, new_tokens: int) -> rollout.Rollout:
+    out = rollout.generate(model, prompts, samples_per_prompt=samples, max_new_tokens=new_tokens,
+                           temperature=1.0, stop_ids=[], seed=0)
+    assert out.completion_mask.all() and out.completion_ids.shape == (len(prompts) * samples, new_tokens)
+    return out
+
+
+def compare(runs: dict, tokens: int, device: torch.device, repeats: int) -> None:
+    """Time each run `repeats` times, interleaved so load changes hit all alike; print best tokens/s."""
+    best = {name: float("inf") for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            best[name] = min(best[name], timed(fn, device))
+    ours = tokens / best["rollout.generate"]
+    print(f"{'sampler':<34} {'seconds':>8} {'tokens/s':>10} {'ours is':>8}")
+    for name, seconds in best.items():
+        rate = tokens / seconds
+        print(f"{name:<34} {seconds:>8.2f} {rate:>10.0f} {ours / rate:>7.2f}x")
+
+
+def bench_cpu(repeats: int, dtype: torch.dtype) -> None:
+    from transformers import AutoModelForCausalLM
+
+    prompts_n, samples, new_tokens = 8, 4, 64
+    checkpoint = model_lib.resolve_checkpoint(None)
+    tokenizer = model_lib.load_tokenizer(None)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False) for q in QUESTIONS[:prompts_n]]
+    ours = model_lib.from_pretrained(None, dtype=dtype)
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval()
+    pad_id = tokenizer.pad_token_id or 0
+    device = torch.device("cpu")
+    print(f"CPU, {torch.get_num_threads()} threads: SmolLM2-135M-Instruct {dtype}, {prompts_n} prompts "
+          f"({min(map(len, prompts))}-{max(map(len, prompts))} tokens) x {samples} samples, "
+          f"{new_tokens} new tokens, temperature 1")
+    ours_generate(ours, prompts, samples, 4)  # warm-up: first-call allocations
+    hf_generate(hf, prompts, samples, 4, pad_id)
+    compare({"rollout.generate": lambda: ours_generate(ours, prompts, samples, new_tokens),
+             "transformers generate": lambda: hf_generate(hf, prompts, samples, new_tokens, pad_id)},
+            prompts_n * samples * new_tokens, device, repeats)
+
+
+def build_qwen3(name: str, device: str):
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(**QWEN3[name], **QWEN3_COMMON)
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    return hf, ours_from_hf(hf)
+
+
+def bench_gpu(repeats: int) -> None:
+    from transformers import CompileConfig
+
+    prompts_n, samples, prompt_len, new_tokens = 32, 8, 128, 256
+    device = torch.device("cuda")
+    for name in QWEN3:
+        torch.manual_seed(0)
+        hf, ours = build_qwen3(name, "cuda")
+        prompts = torch.randint(1000, 100000, (prompts_n, prompt_len)).tolist()
+        print(f"\n{torch.cuda.get_device_name()}: {name} random bf16 weights, {prompts_n} prompts x {samples} "
+              f"samples, {prompt_len}-token prompts, {new_tokens} new tokens, temperature 1")
+        runs = {
+            "rollout.generate": lambda: ours_generate(ours, prompts, samples, new_tokens),
+            "transformers generate": lambda: hf_generate(hf, prompts, samples, new_tokens, 0),
+            "transformers static cache+compile": lambda: hf_generate(
+                hf, prompts, samples, new_tokens, 0, cache_implementation="static", compile_config=CompileConfig()),
+        }
+        for fn in runs.values():  # warm-up: CUDA graph capture, torch.compile
+            fn()
+        compare(runs, prompts_n * samples * new_tokens, device, repeats)
+        del hf, ours, runs
+        torch._dynamo.reset()  # drop the compiled graphs and their CUDA-graph memory before the next model
+        torch.cuda.empty_cache()
+
+
+def build_on_meta() -> None:
+    """Build the GPU benchmark's models and run one fixed-shape decode step on the meta device (shapes only)."""
+    for name in QWEN3:
+        hf, ours = build_qwen3(name, "meta")
+        cache = ours.new_cache(16, 384)
+        logits = ours.decode_step(torch.zeros(16, dtype=torch.long, device="meta"),
+                                  torch.ones(16, dtype=torch.bool, device="meta"), cache)
+        assert logits.shape == (16, ours.config.vocab_size)
+        params = sum(p.numel() for p in ours.parameters())
+        print(f"{name}: built on meta, {params / 1e9:.2f}B {ours.dtype} parameters, {ours.config.num_layers} "
+              f"layers; decode_step logits {tuple(logits.shape)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda", "meta"], default="cpu")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per sampler; the best one counts")
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="CPU weights")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device == "cuda":
+        bench_gpu(args.repeats)
+    elif args.device == "meta":
+        build_on_meta()
+    else:
+        bench_cpu(args.repeats, getattr(torch, args.dtype))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Shared test fixtures: tiny random checkpoints in Hugging Face format, built offline.
+
+Every test that needs a model builds one here with transformers' own classes and
+`save_pretrained`, so our loader is always exercised on the real on-disk format.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED_DATA = Path(__file__).resolve().parent.parent / "shared" / "data"
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = ["What is 7 + 5? The answer is 12.", "Answer: 42", "\\boxed{3} #### 18", "user assistant system"]
+
+
+def make_tokenizer(vocab_size: int = 300):
+    """A byte-level BPE tokenizer with a chat template; ids 0-2 are the special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None, chat_template=CHAT_TEMPLATE)
+
+
+def make_tiny_checkpoint(path: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save a 2-layer random model of `family` (llama, qwen2, qwen3) plus tokenizer into path."""
+    import transformers
+
+    tokenizer = make_tokenizer()
+    kwargs = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                    "qwen3": transformers.Qwen3Config}[family]
+    if family == "qwen3":
+        kwargs["head_dim"] = 16
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    ref = transformers.AutoModelForCausalLM.from_config(config_class(**kwargs))
+    with torch.no_grad():  # random norms and biases, so a loader that ignores them fails the parity tests
+        for name, param in ref.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(0.1 * torch.randn_like(param))
+    ref.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return Path(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama-family checkpoint with tokenizer, shared by the whole session (read-only)."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"third-party data not found at {SHARED_DATA}")
+    return SHARED_DATA

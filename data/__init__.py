@@ -1,0 +1,63 @@
+"""Problems for training and evaluation, and the prompts that pose them.
+
+    from data import load_problems, arithmetic_problems, render_prompt
+    problems = load_problems("math500")                  # after `python data/prepare.py math500`
+    ids = render_prompt(tokenizer, problems[0]["problem"], "boxed")
+
+arithmetic.py generates the offline demo's problems, prepare.py reads, converts and downloads
+dataset files, templates.py turns a problem into chat-formatted token ids.
+"""
+
+from pathlib import Path
+
+from .arithmetic import DEFAULT_KINDS, KINDS, arithmetic_problems
+from .prepare import DATA_DIR, HUB, read_problems
+from .templates import TEMPLATES, render_prompt, user_message
+
+GENERATED = {"arithmetic": "train", "arithmetic_test": "test"}  # name -> split, made on the fly
+
+
+def load_problems(
+    name_or_path: str | Path,
+    *,
+    problem_key: str = "problem",
+    answer_key: str = "answer",
+    data_dir: str | Path = DATA_DIR,
+) -> list[dict]:
+    """Problems {"problem", "answer", ...} of a named dataset or of a .jsonl/.json file.
+
+    Names: the Hub datasets of prepare.py (files data_dir/NAME.jsonl that it writes), any other
+    NAME.jsonl in data_dir (e.g. written by `prepare.py --from FILE --out NAME`), and
+    arithmetic / arithmetic_test (the demo's train and held-out splits of the default kinds,
+    generated, no file needed).
+    Malformed records are a ValueError naming file and line (see prepare.read_problems).
+    """
+    name = str(name_or_path)
+    if name.endswith((".jsonl", ".json")):
+        return read_problems(name, problem_key, answer_key)
+    if name in GENERATED:
+        return arithmetic_problems(GENERATED[name])
+    path = Path(data_dir) / f"{name}.jsonl"
+    if path.is_file():
+        return read_problems(path, problem_key, answer_key)
+    if name in HUB:
+        raise FileNotFoundError(
+            f"{path} does not exist: run `python data/prepare.py {name}` to download it, or convert a "
+            f"local copy with `python data/prepare.py --from FILE --problem-key KEY --answer-key KEY --out {name}`"
+        )
+    raise ValueError(
+        f"unknown dataset {name!r}; known: {', '.join([*HUB, *GENERATED])}, "
+        f"any NAME.jsonl in {data_dir}, or a path ending in .jsonl/.json"
+    )
+
+
+__all__ = [
+    "DEFAULT_KINDS",
+    "KINDS",
+    "TEMPLATES",
+    "arithmetic_problems",
+    "load_problems",
+    "read_problems",
+    "render_prompt",
+    "user_message",
+]

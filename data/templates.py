@@ -1,0 +1,59 @@
+"""Prompt templates: how a bare problem becomes the token ids a model is asked to continue.
+
+Datasets hold bare problems; the instruction that tells the model how to present its answer lives
+here, because the reward has to parse exactly that presentation:
+- "answer": DAPO's training prompt; the answer comes on a last line "Answer: ...".
+- "boxed":  the common math-evaluation prompt; the answer comes inside \\boxed{}.
+- "plain":  a one-line instruction, for a tiny model that should reply with a number in a few tokens.
+- "equation": the arithmetic demo's prompt: the bare question after one worked exchange that answers
+  by restating the equation ("2 + 3 = 5"). Tiny chat models follow examples far better than
+  instructions: SmolLM2-135M-Instruct ignores "answer with the number only" and explains at length,
+  while after this one turn it usually answers in about ten tokens.
+"""
+
+from .prepare import DAPO_PREFIX, DAPO_SUFFIX
+
+TEMPLATES = {
+    "answer": DAPO_PREFIX + "{problem}" + DAPO_SUFFIX,  # DAPO-Math-17k's prompt, word for word
+    "boxed": "{problem}\nPlease reason step by step, and put your final answer within \\boxed{}.",
+    "plain": "{problem} Answer with the number only.",
+    "equation": "{problem}",
+}
+# worked (question, answer) turns placed before the problem, per template
+EXAMPLES = {
+    "equation": [("What is 2 + 3?", "2 + 3 = 5")],
+}
+
+
+def user_message(problem: str, template: str) -> str:
+    """The user turn: a template name from TEMPLATES, or any string containing '{problem}'."""
+    text = TEMPLATES.get(template, template)
+    if "{problem}" not in text:
+        raise ValueError(
+            f"template must be one of {', '.join(TEMPLATES)} or a string containing '{{problem}}', got {template!r}"
+        )
+    # replace, not str.format: templates and problems are full of LaTeX braces
+    return text.replace("{problem}", problem)
+
+
+def render_prompt(tokenizer, problem: str, template: str = "boxed", system: str | None = None) -> list[int]:
+    """Token ids of the chat prompt for one problem, ending where the assistant's reply begins.
+
+    Goes through tokenizer.apply_chat_template(add_generation_prompt=True). system=None keeps the
+    chat template's own default system prompt (SmolLM2's default system turn is 21 tokens); a short
+    system string replaces it, which matters on CPU where every prompt token is paid for G times.
+    A tokenizer without a chat template (a base model) gets plain text instead: the system string
+    and the user message separated by a blank line, encoded with the tokenizer's usual special
+    tokens (e.g. BOS).
+    """
+    message = user_message(problem, template)
+    if getattr(tokenizer, "chat_template", None) is None:
+        text = f"{system}\n\n{message}" if system else message
+        return tokenizer.encode(text)
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    for question, answer in EXAMPLES.get(template, []):
+        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    messages.append({"role": "user", "content": message})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # the rendered text already carries the template's special tokens: adding BOS again would double it
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,546 @@
+"""
+Evaluation: Mean@k, Pass@k and Maj@k on math benchmarks, with error bars, and run-versus-run comparisons.
+
+Published RLVR results report Mean@k and Pass@k on AIME/AMC without error bars, although AIME has only 30
+problems: one problem is 3.3 points. This file measures a model the same way and says how sure the numbers are:
+every metric comes with its standard error over problems and a seeded bootstrap interval, and --compare pairs two
+runs problem by problem so a reader sees at once which gaps are noise.
+
+    python eval.py --model PATH_OR_ID [--adapter DIR] --bench aime24,aime25,amc23 --k 8 --temperature 0.6 \
+        --top-p 0.95 --max-new-tokens 4096 [--out runs/eval.json]
+    python eval.py --compare A.json B.json [--baseline TABLE.json]
+
+The statistics are plain numpy over a [problems, samples] table of correct flags; evaluate() is the plain function
+train.py calls for periodic evaluation.
+"""
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import lora
+import reward
+import rollout
+from data import load_problems, render_prompt
+from model import from_pretrained, load_tokenizer
+
+# -----------------------------------------------------------------------------
+# statistics over a [problems, samples] table
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased Pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k).
+
+    As floats the binomials overflow beyond about a thousand samples (C(2048, 1024) is near 1e615), so use the
+    product form C(n-c, k) / C(n, k) = prod_{i=n-c+1}^{n} (1 - k/i), every factor in [0, 1].
+    """
+    for name, value in (("n", n), ("c", c), ("k", k)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"pass_at_k: {name} must be an integer, got {value!r}")
+    if n < 1 or not 0 <= c <= n:
+        raise ValueError(f"pass_at_k: need n >= 1 and 0 <= c <= n, got n={n}, c={c}")
+    if not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: k={k} must be between 1 and the number of samples n={n}")
+    if n - c < k:  # every k-subset holds a correct sample
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def _correct_table(correct) -> np.ndarray:
+    """Checks and converts correct flags to a float array [P, n]."""
+    table = np.asarray(correct, dtype=float)
+    if table.ndim != 2 or table.size == 0:
+        raise ValueError(f"correct must be a non-empty [problems, samples] table, got shape {table.shape}")
+    if not np.isin(table, (0.0, 1.0)).all():
+        raise ValueError("correct must hold only booleans or 0/1")
+    return table
+
+
+def mean_at_k(correct) -> float:
+    """Mean@k: the accuracy of a single sample averaged over the k samples and the problems; correct is [P, k]."""
+    return float(_correct_table(correct).mean())
+
+
+def majority_index(answers: Sequence[str | None]) -> int | None:
+    """Index of the sample whose answer wins the vote, or None when no sample has an answer.
+
+    Answers vote by exact string (after stripping spaces); None (nothing extracted) never wins. A tie goes to the
+    answer that appeared first among the samples, so the vote is deterministic and favours no answer by content.
+    """
+    counts: dict[str, int] = {}
+    first: dict[str, int] = {}
+    for i, answer in enumerate(answers):
+        if answer is None:
+            continue
+        key = answer.strip()
+        counts[key] = counts.get(key, 0) + 1
+        first.setdefault(key, i)
+    if not counts:
+        return None
+    winner = max(counts, key=lambda key: (counts[key], -first[key]))
+    return first[winner]
+
+
+def _maj_scores(answers: Sequence[Sequence[str | None]], correct: Sequence[Sequence[float]]) -> np.ndarray:
+    """Per problem, 1.0 when the majority answer is correct; [P]."""
+    if len(answers) != len(correct) or any(len(a) != len(c) for a, c in zip(answers, correct)):
+        raise ValueError(f"answers and correct must have the same [problems, samples] shape, got "
+                         f"{[len(a) for a in answers]} answers against {[len(c) for c in correct]} correct flags")
+    votes = [majority_index(row) for row in answers]
+    return np.array([0.0 if vote is None else float(row[vote]) for vote, row in zip(votes, correct)])
+
+
+def maj_at_k(answers: Sequence[Sequence[str | None]], correct) -> float:
+    """Maj@k: fraction of problems whose majority answer over the k samples is correct (see majority_index)."""
+    return float(_maj_scores(answers, _correct_table(correct)).mean())
+
+
+def standard_error(values) -> float:
+    """Standard error of the mean over problems: sample std (ddof=1) / sqrt(P); NaN for a single problem."""
+    values = np.asarray(values, dtype=float)
+    if values.ndim != 1 or values.size == 0:
+        raise ValueError(f"values must be a non-empty 1-D array, got shape {values.shape}")
+    if values.size == 1:
+        return math.nan
+    return float(values.std(ddof=1) / math.sqrt(values.size))
+
+
+def _bootstrap_means(values: np.ndarray, rng: np.random.Generator, resamples: int) -> np.ndarray:
+    """Means of `resamples` resamples of the problems drawn with replacement; [resamples]."""
+    rows = rng.integers(0, values.size, size=(resamples, values.size))  # [R, P]
+    return values[rows].mean(axis=1)
+
+
+def _percentiles(means: np.ndarray, level: float) -> tuple[float, float]:
+    lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
+def bootstrap_interval(values, *, seed: int = 0, resamples: int = 2000, level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean over problems (resampling problems, not samples)."""
+    values = np.asarray(values, dtype=float)
+    if values.ndim != 1 or values.size == 0:
+        raise ValueError(f"values must be a non-empty 1-D array, got shape {values.shape}")
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    if resamples < 1:
+        raise ValueError(f"resamples must be >= 1, got {resamples}")
+    return _percentiles(_bootstrap_means(values, np.random.default_rng(seed), resamples), level)
+
+
+# -----------------------------------------------------------------------------
+# per-problem results and their summary
+
+# JSON keys of the metrics; "@k" is shown with the run's k in tables. Rates are fractions, length is in tokens.
+METRICS = ("mean@k", "pass@k", "maj@k", "length", "truncated")
+LEVEL = 0.95  # bootstrap interval coverage
+RESAMPLES = 2000  # bootstrap resamples: the interval's ends move by well under a tenth of a point between seeds
+
+
+@dataclass
+class ProblemResult:
+    id: str
+    reference: str
+    completions: list[str]
+    answers: list[str | None]  # extracted answer of each sample, None when nothing was found
+    correct: list[bool]
+    lengths: list[int]  # completion tokens, stop token included
+    truncated: list[bool]  # hit max_new_tokens before a stop token
+
+
+@dataclass
+class Estimate:
+    mean: float
+    se: float  # standard error over problems
+    lo: float  # percentile bootstrap interval at LEVEL
+    hi: float
+
+
+@dataclass
+class Evaluation:
+    k: int
+    problems: list[ProblemResult]
+    summary: dict[str, Estimate]
+
+
+def problem_scores(problems: Sequence[ProblemResult], k: int) -> dict[str, np.ndarray]:
+    """Each metric's value on each problem, [P] per metric; the means over problems are the reported numbers.
+
+    With n > k samples, Pass@k uses the unbiased estimator, Mean@k all n samples (same expectation), and Maj@k
+    votes over the first k samples (samples are i.i.d., so the first k are a fair draw of k).
+    """
+    if not problems:
+        raise ValueError("problems is empty")
+    for p in problems:
+        if not 1 <= k <= len(p.correct):
+            raise ValueError(f"k={k} must be between 1 and the {len(p.correct)} samples drawn for problem {p.id!r}")
+    return {
+        "mean@k": np.array([np.mean(p.correct) for p in problems], dtype=float),
+        "pass@k": np.array([pass_at_k(len(p.correct), int(sum(p.correct)), k) for p in problems]),
+        "maj@k": _maj_scores([p.answers[:k] for p in problems], [p.correct[:k] for p in problems]),
+        "length": np.array([np.mean(p.lengths) for p in problems], dtype=float),
+        "truncated": np.array([np.mean(p.truncated) for p in problems], dtype=float),
+    }
+
+
+def summarize(problems: Sequence[ProblemResult], k: int, *, seed: int = 0) -> dict[str, Estimate]:
+    """Mean, standard error and bootstrap interval of every metric over the problems."""
+    summary = {}
+    for metric, values in problem_scores(problems, k).items():
+        lo, hi = bootstrap_interval(values, seed=seed, resamples=RESAMPLES, level=LEVEL)
+        summary[metric] = Estimate(float(values.mean()), standard_error(values), lo, hi)
+    return summary
+
+
+def average(evaluations: Mapping[str, Evaluation], *, seed: int = 0) -> dict[str, Estimate]:
+    """The unweighted mean over benchmarks (as the papers' "Avg." column), with its error bars.
+
+    Benchmarks are independent samples, so SE(avg) = sqrt(sum se_b^2) / B, and the bootstrap resamples the problems
+    within each benchmark (stratified) before averaging.
+    """
+    if not evaluations:
+        raise ValueError("evaluations is empty")
+    scores = [problem_scores(e.problems, e.k) for e in evaluations.values()]
+    summary = {}
+    for metric in METRICS:
+        rng = np.random.default_rng(seed)
+        boot = np.mean([_bootstrap_means(s[metric], rng, RESAMPLES) for s in scores], axis=0)  # [R]
+        ses = [standard_error(s[metric]) for s in scores]
+        mean = float(np.mean([s[metric].mean() for s in scores]))
+        summary[metric] = Estimate(mean, math.sqrt(sum(se**2 for se in ses)) / len(scores), *_percentiles(boot, LEVEL))
+    return summary
+
+
+# -----------------------------------------------------------------------------
+# comparisons: which gaps are noise
+
+
+@dataclass
+class Gap:
+    a: float
+    b: float
+    diff: float  # b - a
+    se: float  # standard error of the difference
+    z: float  # diff / se
+
+    @property
+    def noise(self) -> bool:
+        """Within two standard errors (about a 95% two-sided test); an unknown se (one problem) is noise too."""
+        return not abs(self.z) >= 2
+
+
+def _gap(a: float, b: float, se: float) -> Gap:
+    diff = b - a
+    if se > 0 or math.isnan(se):
+        z = diff / se
+    else:  # identical results on every problem: no spread, so any difference is exact
+        z = 0.0 if diff == 0 else math.copysign(math.inf, diff)
+    return Gap(a, b, diff, se, z)
+
+
+def _average_gaps(gaps: Mapping[str, Mapping[str, Gap]]) -> dict[str, Gap]:
+    """Gaps of the unweighted mean over benchmarks, for the metrics every benchmark has."""
+    metrics = [m for m in METRICS if all(m in g for g in gaps.values())]
+    return {m: _gap(float(np.mean([g[m].a for g in gaps.values()])), float(np.mean([g[m].b for g in gaps.values()])),
+                    math.sqrt(sum(g[m].se ** 2 for g in gaps.values())) / len(gaps)) for m in metrics}
+
+
+def _paired(a: Evaluation, b: Evaluation, name: str) -> tuple[list[ProblemResult], list[ProblemResult]]:
+    """The problems of both runs in the same order; a problem missing from one side is an error."""
+    by_id = []
+    for label, evaluation in (("A", a), ("B", b)):
+        ids = {p.id: p for p in evaluation.problems}
+        if len(ids) != len(evaluation.problems):
+            raise ValueError(f"{name}: run {label} has duplicate problem ids")
+        by_id.append(ids)
+    only_a, only_b = sorted(by_id[0].keys() - by_id[1].keys()), sorted(by_id[1].keys() - by_id[0].keys())
+    if only_a or only_b:
+        raise ValueError(f"{name}: the runs were not evaluated on the same problems; only in A: {only_a[:5]} "
+                         f"({len(only_a)}), only in B: {only_b[:5]} ({len(only_b)})")
+    order = [p.id for p in a.problems]
+    return [by_id[0][i] for i in order], [by_id[1][i] for i in order]
+
+
+def compare(run_a: Mapping[str, Evaluation], run_b: Mapping[str, Evaluation]) -> dict[str, dict[str, Gap]]:
+    """Paired comparison of two runs on the benchmarks both have: benchmark -> metric -> Gap, plus "average".
+
+    Pairing on problems removes the problem-difficulty spread from the difference: SE is the standard error of the
+    per-problem differences, much smaller than the two runs' SEs combined when both runs find the same problems hard.
+    """
+    names = [name for name in run_a if name in run_b]
+    if not names:
+        raise ValueError(f"the runs share no benchmark: A has {sorted(run_a)}, B has {sorted(run_b)}")
+    gaps = {}
+    for name in names:
+        if run_a[name].k != run_b[name].k:
+            raise ValueError(f"{name}: runs use different k (A k={run_a[name].k}, B k={run_b[name].k})")
+        problems_a, problems_b = _paired(run_a[name], run_b[name], name)
+        scores_a, scores_b = problem_scores(problems_a, run_a[name].k), problem_scores(problems_b, run_b[name].k)
+        gaps[name] = {m: _gap(float(scores_a[m].mean()), float(scores_b[m].mean()),
+                              standard_error(scores_b[m] - scores_a[m])) for m in METRICS}
+    gaps["average"] = _average_gaps(gaps)
+    return gaps
+
+
+def compare_to_baseline(run: Mapping[str, Evaluation], baseline: Mapping[str, Mapping[str, Mapping[str, float]]]
+                        ) -> dict[str, dict[str, Gap]]:
+    """A run against a table of published or earlier numbers: benchmark -> metric -> {"mean": x, "se": s}.
+
+    The table has no per-problem results, so the two are independent: SE = sqrt(se_run^2 + se_baseline^2). A table
+    without "se" (papers rarely give one) counts as exact, leaving only the run's own noise. Units as in the run's
+    JSON summary: rates as fractions, length in tokens. Gap.a is the baseline, Gap.b the run.
+    """
+    gaps = {}
+    for name in (n for n in run if n in baseline):
+        gaps[name] = {}
+        for metric, entry in baseline[name].items():
+            if metric not in METRICS:
+                raise ValueError(f"baseline[{name!r}]: unknown metric {metric!r}; known: {', '.join(METRICS)}")
+            if not isinstance(entry, Mapping) or "mean" not in entry:
+                raise ValueError(f"baseline[{name!r}][{metric!r}] must be {{'mean': value, 'se': value}}, "
+                                 f"got {entry!r}")
+            ours = run[name].summary[metric]
+            gaps[name][metric] = _gap(float(entry["mean"]), ours.mean, math.hypot(ours.se, float(entry.get("se", 0.0))))
+    if not gaps:
+        raise ValueError(f"the baseline shares no benchmark with the run: baseline has {sorted(baseline)}, "
+                         f"run has {sorted(run)}")
+    gaps["average"] = _average_gaps(gaps)
+    return gaps
+
+
+# -----------------------------------------------------------------------------
+# run files and tables
+
+
+def save_run(path: str, config: Mapping, evaluations: Mapping[str, Evaluation], avg: Mapping[str, Estimate]) -> None:
+    """One JSON file with the settings, the summaries and every per-problem result, so re-analysis needs no re-run."""
+    run = {"config": dict(config), "average": {m: asdict(e) for m, e in avg.items()},
+           "benchmarks": {name: asdict(e) for name, e in evaluations.items()}}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(run, indent=1))
+
+
+def load_run(path: str) -> dict[str, Evaluation]:
+    """The evaluations of a run file written by save_run: benchmark -> Evaluation."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"run file {path} does not exist")
+    try:
+        benchmarks = json.loads(Path(path).read_text())["benchmarks"]
+        return {name: Evaluation(int(e["k"]), [ProblemResult(**p) for p in e["problems"]],
+                                 {m: Estimate(**s) for m, s in e["summary"].items()})
+                for name, e in benchmarks.items()}
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{path}: not a run file written by eval.py ({type(error).__name__}: {error})") from None
+
+
+def _label(metric: str, k: int) -> str:
+    return metric.replace("@k", f"@{k}")
+
+
+def _value(metric: str, x: float, sign: str = "") -> str:
+    """Rates as percentage points, length as tokens; sign="+" shows the sign of a difference."""
+    return f"{x:{sign}.1f}" if metric == "length" else f"{100 * x:{sign}.1f}"
+
+
+def summary_table(evaluations: Mapping[str, Evaluation], avg: Mapping[str, Estimate]) -> str:
+    """Markdown: one row per benchmark and the average; each cell is mean ± se [bootstrap interval]."""
+    k = next(iter(evaluations.values())).k
+    header = ["benchmark", "problems"] + [_label(m, k) + (" (tokens)" if m == "length" else " (%)") for m in METRICS]
+    rows = [(name, str(len(e.problems)), e.summary) for name, e in evaluations.items()]
+    rows.append(("average", str(sum(len(e.problems) for e in evaluations.values())), avg))
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, count, summary in rows:
+        cells = [f"{_value(m, s.mean)} ± {_value(m, s.se)} [{_value(m, s.lo)}, {_value(m, s.hi)}]"
+                 for m, s in ((m, summary[m]) for m in METRICS)]
+        lines.append("| " + " | ".join([name, count] + cells) + " |")
+    return "\n".join(lines)
+
+
+def comparison_table(gaps: Mapping[str, Mapping[str, Gap]], label_a: str, label_b: str, k: int) -> str:
+    """Markdown: one row per benchmark and metric with both values, the gap, its se, z and the verdict."""
+    lines = [f"| benchmark | metric | {label_a} | {label_b} | diff | se | z | verdict |", "|" + "---|" * 8]
+    for name, by_metric in gaps.items():
+        for metric, g in by_metric.items():
+            verdict = "noise (abs z < 2)" if g.noise else "beyond noise"
+            lines.append(f"| {name} | {_label(metric, k)} | {_value(metric, g.a)} | {_value(metric, g.b)} | "
+                         f"{_value(metric, g.diff, '+')} | {_value(metric, g.se)} | {g.z:.2f} | {verdict} |")
+    return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+# sampling and grading
+
+
+def stop_ids(model, tokenizer) -> list[int]:
+    """The checkpoint's end tokens (config.json may list several, e.g. end-of-turn and end-of-text) and the
+    tokenizer's EOS, which for chat models is the end-of-turn token."""
+    ids = model.config.eos_token_id
+    ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if not ids:
+        raise ValueError("neither the model config nor the tokenizer names an EOS token to stop sampling at")
+    return sorted(ids)
+
+
+def evaluate(model, tokenizer, problems: Sequence[Mapping], *, k: int, n: int | None = None, temperature: float,
+             top_p: float = 1.0, max_new_tokens: int, template: str = "boxed", system: str | None = None,
+             batch_size: int = 8, seed: int = 0, desc: str = "eval", progress: bool = True) -> Evaluation:
+    """Sample n (default k) completions for each problem {"problem", "answer", optional "id"}, grade them, and
+    summarize Mean@k, Pass@k, Maj@k, completion length and truncation rate with their error bars.
+
+    template and system (None: the chat template's default system message) pose each problem as in training.
+    batch_size prompts are sampled together (batch_size * n rows); each batch's seed is seed + its first index, so
+    the same seed and batch_size give the same samples. A problem without "id" is named by its index.
+    """
+    n = k if n is None else n
+    if not 1 <= k <= n:
+        raise ValueError(f"k={k} must be between 1 and the number of samples drawn per problem n={n}")
+    if not problems:
+        raise ValueError("problems is empty")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    stops = stop_ids(model, tokenizer)
+    was_training = model.training
+    model.eval()  # no LoRA dropout while measuring
+    results = []
+    bar = tqdm(total=len(problems), desc=desc, unit="problem", disable=not progress)
+    try:
+        for start in range(0, len(problems), batch_size):
+            batch = problems[start:start + batch_size]
+            out = rollout.generate(model, [render_prompt(tokenizer, p["problem"], template, system) for p in batch],
+                                   samples_per_prompt=n, max_new_tokens=max_new_tokens, temperature=temperature,
+                                   top_p=top_p, stop_ids=stops, seed=seed + start, tokenizer=tokenizer)
+            references = [p["answer"] for p in batch for _ in range(n)]  # rows are prompt-major
+            correct = [score == 1.0 for score in reward.reward(out.texts, references)]
+            # Maj@k votes on the normalized spelling, so "\dfrac12" and "\frac{1}{2}" count as one answer
+            answers = [None if (a := reward.extract_answer(t)) is None else reward.normalize(a) or None
+                       for t in out.texts]
+            lengths, truncated = out.completion_mask.sum(1).tolist(), out.truncated.tolist()
+            for i, p in enumerate(batch):
+                rows = slice(i * n, (i + 1) * n)
+                results.append(ProblemResult(str(p.get("id", start + i)), p["answer"], out.texts[rows],
+                                             answers[rows], correct[rows], lengths[rows], truncated[rows]))
+            bar.update(len(batch))
+    finally:
+        bar.close()
+        model.train(was_training)
+    return Evaluation(k, results, summarize(results, k, seed=seed))
+
+
+# -----------------------------------------------------------------------------
+# command line
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--model", default=None, help="model directory or hub id (default: the offline "
+                        "SmolLM2-135M-Instruct)")
+    parser.add_argument("--adapter", default=None, help="LoRA adapter directory (PEFT format) to load on the model")
+    parser.add_argument("--bench", default="aime24,aime25,amc23", help="comma-separated dataset names of data/ "
+                        "(see data/prepare.py) or .jsonl/.json paths (default: %(default)s)")
+    parser.add_argument("--data-dir", default=None, help="where named datasets live (default: data/)")
+    parser.add_argument("--k", type=int, default=8, help="k of Mean@k, Pass@k and Maj@k (default: %(default)s)")
+    parser.add_argument("--n", type=int, default=None, help="samples drawn per problem, at least k (default: k); "
+                        "more samples make the Pass@k estimate less noisy")
+    parser.add_argument("--temperature", type=float, default=0.6, help="sampling temperature, 0 = greedy "
+                        "(default: %(default)s)")
+    parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default: %(default)s)")
+    parser.add_argument("--max-new-tokens", type=int, default=4096, help="(default: %(default)s)")
+    parser.add_argument("--template", default="boxed", help="prompt template of data/templates.py "
+                        "(default: %(default)s)")
+    parser.add_argument("--system", default=None, help="system message (default: the chat template's own)")
+    parser.add_argument("--batch-size", type=int, default=8, help="problems sampled together (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                        help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--out", default=None, help="run file to write (default: runs/eval-TIME.json)")
+    parser.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), default=None,
+                        help="compare two run files problem by problem instead of evaluating")
+    parser.add_argument("--baseline", default=None, metavar="TABLE.json", help="JSON table {benchmark: {metric: "
+                        "{'mean': x, 'se': s}}} to compare the run(s) against; metrics " + ", ".join(METRICS) +
+                        ", rates as fractions")
+    args = parser.parse_args(argv)
+    if args.n is not None and args.k > args.n:
+        parser.error(f"--k {args.k} is larger than the --n {args.n} samples drawn per problem")
+    return args
+
+
+def _load_baseline(path: str) -> dict:
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--baseline: {path} does not exist")
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--baseline: {path} is not valid JSON ({error})") from None
+
+
+def _print_baseline(run: Mapping[str, Evaluation], baseline: Mapping, label: str) -> None:
+    k = next(iter(run.values())).k
+    print(f"\n{label} against the baseline (se combines both; the baseline's se counts as 0 where missing)\n")
+    print(comparison_table(compare_to_baseline(run, baseline), "baseline", label, k))
+
+
+def run_compare(path_a: str, path_b: str, baseline_path: str | None = None) -> None:
+    """Print the paired comparison of two run files, and each against the baseline table when given."""
+    run_a, run_b = load_run(path_a), load_run(path_b)
+    baseline = _load_baseline(baseline_path) if baseline_path else None
+    print(f"A = {path_a}\nB = {path_b}\npaired on problems; a gap with abs(z) < 2 is within noise\n")
+    print(comparison_table(compare(run_a, run_b), "A", "B", next(iter(run_a.values())).k))
+    for label, run, other in (("A", run_a, run_b), ("B", run_b, run_a)):
+        if skipped := sorted(run.keys() - other.keys()):
+            print(f"not compared, only in {label}: {', '.join(skipped)}")
+    if baseline is not None:
+        _print_baseline(run_a, baseline, "A")
+        _print_baseline(run_b, baseline, "B")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.compare:
+        run_compare(*args.compare, args.baseline)
+        return
+    # everything that can be wrong with the input fails here, before minutes of model loading
+    if args.adapter is not None and not Path(args.adapter).is_dir():
+        raise FileNotFoundError(f"--adapter: directory {args.adapter} does not exist")
+    baseline = _load_baseline(args.baseline) if args.baseline else None
+    names = [name.strip() for name in args.bench.split(",") if name.strip()]
+    if not names:
+        raise ValueError("--bench: no benchmark given")
+    data_dir = {} if args.data_dir is None else {"data_dir": args.data_dir}
+    benchmarks = {Path(name).stem if name.endswith((".jsonl", ".json")) else name: load_problems(name, **data_dir)
+                  for name in names}
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+    model = from_pretrained(args.model, dtype=dtype, device=device)
+    if args.adapter is not None:
+        lora.load(model, args.adapter)
+    tokenizer = load_tokenizer(args.model)
+
+    evaluations = {name: evaluate(model, tokenizer, problems, k=args.k, n=args.n, temperature=args.temperature,
+                                  top_p=args.top_p, max_new_tokens=args.max_new_tokens, template=args.template,
+                                  system=args.system, batch_size=args.batch_size, seed=args.seed, desc=name)
+                   for name, problems in benchmarks.items()}
+    avg = average(evaluations, seed=args.seed)
+    out = args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    config = {key: value for key, value in vars(args).items() if key not in ("compare", "out")}
+    save_run(out, {**config, "n": args.n or args.k, "device": device, "dtype": str(dtype)}, evaluations, avg)
+    print(f"\nk={args.k}, n={args.n or args.k} samples per problem; mean ± se [{LEVEL:.0%} bootstrap interval]\n")
+    print(summary_table(evaluations, avg))
+    print(f"\nper-problem results: {out}")
+    if baseline is not None:
+        _print_baseline(evaluations, baseline, "run")
+
+
+if __name__ == "__main__":
+    main()

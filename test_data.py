@@ -1,0 +1,376 @@
+"""Tests for data/: the arithmetic generator, strict dataset files, Hub-row conversion, prompt templates."""
+
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from data import arithmetic_problems, load_problems, read_problems, render_prompt, user_message
+from data import prepare
+from data.arithmetic import DEFAULT_KINDS, KINDS, problems_of
+
+SHARED = Path(__file__).resolve().parent / ".." / "shared" / "data"
+needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data (third-party copies) not present")
+
+
+def shared_rows(name: str) -> list[dict]:
+    with open(SHARED / f"{name}.jsonl", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+# ---------------------------------------------------------------- arithmetic
+
+
+def test_arithmetic_is_deterministic_and_seeded():
+    first = arithmetic_problems("train", n=60, seed=3)
+    assert first == arithmetic_problems("train", n=60, seed=3)
+    assert first != arithmetic_problems("train", n=60, seed=4)
+
+
+def test_arithmetic_answers_are_right():
+    compute = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "×": lambda a, b: a * b}
+    for split in ("train", "test"):
+        for p in arithmetic_problems(split, kinds=tuple(KINDS)):
+            a, op, b = re.fullmatch(r"What is (\d+) (\S) (\d+)\?", p["problem"]).groups()
+            assert p["answer"] == str(compute[op](int(a), int(b))), p
+
+
+def test_arithmetic_splits_are_disjoint_and_cover_every_problem():
+    sizes = {"add1": 100, "sub1": 100, "times": 81, "add2": 8100}
+    for kind, size in sizes.items():
+        train = {p["problem"] for p in problems_of(kind, "train")}
+        test = {p["problem"] for p in problems_of(kind, "test")}
+        assert not train & test
+        assert len(train) + len(test) == size
+        assert 0.1 * size < len(test) < 0.35 * size  # about TEST_PERCENT, as hashes fall
+    # a sum's mirror image is on the same side of the split
+    test_sums = {p["problem"] for p in problems_of("add1", "test")}
+    for problem in test_sums:
+        a, b = re.findall(r"\d+", problem)
+        assert f"What is {b} + {a}?" in test_sums
+
+
+def test_held_out_set_does_not_depend_on_seed_kinds_or_n():
+    everything = arithmetic_problems("test", kinds=tuple(KINDS), seed=0)
+    reseeded = arithmetic_problems("test", kinds=tuple(KINDS), seed=123)
+    assert sorted(map(str, everything)) == sorted(map(str, reseeded))
+    only_add1 = {p["problem"] for p in arithmetic_problems("test", kinds=("add1",), seed=7)}
+    assert only_add1 == {p["problem"] for p in everything if p["kind"] == "add1"}
+    # a kind's order does not depend on which other kinds are asked for
+    mixed = arithmetic_problems("train", kinds=("add1", "times"), n=100, seed=5)
+    alone = arithmetic_problems("train", kinds=("add1",), n=50, seed=5)
+    assert [p for p in mixed if p["kind"] == "add1"] == alone
+
+
+def test_arithmetic_balances_kinds_and_cycles_only_the_train_split():
+    counts = Counter(p["kind"] for p in arithmetic_problems("train", n=300, seed=0))
+    assert counts == {kind: 100 for kind in DEFAULT_KINDS}
+    add1 = arithmetic_problems("train", kinds=("add1",), n=3 * 77 + 5)
+    repeats = Counter(p["problem"] for p in add1)
+    assert len(repeats) == 77 and set(repeats.values()) == {3, 4}  # whole passes before any repeat
+    n_test = len(arithmetic_problems("test", kinds=("add1",)))
+    assert len({p["problem"] for p in arithmetic_problems("test", kinds=("add1",), n=n_test)}) == n_test
+    with pytest.raises(ValueError, match="n must be in 1..23"):
+        arithmetic_problems("test", kinds=("add1",), n=24)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"split": "valid"}, "split must be"),
+        ({"kinds": ("add1", "cube")}, r"unknown kinds \['cube'\]"),
+        ({"kinds": "add1"}, "non-empty sequence"),
+        ({"n": 0}, "n must be"),
+    ],
+)
+def test_arithmetic_rejects_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        arithmetic_problems(**kwargs)
+
+
+# ---------------------------------------------------------------- reading dataset files
+
+
+@pytest.mark.parametrize(
+    "bad_line, message",
+    [
+        ('{"problem": "What is 1 + 1?", "answer": "2"', "invalid JSON"),
+        ('{"problem": "What is 1 + 1?"}', "missing field 'answer'"),
+        ('{"question": "What is 1 + 1?", "answer": "2"}', "missing field 'problem'"),
+        ('{"problem": "   ", "answer": "2"}', "empty or non-text problem"),
+        ('{"problem": "What is 1 + 1?", "answer": ""}', "empty or non-text answer"),
+        ('{"problem": "What is 1 + 1?", "answer": null}', "empty or non-text answer"),
+        ('["What is 1 + 1?", "2"]', "expected a JSON object"),
+    ],
+)
+def test_malformed_line_names_file_and_line(tmp_path, bad_line, message):
+    good = '{"problem": "What is 2 + 2?", "answer": "4"}'
+    path = write_lines(tmp_path / "set.jsonl", [good, "", bad_line, good])  # the blank line still counts
+    with pytest.raises(ValueError, match=re.escape(f"{path}:3: ") + ".*" + message):
+        load_problems(path)
+
+
+def test_reading_keeps_every_row_and_normalizes_answers(tmp_path):
+    rows = [{"question": "What is 7 + 5?", "solution": 12}, {"question": "Half of 55?", "solution": 27.5},
+            {"question": " AMC ", "solution": 27.0, "id": "x"}, {"question": "Two\u2028lines?", "solution": "a"}]
+    lines = [json.dumps(r, ensure_ascii=False) for r in rows]  # raw U+2028 inside a string, as in GSM8K
+    path = write_lines(tmp_path / "mine.jsonl", lines + ["", ""])
+    problems = load_problems(path, problem_key="question", answer_key="solution")
+    assert problems == [
+        {"problem": "What is 7 + 5?", "answer": "12"},
+        {"problem": "Half of 55?", "answer": "27.5"},
+        {"problem": "AMC", "answer": "27", "id": "x"},
+        {"problem": "Two\u2028lines?", "answer": "a"},
+    ]
+
+
+def test_json_list_files(tmp_path):
+    path = tmp_path / "list.json"
+    path.write_text(json.dumps([{"problem": "a?", "answer": "1"}, {"problem": "b?", "answer": "2"}]))
+    assert [p["answer"] for p in load_problems(path)] == ["1", "2"]
+    path.write_text(json.dumps([{"problem": "a?", "answer": "1"}, {"problem": "b?"}]))
+    with pytest.raises(ValueError, match=re.escape(f"{path}: item 1: missing field 'answer'")):
+        load_problems(path)
+    path.write_text('[{"problem": "a?",\n "answer": 1,}]')
+    with pytest.raises(ValueError, match=re.escape(f"{path}:2: invalid JSON")):
+        load_problems(path)
+
+
+def test_empty_or_missing_files(tmp_path):
+    with pytest.raises(ValueError, match="no problems"):
+        load_problems(write_lines(tmp_path / "empty.jsonl", [""]))
+    with pytest.raises(FileNotFoundError, match="nowhere.jsonl"):
+        load_problems(tmp_path / "nowhere.jsonl")
+
+
+def test_names_resolve_to_prepared_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match=re.escape("python data/prepare.py math500")):
+        load_problems("math500", data_dir=tmp_path)
+    with pytest.raises(ValueError, match="unknown dataset 'mathh500'.*math500.*arithmetic_test"):
+        load_problems("mathh500", data_dir=tmp_path)
+    prepare.write_jsonl([{"problem": "p?", "answer": "1", "source": "here"}], tmp_path / "math500.jsonl")
+    prepare.write_jsonl([{"problem": "q?", "answer": "2"}], tmp_path / "mine.jsonl")
+    assert load_problems("math500", data_dir=tmp_path) == [{"problem": "p?", "answer": "1", "source": "here"}]
+    assert load_problems("mine", data_dir=tmp_path)[0]["answer"] == "2"
+    assert load_problems("arithmetic_test") == arithmetic_problems("test")
+    assert load_problems("arithmetic") == arithmetic_problems("train")
+
+
+# ---------------------------------------------------------------- conversion (offline)
+
+DAPO_WRAPPER = (
+    "Solve the following math problem step by step. The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{}\n\n"
+    'Remember to put your answer on its own line after "Answer:".'
+)
+
+
+@needs_shared
+def test_shared_copies_load_with_their_documented_row_counts():
+    counts = {"aime24": 30, "aime25": 30, "amc23": 40, "math500": 500,
+              "gsm8k_test": 1319, "gsm8k_train": 7473, "dapo_math_17k": 17917}
+    for name, count in counts.items():
+        assert len(load_problems(SHARED / f"{name}.jsonl")) == count, name
+
+
+@needs_shared
+def test_dapo_conversion_strips_the_wrapper_and_dedupes():
+    shared = shared_rows("dapo_math_17k")
+
+    def hub_row(row: dict, copy: int) -> dict:  # the Hub layout, a fresh index for every copy
+        return {
+            "data_source": "math_dapo",
+            "prompt": [{"role": "user", "content": DAPO_WRAPPER.format(row["problem"])}],
+            "ability": "MATH",
+            "reward_model": {"ground_truth": row["answer"], "style": "rule-based"},
+            "extra_info": {"index": f"{row['id']}-{copy}"},
+        }
+
+    hub = [hub_row(row, copy) for copy in range(3) for row in shared]
+    problems = list(prepare.convert_dapo(hub, "BytedTsinghua-SIA/DAPO-Math-17k"))
+    distinct = list(dict.fromkeys((r["problem"].strip(), r["answer"]) for r in shared))
+    assert len(shared) == 17917 and len(distinct) == 17267  # the file's rows vs its distinct problems
+    assert [(p["problem"], p["answer"]) for p in problems] == distinct
+    assert not any("Answer:" in p["problem"] and "$Answer" in p["problem"] for p in problems)
+    with pytest.raises(ValueError, match="instruction wrapper"):
+        prepare.strip_dapo_prompt("What is 1 + 1?")
+
+
+def test_gsm8k_answer_is_the_number_after_the_marker():
+    row = {"question": "A farm has 1,200 cows and buys 34 more. How many cows? ",
+           "answer": "1,200 + 34 = <<1200+34=1234>>1,234 cows.\n#### 1,234"}
+    (problem,) = prepare.convert_gsm8k([row], "openai/gsm8k")
+    assert problem == {"problem": row["question"].strip(), "answer": "1234", "source": "openai/gsm8k"}
+    assert prepare.gsm8k_answer("She is left with -5 dollars.\n#### -5") == "-5"
+    with pytest.raises(ValueError, match="without '####'"):
+        prepare.gsm8k_answer("The answer is 5.")
+
+
+@needs_shared
+def test_gsm8k_conversion_reproduces_the_shared_answers():
+    shared = shared_rows("gsm8k_train")
+    hub = [{"question": r["problem"], "answer": f"{r['solution']}\n#### {r['answer']}"} for r in shared]
+    assert [p["answer"] for p in prepare.convert_gsm8k(hub, "openai/gsm8k")] == [r["answer"] for r in shared]
+
+
+@needs_shared
+def test_math500_conversion_keeps_latex_answers(tmp_path):
+    shared = shared_rows("math500")
+    hub = [{"problem": r["problem"], "solution": "...", "answer": r["answer"], "subject": r["subject"],
+            "level": r["level"], "unique_id": r["id"]} for r in shared]
+    path = tmp_path / "math500.jsonl"
+    prepare.write_jsonl(prepare.convert_math500(hub, "HuggingFaceH4/MATH-500"), path)
+    loaded = load_problems("math500", data_dir=tmp_path)
+    assert [p["answer"] for p in loaded] == [r["answer"] for r in shared]
+    assert loaded[0]["answer"] == "\\left( 3, \\frac{\\pi}{2} \\right)"
+    assert sum("\\frac" in p["answer"] for p in loaded) > 50
+
+
+def test_competition_answers_become_plain_integers():
+    rows = [{"problem": "AIME 1", "answer": "025"}, {"question": "AMC 1", "answer": 27.0},
+            {"question": "AMC 2", "answer": "\\frac{1}{2}"}, {"problem": "AIME 2", "answer": "000"}]
+    problems = list(prepare.convert_competition(rows, "mirror"))
+    assert [p["answer"] for p in problems] == ["25", "27", "\\frac{1}{2}", "0"]
+    assert [p["problem"] for p in problems] == ["AIME 1", "AMC 1", "AMC 2", "AIME 2"]
+
+
+def test_cli_converts_a_local_file(tmp_path, capsys):
+    source = tmp_path / "theirs.json"
+    rows = [{"q": "What is 2 + 2?", "a": 4}, {"q": "What is 3 + 3?", "a": "6"}, {"q": "What is 2 + 2?", "a": 4}]
+    source.write_text(json.dumps(rows))
+    args = ["--from", str(source), "--problem-key", "q", "--answer-key", "a", "--data-dir", str(tmp_path)]
+    prepare.main(args + ["--out", "mine"])
+    assert [p["answer"] for p in load_problems("mine", data_dir=tmp_path)] == ["4", "6", "4"]
+    prepare.main(args + ["--out", "mine", "--dedupe"])
+    assert load_problems("mine", data_dir=tmp_path) == [
+        {"problem": "What is 2 + 2?", "answer": "4", "source": str(source)},
+        {"problem": "What is 3 + 3?", "answer": "6", "source": str(source)},
+    ]
+    assert "wrote 2 problems" in capsys.readouterr().out
+    bad = write_lines(tmp_path / "bad.jsonl", ['{"q": "What is 2 + 2?", "a": 4}', '{"q": "What is 3 + 3?"}'])
+    with pytest.raises(SystemExit, match=re.escape(f"{bad}:2: missing field 'a'")):
+        prepare.main(["--from", str(bad), "--problem-key", "q", "--answer-key", "a", "--out", "bad",
+                      "--data-dir", str(tmp_path)])
+    assert not (tmp_path / "bad.jsonl.tmp").exists() and not (tmp_path / "bad.json").exists()
+
+
+def test_download_converts_the_snapshot_files_in_order(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    write_lines(snapshot / "aime2025-I.jsonl", [json.dumps({"question": "First?", "answer": "070"})])
+    write_lines(snapshot / "aime2025-II.jsonl", [json.dumps({"question": "Second?", "answer": "588"})])
+    write_lines(snapshot / "README.md", ["not data"])
+    calls = []
+
+    def fake_snapshot_download(repo_id, **kwargs):
+        calls.append((repo_id, kwargs))
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    prepare.main(["aime25", "--data-dir", str(tmp_path)])
+    assert calls == [("opencompass/AIME2025", {"repo_type": "dataset", "allow_patterns": "aime2025-*.jsonl"})]
+    assert load_problems("aime25", data_dir=tmp_path) == [
+        {"problem": "First?", "answer": "70", "source": "opencompass/AIME2025"},
+        {"problem": "Second?", "answer": "588", "source": "opencompass/AIME2025"},
+    ]
+
+
+def test_download_offline_says_how_to_convert_instead(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # never touch the network, even where there is one
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(SystemExit, match=r"cannot download HuggingFaceH4/MATH-500(.|\n)*--from FILE.*--out math500"):
+        prepare.main(["math500", "--data-dir", str(tmp_path)])
+    assert not (tmp_path / "math500.jsonl").exists()
+
+
+# ---------------------------------------------------------------- templates
+
+DEFAULT_SYSTEM = "You are a helpful AI named SmolLM"
+CHAT_TEMPLATE = (  # SmolLM2's shape: ChatML with a default system turn when none is given
+    "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}<|im_start|>system\n"
+    + DEFAULT_SYSTEM
+    + "<|im_end|>\n{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|im_start|>", "<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """A word-level tokenizer built here, offline, whose tokens can be predicted with a regex."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from data.templates import TEMPLATES
+
+    text = " ".join([*TEMPLATES.values(), DEFAULT_SYSTEM, "system user assistant Be brief. What is 7 + 5?",
+                     "Find $\\frac{a}{b}$ if {x} = 2."])
+    words = sorted(set(re.findall(r"\w+|[^\w\s]+", text)))
+    vocab = {token: i for i, token in enumerate(SPECIALS + ["[UNK]", "<s>"] + words)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    # encode() prepends a BOS, as Llama-style tokenizers do: the chat path must not add it on top of the template
+    core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", bos_token="<s>", eos_token="<|im_end|>",
+                                   additional_special_tokens=SPECIALS, chat_template=CHAT_TEMPLATE)
+
+
+def tokens(tokenizer, ids: list[int]) -> list[str]:
+    return tokenizer.convert_ids_to_tokens(ids)
+
+
+def expected_tokens(text: str) -> list[str]:
+    """The tiny tokenizer's split, predicted: special tokens first, then words and punctuation runs."""
+    pieces = re.split(r"(<\|im_start\|>|<\|im_end\|>)", text)
+    return [t for piece in pieces for t in ([piece] if piece in SPECIALS else re.findall(r"\w+|[^\w\s]+", piece))]
+
+
+def test_render_prompt_goes_through_the_chat_template(tokenizer):
+    ids = render_prompt(tokenizer, "What is 7 + 5?", "plain")
+    expected = (f"<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n<|im_start|>user\n"
+                "What is 7 + 5? Answer with the number only.<|im_end|>\n<|im_start|>assistant\n")
+    assert tokens(tokenizer, ids) == expected_tokens(expected)
+    assert all(isinstance(i, int) for i in ids)
+
+
+def test_short_system_prompt_replaces_the_default(tokenizer):
+    default = render_prompt(tokenizer, "What is 7 + 5?", "plain")
+    short = render_prompt(tokenizer, "What is 7 + 5?", "plain", system="Be brief.")
+    expected = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
+                "What is 7 + 5? Answer with the number only.<|im_end|>\n<|im_start|>assistant\n")
+    assert tokens(tokenizer, short) == expected_tokens(expected)
+    assert len(short) < len(default) and "SmolLM" not in tokens(tokenizer, short)
+
+
+def test_answer_and_boxed_templates(tokenizer):
+    problem = "Find $\\frac{a}{b}$ if {x} = 2."
+    assert user_message(problem, "boxed") == (
+        problem + "\nPlease reason step by step, and put your final answer within \\boxed{}."
+    )
+    assert user_message(problem, "answer") == DAPO_WRAPPER.format(problem)
+    for template in ("answer", "boxed"):
+        ids = render_prompt(tokenizer, problem, template, system="Be brief.")
+        assert "[UNK]" not in tokens(tokenizer, ids)
+        assert tokens(tokenizer, ids)[-2:] == ["<|im_start|>", "assistant"]  # the reply starts next
+    assert user_message("What is 7 + 5?", "Q: {problem}\nA:") == "Q: What is 7 + 5?\nA:"
+    with pytest.raises(ValueError, match="template must be one of answer, boxed, plain"):
+        render_prompt(tokenizer, problem, "answer-format")
+
+
+def test_tokenizer_without_chat_template_gets_plain_text(tokenizer):
+    tokenizer_copy = type(tokenizer)(tokenizer_object=tokenizer.backend_tokenizer, unk_token="[UNK]", bos_token="<s>")
+    assert tokenizer_copy.chat_template is None
+    ids = render_prompt(tokenizer_copy, "What is 7 + 5?", "plain", system="Be brief.")
+    text = "Be brief.\n\nWhat is 7 + 5? Answer with the number only."
+    assert tokens(tokenizer_copy, ids) == ["<s>"] + expected_tokens(text)  # a base model gets its usual BOS

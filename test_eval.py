@@ -1,0 +1,342 @@
+"""Tests for eval.py: estimators against hand-computed values, comparisons, run files, and an end-to-end eval."""
+
+import json
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+import eval as ev
+
+
+def problem(pid: str, correct: list[int], answers: list[str | None] | None = None, lengths: list[int] | None = None,
+            truncated: list[bool] | None = None) -> ev.ProblemResult:
+    n = len(correct)
+    return ev.ProblemResult(id=pid, reference="0", completions=[""] * n,
+                            answers=answers if answers is not None else ["0" if c else "1" for c in correct],
+                            correct=[bool(c) for c in correct], lengths=lengths or [10] * n,
+                            truncated=truncated or [False] * n)
+
+
+def evaluation(rows: dict[str, list[int]], k: int) -> ev.Evaluation:
+    problems = [problem(pid, correct) for pid, correct in rows.items()]
+    return ev.Evaluation(k, problems, ev.summarize(problems, k))
+
+
+# -----------------------------------------------------------------------------
+# pass@k, mean@k, maj@k
+
+
+def test_pass_at_k_hand_values():
+    # 8 samples, 2 correct, k=4: the 4-subsets with no correct sample are C(6,4)=15 of C(8,4)=70
+    assert ev.pass_at_k(8, 2, 4) == pytest.approx(1 - 15 / 70, rel=1e-12)
+    assert ev.pass_at_k(8, 2, 4) == pytest.approx(55 / 70, rel=1e-12)
+    for c in range(9):
+        assert ev.pass_at_k(8, c, 1) == pytest.approx(c / 8, rel=1e-12, abs=1e-15)
+    assert ev.pass_at_k(8, 0, 8) == 0.0
+    assert ev.pass_at_k(8, 8, 8) == 1.0
+    assert ev.pass_at_k(8, 1, 8) == 1.0  # k = n: any correct sample passes
+    assert ev.pass_at_k(8, 5, 4) == 1.0  # fewer than k wrong samples
+
+
+def test_pass_at_k_matches_exact_binomials():
+    for n, c, k in [(5, 2, 3), (16, 3, 8), (30, 7, 1), (64, 1, 10), (1000, 10, 500), (1024, 3, 512)]:
+        exact = 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
+        assert ev.pass_at_k(n, c, k) == pytest.approx(float(exact), rel=1e-9)
+
+
+@pytest.mark.parametrize("n, c, k, word", [(8, 2, 9, "k=9"), (8, 2, 0, "k=0"), (8, 9, 1, "c=9"), (8, -1, 1, "c=-1"),
+                                          (0, 0, 1, "n=0"), (8.0, 2, 4, "n must be an integer"),
+                                          (8, True, 4, "c must be an integer")])
+def test_pass_at_k_bad_input(n, c, k, word):
+    with pytest.raises(ValueError, match=word):
+        ev.pass_at_k(n, c, k)
+
+
+def test_mean_at_k():
+    correct = [[1, 0, 1, 1], [0, 0, 0, 1], [True, True, False, False]]
+    assert ev.mean_at_k(correct) == pytest.approx(6 / 12)
+    assert ev.mean_at_k(np.ones((3, 2), dtype=bool)) == 1.0
+    for bad in ([1, 0, 1], [[1, 2]], np.zeros((0, 4))):
+        with pytest.raises(ValueError, match="correct"):
+            ev.mean_at_k(bad)
+
+
+def test_majority_vote_ties_and_missing_answers():
+    assert ev.majority_index(["3", "5", "5", "3"]) == 0  # 2-2 tie: the answer seen first wins
+    assert ev.majority_index(["5", "3", "3", "5"]) == 0
+    assert ev.majority_index(["1", "2", "2"]) == 1  # a strict majority beats an earlier answer
+    assert ev.majority_index([None, None, None, "7"]) == 3  # a missing answer never wins, however frequent
+    assert ev.majority_index([None, None]) is None
+    assert ev.majority_index([" 7", "8", "7 "]) == 0  # surrounding spaces do not split a vote
+    assert ev.majority_index(["x", "y", "z"]) == 0  # all different: the first
+
+
+def test_maj_at_k():
+    answers = [["3", "5", "5", "3"],  # tie won by the wrong "3"
+               ["5", "3", "3", "5"],  # tie won by the right "5"
+               [None, None, None, "7"],  # the lone answer is right
+               [None, None, None, None]]  # no answer: wrong
+    correct = [[0, 1, 1, 0], [1, 0, 0, 1], [0, 0, 0, 1], [0, 0, 0, 0]]
+    assert ev.maj_at_k(answers, correct) == pytest.approx(2 / 4)
+    with pytest.raises(ValueError, match="same"):
+        ev.maj_at_k([["1", "2"]], [[1, 0, 0]])
+    with pytest.raises(ValueError, match="same"):
+        ev.maj_at_k([["1"], ["2"]], [[1]])
+
+
+# -----------------------------------------------------------------------------
+# error bars
+
+
+def test_standard_error_matches_direct_formula():
+    values = np.random.default_rng(1).random(37)
+    mean = sum(values) / len(values)
+    direct = math.sqrt(sum((x - mean) ** 2 for x in values) / (len(values) - 1)) / math.sqrt(len(values))
+    assert ev.standard_error(values) == pytest.approx(direct, rel=1e-12)
+    assert ev.standard_error([0.0, 1.0]) == pytest.approx(0.5)  # std sqrt(1/2), over sqrt(2)
+    assert math.isnan(ev.standard_error([0.3]))
+    with pytest.raises(ValueError, match="values"):
+        ev.standard_error([])
+
+
+def test_bootstrap_interval_is_seeded_and_matches_normal_width():
+    values = np.random.default_rng(2).integers(0, 2, size=400).astype(float)
+    lo, hi = ev.bootstrap_interval(values, seed=3)
+    assert lo < values.mean() < hi
+    assert (lo, hi) == ev.bootstrap_interval(values, seed=3)
+    assert (lo, hi) != ev.bootstrap_interval(values, seed=4)
+    # with 400 problems the mean is nearly normal: the 95% interval is about mean +- 1.96 se
+    se = ev.standard_error(values)
+    assert hi - lo == pytest.approx(2 * 1.96 * se, rel=0.1)
+    lo80, hi80 = ev.bootstrap_interval(values, seed=3, level=0.8)
+    assert lo < lo80 < hi80 < hi
+    with pytest.raises(ValueError, match="level"):
+        ev.bootstrap_interval(values, level=1.0)
+
+
+def test_summarize_per_problem_metrics():
+    problems = [problem("a", [1, 1, 0, 0], answers=["4", "4", "5", "5"], lengths=[10, 20, 30, 40],
+                        truncated=[False, False, False, True]),
+                problem("b", [0, 0, 0, 1], answers=["1", "1", "2", "3"], lengths=[5, 5, 5, 5]),
+                problem("c", [0, 0, 0, 0], answers=[None] * 4, lengths=[100, 100, 100, 100],
+                        truncated=[True] * 4)]
+    summary = ev.summarize(problems, k=2)
+    accuracy = np.array([0.5, 0.25, 0.0])
+    assert summary["mean@k"].mean == pytest.approx(accuracy.mean())
+    assert summary["mean@k"].se == pytest.approx(accuracy.std(ddof=1) / math.sqrt(3))
+    # pass@2 with 4 samples: 1 - C(2,2)/C(4,2) = 5/6, 1 - C(3,2)/C(4,2) = 1/2, 0
+    assert summary["pass@k"].mean == pytest.approx((5 / 6 + 1 / 2 + 0) / 3)
+    # maj@2 votes over the first two samples: "4" (right), "1" (wrong), none
+    assert summary["maj@k"].mean == pytest.approx(1 / 3)
+    assert summary["length"].mean == pytest.approx((25 + 5 + 100) / 3)
+    assert summary["truncated"].mean == pytest.approx((0.25 + 0 + 1) / 3)
+    for estimate in summary.values():
+        assert estimate.lo <= estimate.mean <= estimate.hi
+    with pytest.raises(ValueError, match="k=5 must be between 1 and the 4 samples drawn"):
+        ev.summarize(problems, k=5)
+
+
+def test_average_over_benchmarks():
+    run = {"x": evaluation({"1": [1, 1], "2": [0, 1], "3": [0, 0]}, k=2),
+           "y": evaluation({"1": [1, 0], "2": [1, 1]}, k=2)}
+    avg = ev.average(run)
+    x, y = run["x"].summary["mean@k"], run["y"].summary["mean@k"]
+    assert avg["mean@k"].mean == pytest.approx((0.5 + 0.75) / 2)
+    assert avg["mean@k"].se == pytest.approx(math.sqrt(x.se ** 2 + y.se ** 2) / 2)
+    assert avg["mean@k"].lo <= avg["mean@k"].mean <= avg["mean@k"].hi
+    assert avg == ev.average(run)
+
+
+# -----------------------------------------------------------------------------
+# comparisons
+
+
+def test_compare_paired_z():
+    run_a = {"bench": evaluation({"p1": [1, 0], "p2": [0, 0], "p3": [1, 1], "p4": [0, 1]}, k=2)}
+    # B listed in another order: pairing is by id, not position
+    run_b = {"bench": evaluation({"p4": [0, 1], "p3": [1, 1], "p2": [0, 1], "p1": [1, 1]}, k=2)}
+    gap = ev.compare(run_a, run_b)["bench"]["mean@k"]
+    # per-problem differences 0.5, 0.5, 0, 0: mean 1/4, sample std sqrt(1/12), se sqrt(1/12)/2, z = sqrt(3)
+    assert gap.a == pytest.approx(0.5) and gap.b == pytest.approx(0.75)
+    assert gap.diff == pytest.approx(0.25)
+    assert gap.se == pytest.approx(math.sqrt(1 / 12) / 2)
+    assert gap.z == pytest.approx(math.sqrt(3))
+    assert gap.noise
+    # pass@2 per problem: A 1,0,1,1 and B 1,1,1,1 -> differences 0,1,0,0: z = 0.25 / 0.25 = 1
+    assert ev.compare(run_a, run_b)["bench"]["pass@k"].z == pytest.approx(1.0)
+    same = ev.compare(run_a, run_a)["bench"]["mean@k"]
+    assert (same.diff, same.z, same.noise) == (0.0, 0.0, True)
+
+
+def test_compare_flags_real_gaps_and_averages():
+    rows_a = {str(i): [0, 0] for i in range(20)}
+    rows_b = {str(i): [1, 1] if i < 15 else [0, 1] for i in range(20)}
+    run_a = {"x": evaluation(rows_a, k=2), "y": evaluation(rows_a, k=2)}
+    run_b = {"x": evaluation(rows_b, k=2), "y": evaluation(rows_a, k=2)}
+    gaps = ev.compare(run_a, run_b)
+    assert not gaps["x"]["mean@k"].noise and gaps["x"]["mean@k"].z > 2
+    assert gaps["y"]["mean@k"].noise
+    avg = gaps["average"]["mean@k"]
+    assert avg.diff == pytest.approx((gaps["x"]["mean@k"].diff + 0) / 2)
+    assert avg.se == pytest.approx(gaps["x"]["mean@k"].se / 2)
+    # every problem the same gap: zero spread, so the gap is exact
+    exact = ev.compare({"x": evaluation(rows_a, k=2)}, {"x": evaluation({i: [1, 1] for i in rows_a}, k=2)})
+    assert exact["x"]["mean@k"].z == math.inf and not exact["x"]["mean@k"].noise
+
+
+def test_compare_bad_input():
+    run = {"x": evaluation({"1": [1, 0], "2": [0, 0]}, k=2)}
+    with pytest.raises(ValueError, match=r"only in A: \['2'\]"):
+        ev.compare(run, {"x": evaluation({"1": [1, 0], "3": [0, 0]}, k=2)})
+    with pytest.raises(ValueError, match="different k"):
+        ev.compare(run, {"x": evaluation({"1": [1, 0], "2": [0, 0]}, k=1)})
+    with pytest.raises(ValueError, match="share no benchmark"):
+        ev.compare(run, {"z": run["x"]})
+    with pytest.raises(ValueError, match="duplicate"):
+        ev.compare(run, {"x": ev.Evaluation(2, [problem("1", [1, 0]), problem("1", [1, 0])], {})})
+
+
+def test_compare_to_baseline():
+    run = {"x": evaluation({str(i): [1, 0] if i % 2 else [1, 1] for i in range(10)}, k=2)}
+    ours = run["x"].summary["mean@k"]  # mean 0.75
+    baseline = {"x": {"mean@k": {"mean": 0.5, "se": 0.1}, "pass@k": {"mean": 0.9}}, "other": {"mean@k": {"mean": 0}}}
+    gaps = ev.compare_to_baseline(run, baseline)
+    gap = gaps["x"]["mean@k"]
+    assert (gap.a, gap.b, gap.diff) == pytest.approx((0.5, 0.75, 0.25))
+    assert gap.se == pytest.approx(math.sqrt(ours.se ** 2 + 0.1 ** 2))
+    assert gap.z == pytest.approx(0.25 / gap.se)
+    assert gaps["x"]["pass@k"].se == pytest.approx(run["x"].summary["pass@k"].se)  # no se: the baseline is exact
+    assert set(gaps) == {"x", "average"}
+    with pytest.raises(ValueError, match="unknown metric 'acc'"):
+        ev.compare_to_baseline(run, {"x": {"acc": {"mean": 0.5}}})
+    with pytest.raises(ValueError, match="shares no benchmark"):
+        ev.compare_to_baseline(run, {"y": {"mean@k": {"mean": 0.5}}})
+
+
+# -----------------------------------------------------------------------------
+# run files and tables
+
+
+def test_run_file_round_trip_and_tables(tmp_path):
+    run = {"x": evaluation({"1": [1, 0], "2": [0, 0], "3": [1, 1]}, k=2)}
+    path = tmp_path / "sub" / "run.json"
+    ev.save_run(str(path), {"k": 2}, run, ev.average(run))
+    assert ev.load_run(str(path)) == run
+    assert json.loads(path.read_text())["config"] == {"k": 2}
+    table = ev.summary_table(run, ev.average(run))
+    assert "| x | 3 | 50.0 ± " in table and "mean@2 (%)" in table and "| average | 3 |" in table
+    table = ev.comparison_table(ev.compare(run, run), "A", "B", k=2)
+    assert "| x | pass@2 | 66.7 | 66.7 |" in table and "noise" in table
+
+
+def test_load_run_bad_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        ev.load_run(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"benchmarks": {"x": {"k": 2}}}')
+    with pytest.raises(ValueError, match="bad.json"):
+        ev.load_run(str(bad))
+
+
+# -----------------------------------------------------------------------------
+# end to end: a tiny random model on a 3-problem jsonl
+
+
+def write_jsonl(path, rows: list[dict]):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def eval_args(model_dir, bench, out, *extra: str) -> list[str]:
+    return ["--model", str(model_dir), "--bench", str(bench), "--k", "2", "--n", "3", "--temperature", "1.0",
+            "--top-p", "1.0", "--max-new-tokens", "6", "--batch-size", "2", "--out", str(out), *extra]
+
+
+def test_end_to_end_eval(tiny_model_dir, tmp_path, capsys):
+    import reward
+
+    questions = ["What is 7 + 5?", "What is 2 + 2?", "Answer: 42"]
+    bench = write_jsonl(tmp_path / "tiny3.jsonl", [{"id": f"q{i}", "problem": q, "answer": "12"}
+                                                    for i, q in enumerate(questions)])
+    ev.main(eval_args(tiny_model_dir, bench, tmp_path / "first.json"))
+    first = ev.load_run(str(tmp_path / "first.json"))["tiny3"]
+    # Same seed, same samples: make each problem's first completion the right answer, so the run has both
+    # correct and wrong samples and a misaligned row (prompt-major slicing) would show
+    rows = [{"id": p.id, "problem": q, "answer": reward.extract_answer(p.completions[0])}
+            for p, q in zip(first.problems, questions)]
+    assert all(row["answer"] for row in rows)
+    write_jsonl(bench, rows)
+    capsys.readouterr()
+    ev.main(eval_args(tiny_model_dir, bench, tmp_path / "second.json"))
+    stdout = capsys.readouterr().out
+
+    saved = json.loads((tmp_path / "second.json").read_text())
+    assert saved["config"]["k"] == 2 and saved["config"]["n"] == 3 and saved["config"]["temperature"] == 1.0
+    run = ev.load_run(str(tmp_path / "second.json"))["tiny3"]
+    assert [p.id for p in run.problems] == ["q0", "q1", "q2"]
+    for p, before in zip(run.problems, first.problems):
+        assert p.completions == before.completions
+        assert len(p.completions) == len(p.answers) == len(p.lengths) == len(p.truncated) == 3
+        assert p.correct == [reward.grade(text, p.reference) for text in p.completions]
+        assert p.correct[0]
+        assert all(1 <= length <= 6 for length in p.lengths)
+        assert all(length == 6 for length, cut in zip(p.lengths, p.truncated) if cut)
+    counts = [sum(p.correct) for p in run.problems]
+    assert run.summary["mean@k"].mean == pytest.approx(sum(counts) / 9)
+    # pass@2 from 3 samples with c correct: 1 - C(3-c, 2) / C(3, 2)
+    assert run.summary["pass@k"].mean == pytest.approx(np.mean([1 - math.comb(3 - c, 2) / 3 for c in counts]))
+    assert run.summary["length"].mean == pytest.approx(np.mean([np.mean(p.lengths) for p in run.problems]))
+    assert "| tiny3 | 3 | " in stdout and "| average | 3 | " in stdout and "second.json" in stdout
+
+    # the first run graded everything against "12": the paired comparison sees the references change
+    baseline = write_jsonl(tmp_path / "baseline.json", [])
+    baseline.write_text(json.dumps({"tiny3": {"mean@k": {"mean": 0.0, "se": 0.0}}}))
+    ev.main(["--compare", str(tmp_path / "first.json"), str(tmp_path / "second.json"), "--baseline", str(baseline)])
+    stdout = capsys.readouterr().out
+    gap = ev.compare({"tiny3": first}, {"tiny3": run})["tiny3"]["mean@k"]
+    assert gap.diff == pytest.approx(run.summary["mean@k"].mean - first.summary["mean@k"].mean)
+    assert "| tiny3 | mean@2 |" in stdout and "| tiny3 | pass@2 |" in stdout and "against the baseline" in stdout
+
+
+def test_evaluate_with_adapter_restores_train_mode(tiny_model_dir, tmp_path):
+    import torch
+
+    import lora
+    from model import from_pretrained, load_tokenizer
+
+    model, tokenizer = from_pretrained(str(tiny_model_dir)), load_tokenizer(str(tiny_model_dir))
+    problems = [{"problem": "What is 2 + 2?", "answer": "4"}]
+    kwargs = dict(k=1, temperature=0.0, max_new_tokens=6, progress=False)
+    base = ev.evaluate(model, tokenizer, problems, **kwargs)
+    lora.inject(model, rank=2, alpha=4)
+    torch.manual_seed(0)
+    for module in lora.lora_modules(model).values():
+        torch.nn.init.normal_(module.lora_B.weight, std=1.0)
+    lora.save(model, tmp_path / "adapter")
+    model.train()
+    adapted = ev.evaluate(model, tokenizer, problems, **kwargs)
+    assert model.training
+    assert adapted.problems[0].id == "0"  # no "id" field: named by position
+    assert adapted.problems[0].completions != base.problems[0].completions
+
+    bench = write_jsonl(tmp_path / "one.jsonl", problems)
+    out = tmp_path / "run.json"
+    ev.main(["--model", str(tiny_model_dir), "--adapter", str(tmp_path / "adapter"), "--bench", str(bench), "--k", "1",
+             "--temperature", "0", "--max-new-tokens", "6", "--out", str(out)])
+    assert ev.load_run(str(out))["one"].problems[0].completions == adapted.problems[0].completions
+
+
+def test_cli_bad_input(tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match="--adapter: directory .*nowhere does not exist"):
+        ev.main(["--adapter", str(tmp_path / "nowhere"), "--bench", "arithmetic_test"])
+    with pytest.raises(ValueError, match="unknown dataset 'aime99'; known: .*aime24.*amc23"):
+        ev.main(["--bench", "aime99"])
+    with pytest.raises(SystemExit):
+        ev.main(["--k", "8", "--n", "4"])
+    assert "--k 8 is larger than the --n 4 samples drawn" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="k=3 must be between 1 and the number of samples drawn per problem n=2"):
+        ev.evaluate(None, None, [{"problem": "1 + 1", "answer": "2"}], k=3, n=2, temperature=1.0, max_new_tokens=4)
+    with pytest.raises(FileNotFoundError, match="nothing.json"):
+        ev.main(["--compare", str(tmp_path / "nothing.json"), str(tmp_path / "nothing.json")])

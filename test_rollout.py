@@ -1,0 +1,189 @@
+"""Tests for rollout.py on tiny random checkpoints: parity with transformers' greedy generate,
+old_logp against a fresh forward pass, seeding, top-k/top-p sets, per-row stopping, bad input."""
+
+import pytest
+import torch
+
+import rollout
+from conftest import make_tiny_checkpoint
+from model import load_checkpoint_dir
+
+PROMPTS = [[5, 17, 42, 9], [100, 3, 77, 12, 250, 8, 61, 44, 19], [31]]  # different lengths: left padding
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from a second thread, and on a busy machine each op's thread sync costs more."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return load_checkpoint_dir(tiny_model_dir)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model_and_hf(request, tiny_model_dir, tmp_path_factory):
+    import transformers
+
+    family = request.param
+    path = tiny_model_dir if family == "llama" else make_tiny_checkpoint(tmp_path_factory.mktemp(family), family)
+    return load_checkpoint_dir(path), transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def sample(model, **overrides):
+    kwargs = dict(samples_per_prompt=3, max_new_tokens=24, temperature=1.0, stop_ids=[], seed=0)
+    kwargs.update(overrides)
+    return rollout.generate(model, kwargs.pop("prompts", PROMPTS), **kwargs)
+
+
+def hf_greedy(hf, prompt: list[int], max_new_tokens: int, stop_ids: list[int]) -> list[int]:
+    """transformers' greedy continuation of one unpadded prompt, its stop token included."""
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                      do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=stop_ids or None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_matches_transformers(model_and_hf):
+    model, hf = model_and_hf
+    # A stop id taken from prompt 0's own continuation, so rows end at different steps (or not at all).
+    stop_ids = [hf_greedy(hf, PROMPTS[0], 16, [])[6]]
+    expected = [hf_greedy(hf, p, 16, stop_ids) for p in PROMPTS]
+    assert len({len(e) for e in expected}) > 1, "test setup: rows should stop at different steps"
+
+    out = sample(model, samples_per_prompt=2, max_new_tokens=16, temperature=0.0, stop_ids=stop_ids)
+    assert out.completions == [e for e in expected for _ in range(2)]
+    assert out.finished.tolist() == [e[-1] in stop_ids for e in expected for _ in range(2)]
+
+
+def test_fixed_shape_loop_matches_compacting_loop(model, monkeypatch):
+    # The CUDA-graph path keeps finished rows in the batch (fed masked pads); run that loop on CPU too.
+    out = sample(model, temperature=0.0, stop_ids=[7, 21, 99])
+    assert out.finished.any() and not out.finished.all(), "test setup: some rows should stop, some not"
+    decode = rollout._decode
+    monkeypatch.setattr(rollout, "_decode", lambda *args, compact: decode(*args, compact=False))
+    fixed = sample(model, temperature=0.0, stop_ids=[7, 21, 99])
+    assert fixed.completions == out.completions
+    torch.testing.assert_close(fixed.old_logp, out.old_logp, rtol=0, atol=1e-5)
+
+
+def test_decode_step_matches_growing_cache(model):
+    ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+    mask = ids != 0
+    growing, fixed = model.new_cache(2, 9), model.new_cache(2, 9)
+    with torch.inference_mode():
+        model(ids, mask, cache=growing)
+        model(ids, mask, cache=fixed)
+        for token, alive in [([3, 4], [True, True]), ([0, 5], [False, True]), ([6, 7], [True, True])]:
+            token, alive = torch.tensor(token), torch.tensor(alive)
+            expected = model(token[:, None], alive[:, None], cache=growing)[:, 0]
+            logits = model.decode_step(token, alive, fixed)
+            fixed.advance(alive)
+            torch.testing.assert_close(logits[alive], expected[alive], rtol=0, atol=1e-5)
+            assert not logits.isnan().any()
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9), (1.3, 0, 0.8), (0.0, 0, 1.0)])
+def test_old_logp_equals_fresh_forward(model, temperature, top_k, top_p):
+    out = sample(model, temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=[7, 21, 99, 150])
+    assert not out.completion_mask.all(), "test setup: some rows should stop early"
+    logp, _ = model.token_logprobs(out.input_ids, out.pad_mask, temperature=temperature or 1.0)
+    expected = logp[:, out.prompt_len:] * out.completion_mask
+    torch.testing.assert_close(out.old_logp, expected, rtol=0, atol=1e-5)
+
+
+def test_seeded_sampling_is_reproducible(model):
+    first, again, other = sample(model, seed=3), sample(model, seed=3), sample(model, seed=4)
+    assert torch.equal(first.completion_ids, again.completion_ids)
+    assert torch.equal(first.old_logp, again.old_logp)
+    assert not torch.equal(first.completion_ids, other.completion_ids)
+
+
+def test_narrow_top_k_and_top_p_are_greedy(model):
+    greedy = sample(model, temperature=0.0).completions
+    assert sample(model, temperature=1.5, top_k=1, seed=1).completions == greedy
+    assert sample(model, temperature=1.5, top_p=1e-4, seed=2).completions == greedy
+
+
+@pytest.mark.parametrize("top_k, top_p", [(5, 1.0), (0, 0.5), (40, 0.6)])
+def test_samples_stay_inside_top_k_top_p_set(model, top_k, top_p):
+    temperature = 1.2
+    out = sample(model, samples_per_prompt=8, max_new_tokens=32, temperature=temperature, top_k=top_k, top_p=top_p)
+    P = out.prompt_len
+    with torch.no_grad():
+        logits = model(out.input_ids, out.pad_mask)[:, P - 1:-1].float() / temperature  # predicts each completion token
+    sorted_logits, order = logits.sort(-1, descending=True)
+    rank = (order == out.completion_ids[..., None]).float().argmax(-1)  # [N, C] rank of the sampled token
+    k = top_k or logits.shape[-1]
+    probs = sorted_logits[..., :k].softmax(-1)  # renormalized over the top-k, as top-p sees them
+    mass_before = (probs.cumsum(-1) - probs).gather(-1, rank.clamp(max=k - 1)[..., None])[..., 0]
+    assert (rank < k).all()
+    assert (mass_before < top_p + 1e-5).all()
+    assert len(out.completion_ids.unique()) > 10, "test setup: sampling should not collapse to a few tokens"
+
+
+def test_rows_stop_at_their_own_stop_token(model, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    stop_ids = [2, 7, 21, 99, 150]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    out = sample(model, samples_per_prompt=6, max_new_tokens=30, stop_ids=stop_ids, tokenizer=tokenizer)
+    N, C = out.completion_ids.shape
+    assert N == len(PROMPTS) * 6 and C == 30
+    assert out.finished.any() and out.truncated.any(), "test setup: want finished and truncated rows"
+    for i, completion in enumerate(out.completions):
+        n = len(completion)
+        first_stop = next((j for j, token in enumerate(completion) if token in stop_ids), None)
+        assert out.finished[i] == (first_stop is not None) != out.truncated[i]
+        assert first_stop == n - 1 if out.finished[i] else n == C
+        assert out.completion_mask[i].tolist() == [True] * n + [False] * (C - n)
+        assert out.completion_ids[i, :n].tolist() == completion and (out.completion_ids[i, n:] == 0).all()
+        assert (out.old_logp[i, n:] == 0).all() and (out.old_logp[i, :n] < 0).all()
+        prompt = PROMPTS[i // 6]
+        assert out.input_ids[i, out.prompt_len - len(prompt):].tolist() == prompt + out.completion_ids[i].tolist()
+        assert out.pad_mask[i].tolist() == [False] * (out.prompt_len - len(prompt)) + [True] * len(prompt) + \
+            out.completion_mask[i].tolist()
+        assert out.texts[i] == tokenizer.decode(completion, skip_special_tokens=True)
+
+
+def test_all_rows_truncated(model):
+    out = sample(model, max_new_tokens=4)
+    assert out.truncated.all() and not out.finished.any()
+    assert [len(c) for c in out.completions] == [4] * len(PROMPTS) * 3
+
+
+def test_results_can_enter_autograd(model):
+    out = sample(model, max_new_tokens=4)
+    weight = torch.ones(out.old_logp.shape, requires_grad=True)
+    ((weight * out.old_logp) * out.completion_mask).sum().backward()  # inference tensors would refuse this
+    assert torch.equal(weight.grad, out.old_logp * out.completion_mask)
+
+
+@pytest.mark.parametrize("overrides, argument", [
+    (dict(prompts=[]), "prompts"),
+    (dict(prompts=[[1, 2], []]), r"prompts\[1\]"),
+    (dict(prompts=[[1] * 257]), r"prompts\[0\]"),
+    (dict(prompts=[[1, 300]]), r"prompts\[0\]"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(prompts=[[1] * 250], max_new_tokens=10), "max_new_tokens"),
+    (dict(samples_per_prompt=0), "samples_per_prompt"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+])
+def test_bad_input_names_the_argument(model, overrides, argument):
+    with pytest.raises(ValueError, match=argument):
+        sample(model, **overrides)
+
+
+def test_out_of_memory_names_the_knobs(model, monkeypatch):
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(model, "new_cache", no_memory)
+    with pytest.raises(torch.OutOfMemoryError, match="samples_per_prompt.*max_new_tokens"):
+        sample(model)

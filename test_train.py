@@ -1,0 +1,145 @@
+"""The training loop end to end on a tiny random model: it trains, logs, checkpoints and resumes exactly."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train
+
+TIMING_KEYS = {"step_seconds", "rollout_tokens_per_s", "train_tokens_per_s"}
+
+
+@pytest.fixture(autouse=True)
+def varied_rewards(monkeypatch):
+    """A random model never solves a problem, so every advantage would be zero and nothing would train.
+    Rewarding completions by the parity of their length gives the loop real, deterministic signal."""
+    monkeypatch.setattr(train.reward, "reward", lambda texts, references, **_: [float(len(t) % 2) for t in texts])
+
+
+def tiny_args(model_dir: Path, out_dir: Path, name: str, *extra: str) -> list[str]:
+    return ["--model", str(model_dir), "--out-dir", str(out_dir), "--run-name", name,
+            "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4", "--lr", "1e-2",
+            "--lora-rank", "4", "--eval-problems", "3", "--eval-k", "2", "--checkpoint-every", "2", *extra]
+
+
+def run_training(argv: list[str]) -> dict:
+    cfg, given = train.parse_args(argv)
+    if cfg.resume:
+        cfg = train._resumed_config(cfg, given)
+    return train.train(cfg)
+
+
+def metric_lines(run_dir: Path) -> list[dict]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in line.items() if k not in TIMING_KEYS} for line in lines]
+
+
+def test_two_steps_train_log_and_checkpoint(tiny_model_dir, tmp_path):
+    state = run_training(tiny_args(tiny_model_dir, tmp_path, "smoke", "--steps", "2"))
+    run_dir = tmp_path / "smoke"
+    lines = metric_lines(run_dir)
+    assert [line["step"] for line in lines] == [1, 2]
+    for key in ("reward", "accuracy", "entropy", "completion_length", "truncated", "clip_low_frac",
+                "clip_high_frac", "approx_kl", "mu[>0.9]/share", "grad_norm"):
+        assert key in lines[0], key
+    assert lines[0]["entropy"] > 0
+    checkpoint = run_dir / (run_dir / "latest").read_text()
+    adapter = load_file(checkpoint / "adapter" / "adapter_model.safetensors")
+    lora_b = [t for k, t in adapter.items() if "lora_B" in k]
+    assert lora_b and any(t.abs().sum() > 0 for t in lora_b), "LoRA B starts at zero and must have moved"
+    assert state["step"] == 2 and state["before"]["problems"] == 3 and "after" in state
+    assert (run_dir / "best" / "adapter_config.json").is_file()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["after"]["k"] == 2
+
+
+def test_resume_reproduces_an_uninterrupted_run(tiny_model_dir, tmp_path):
+    run_training(tiny_args(tiny_model_dir, tmp_path, "straight", "--steps", "4"))
+    run_training(tiny_args(tiny_model_dir, tmp_path, "split", "--steps", "2"))
+    run_training(["--resume", str(tmp_path / "split"), "--steps", "4"])
+    straight, split = metric_lines(tmp_path / "straight"), metric_lines(tmp_path / "split")
+    assert [line["step"] for line in split] == [1, 2, 3, 4]
+    assert split == straight
+
+
+def test_sigkill_loses_only_steps_after_the_last_checkpoint(tiny_model_dir, tmp_path):
+    args = tiny_args(tiny_model_dir, tmp_path, "killed", "--steps", "1000000", "--checkpoint-every", "1",
+                     "--eval-problems", "1", "--eval-k", "1")
+    proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=Path(train.__file__).parent,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run_dir = tmp_path / "killed"
+    deadline = time.time() + 120
+    try:
+        while not (run_dir / "latest").exists() or _latest_step(run_dir) < 3:
+            assert proc.poll() is None and time.time() < deadline, "training did not reach step 3"
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    saved_step = _latest_step(run_dir)
+    assert saved_step >= 3
+    state = run_training(["--resume", str(run_dir), "--steps", str(saved_step + 1)])
+    assert state["step"] == saved_step + 1
+    assert [line["step"] for line in metric_lines(run_dir)] == list(range(1, saved_step + 2))
+
+
+def _latest_step(run_dir: Path) -> int:
+    return int((run_dir / "latest").read_text().split("-")[1])
+
+
+def test_interrupted_checkpoint_write_keeps_the_previous_one(tiny_model_dir, tmp_path):
+    run_training(tiny_args(tiny_model_dir, tmp_path, "crash", "--steps", "2"))
+    run_dir = tmp_path / "crash"
+    # a crash while writing the next checkpoint leaves a partial temp folder and extra metric lines
+    partial = run_dir / ".checkpoint-000004.tmp"
+    partial.mkdir()
+    (partial / "trainer.pt").write_bytes(b"truncated")
+    with (run_dir / "metrics.jsonl").open("a") as f:  # a logged step 3, then a line cut by the kill
+        f.write(json.dumps({"step": 3, "reward": 123.0}) + "\n" + '{"step": 4, "rew')
+    state = run_training(["--resume", str(run_dir), "--steps", "3"])
+    assert state["step"] == 3
+    assert [line["step"] for line in metric_lines(run_dir)] == [1, 2, 3]
+    assert metric_lines(run_dir)[-1]["reward"] != 123.0
+
+
+def test_non_finite_loss_skips_the_update(tiny_model_dir, tmp_path):
+    cfg, _ = train.parse_args(tiny_args(tiny_model_dir, tmp_path, "nan"))
+    model, tokenizer, optimizer = train.build(cfg)
+    stops = [tokenizer.eos_token_id]
+    problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
+    out, rewards, _ = train.sample_batch(model, tokenizer, problems, cfg, stops, step=1)
+    before = {k: v.clone() for k, v in model.named_parameters() if v.requires_grad}
+    advantages = torch.full((len(rewards),), float("nan"))
+    with pytest.warns(UserWarning, match="update skipped"):
+        metrics = train.policy_update(model, optimizer, out, advantages, cfg, train.loss.LossConfig(), step=1)
+    assert metrics["skipped_updates"] == 1
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            assert torch.equal(param, before[name]), name
+
+
+def test_every_config_field_is_a_flag_and_presets_yield_to_flags():
+    cfg, given = train.parse_args(["--preset", "atr-grpo-qwen3-1.7b", "--lr", "1e-5", "--model", ""])
+    assert cfg.rule == "atr" and cfg.delta == 0.07 and cfg.grad_accum == 4 and cfg.lora_rank == 32
+    assert cfg.lr == 1e-5 and cfg.model is None and given == {"preset", "lr", "model"}
+    assert train.parse_args(["--recompute-old-logp"])[0].recompute_old_logp is True
+    with pytest.raises(SystemExit):
+        train.parse_args(["--preset", "nope"])
+
+
+def test_bad_inputs_fail_before_training(tiny_model_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"problem": "1 + 1?", "answer": "2"}\n{"problem": "", "answer": "3"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        run_training(tiny_args(tiny_model_dir, tmp_path, "bad", "--dataset", str(bad)))
+    with pytest.raises(ValueError, match="rule"):
+        run_training(tiny_args(tiny_model_dir, tmp_path, "bad", "--rule", "nope"))
+    with pytest.raises(FileNotFoundError, match="--resume"):
+        run_training(["--resume", str(tmp_path / "missing")])
