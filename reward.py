@@ -1,21 +1,18 @@
 """Math answer checking for RLVR: extract a final answer, normalize it, compare it, in bounded time.
 
-The reward is the only teacher in GRPO, so every checker error becomes a training signal: a false
-negative hides a correct answer, a false positive teaches the policy to game the checker, and a
-hang stalls the run. The pipeline:
+The reward is GRPO's only teacher, so every checker error becomes training signal: a false negative
+hides a correct answer, a false positive teaches the policy to game the checker, a hang stalls the run.
 
-  1. extract_answer: last \\boxed{} (adjacent boxes joined as a list), an "Answer:" line, GSM8K's
-     "#### n", a completion that is itself a bare answer, else the last number or math segment;
-  2. normalize: one canonical spelling for LaTeX and plain answers (\\dfrac, \\frac12, units,
-     thousands separators, degrees, percent, $...$, leading zeros via exact rationals, ...);
+  1. extract_answer: the last \\boxed{}, an "Answer:" line, "#### n", a bare answer, else the last number;
+  2. normalize: one spelling for LaTeX and plain answers (\\dfrac, \\frac12, units, 1,000, degrees, %, $...$);
   3. structure: tuples keep order, sets and "a, b" lists do not, intervals keep their open/closed
      ends, matrices compare elementwise, equations up to a nonzero factor, inequalities up to flipping;
-  4. leaves: exact string, then exact rationals in pure Python (the fast path: plain numbers never
-     start sympy), then sympy in a persistent worker process that is killed on a hard timeout.
+  4. leaves: exact text, then exact rationals in pure Python (plain numbers never start sympy), then
+     sympy in a persistent worker process that is killed on a hard timeout.
 
-Model text never reaches eval, exec or sympify: a small recursive-descent parser builds sympy
-objects from a whitelist of tokens and refuses numbers too large to build. Workers are separate
-processes, so the timeout works from any thread (signal.alarm alone only works in the main one).
+Model text never reaches eval, exec or sympify: a recursive-descent parser builds sympy objects from
+whitelisted tokens and refuses numbers too large to build. Workers are processes, so the timeout
+works from any thread (signal.alarm only works in the main one).
 """
 
 import atexit
@@ -85,14 +82,10 @@ def _is_prose(text: str) -> bool:
 def _last_math_or_number(text: str) -> str | None:
     """The last $...$ segment if nothing numeric follows it, else the last number."""
     text = text[-TAIL_CHARS:]
-    number = segment = None
-    for number in _NUMBER_IN_TEXT_RE.finditer(text):
-        pass
-    for segment in _MATH_SEGMENT_RE.finditer(text):
-        pass
-    if segment is not None and (number is None or number.end() <= segment.end()):
-        return next(g for g in segment.groups() if g is not None).strip()
-    return number.group() if number is not None else None
+    numbers, segments = list(_NUMBER_IN_TEXT_RE.finditer(text)), list(_MATH_SEGMENT_RE.finditer(text))
+    if segments and (not numbers or numbers[-1].end() <= segments[-1].end()):
+        return next(g for g in segments[-1].groups() if g is not None).strip()
+    return numbers[-1].group() if numbers else None
 
 
 def _clean(candidate: str) -> str | None:
@@ -105,13 +98,10 @@ def _clean(candidate: str) -> str | None:
 def extract_answer(text: str) -> str | None:
     """The final answer of a completion, or None when it has none."""
     if boxes := _outer_boxes(text):
-        group = [boxes[-1]]
-        while len(group) < len(boxes):  # "\boxed{2} and \boxed{3}" answers a "find all" question
-            before = boxes[-len(group) - 1]
-            if not _BETWEEN_BOXES_RE.fullmatch(text[before[1] : group[0][0]]):
-                break
-            group.insert(0, before)
-        return ", ".join(content.strip() for _, _, content in group)
+        first = len(boxes) - 1  # "\boxed{2} and \boxed{3}" answers a "find all" question
+        while first > 0 and _BETWEEN_BOXES_RE.fullmatch(text[boxes[first - 1][1] : boxes[first][0]]):
+            first -= 1
+        return ", ".join(content.strip() for _, _, content in boxes[first:])
     if lines := _ANSWER_LINE_RE.findall(text):
         return _clean(lines[-1])
     if (hashes := text.rfind("####")) >= 0:
@@ -123,33 +113,28 @@ def extract_answer(text: str) -> str | None:
 
 # ----------------------------------------------------------------------------- normalization
 
-def _literal(replacement: str):
-    return lambda _: replacement  # re.sub would read "\l" in "\le" as an escape
-
-
 _UNICODE = {"−": "-", "–": "-", "×": "\\times ", "·": "\\cdot ", "÷": "\\div ", "π": "\\pi ", "∞": "\\infty ",
             "≤": "\\le ", "≥": "\\ge ", "°": "^\\circ", "√": "\\sqrt", "∪": "\\cup "}
 _SPACING_RE = re.compile(r"\\\\|\\[,;:! ]|\\q?quad|\\(?:left|right|[bB]igg?)(?![a-zA-Z])\.?|\\displaystyle|~")
 # a trailing \text{...} after a number is a unit, however short: 1.5\text{ m}, 15\mbox{ cm}^2
 _TEXT_UNIT_RE = re.compile(r"(?<=[\d}])\s*\\(?:text|textrm|mbox|mathrm)\s*\{[^{}]*\}(?:\s*\^\s*\{?\d\}?)?$")
 _TEXT_RE = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|mbox|operatorname)\s*\{([^{}]*)\}")
-_REWRITES = [  # (pattern, literal replacement), applied in order
-    (r"\\[dtc]frac", "\\frac"),
-    (r"\\(?:leqslant|leq|le)(?![a-zA-Z])|<=", "\\le "),
-    (r"\\(?:geqslant|geq|ge)(?![a-zA-Z])|>=", "\\ge "),
+_REWRITES = [(re.compile(pattern), template) for pattern, template in [  # applied in order
+    (r"\\[dtc]frac", r"\\frac"),
+    (r"\\(?:leqslant|leq|le)(?![a-zA-Z])|<=", r"\\le "),
+    (r"\\(?:geqslant|geq|ge)(?![a-zA-Z])|>=", r"\\ge "),
     (r"\\lt(?![a-zA-Z])", "<"),
     (r"\\gt(?![a-zA-Z])", ">"),
     (r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree", ""),  # degrees: 90^\circ = 90
     (r"\\?%", ""),  # percent: 25\% = 25
     (r"\s+(?:and|or)\s+", ", "),  # "2 and 3" lists
     (r"^[A-Za-z]\s*\\in\s*", ""),  # x \in [-2, 7]
-]
-_BRACE_FIXES = [  # LaTeX's one-token arguments: \frac12, \frac 34, \frac9{19}, \frac{270}7, \sqrt3
-    (re.compile(r"\\frac\s*([^\s{\\])\s*([^\s{\\])"), r"\\frac{\1}{\2}"),
-    (re.compile(r"\\frac\s*([^\s{\\])\s*\{"), r"\\frac{\1}{"),
-    (re.compile(r"\\frac\s*(\{[^{}]*\})\s*([^\s{\\])"), r"\\frac\1{\2}"),
-    (re.compile(r"\\sqrt\s*([^\s{\\\[])"), r"\\sqrt{\1}"),
-]
+    # LaTeX's one-token arguments: \frac12, \frac 34, \frac9{19}, \frac{270}7, \sqrt3
+    (r"\\frac\s*([^\s{\\])\s*([^\s{\\])", r"\\frac{\1}{\2}"),
+    (r"\\frac\s*([^\s{\\])\s*\{", r"\\frac{\1}{"),
+    (r"\\frac\s*(\{[^{}]*\})\s*([^\s{\\])", r"\\frac\1{\2}"),
+    (r"\\sqrt\s*([^\s{\\\[])", r"\\sqrt{\1}"),
+]]
 _UNIT_RE = re.compile(r"(?<=[\d}])\s+[A-Za-z]{2,}\.?(?:\s*\^\{?\d\}?)?$")  # 5 cents, 15 cm^2, 10 dollars
 _MIXED_RE = re.compile(r"(-?)(\d+)\s*\\frac\{(\d+)\}\{(\d+)\}")  # 1\frac{4}{5} = 9/5
 _THOUSANDS_RE = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")  # only a whole answer: (100,200) is a tuple
@@ -169,10 +154,8 @@ def normalize(answer: str) -> str:
     s = re.sub(r",\\!\s*", ",", s).replace("{,}", ",")  # 11,\! 111 and 1{,}000 are one number
     s = _SPACING_RE.sub(lambda m: m.group() if m.group() == "\\\\" else " ", s)  # keep matrix row breaks
     s = _TEXT_RE.sub(r" \1 ", _TEXT_UNIT_RE.sub("", s))
-    for pattern, replacement in _REWRITES:
-        s = re.sub(pattern, _literal(replacement), s)
-    for pattern, replacement in _BRACE_FIXES:
-        s = pattern.sub(replacement, s)
+    for pattern, template in _REWRITES:
+        s = pattern.sub(template, s)
     s = re.sub(r"\s+", " ", s).strip().rstrip(".").strip()
     for _ in range(3):
         s = _UNIT_RE.sub("", s)
@@ -183,9 +166,7 @@ def normalize(answer: str) -> str:
         s = s.replace(",", "")
     if (m := _BASE_RE.fullmatch(s)) and all(int(d) < int(m[2]) for d in m[1]):
         s = m[1]
-    if m := _CHOICE_RE.fullmatch(s):
-        s = m[1].upper()
-    return s
+    return m[1].upper() if (m := _CHOICE_RE.fullmatch(s)) else s
 
 
 # ----------------------------------------------------------------------------- structure
@@ -217,14 +198,10 @@ def _split_top(s: str, separators: set[str]) -> tuple[list[str], list[str]]:
     """Split s at separators outside any brackets; returns (parts, separators found)."""
     parts, found, depth, start = [], [], 0, 0
     for m in _SCAN_RE.finditer(s):
-        token = m.group()
-        if token in _OPENERS:
-            depth += 1
-        elif token in _CLOSERS:
-            depth -= 1
-        elif depth == 0 and token in separators:
+        depth += (m.group() in _OPENERS) - (m.group() in _CLOSERS)
+        if depth == 0 and m.group() in separators:  # no separator is a bracket
             parts.append(s[start : m.start()].strip())
-            found.append(token)
+            found.append(m.group())
             start = m.end()
     return parts + [s[start:].strip()], found
 
@@ -239,18 +216,15 @@ def _enclosed(s: str) -> bool:
     return False
 
 
-def _list_items(s: str) -> tuple[Node, ...]:
-    """Items of an unordered list; "1 \\pm \\sqrt{5}" contributes both roots."""
-    items = []
-    for part in _split_top(s, {","})[0]:
-        items += [_structure(p) for p in _expand_pm(part)]
-    return tuple(items)
-
-
 def _expand_pm(s: str) -> list[str]:
     if "\\pm" not in s and "\\mp" not in s:
         return [s]
     return [s.replace("\\pm", "+").replace("\\mp", "-"), s.replace("\\pm", "-").replace("\\mp", "+")]
+
+
+def _list_items(s: str) -> tuple[Node, ...]:
+    """Items of an unordered list; "1 \\pm \\sqrt{5}" contributes both roots."""
+    return tuple(_structure(p) for part in _split_top(s, {","})[0] for p in _expand_pm(part))
 
 
 def _structure(s: str) -> Node:
@@ -272,11 +246,9 @@ def _structure(s: str) -> Node:
     if relations == ["="] * len(relations) and relations:  # chains "x = 2 + 3 = 5" keep their ends
         return Node("rel", (parts[0], parts[-1]), "=")
     if len(relations) == 1:
-        lhs, rhs = parts
-        flipped = {">": "<", "\\ge": "\\le"}
-        if relations[0] in flipped:  # a > b is b < a
-            return Node("rel", (rhs, lhs), flipped[relations[0]])
-        return Node("rel", (lhs, rhs), relations[0])
+        (lhs, rhs), op = parts, relations[0]
+        flipped = {">": "<", "\\ge": "\\le"}  # a > b is b < a
+        return Node("rel", (rhs, lhs), flipped[op]) if op in flipped else Node("rel", (lhs, rhs), op)
     if relations:
         return Node("text", (s,))  # compound inequalities compare as written
     if len(variants := _expand_pm(s)) > 1:
@@ -301,8 +273,7 @@ def _equal(a: Node, b: Node, judge) -> bool:
     """Structural equality; leaves (expr, rel) are decided by judge."""
     a, b = _coerce(a, b), _coerce(b, a)
     if a.kind != b.kind:
-        leaves = {"expr", "text"}
-        return a.kind in leaves and b.kind in leaves and _squash(a.items[0]).lower() == _squash(b.items[0]).lower()
+        return {a.kind, b.kind} <= {"expr", "text"} and _squash(a.items[0]).lower() == _squash(b.items[0]).lower()
     if a.kind == "text":
         return a.items == b.items
     if a.kind == "expr":
@@ -372,10 +343,9 @@ class _FastJudge:
         return bool(verdict)
 
     def relation(self, op: str, a: tuple, b: tuple) -> bool:
-        if [_squash(s) for s in a] == [_squash(s) for s in b]:
-            return True
-        self.undecided = True
-        return False
+        same = [_squash(s) for s in a] == [_squash(s) for s in b]
+        self.undecided |= not same
+        return same
 
 
 class _SympyJudge(_FastJudge):
@@ -407,12 +377,11 @@ class _SympyJudge(_FastJudge):
     def relation(self, op: str, a: tuple, b: tuple) -> bool:
         if super().relation(op, a, b):
             return True
-        sp = self.sp
         da, db = self.parse(a[0]) - self.parse(a[1]), self.parse(b[0]) - self.parse(b[1])
-        zero_a, zero_b = sp.simplify(da) == 0, sp.simplify(db) == 0
+        zero_a, zero_b = self.sp.simplify(da) == 0, self.sp.simplify(db) == 0
         if zero_a or zero_b:
             return zero_a and zero_b
-        ratio = sp.simplify(da / db)  # same solution set: lhs - rhs agree up to a constant factor
+        ratio = self.sp.simplify(da / db)  # same solution set: lhs - rhs agree up to a constant factor
         if ratio.free_symbols or not ratio.is_finite or ratio.is_zero is not False:
             return False
         return op == "=" or ratio.is_positive is True  # an inequality may only scale by a positive factor
@@ -423,18 +392,17 @@ class _SympyJudge(_FastJudge):
 _TOKEN_RE = re.compile(r"\s*(\d+\.?\d*|\.\d+|\\[a-zA-Z]+|[a-zA-Z]|[-+*/^!(){}\[\]|_]|\S)")
 _FUNCTIONS = {"sin": "sin", "cos": "cos", "tan": "tan", "cot": "cot", "sec": "sec", "csc": "csc", "arcsin": "asin",
               "arccos": "acos", "arctan": "atan", "ln": "log", "log": "log", "exp": "exp"}  # LaTeX -> sympy name
-_BARE_WORD_RE = re.compile(r"(?<![\\a-zA-Z])(arcsin|arccos|arctan|sin|cos|tan|cot|sec|csc|ln|log|exp|sqrt|pi)"
-                           r"(?![a-zA-Z])")
+_BARE_WORD_RE = re.compile(rf"(?<![\\a-zA-Z])({'|'.join([*_FUNCTIONS, 'sqrt', 'pi'])})(?![a-zA-Z])")  # sin x = \sin x
 _GREEK = set("alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa lambda mu nu xi rho "
              "sigma tau phi varphi chi psi omega Gamma Delta Theta Lambda Xi Sigma Phi Psi Omega".split())
-_ATOM_COMMANDS = {"\\" + name for name in _FUNCTIONS.keys() | _GREEK | {"frac", "sqrt", "binom", "pi", "infty"}}
 _BRACKETS = {"(": ")", "[": "]", "{": "}"}
+_ATOM_STARTS = {*_BRACKETS, *("\\" + name for name in [*_FUNCTIONS, *_GREEK, "frac", "sqrt", "binom", "pi", "infty"])}
 
 
 class _Parser:
     """Recursive descent over whitelisted tokens, building sympy objects directly (nothing is evaluated
-    as code). Grammar: sum := product (+|- product)*; product := signed ((*|/|implicit) signed)*;
-    signed := (+|-) signed | power; power := postfix (^ signed)?; postfix := atom !*."""
+    as code). Grammar: sum := product (+|- product)*; product := signed ((*|/) signed | implicit power)*;
+    signed := (+|-) signed | power; power := atom !* (^ signed)?."""
 
     def __init__(self, text: str, sp) -> None:
         self.sp = sp
@@ -451,9 +419,14 @@ class _Parser:
         self.pos += 1
         return token
 
+    def accept(self, token: str) -> bool:
+        """Take token if it comes next."""
+        found = self.peek() == token
+        self.pos += found
+        return found
+
     def starts_atom(self, token: str | None) -> bool:  # implicit multiplication: 2x, 3\sqrt{13}, (a+5)(b+2)
-        return token is not None and (token[0].isalnum() or token[0] == "." or token in _BRACKETS
-                                      or token in _ATOM_COMMANDS)
+        return token is not None and (token[0].isalnum() or token[0] == "." or token in _ATOM_STARTS)
 
     def parse(self):
         value = self.sum()
@@ -471,12 +444,9 @@ class _Parser:
         value = self.signed()
         while True:
             token = self.peek()
-            if token in ("*", "\\cdot", "\\times"):
+            if token in ("*", "\\cdot", "\\times", "/", "\\div"):
                 self.take()
-                value = value * self.signed()
-            elif token in ("/", "\\div"):
-                self.take()
-                value = value / self.signed()
+                value = value / self.signed() if token in ("/", "\\div") else value * self.signed()
             elif self.starts_atom(token):
                 value = value * self.power()
             else:
@@ -488,20 +458,12 @@ class _Parser:
         return self.power()
 
     def power(self):
-        base = self.postfix()
-        if self.peek() != "^":
-            return base
-        self.take()
-        return self.pow(base, self.signed())
-
-    def postfix(self):
         value = self.atom()
-        while self.peek() == "!":
-            self.take()
+        while self.accept("!"):
             if value.is_number and not (value.is_Integer and 0 <= value <= MAX_FACTORIAL):
                 raise ValueError("factorial argument out of range")
             value = self.sp.factorial(value)
-        return value
+        return self.pow(value, self.signed()) if self.accept("^") else value
 
     def pow(self, base, exponent):
         """base ** exponent, refusing integer powers too large to compute (sympy would evaluate them)."""
@@ -518,10 +480,7 @@ class _Parser:
 
     def group(self):
         """A braced argument, or LaTeX's single-token argument."""
-        if self.peek() != "{":
-            return self.atom()
-        self.take()
-        return self.until("}")
+        return self.until("}") if self.accept("{") else self.atom()
 
     def atom(self):
         sp, token = self.sp, self.take()
@@ -534,23 +493,17 @@ class _Parser:
         if token.isalpha():
             return self.symbol(token)
         if token == "\\frac":
-            numerator = self.group()
-            return numerator / self.group()
-        if token == "\\sqrt":
-            if self.peek() != "[":
-                return sp.sqrt(self.group())
-            self.take()
-            degree = self.until("]")
-            return sp.root(self.group(), degree)
+            return self.group() / self.group()  # operands are evaluated left to right
+        if token == "\\sqrt":  # \sqrt{x} or \sqrt[3]{x}
+            degree = self.until("]") if self.accept("[") else None
+            return sp.sqrt(self.group()) if degree is None else sp.root(self.group(), degree)
         if token == "\\binom":
             n, k = self.group(), self.group()
             if n.is_number and not (n.is_Integer and abs(n) <= MAX_FACTORIAL):
                 raise ValueError("binomial argument out of range")
             return sp.binomial(n, k)
-        if token == "\\pi":
-            return sp.pi
-        if token == "\\infty":
-            return sp.oo
+        if token in ("\\pi", "\\infty"):
+            return sp.pi if token == "\\pi" else sp.oo
         if token[1:] in _GREEK:
             return self.symbol(token[1:])
         if token[1:] in _FUNCTIONS:
@@ -558,32 +511,23 @@ class _Parser:
         raise ValueError(f"unsupported token {token!r}")
 
     def symbol(self, name: str):
-        if self.peek() == "_":  # a_1, a_{10}
-            self.take()
-            subscript = self.take()
-            if subscript == "{":
-                subscript = "".join(iter(self.take, "}"))
+        if self.accept("_"):  # a_1, a_{10}
+            subscript = "".join(iter(self.take, "}")) if self.accept("{") else self.take()
             if not subscript.isalnum():
                 raise ValueError(f"unsupported subscript {subscript!r}")
             return self.sp.Symbol(f"{name}_{subscript}")
         return self.sp.I if name == "i" else self.sp.Symbol(name)
 
     def function(self, name: str):
-        sp = self.sp
-        exponent = base = None
-        if self.peek() == "^":  # \sin^2 x
-            self.take()
-            exponent = self.group()
-        if name == "log" and self.peek() == "_":  # \log_2 8
-            self.take()
-            base = self.group()
+        exponent = self.group() if self.accept("^") else None  # \sin^2 x
+        base = self.group() if name == "log" and self.accept("_") else None  # \log_2 8
         if self.peek() == "(":
             argument = self.atom()
         else:  # \sin 2x means sin(2x)
             argument = self.power()
             while self.starts_atom(self.peek()) and self.peek()[1:] not in _FUNCTIONS:
                 argument = argument * self.power()
-        value = sp.log(argument, base) if base is not None else getattr(sp, _FUNCTIONS[name])(argument)
+        value = self.sp.log(argument, base) if base is not None else getattr(self.sp, _FUNCTIONS[name])(argument)
         return value if exponent is None else self.pow(value, exponent)
 
 
@@ -602,8 +546,7 @@ def _serve() -> None:
 
     resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
     out, sys.stdout = sys.stdout, sys.stderr  # nothing printed by sympy can corrupt the protocol
-    out.write("ready\n")
-    out.flush()
+    print("ready", file=out, flush=True)
     for line in sys.stdin:
         answer, reference, rel_tol, timeout = json.loads(line)
         signal.alarm(math.ceil(timeout) + 2)  # SIGALRM's default action ends us if the parent died mid-job
@@ -612,13 +555,11 @@ def _serve() -> None:
         except Exception:  # parse errors, RecursionError, MemoryError: a wrong answer, never a crash
             ok = False
         signal.alarm(0)
-        out.write(f"{int(ok)}\n")
-        out.flush()
+        print(int(ok), file=out, flush=True)
 
 
 class _WorkerPool:
-    """Persistent sympy workers. One that misses its deadline is killed and replaced, so a
-    pathological expression costs at most `timeout` seconds of one worker."""
+    """Persistent sympy workers; one past its deadline is killed and replaced, so a hang costs one timeout."""
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
@@ -656,19 +597,18 @@ class _WorkerPool:
                         idle.append(self._replace(proc))
                         continue
                     busy[proc] = (i, time.monotonic() + timeout)
+                if not busy:  # every job so far met a dead worker; the replacements take the rest
+                    continue
                 wait = max(0.0, min(deadline for _, deadline in busy.values()) - time.monotonic())
                 ready, _, _ = select.select([p.stdout for p in busy], [], [], wait)
-                now, expired = time.monotonic(), []
+                now = time.monotonic()
                 for proc, (i, deadline) in list(busy.items()):
-                    if proc.stdout in ready:
-                        line = proc.stdout.readline()
-                        results[i] = line.strip() == "1"
-                        del busy[proc]
-                        idle.append(proc if line else self._replace(proc))  # empty line: it died
-                    elif now >= deadline:
-                        del busy[proc]
-                        expired.append(proc)
-                idle += [self._replace(proc) for proc in expired]  # results stay False
+                    line = proc.stdout.readline() if proc.stdout in ready else None
+                    if line is None and now < deadline:
+                        continue  # still working
+                    del busy[proc]
+                    results[i] = (line or "").strip() == "1"  # None: out of time
+                    idle.append(proc if line else self._replace(proc))  # "": it died
         return results
 
     def close(self) -> None:
@@ -684,34 +624,22 @@ atexit.register(_POOL.close)
 
 # ----------------------------------------------------------------------------- public API
 
-def _grade_all(pairs: list[tuple[str, str]], workers: int, timeout: float, rel_tol: float) -> list[bool]:
-    """Grade in the parent where exact text or rationals decide; send only the rest to sympy workers."""
-    results, slow = [], []
-    for completion, reference in pairs:
-        answer = extract_answer(completion)
-        if answer is None:
-            results.append(False)
-            continue
-        if max(len(answer), len(reference)) > MAX_ANSWER_CHARS:  # no real answer is this long
-            results.append(answer.strip() == reference.strip())
-            continue
-        a, r = normalize(answer), normalize(reference)
-        if not a or not r:
-            results.append(False)
-            continue
-        judge = _FastJudge(rel_tol)
-        try:
-            results.append(_equal(_structure(a), _structure(r), judge))
-        except RecursionError:  # brackets nested hundreds deep: not an answer
-            results.append(False)
-            continue
-        if not results[-1] and judge.undecided:
-            slow.append((len(results) - 1, (a, r)))
-    if slow:
-        verdicts = _POOL.run([job for _, job in slow], workers, timeout, rel_tol)
-        for (i, _), verdict in zip(slow, verdicts):
-            results[i] = verdict
-    return results
+def _grade_fast(completion: str, reference: str, rel_tol: float) -> bool | tuple[str, str]:
+    """The verdict where exact text or rationals decide, else the normalized (answer, reference) for sympy."""
+    answer = extract_answer(completion)
+    if answer is None:
+        return False
+    if max(len(answer), len(reference)) > MAX_ANSWER_CHARS:  # no real answer is this long
+        return answer.strip() == reference.strip()
+    a, r = normalize(answer), normalize(reference)
+    if not a or not r:
+        return False
+    judge = _FastJudge(rel_tol)
+    try:
+        ok = _equal(_structure(a), _structure(r), judge)
+    except RecursionError:  # brackets nested hundreds deep: not an answer
+        return False
+    return (a, r) if not ok and judge.undecided else ok
 
 
 def grade(answer_text: str, reference: str, *, timeout: float = TIMEOUT_S, rel_tol: float = REL_TOL) -> bool:
@@ -742,9 +670,12 @@ def reward(completions: list[str], references: list[str], *, format_weight: floa
         raise ValueError(f"need workers >= 1, timeout > 0, rel_tol >= 0, format_weight >= 0; got "
                          f"workers={workers}, timeout={timeout}, rel_tol={rel_tol}, format_weight={format_weight}")
     for name, texts in (("completions", completions), ("references", references)):
-        bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
-        if bad is not None:
-            raise ValueError(f"{name}[{bad}] is {type(texts[bad]).__name__}, expected str")
-    correct = _grade_all(list(zip(completions, references)), workers, timeout, rel_tol)
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise ValueError(f"{name}[{i}] is {type(text).__name__}, expected str")
+    correct = [_grade_fast(c, r, rel_tol) for c, r in zip(completions, references)]
+    if slow := [i for i, verdict in enumerate(correct) if isinstance(verdict, tuple)]:  # only these need sympy
+        for i, verdict in zip(slow, _POOL.run([correct[i] for i in slow], workers, timeout, rel_tol)):
+            correct[i] = verdict
     return [float(ok) + (format_weight * has_format(c, answer_format) if format_weight else 0.0)
             for ok, c in zip(correct, completions)]

@@ -284,6 +284,23 @@ def test_download_converts_the_snapshot_files_in_order(tmp_path, monkeypatch):
     ]
 
 
+def test_download_reads_dapo_parquet_with_its_nesting_and_repeats(tmp_path, monkeypatch):
+    import huggingface_hub
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    snapshot = tmp_path / "snapshot" / "data"
+    snapshot.mkdir(parents=True)
+    prompt = prepare.DAPO_PREFIX + "{}" + prepare.DAPO_SUFFIX
+    rows = [{"prompt": [{"role": "user", "content": prompt.format(q)}], "reward_model": {"ground_truth": a}}
+            for q, a in [("What is 1 + 1?", "2"), ("Find x if 2x = 6.", "3")]] * 3  # the hub repeats rows
+    pq.write_table(pa.Table.from_pylist(rows), snapshot / "dapo-math-17k.parquet")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **kw: str(snapshot.parent))
+    prepare.main(["dapo", "--data-dir", str(tmp_path)])
+    problems = load_problems("dapo", data_dir=tmp_path)
+    assert [(p["problem"], p["answer"]) for p in problems] == [("What is 1 + 1?", "2"), ("Find x if 2x = 6.", "3")]
+
+
 def test_download_offline_says_how_to_convert_instead(tmp_path, monkeypatch):
     from huggingface_hub import constants
 

@@ -9,8 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file
 
+import lora
+import model as modeling
 import train
 
 TIMING_KEYS = {"step_seconds", "rollout_tokens_per_s", "train_tokens_per_s"}
@@ -42,7 +45,8 @@ def metric_lines(run_dir: Path) -> list[dict]:
 
 
 def test_two_steps_train_log_and_checkpoint(tiny_model_dir, tmp_path):
-    state = run_training(tiny_args(tiny_model_dir, tmp_path, "smoke", "--steps", "2"))
+    state = run_training(tiny_args(tiny_model_dir, tmp_path, "smoke", "--steps", "2",
+                                   "--export", str(tmp_path / "export")))
     run_dir = tmp_path / "smoke"
     lines = metric_lines(run_dir)
     assert [line["step"] for line in lines] == [1, 2]
@@ -58,6 +62,12 @@ def test_two_steps_train_log_and_checkpoint(tiny_model_dir, tmp_path):
     assert (run_dir / "best" / "adapter_config.json").is_file()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["after"]["k"] == 2
+    # the merged export is a plain transformers checkpoint with the trained policy's logits
+    policy = lora.load(modeling.from_pretrained(str(tiny_model_dir)), checkpoint / "adapter")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    ids = torch.randint(0, policy.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        assert torch.allclose(exported(ids).logits, policy(ids), atol=1e-4)
 
 
 def test_resume_reproduces_an_uninterrupted_run(tiny_model_dir, tmp_path):
@@ -107,6 +117,17 @@ def test_interrupted_checkpoint_write_keeps_the_previous_one(tiny_model_dir, tmp
     assert state["step"] == 3
     assert [line["step"] for line in metric_lines(run_dir)] == [1, 2, 3]
     assert metric_lines(run_dir)[-1]["reward"] != 123.0
+
+
+def test_reference_kl_full_kl_rule_minibatches_and_recomputed_old_logp(tiny_model_dir, tmp_path):
+    run_training(tiny_args(tiny_model_dir, tmp_path, "options", "--steps", "2", "--rule", "kl_full",
+                           "--kl-beta", "0.1", "--recompute-old-logp", "--updates-per-rollout", "2",
+                           "--grad-accum", "2", "--prompts-per-step", "4"))
+    first, second = metric_lines(tmp_path / "options")
+    for line in (first, second):
+        assert line["skipped_updates"] == 0 and line["ref_kl"] >= 0 and line["approx_kl"] >= 0
+    assert second["ref_kl"] > 0, "after an update the policy differs from the frozen base"
+    assert first["approx_kl"] > 0, "the second mini-batch of a step sees a policy that has moved"
 
 
 def test_non_finite_loss_skips_the_update(tiny_model_dir, tmp_path):

@@ -262,11 +262,11 @@ def policy_update(model, optimizer, out, advantages: torch.Tensor, cfg: Config, 
             extra = {}
             if "ref_logp" in frozen:
                 extra["ref_logp"] = frozen["ref_logp"][rows, :C]
-            if "old_hidden" in frozen:
-                # the states at positions P-1 .. hi-2 predict the completion tokens
-                extra["vocab_kl"] = loss.full_vocab_kl(frozen["old_hidden"][rows, P - 1:hi - 1],
-                                                       h[:, P - 1 - lo:hi - 1 - lo], model.lm_head.weight,
-                                                       temperature=cfg.temperature)
+            if "old_hidden" in frozen:  # the region test needs no gradient through the KL
+                with torch.no_grad():  # the states at positions P-1 .. hi-2 predict the completion tokens
+                    extra["vocab_kl"] = loss.full_vocab_kl(frozen["old_hidden"][rows, P - 1:hi - 1],
+                                                           h[:, P - 1 - lo:hi - 1 - lo], model.lm_head.weight,
+                                                           temperature=cfg.temperature)
             value, metrics = loss.policy_loss(logp, old_logp[rows, :C], advantages[rows], mask[rows, :C],
                                               loss_cfg, num_tokens=num_tokens, num_seqs=num_seqs, **extra)
             value.backward()
@@ -285,24 +285,34 @@ def policy_update(model, optimizer, out, advantages: torch.Tensor, cfg: Config, 
                           "update skipped")
         optimizer.zero_grad(set_to_none=True)
     summary = _mean_of(records)
-    summary.update(grad_norm=float(np.mean(grad_norms)) if grad_norms else float("nan"), skipped_updates=skipped)
+    # None, not NaN, when every update was skipped: the metrics file stays strict JSON
+    summary.update(grad_norm=float(np.mean(grad_norms)) if grad_norms else None, skipped_updates=skipped)
     return summary
 
 
 def _frozen_passes(model, out, cfg: Config, loss_cfg: loss.LossConfig) -> dict:
-    """Forward passes without gradient that some settings need before the policy moves."""
-    needed = {}
+    """Forward passes without gradient that some settings need before the policy moves.
+
+    They run in micro-batches of the training size, so they never need more memory than training.
+    """
     P = out.prompt_len
+    wanted = {
+        "old_logp": cfg.recompute_old_logp,
+        "ref_logp": loss_cfg.kl_beta > 0,
+        "old_hidden": loss_cfg.rule == "kl_full",  # the exact KL needs the sampling policy's distribution
+    }
+    parts = {name: [] for name, on in wanted.items() if on}
     with torch.no_grad():
-        if cfg.recompute_old_logp:
-            needed["old_logp"] = model.token_logprobs(out.input_ids, out.pad_mask, temperature=cfg.temperature)[0][:, P:]
-        if loss_cfg.kl_beta > 0:
-            with lora.disabled(model):  # the frozen base is the reference policy
-                needed["ref_logp"] = model.token_logprobs(out.input_ids, out.pad_mask,
-                                                          temperature=cfg.temperature)[0][:, P:]
-        if loss_cfg.rule == "kl_full":  # the exact KL needs the sampling policy's whole distribution
-            needed["old_hidden"] = model.hidden(out.input_ids, out.pad_mask)
-    return needed
+        for rows in torch.arange(len(out.input_ids)).chunk(cfg.updates_per_rollout * cfg.grad_accum):
+            ids, pad = out.input_ids[rows], out.pad_mask[rows]
+            if wanted["old_logp"]:
+                parts["old_logp"].append(model.token_logprobs(ids, pad, temperature=cfg.temperature)[0][:, P:])
+            if wanted["ref_logp"]:
+                with lora.disabled(model):  # the frozen base is the reference policy
+                    parts["ref_logp"].append(model.token_logprobs(ids, pad, temperature=cfg.temperature)[0][:, P:])
+            if wanted["old_hidden"]:
+                parts["old_hidden"].append(model.hidden(ids, pad))
+    return {name: torch.cat(chunks) for name, chunks in parts.items()}
 
 
 def _trim(input_ids: torch.Tensor, pad_mask: torch.Tensor):

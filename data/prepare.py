@@ -19,9 +19,9 @@ cards and published code that loads them):
     aime25       opencompass/AIME2025             aime2025-*.jsonl      question, answer (AIME 2025 I and II)
     amc23        math-ai/amc23                    test-*.parquet        question, answer (AMC 2023: the 40 problems of
                                                                         Qwen2.5-Math's evaluation)
-Parquet files need pyarrow, which the trainer itself does not; the conversion functions below take
-plain rows, so they work (and are tested) without it. This file uses only the standard library
-apart from those two optional imports, so it runs as a script.
+Most hub copies are parquet files, read with pyarrow; the conversion functions below take plain
+rows, so they serve local files too. huggingface_hub and pyarrow are imported only where needed,
+so converting a local file runs on the standard library alone.
 """
 
 import argparse
@@ -208,10 +208,8 @@ HUB = {
 def _file_rows(path: Path) -> Iterator[dict]:
     """Raw rows of a downloaded file, streamed: the DAPO parquet file alone holds 1.79M rows."""
     if path.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise ImportError(f"reading {path.name} needs pyarrow: pip install pyarrow") from None
+        import pyarrow.parquet as pq
+
         for batch in pq.ParquetFile(path).iter_batches(batch_size=10_000):
             yield from batch.to_pylist()
     else:
