@@ -102,7 +102,9 @@ class LossConfig:
     rule: str | tuple[str, str] = "grpo"  # a name from the table, or (divergence, estimator), or "kl-atomic"
     delta: float | None = None  # trust-region size
     delta_high: float | None = None  # upper size of asymmetric rules; None: delta times the rule's ratio
-    dual_clip: float | None = None  # c > 1: tokens with A < 0 and w > c lose their gradient (3.0 typical)
+    # dual clip, c > 1: tokens with A < 0 and w > c lose their gradient (3.0 typical). A pair (lo, hi)
+    # also stops tokens with A > 0 and w < lo, its mirror image (GPPO's [0.5, 10]).
+    dual_clip: float | tuple[float, float] | None = None
     aggregation: str = "token-mean"  # see AGGREGATIONS and policy_loss
     norm_len: int | None = None  # seq-mean-token-sum-norm's constant; None: the batch's T
     kl_beta: float = 0.0  # weight of the KL penalty to a reference policy
@@ -131,7 +133,8 @@ class LossConfig:
         for ok, message in (
             (self.delta is None or self.delta >= 0, f"delta must be >= 0, got {self.delta}"),
             (self.delta_high is None or self.delta_high >= 0, f"delta_high must be >= 0, got {self.delta_high}"),
-            (self.dual_clip is None or self.dual_clip > 1, f"dual_clip must be > 1, got {self.dual_clip}"),
+            (self.dual_clip is None or _valid_dual_clip(self.dual_clip),
+             f"dual_clip must be c > 1 or (lo, hi) with 0 < lo < 1 < hi, got {self.dual_clip}"),
             (self.aggregation in AGGREGATIONS, f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}"),
             (self.kl_estimator in KL_ESTIMATORS, f"kl_estimator must be k1, k2 or k3, got {self.kl_estimator!r}"),
             (self.norm_len is None or self.norm_len >= 1, f"norm_len must be >= 1, got {self.norm_len}"),
@@ -153,21 +156,37 @@ class Rule:
     delta_high: float | None = None
 
 
+def _valid_dual_clip(dual_clip) -> bool:
+    if isinstance(dual_clip, (int, float)):
+        return dual_clip > 1
+    return len(dual_clip) == 2 and 0 < dual_clip[0] < 1 < dual_clip[1]
+
+
+def _dual_bounds(dual_clip: float | tuple[float, float]) -> tuple[float, float]:
+    """(lo, hi) of a dual clip given as c (lo = 0: no lower edge) or as a pair (lo, hi)."""
+    if isinstance(dual_clip, (int, float)):
+        return 0.0, float(dual_clip)
+    lo, hi = dual_clip
+    return float(lo), float(hi)
+
+
 def trust_region_clip(ratio: Tensor, inside: Tensor, advantages: Tensor,
-                      dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
+                      dual_clip: float | tuple[float, float] | None = None) -> tuple[Tensor, Tensor]:
     """The clip operator every hard region shares: w where it may move, stop-gradient w where not.
 
     PPO maximizes min(w*A, clip(w)*A). With a stop-gradient outside value the two arguments tie, so
     the min is written out as the choice it makes: a token outside the region whose advantage pushes
     it further out (A*(w-1) > 0) keeps its value but loses its gradient; every other token keeps its
-    gradient A*w. Dual clip also stops tokens with A < 0 and w > c, capping their loss growth.
+    gradient A*w. Dual clip also stops tokens with A < 0 and w > c, capping their loss growth (and,
+    given as (lo, c), tokens with A > 0 and w < lo).
     Returns (ratio [B, T] with those gradients stopped, clipped [B, T] int8: +1 stopped above the
     region, -1 below, 0 free).
     """
     w = ratio.detach()
     stopped = ~inside & (advantages * (w - 1) > 0)
     if dual_clip is not None:
-        stopped = stopped | ((advantages < 0) & (w > dual_clip))
+        lo, hi = _dual_bounds(dual_clip)
+        stopped = stopped | ((advantages < 0) & (w > hi)) | ((advantages > 0) & (w < lo))
     return torch.where(stopped, w, ratio), (torch.sign(w - 1) * stopped).to(torch.int8)
 
 
@@ -515,6 +534,13 @@ def _aggregate(token_loss: Tensor, mask: Tensor, cfg: LossConfig, num_tokens, nu
     return token_loss.sum() / (seqs * (cfg.norm_len or mask.shape[-1]))  # Dr. GRPO: a constant length
 
 
+def _dual_clipped(w: Tensor, adv: Tensor, dual_clip) -> Tensor:
+    if dual_clip is None:
+        return torch.zeros_like(w, dtype=torch.bool)
+    lo, hi = _dual_bounds(dual_clip)
+    return ((adv < 0) & (w > hi)) | ((adv > 0) & (w < lo))
+
+
 @torch.no_grad()
 def _metrics(log_ratio, old_logp, adv, mask, clipped, cfg, ref_kl) -> dict[str, float]:
     log_w, a, c = log_ratio[mask].double(), adv[mask].double(), clipped[mask].double()
@@ -522,7 +548,7 @@ def _metrics(log_ratio, old_logp, adv, mask, clipped, cfg, ref_kl) -> dict[str, 
     stats = {
         "clip_low_frac": (c < 0).double().mean(),
         "clip_high_frac": (c > 0).double().mean(),
-        "dual_clip_frac": ((a < 0) & (w > (cfg.dual_clip or math.inf))).double().mean(),
+        "dual_clip_frac": _dual_clipped(w, a, cfg.dual_clip).double().mean(),
         "approx_kl": (torch.expm1(log_w) - log_w).mean(),  # k3 estimate of KL(old || new)
         "ratio_min": w.min(), "ratio_mean": w.mean(), "ratio_max": w.max(),
     }

@@ -342,18 +342,21 @@ class Transformer(nn.Module):
         cache.next_pos += pad_mask.sum(1)
         return h
 
-    def decode_step(self, tokens: torch.Tensor, alive: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def decode_step(self, tokens: torch.Tensor, alive: torch.Tensor, cache: KVCache,
+                    span: int | None = None) -> torch.Tensor:
         """Logits [B, V] for one token per row (tokens [B] long, alive [B] bool) written at cache.slot.
 
-        The fixed-shape twin of model(tokens[:, None], alive[:, None], cache): it attends over every
-        cache slot (unwritten ones are invalid) and reads no Python number that changes between
-        steps, so one CUDA-graph capture serves every step. It does not move the cache forward;
-        call cache.advance(alive) after it, which also makes a repeated call (warm-up) harmless.
+        The fixed-shape twin of model(tokens[:, None], alive[:, None], cache): with span=None it
+        attends over every cache slot (unwritten ones are invalid) and reads no Python number that
+        changes between steps, so one CUDA-graph capture serves every step. Eager callers pass
+        span=cache.length + 1 to attend over the filled slots only. It does not move the cache
+        forward; call cache.advance(alive) after it, which also makes a repeated call harmless.
         """
-        slots = torch.arange(cache.max_len, device=tokens.device)
+        span = cache.max_len if span is None else span
+        slots = torch.arange(span, device=tokens.device)
         cache.valid[:, cache.slot] = alive[:, None]
         # A finished row's query sees only its own slot: its output is never used, but it must not be NaN.
-        cache_mask = cache.valid | (slots == cache.slot)  # [B, max_len]
+        cache_mask = cache.valid[:, :span] | (slots == cache.slot)  # [B, span]
         h = self._run_blocks(tokens[:, None], cache.next_pos[:, None], cache, cache_mask[:, None, None], cache.slot)
         return self.lm_head(h[:, 0])
 

@@ -127,7 +127,7 @@ def _sample_rows(model, prompts, G, max_new_tokens, temperature, top_p, top_k, s
     sample = partial(_sample, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator)
     stop = torch.tensor(stop_ids, dtype=torch.long, device=device)
     on_gpu = device.type == "cuda"
-    step = _graphed_decode_step(model, cache) if on_gpu else model.decode_step
+    step = _graphed_decode_step(model, cache) if on_gpu else _eager_decode_step(model)
     return prompt_ids, prompt_mask, *_decode(step, cache, logits, sample, stop, max_new_tokens, compact=not on_gpu)
 
 
@@ -197,6 +197,11 @@ def _restrict(logp: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
         probs = candidates.softmax(-1)
         candidates = candidates.masked_fill(probs.cumsum(-1) - probs >= top_p, float("-inf"))
     return torch.full_like(logp, float("-inf")).scatter(1, index, candidates)
+
+
+def _eager_decode_step(model: Transformer) -> Callable:
+    """model.decode_step attending over the filled cache slots only: shapes may change on the CPU."""
+    return lambda tokens, alive, cache: model.decode_step(tokens, alive, cache, span=cache.length + 1)
 
 
 def _graphed_decode_step(model: Transformer, cache: KVCache) -> Callable:

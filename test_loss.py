@@ -178,6 +178,22 @@ def test_dual_clip_stops_negative_advantage_tokens_above_c():
     assert metrics["dual_clip_frac"] == 0.25 and metrics["clip_high_frac"] == 0.5
 
 
+def test_dual_clip_pair_also_stops_positive_advantage_tokens_below_lo():
+    old_logp = torch.full((1, 4), -3.0, dtype=f64)
+    w = torch.tensor([0.4, 0.6, 12.0, 8.0], dtype=f64)
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]], dtype=f64)
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    # (kl, atomic) at mu = e^-3 admits every one of these ratios, so only the dual clip stops any
+    _, grad, metrics = grad_of(old_logp + w.log()[None], old_logp, adv, mask,
+                               LossConfig(rule=("kl", "atomic"), dual_clip=(0.5, 10.0)))
+    expected = torch.tensor([0.0, -1.0 * 0.6 / 4, 0.0, 1.0 * 8.0 / 4], dtype=f64)
+    torch.testing.assert_close(grad[0], expected)
+    assert metrics["dual_clip_frac"] == 0.5
+    for bad in ((1.5, 10.0), (0.5, 0.9), (0.5,)):
+        with pytest.raises(ValueError, match="dual_clip"):
+            LossConfig(dual_clip=bad)
+
+
 # ----------------------------------------------------------------------------- other rules
 
 

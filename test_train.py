@@ -151,6 +151,9 @@ def test_every_config_field_is_a_flag_and_presets_yield_to_flags():
     assert cfg.rule == "atr" and cfg.delta == 0.07 and cfg.grad_accum == 4 and cfg.lora_rank == 32
     assert cfg.lr == 1e-5 and cfg.model is None and given == {"preset", "lr", "model"}
     assert train.parse_args(["--recompute-old-logp"])[0].recompute_old_logp is True
+    gppo, _ = train.parse_args(["--preset", "gppo-qwen3-8b"])
+    assert gppo.rule == "kl-atomic" and gppo.updates_per_rollout == 8 and gppo.kl_beta == 0.0
+    assert train._dual_clip(gppo.dual_clip) == (0.5, 10.0) and train._dual_clip("3") == 3.0
     with pytest.raises(SystemExit):
         train.parse_args(["--preset", "nope"])
 
@@ -162,5 +165,7 @@ def test_bad_inputs_fail_before_training(tiny_model_dir, tmp_path):
         run_training(tiny_args(tiny_model_dir, tmp_path, "bad", "--dataset", str(bad)))
     with pytest.raises(ValueError, match="rule"):
         run_training(tiny_args(tiny_model_dir, tmp_path, "bad", "--rule", "nope"))
+    with pytest.raises(ValueError, match="dual.clip"):
+        run_training(tiny_args(tiny_model_dir, tmp_path, "bad", "--dual-clip", "0.5,x"))
     with pytest.raises(FileNotFoundError, match="--resume"):
         run_training(["--resume", str(tmp_path / "missing")])

@@ -71,7 +71,8 @@ class Config:
     # loss
     rule: str = opt("grpo", "clip rule from loss.py (grpo, dapo, atr, ...; see loss.py's table)")
     delta: float | None = opt(None, "trust-region size; empty = the rule's default")
-    dual_clip: float | None = opt(None, "dual-clip constant c for negative advantages; empty = off")
+    dual_clip: str | None = opt(None, "dual clip: c (tokens with A < 0 and ratio > c lose their gradient) "
+                                      "or lo,hi (also A > 0 and ratio < lo); empty = off")
     aggregation: str = opt("token-mean", "token-mean, seq-mean-token-mean or seq-mean-token-sum-norm")
     adv_std: str = opt("group", "advantage scale: group, batch or none (Dr. GRPO)")
     kl_beta: float = opt(0.0, "weight of the KL penalty to the frozen base")
@@ -110,7 +111,7 @@ PRESETS = {
     "gppo-qwen3-8b": dict(
         model="Qwen/Qwen3-8B", dataset="dapo", eval_dataset="aime24", template="answer",
         lora_rank=32, lora_alpha=64.0, lr=1e-6, prompts_per_step=64, group_size=8,
-        updates_per_rollout=8, rule="kl-atomic", delta=0.223, dual_clip=None, kl_beta=0.0,
+        updates_per_rollout=8, rule="kl-atomic", delta=0.223, dual_clip="0.5,10", kl_beta=0.0,
         max_new_tokens=8192, steps=500, eval_every=50, eval_k=8, eval_problems=0, eval_temperature=0.6),
 }
 
@@ -339,6 +340,17 @@ def batch_of(problems: list[dict], position: int, size: int, seed: int) -> list[
     return batch
 
 
+def _dual_clip(text: str | None) -> float | tuple[float, float] | None:
+    """--dual-clip "3" -> 3.0, "0.5,10" -> (0.5, 10.0); loss.LossConfig checks the values."""
+    if text is None:
+        return None
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"--dual-clip {text!r}: expected a number c or two numbers lo,hi") from None
+    return values[0] if len(values) == 1 else values
+
+
 def evaluate_held_out(model, tokenizer, problems, cfg: Config, desc: str) -> dict:
     result = evaluation.evaluate(model, tokenizer, problems, k=cfg.eval_k, temperature=cfg.eval_temperature,
                                  top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, template=cfg.template,
@@ -392,7 +404,7 @@ class StopRequest:
 
 def train(cfg: Config) -> dict:
     """Run (or resume) training; returns the final state with the before/after evaluations."""
-    loss_cfg = loss.LossConfig(rule=cfg.rule, delta=cfg.delta, dual_clip=cfg.dual_clip,
+    loss_cfg = loss.LossConfig(rule=cfg.rule, delta=cfg.delta, dual_clip=_dual_clip(cfg.dual_clip),
                                aggregation=cfg.aggregation, kl_beta=cfg.kl_beta, kl_estimator=cfg.kl_estimator)
     loss.get_rule(loss_cfg.rule)  # an unknown rule fails here, before the model loads
     train_set = load_problems(cfg.dataset)
