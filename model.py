@@ -631,16 +631,26 @@ def _unpermute_rope(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 def save_pretrained(model: Transformer, path: str | Path, tokenizer=None) -> None:
     """Write config.json + model.safetensors (and the tokenizer, if given) for transformers'
-    AutoModelForCausalLM. LoRA adapters are folded into the saved weights; the model is left unchanged."""
+    AutoModelForCausalLM. LoRA adapters are folded into the saved weights; the model is left unchanged.
+
+    The files are written into a temporary sibling folder that then replaces `path`, so an
+    interrupted export never leaves a half-written model where a complete one was.
+    """
     from safetensors.torch import save_file
 
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     state = lora.merged_state_dict(model)
     if model.config.tie_word_embeddings:
         del state["lm_head.weight"]  # the same tensor as the embedding; safetensors refuses shared storage
-    save_file({k: v.contiguous() for k, v in state.items()}, path / "model.safetensors", metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
     config = {**model.config.to_hf(), "dtype": str(model.dtype).removeprefix("torch.")}
-    (path / "config.json").write_text(json.dumps(config, indent=2))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
     if tokenizer is not None:
-        tokenizer.save_pretrained(path)
+        tokenizer.save_pretrained(tmp)
+    if path.exists():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)

@@ -161,6 +161,23 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, checkpoint)
     assert M.load_tokenizer(tmp_path).eos_token == "<|im_end|>"
 
 
+def test_an_interrupted_export_keeps_the_previous_one(tmp_path, tiny_model_dir, monkeypatch):
+    import safetensors.torch
+
+    model = M.from_pretrained(tiny_model_dir)
+    M.save_pretrained(model, tmp_path / "export")
+    good = (tmp_path / "export" / "model.safetensors").read_bytes()
+
+    def crash(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"half a file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", crash)
+    with pytest.raises(OSError, match="disk full"):
+        M.save_pretrained(model, tmp_path / "export")
+    assert (tmp_path / "export" / "model.safetensors").read_bytes() == good
+
+
 def test_unsupported_model_type_names_the_supported_ones(tmp_path, tiny_model_dir):
     shutil.copytree(tiny_model_dir, tmp_path / "m")
     config = json.loads((tmp_path / "m" / "config.json").read_text())

@@ -100,6 +100,25 @@ def test_sigkill_loses_only_steps_after_the_last_checkpoint(tiny_model_dir, tmp_
     assert [line["step"] for line in metric_lines(run_dir)] == list(range(1, saved_step + 2))
 
 
+def test_ctrl_c_checkpoints_the_step_in_progress_and_resumes(tiny_model_dir, tmp_path):
+    args = tiny_args(tiny_model_dir, tmp_path, "interrupted", "--steps", "1000000", "--checkpoint-every", "1000",
+                     "--eval-problems", "1", "--eval-k", "1")
+    proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=Path(train.__file__).parent,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "interrupted" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < 2:
+        assert proc.poll() is None and time.time() < deadline, "training did not reach step 2"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    saved_step = _latest_step(tmp_path / "interrupted")  # no periodic checkpoint was due: Ctrl-C wrote it
+    assert saved_step >= 2 and len(metric_lines(tmp_path / "interrupted")) == saved_step
+    state = run_training(["--resume", str(tmp_path / "interrupted"), "--steps", str(saved_step + 1)])
+    assert state["step"] == saved_step + 1
+
+
 def _latest_step(run_dir: Path) -> int:
     return int((run_dir / "latest").read_text().split("-")[1])
 

@@ -331,12 +331,16 @@ def _mean_of(records: list[dict]) -> dict:
 
 
 def batch_of(problems: list[dict], position: int, size: int, seed: int) -> list[dict]:
-    """Problems position .. position+size of an endless stream: a fresh seeded shuffle each epoch."""
-    batch = []
+    """Problems position .. position+size of an endless stream: a fresh seeded shuffle each epoch.
+
+    The order is a function of (seed, epoch) alone, so a resumed run needs only the position.
+    """
+    orders, batch = {}, []
     for index in range(position, position + size):
         epoch, offset = divmod(index, len(problems))
-        order = torch.randperm(len(problems), generator=torch.Generator().manual_seed(seed * 7919 + epoch))
-        batch.append(problems[int(order[offset])])
+        if epoch not in orders:
+            orders[epoch] = torch.randperm(len(problems), generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+        batch.append(problems[int(orders[epoch][offset])])
     return batch
 
 
@@ -387,13 +391,17 @@ def build(cfg: Config):
 
 
 class StopRequest:
-    """The first Ctrl-C (or SIGTERM) asks the loop to stop after the current step and checkpoint;
-    a second one interrupts at once, and the last checkpoint stays as it was."""
+    """While active, the first Ctrl-C (or SIGTERM) asks the loop to stop after the current step and
+    checkpoint; a second one interrupts at once, and the last checkpoint stays as it was."""
 
-    def __init__(self):
+    def __enter__(self):
         self.requested = False
-        signal.signal(signal.SIGINT, self._handle)
-        signal.signal(signal.SIGTERM, self._handle)
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
     def _handle(self, signum, frame):
         if self.requested:
@@ -410,7 +418,7 @@ def train(cfg: Config) -> dict:
     train_set = load_problems(cfg.dataset)
     eval_set = load_problems(cfg.eval_dataset)
     eval_set = eval_set[:cfg.eval_problems] if cfg.eval_problems else eval_set
-    run_dir = Path(cfg.out_dir) / cfg.run_name
+    run_dir = Path(cfg.out_dir) / (cfg.run_name or time.strftime("%Y%m%d-%H%M%S"))
     run_dir.mkdir(parents=True, exist_ok=True)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -427,28 +435,27 @@ def train(cfg: Config) -> dict:
         state = {"step": 0, "data_position": 0, "before": None, "best": None}
     if state["before"] is None:
         state["before"] = evaluate_held_out(model, tokenizer, eval_set, cfg, "eval before")
-    stop = StopRequest()
-    bar = tqdm(range(state["step"], cfg.steps), desc="train", unit="step", initial=state["step"], total=cfg.steps)
-    for step in bar:
-        record = train_step(model, optimizer, tokenizer, train_set, cfg, loss_cfg, stops, state)
-        if cfg.eval_every and state["step"] % cfg.eval_every == 0 and state["step"] < cfg.steps:
-            record["eval"] = evaluate_held_out(model, tokenizer, eval_set, cfg, f"eval step {state['step']}")
-            _keep_best(run_dir, model, state, record["eval"])
-        with metrics_file.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        bar.set_postfix(reward=f"{record['reward']:.2f}", acc=f"{record['accuracy']:.2f}")
-        if state["step"] % cfg.checkpoint_every == 0 or stop.requested:
-            save_checkpoint(run_dir, model, optimizer, state)
-        if stop.requested:
-            print(f"stopped at step {state['step']}; continue with --resume {run_dir}")
-            return state
+    with StopRequest() as stop:
+        bar = tqdm(range(state["step"], cfg.steps), desc="train", unit="step", initial=state["step"],
+                   total=cfg.steps)
+        for _ in bar:
+            record = train_step(model, optimizer, tokenizer, train_set, cfg, loss_cfg, stops, state)
+            if cfg.eval_every and state["step"] % cfg.eval_every == 0 and state["step"] < cfg.steps:
+                record["eval"] = evaluate_held_out(model, tokenizer, eval_set, cfg, f"eval step {state['step']}")
+                _keep_best(run_dir, model, state, record["eval"])
+            with metrics_file.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            bar.set_postfix(reward=f"{record['reward']:.2f}", acc=f"{record['accuracy']:.2f}")
+            if state["step"] % cfg.checkpoint_every == 0 or stop.requested:
+                save_checkpoint(run_dir, model, optimizer, state)
+            if stop.requested:
+                print(f"stopped at step {state['step']}; continue with --resume {run_dir}")
+                return state
     state["after"] = evaluate_held_out(model, tokenizer, eval_set, cfg, "eval after")
     _keep_best(run_dir, model, state, state["after"])
     save_checkpoint(run_dir, model, optimizer, state)
     if cfg.export:
-        lora.merge(model)
         modeling.save_pretrained(model, cfg.export, tokenizer=tokenizer)
-        lora.unmerge(model)
     (run_dir / "summary.json").write_text(json.dumps({k: state[k] for k in ("before", "after", "best")}, indent=2))
     return state
 
@@ -489,7 +496,6 @@ def main(argv: list[str] | None = None) -> None:
     cfg, given = parse_args(argv)
     if cfg.resume:
         cfg = _resumed_config(cfg, given)
-    cfg.run_name = cfg.run_name or time.strftime("%Y%m%d-%H%M%S")
     state = train(cfg)
     if "after" in state:
         before, after = state["before"], state["after"]
