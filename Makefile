@@ -19,8 +19,9 @@ $(STAMP): requirements.txt requirements-dev.txt
 train: setup
 	$(PY) train.py $(ARGS)
 
+# The loss is the heart of the project: its tests run first.
 test: setup
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q test_loss.py test_*.py $(ARGS)
 
 bench: setup
 	$(PY) bench/model.py
