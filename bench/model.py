@@ -36,19 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import lora  # noqa: E402
 import model as model_lib  # noqa: E402
+from qwen3_shapes import QWEN3, QWEN3_COMMON  # noqa: E402
 
 RANK, ALPHA = 32, 64
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SIDES = ("model.py + lora.py", "transformers + peft")
 
-QWEN3 = {  # the published config.json values that matter for speed; the weights are random
-    "Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                       tie_word_embeddings=True),
-    "Qwen3-8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     tie_word_embeddings=False),
-}
-QWEN3_COMMON = dict(model_type="qwen3", vocab_size=151936, num_key_value_heads=8, head_dim=128,
-                    rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=40960)
 GPU_BATCHES = {"Qwen3-1.7B": (16, 2048), "Qwen3-8B": (8, 2048)}  # (sequences, tokens each)
 
 
