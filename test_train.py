@@ -149,6 +149,27 @@ def test_reference_kl_full_kl_rule_minibatches_and_recomputed_old_logp(tiny_mode
     assert first["approx_kl"] > 0, "the second mini-batch of a step sees a policy that has moved"
 
 
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batches_give_the_update_of_one_batch(tiny_model_dir, tmp_path, aggregation):
+    cfg, _ = train.parse_args(tiny_args(tiny_model_dir, tmp_path, "accum", "--prompts-per-step", "4",
+                                        "--max-new-tokens", "6", "--aggregation", aggregation))
+    loss_cfg = train.loss_config(cfg)
+    model, tokenizer, _ = train.build(cfg)
+    problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
+    stops = list(range(0, len(tokenizer), 4))  # a quarter of the vocabulary ends a row: lengths differ
+    out, rewards, _ = train.sample_batch(model, tokenizer, problems, cfg, stops, step=1)
+    assert out.completion_mask.sum(1).unique().numel() > 1, "rows of different lengths exercise the trimming"
+    advantages = train.loss.group_advantages(rewards, cfg.group_size).float()
+    updated = []
+    for accum in (1, 4):
+        model, _, optimizer = train.build(cfg)
+        cfg.grad_accum = accum
+        train.policy_update(model, optimizer, out, advantages, cfg, loss_cfg, step=1)
+        updated.append({k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad})
+    for name, value in updated[0].items():
+        torch.testing.assert_close(updated[1][name], value, rtol=1e-5, atol=1e-7)
+
+
 def test_non_finite_loss_skips_the_update(tiny_model_dir, tmp_path):
     cfg, _ = train.parse_args(tiny_args(tiny_model_dir, tmp_path, "nan"))
     model, tokenizer, optimizer = train.build(cfg)

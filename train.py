@@ -344,6 +344,14 @@ def batch_of(problems: list[dict], position: int, size: int, seed: int) -> list[
     return batch
 
 
+def loss_config(cfg: Config) -> loss.LossConfig:
+    # Dr. GRPO's constant length is the generation cap: the same for every micro-batch, however
+    # much padding each one trims, so accumulated micro-batches add up to one batch's gradient.
+    return loss.LossConfig(rule=cfg.rule, delta=cfg.delta, dual_clip=_dual_clip(cfg.dual_clip),
+                           aggregation=cfg.aggregation, norm_len=cfg.max_new_tokens, kl_beta=cfg.kl_beta,
+                           kl_estimator=cfg.kl_estimator)
+
+
 def _dual_clip(text: str | None) -> float | tuple[float, float] | None:
     """--dual-clip "3" -> 3.0, "0.5,10" -> (0.5, 10.0); loss.LossConfig checks the values."""
     if text is None:
@@ -412,9 +420,7 @@ class StopRequest:
 
 def train(cfg: Config) -> dict:
     """Run (or resume) training; returns the final state with the before/after evaluations."""
-    loss_cfg = loss.LossConfig(rule=cfg.rule, delta=cfg.delta, dual_clip=_dual_clip(cfg.dual_clip),
-                               aggregation=cfg.aggregation, kl_beta=cfg.kl_beta, kl_estimator=cfg.kl_estimator)
-    loss.get_rule(loss_cfg.rule)  # an unknown rule fails here, before the model loads
+    loss_cfg = loss_config(cfg)  # first, so a bad rule or option fails before the model loads
     train_set = load_problems(cfg.dataset)
     eval_set = load_problems(cfg.eval_dataset)
     eval_set = eval_set[:cfg.eval_problems] if cfg.eval_problems else eval_set
