@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from data import arithmetic_problems, load_problems, read_problems, render_prompt, user_message
+from data import arithmetic_problems, load_problems, render_prompt, user_message
 from data import prepare
 from data.arithmetic import DEFAULT_KINDS, KINDS, problems_of
 

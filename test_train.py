@@ -16,7 +16,7 @@ import lora
 import model as modeling
 import train
 
-TIMING_KEYS = {"step_seconds", "rollout_tokens_per_s", "train_tokens_per_s"}
+TIMING_KEYS = {"step_seconds", "rollout_tokens_per_s", "reward_seconds", "train_tokens_per_s"}
 
 
 @pytest.fixture(autouse=True)
@@ -157,7 +157,8 @@ def test_micro_batches_give_the_update_of_one_batch(tiny_model_dir, tmp_path, ag
     model, tokenizer, _ = train.build(cfg)
     problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
     stops = list(range(0, len(tokenizer), 4))  # a quarter of the vocabulary ends a row: lengths differ
-    out, rewards, _ = train.sample_batch(model, tokenizer, problems, cfg, stops, step=1)
+    out = train.sample(model, tokenizer, problems, cfg, stops, step=1)
+    rewards, _ = train.score(out, problems, cfg)
     assert out.completion_mask.sum(1).unique().numel() > 1, "rows of different lengths exercise the trimming"
     advantages = train.loss.group_advantages(rewards, cfg.group_size).float()
     updated = []
@@ -175,7 +176,8 @@ def test_non_finite_loss_skips_the_update(tiny_model_dir, tmp_path):
     model, tokenizer, optimizer = train.build(cfg)
     stops = [tokenizer.eos_token_id]
     problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
-    out, rewards, _ = train.sample_batch(model, tokenizer, problems, cfg, stops, step=1)
+    out = train.sample(model, tokenizer, problems, cfg, stops, step=1)
+    rewards, _ = train.score(out, problems, cfg)
     before = {k: v.clone() for k, v in model.named_parameters() if v.requires_grad}
     advantages = torch.full((len(rewards),), float("nan"))
     with pytest.warns(UserWarning, match="update skipped"):
@@ -209,3 +211,17 @@ def test_bad_inputs_fail_before_training(tiny_model_dir, tmp_path):
         run_training(tiny_args(tiny_model_dir, tmp_path, "bad", "--dual-clip", "0.5,x"))
     with pytest.raises(FileNotFoundError, match="--resume"):
         run_training(["--resume", str(tmp_path / "missing")])
+    for flags, flag in ((["--group-size", "1"], "--group-size"), (["--checkpoint-every", "0"], "--checkpoint-every"),
+                        (["--temperature", "0"], "--temperature"), (["--format-weight", "0.1"], "--format-weight")):
+        with pytest.raises(ValueError, match=flag):
+            run_training(tiny_args(tiny_model_dir, tmp_path, "bad", *flags))
+
+
+def test_a_run_is_never_silently_restarted_or_overwritten(tiny_model_dir, tmp_path):
+    run_training(tiny_args(tiny_model_dir, tmp_path, "once", "--steps", "1"))
+    with pytest.raises(FileExistsError, match="--resume"):
+        run_training(tiny_args(tiny_model_dir, tmp_path, "once", "--steps", "2"))
+    (tmp_path / "early").mkdir()  # a run that died before its first checkpoint has nothing to resume
+    (tmp_path / "early" / "config.json").write_text(json.dumps({}))
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        run_training(["--resume", str(tmp_path / "early")])

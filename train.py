@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import random
 import shutil
@@ -114,6 +113,8 @@ PRESETS = {
         updates_per_rollout=8, rule="kl-atomic", delta=0.223, dual_clip="0.5,10", kl_beta=0.0,
         max_new_tokens=8192, steps=500, eval_every=50, eval_k=8, eval_problems=0, eval_temperature=0.6),
 }
+
+FORMATS = {"boxed": "boxed", "answer": "answer"}  # template -> the answer format its prompt asks for
 
 
 # ----------------------------------------------------------------------------- command line
@@ -223,30 +224,32 @@ def truncate_metrics(path: Path, last_step: int) -> None:
 # ----------------------------------------------------------------------------- one step
 
 
-def sample_batch(model, tokenizer, problems: list[dict], cfg: Config, stops: list[int], step: int):
-    """Rollout and rewards for one batch of prompts: (rollout, rewards [N], correct [N])."""
+def sample(model, tokenizer, problems: list[dict], cfg: Config, stops: list[int], step: int) -> rollout.Rollout:
+    """G completions for each problem, with the sampling policy's log-probs."""
     prompts = [render_prompt(tokenizer, p["problem"], cfg.template, cfg.system_prompt) for p in problems]
     model.eval()  # no LoRA dropout while sampling: the old log-probs must be the sampling policy's
-    out = rollout.generate(model, prompts, samples_per_prompt=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
-                           temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, stop_ids=stops,
-                           seed=cfg.seed * 1_000_003 + step, tokenizer=tokenizer)
+    return rollout.generate(model, prompts, samples_per_prompt=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
+                            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, stop_ids=stops,
+                            seed=cfg.seed * 1_000_003 + step, tokenizer=tokenizer)
+
+
+def score(out: rollout.Rollout, problems: list[dict], cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rewards [N], correct [N]): correctness, plus the optional format term of the template's format."""
     references = [p["answer"] for p in problems for _ in range(cfg.group_size)]
     correct = torch.tensor(reward.reward(out.texts, references))
-    rewards = correct.clone()
-    if cfg.format_weight:
-        answer_format = {"boxed": "boxed", "answer": "answer"}.get(cfg.template)
-        rewards += cfg.format_weight * torch.tensor([float(reward.has_format(t, answer_format)) for t in out.texts])
-    return out, rewards, correct
+    if not cfg.format_weight:
+        return correct, correct
+    formatted = torch.tensor([float(reward.has_format(t, FORMATS[cfg.template])) for t in out.texts])
+    return correct + cfg.format_weight * formatted, correct
 
 
 def policy_update(model, optimizer, out, advantages: torch.Tensor, cfg: Config, loss_cfg: loss.LossConfig,
                   step: int) -> dict:
     """updates_per_rollout optimizer steps over mini-batches, each summed over grad_accum micro-batches."""
-    model.train()
+    frozen = _frozen_passes(model, out, cfg, loss_cfg)  # leaves the model in train mode
     params = [p for p in model.parameters() if p.requires_grad]
     old_logp, mask = out.old_logp, out.completion_mask
     P = out.prompt_len
-    frozen = _frozen_passes(model, out, cfg, loss_cfg)
     if cfg.recompute_old_logp:
         old_logp = frozen["old_logp"]
     order = torch.randperm(len(mask), generator=torch.Generator().manual_seed(cfg.seed + step))
@@ -265,7 +268,7 @@ def policy_update(model, optimizer, out, advantages: torch.Tensor, cfg: Config, 
                 extra["ref_logp"] = frozen["ref_logp"][rows, :C]
             if "old_hidden" in frozen:  # the region test needs no gradient through the KL
                 with torch.no_grad():  # the states at positions P-1 .. hi-2 predict the completion tokens
-                    extra["vocab_kl"] = loss.full_vocab_kl(frozen["old_hidden"][rows, P - 1:hi - 1],
+                    extra["vocab_kl"] = loss.full_vocab_kl(frozen["old_hidden"][rows, :C],
                                                            h[:, P - 1 - lo:hi - 1 - lo], model.lm_head.weight,
                                                            temperature=cfg.temperature)
             value, metrics = loss.policy_loss(logp, old_logp[rows, :C], advantages[rows], mask[rows, :C],
@@ -274,7 +277,7 @@ def policy_update(model, optimizer, out, advantages: torch.Tensor, cfg: Config, 
             losses.append(value.detach())
             m = mask[rows, :C]
             metrics["entropy"] = float((entropy.detach() * m).sum() / m.sum().clamp(min=1))
-            records.append(metrics)
+            records.append((metrics, int(m.sum())))
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         total = torch.stack(losses).sum()
         if torch.isfinite(total) and torch.isfinite(grad_norm):
@@ -294,7 +297,8 @@ def policy_update(model, optimizer, out, advantages: torch.Tensor, cfg: Config, 
 def _frozen_passes(model, out, cfg: Config, loss_cfg: loss.LossConfig) -> dict:
     """Forward passes without gradient that some settings need before the policy moves.
 
-    They run in micro-batches of the training size, so they never need more memory than training.
+    They run in eval mode (no LoRA dropout: the sampling policy is deterministic) and in micro-batches
+    of the training size. old_hidden keeps the states that predict completion tokens, [N, C, hidden].
     """
     P = out.prompt_len
     wanted = {
@@ -303,6 +307,7 @@ def _frozen_passes(model, out, cfg: Config, loss_cfg: loss.LossConfig) -> dict:
         "old_hidden": loss_cfg.rule == "kl_full",  # the exact KL needs the sampling policy's distribution
     }
     parts = {name: [] for name, on in wanted.items() if on}
+    model.eval()
     with torch.no_grad():
         for rows in torch.arange(len(out.input_ids)).chunk(cfg.updates_per_rollout * cfg.grad_accum):
             ids, pad = out.input_ids[rows], out.pad_mask[rows]
@@ -312,7 +317,8 @@ def _frozen_passes(model, out, cfg: Config, loss_cfg: loss.LossConfig) -> dict:
                 with lora.disabled(model):  # the frozen base is the reference policy
                     parts["ref_logp"].append(model.token_logprobs(ids, pad, temperature=cfg.temperature)[0][:, P:])
             if wanted["old_hidden"]:
-                parts["old_hidden"].append(model.hidden(ids, pad))
+                parts["old_hidden"].append(model.hidden(ids, pad)[:, P - 1:-1])
+    model.train()
     return {name: torch.cat(chunks) for name, chunks in parts.items()}
 
 
@@ -323,8 +329,12 @@ def _trim(input_ids: torch.Tensor, pad_mask: torch.Tensor):
     return input_ids[:, lo:hi], pad_mask[:, lo:hi], lo, hi
 
 
-def _mean_of(records: list[dict]) -> dict:
-    return {key: float(np.mean([r[key] for r in records])) for key in records[0]}
+def _mean_of(records: list[tuple[dict, int]]) -> dict:
+    """One step's metrics from its micro-batches': extremes for ratio_min/max, else token-weighted means."""
+    metrics, tokens = [r for r, _ in records], [n for _, n in records]
+    reduced = {key: float(np.average([m[key] for m in metrics], weights=tokens)) for key in metrics[0]}
+    reduced.update(ratio_min=min(m["ratio_min"] for m in metrics), ratio_max=max(m["ratio_max"] for m in metrics))
+    return reduced
 
 
 # ----------------------------------------------------------------------------- the run
@@ -418,20 +428,43 @@ class StopRequest:
         print("\nstopping after this step (press Ctrl-C again to abort without saving)", file=sys.stderr)
 
 
+def validate(cfg: Config) -> None:
+    """Settings that would fail only after the model loads fail here, naming the flag."""
+    for ok, message in (
+        (cfg.group_size >= 2, f"--group-size {cfg.group_size}: GRPO compares at least 2 samples per prompt"),
+        (cfg.prompts_per_step >= 1, f"--prompts-per-step {cfg.prompts_per_step}: must be >= 1"),
+        (cfg.updates_per_rollout >= 1, f"--updates-per-rollout {cfg.updates_per_rollout}: must be >= 1"),
+        (cfg.grad_accum >= 1, f"--grad-accum {cfg.grad_accum}: must be >= 1"),
+        (cfg.checkpoint_every >= 1, f"--checkpoint-every {cfg.checkpoint_every}: must be >= 1"),
+        (cfg.temperature > 0, f"--temperature {cfg.temperature}: training needs sampling (> 0); greedy "
+                              "samples of a prompt are identical and carry no signal"),
+        (cfg.steps >= 0 and cfg.eval_every >= 0 and cfg.eval_problems >= 0 and cfg.eval_k >= 1,
+         "--steps, --eval-every and --eval-problems must be >= 0 and --eval-k >= 1"),
+        (not cfg.format_weight or cfg.template in FORMATS,
+         f"--format-weight needs a template that asks for a format ({', '.join(FORMATS)}), not {cfg.template!r}"),
+    ):
+        if not ok:
+            raise ValueError(message)
+
+
 def train(cfg: Config) -> dict:
     """Run (or resume) training; returns the final state with the before/after evaluations."""
+    validate(cfg)
     loss_cfg = loss_config(cfg)  # first, so a bad rule or option fails before the model loads
     train_set = load_problems(cfg.dataset)
     eval_set = load_problems(cfg.eval_dataset)
     eval_set = eval_set[:cfg.eval_problems] if cfg.eval_problems else eval_set
     run_dir = Path(cfg.out_dir) / (cfg.run_name or time.strftime("%Y%m%d-%H%M%S"))
+    if not cfg.resume and (run_dir / "latest").exists():
+        raise FileExistsError(f"{run_dir} already holds a run: continue it with --resume {run_dir}, "
+                              "or pick another --run-name")
     run_dir.mkdir(parents=True, exist_ok=True)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     model, tokenizer, optimizer = build(cfg)
     stops = evaluation.stop_ids(model, tokenizer)
     metrics_file = run_dir / "metrics.jsonl"
-    if (run_dir / "latest").is_file():
+    if cfg.resume:
         state = load_checkpoint(run_dir, model, optimizer)
         truncate_metrics(metrics_file, state["step"])
         print(f"resumed {run_dir} at step {state['step']}")
@@ -471,9 +504,12 @@ def train_step(model, optimizer, tokenizer, train_set, cfg: Config, loss_cfg, st
     step = state["step"] + 1
     start = time.perf_counter()
     problems = batch_of(train_set, state["data_position"], cfg.prompts_per_step, cfg.seed)
-    out, rewards, correct = sample_batch(model, tokenizer, problems, cfg, stops, step)
+    out = sample(model, tokenizer, problems, cfg, stops, step)
     sampled = time.perf_counter()
+    rewards, correct = score(out, problems, cfg)
+    scored = time.perf_counter()
     advantages = loss.group_advantages(rewards, cfg.group_size, std=cfg.adv_std).float()
+    trained = time.perf_counter()
     update = policy_update(model, optimizer, out, advantages, cfg, loss_cfg, step)
     done = time.perf_counter()
     state.update(step=step, data_position=state["data_position"] + cfg.prompts_per_step)
@@ -483,7 +519,8 @@ def train_step(model, optimizer, tokenizer, train_set, cfg: Config, loss_cfg, st
             "completion_length": float(lengths.mean()), "truncated": float(out.truncated.float().mean()),
             **update, "step_seconds": done - start,
             "rollout_tokens_per_s": float(lengths.sum()) / (sampled - start),
-            "train_tokens_per_s": trained_tokens * cfg.updates_per_rollout / (done - sampled)}
+            "reward_seconds": scored - sampled,
+            "train_tokens_per_s": trained_tokens / (done - trained)}  # each row trains once per step
 
 
 def _keep_best(run_dir: Path, model, state: dict, result: dict) -> None:
@@ -519,7 +556,7 @@ def _resumed_config(cfg: Config, given: set[str]) -> Config:
         raise FileNotFoundError(f"--resume {run_dir}: not a run directory (no config.json)")
     saved = json.loads(saved_file.read_text())
     merged = {**saved, **{name: getattr(cfg, name) for name in given}}
-    merged.update(run_name=run_dir.name, out_dir=str(run_dir.parent), resume=None)
+    merged.update(run_name=run_dir.name, out_dir=str(run_dir.parent), resume=str(run_dir))
     return Config(**merged)
 
 
