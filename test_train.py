@@ -39,6 +39,14 @@ def run_training(argv: list[str]) -> dict:
     return train.train(cfg)
 
 
+def launch(args: list[str], log: Path) -> subprocess.Popen:
+    """train.py in its own process, so a test can signal it. Its stderr (progress bars, tracebacks) goes
+    to a file: a pipe nobody reads would fill up and stall the run."""
+    with log.open("w") as stderr:
+        return subprocess.Popen([sys.executable, "train.py", *args], cwd=Path(train.__file__).parent,
+                                stdout=subprocess.DEVNULL, stderr=stderr)
+
+
 def metric_lines(run_dir: Path) -> list[dict]:
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in line.items() if k not in TIMING_KEYS} for line in lines]
@@ -82,8 +90,7 @@ def test_resume_reproduces_an_uninterrupted_run(tiny_model_dir, tmp_path):
 def test_sigkill_loses_only_steps_after_the_last_checkpoint(tiny_model_dir, tmp_path):
     args = tiny_args(tiny_model_dir, tmp_path, "killed", "--steps", "1000000", "--checkpoint-every", "1",
                      "--eval-problems", "1", "--eval-k", "1")
-    proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=Path(train.__file__).parent,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = launch(args, tmp_path / "killed.log")
     run_dir = tmp_path / "killed"
     deadline = time.time() + 120
     try:
@@ -103,16 +110,15 @@ def test_sigkill_loses_only_steps_after_the_last_checkpoint(tiny_model_dir, tmp_
 def test_ctrl_c_checkpoints_the_step_in_progress_and_resumes(tiny_model_dir, tmp_path):
     args = tiny_args(tiny_model_dir, tmp_path, "interrupted", "--steps", "1000000", "--checkpoint-every", "1000",
                      "--eval-problems", "1", "--eval-k", "1")
-    proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=Path(train.__file__).parent,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = launch(args, tmp_path / "interrupted.log")
     metrics = tmp_path / "interrupted" / "metrics.jsonl"
     deadline = time.time() + 120
     while not metrics.exists() or len(metrics.read_text().splitlines()) < 2:
         assert proc.poll() is None and time.time() < deadline, "training did not reach step 2"
         time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 0, stderr
+    proc.wait(timeout=60)
+    assert proc.returncode == 0, (tmp_path / "interrupted.log").read_text()[-2000:]
     saved_step = _latest_step(tmp_path / "interrupted")  # no periodic checkpoint was due: Ctrl-C wrote it
     assert saved_step >= 2 and len(metric_lines(tmp_path / "interrupted")) == saved_step
     state = run_training(["--resume", str(tmp_path / "interrupted"), "--steps", str(saved_step + 1)])

@@ -114,7 +114,7 @@ PRESETS = {
         max_new_tokens=8192, steps=500, eval_every=50, eval_k=8, eval_problems=0, eval_temperature=0.6),
 }
 
-FORMATS = {"boxed": "boxed", "answer": "answer"}  # template -> the answer format its prompt asks for
+FORMATTED_TEMPLATES = ("boxed", "answer")  # templates whose prompt asks for an answer format of that name
 
 
 # ----------------------------------------------------------------------------- command line
@@ -239,7 +239,7 @@ def score(out: rollout.Rollout, problems: list[dict], cfg: Config) -> tuple[torc
     correct = torch.tensor(reward.reward(out.texts, references))
     if not cfg.format_weight:
         return correct, correct
-    formatted = torch.tensor([float(reward.has_format(t, FORMATS[cfg.template])) for t in out.texts])
+    formatted = torch.tensor([float(reward.has_format(t, cfg.template)) for t in out.texts])
     return correct + cfg.format_weight * formatted, correct
 
 
@@ -440,8 +440,9 @@ def validate(cfg: Config) -> None:
                               "samples of a prompt are identical and carry no signal"),
         (cfg.steps >= 0 and cfg.eval_every >= 0 and cfg.eval_problems >= 0 and cfg.eval_k >= 1,
          "--steps, --eval-every and --eval-problems must be >= 0 and --eval-k >= 1"),
-        (not cfg.format_weight or cfg.template in FORMATS,
-         f"--format-weight needs a template that asks for a format ({', '.join(FORMATS)}), not {cfg.template!r}"),
+        (not cfg.format_weight or cfg.template in FORMATTED_TEMPLATES,
+         f"--format-weight needs a template that asks for a format ({', '.join(FORMATTED_TEMPLATES)}), "
+         f"not {cfg.template!r}"),
     ):
         if not ok:
             raise ValueError(message)
