@@ -138,26 +138,36 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos, sin of shape [B, 1, T, head_dim] for integer positions [B, T]."""
+    """cos and signed sin, each [B, 1, T, head_dim], for integer positions [B, T].
+
+    Dimension i pairs with i + head_dim/2 (the Hugging Face layout). The sin of the first half carries
+    the rotation's minus sign, so apply_rope needs one roll instead of slicing, negating and concatenating.
+    """
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
     angles = positions.float()[..., None] * inv_freq  # [B, T, head_dim/2]
-    angles = torch.cat([angles, angles], dim=-1)[:, None]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([cos, cos], dim=-1)[:, None].to(dtype), torch.cat([-sin, sin], dim=-1)[:, None].to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1]: the minus sign lives in signed_sin."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 class KVCache:
-    """Preallocated keys and values for every layer: [layers, B, kv_heads, max_len, head_dim].
+    """Preallocated keys and values for every layer: [layers, groups, kv_heads, max_len, head_dim].
 
-    All rows write their new tokens into the same slots; `valid` marks which slots hold real
-    tokens (left padding stays invalid) and `next_pos` is each row's next RoPE position.
-    `slot` is `length` as a [1] tensor on the device, for decode_step, which must not read
-    Python numbers that change between steps.
+    Rows come in groups of `group` that share the first `shared` slots (a prompt, stored once) and
+    then interleave their own tokens time-major: the t-th own token of member g of a group sits at
+    slot shared + t * group + g, so the slots filled so far are always one contiguous range. A cache
+    from new_cache has groups of one row: a plain per-row cache. fork(G) turns a filled cache of B
+    prompts into B groups of G rows without copying anything, and attention then reads each group's
+    slots once for all G rows' queries, in one kernel call per layer.
+
+    `valid` [rows, max_len] marks the slots each row sees (its group's real prompt tokens and its own
+    tokens); `next_pos` [rows] is each row's next RoPE position. `length` slots are filled; `slot` is
+    the same number as a [1] tensor on the device, for decode_step, which must not read Python
+    numbers that change between steps.
     """
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, device):
@@ -168,29 +178,79 @@ class KVCache:
         self.next_pos = torch.zeros(batch, dtype=torch.long, device=device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
         self.length = 0
+        self.group, self.shared = 1, 0
+        self.member = torch.zeros(batch, dtype=torch.long, device=device)  # [rows] place in the group
 
     @property
     def max_len(self) -> int:
         return self.k.shape[3]
 
-    def repeat_interleave(self, repeats: int) -> KVCache:
-        """A cache whose row i*repeats + j is a copy of row i: one prefill serves G samples."""
-        rows = torch.arange(self.valid.shape[0], device=self.valid.device).repeat_interleave(repeats)
-        return self.select(rows)
+    def fork(self, group: int) -> KVCache:
+        """A cache of `group` rows per row of this one, each continuing this row's contents, which
+        they share (no copy). The slots left hold (max_len - length) // group new tokens per row."""
+        if self.group != 1:
+            raise ValueError(f"fork: the cache is already forked into groups of {self.group}")
+        out = object.__new__(KVCache)
+        out.k, out.v = self.k, self.v
+        out.valid = self.valid.repeat_interleave(group, dim=0)
+        out.next_pos = self.next_pos.repeat_interleave(group)
+        out.slot, out.length = self.slot.clone(), self.length
+        out.group, out.shared = group, self.length
+        out.member = torch.arange(len(out.next_pos), device=self.slot.device) % group
+        return out
+
+    def write(self, layer: int, slots, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store one layer's new keys and values [rows, kv_heads, T, head_dim] at `slots` (T * group of
+        them: a slice, or a tensor in decode_step), in the group's time-major order."""
+        rows, kv_heads, T, head_dim = keys.shape
+        groups, G = rows // self.group, self.group
+        for cache, new in ((self.k, keys), (self.v, values)):
+            cache[layer, :, :, slots] = new.reshape(groups, G, kv_heads, T, head_dim).permute(0, 2, 3, 1, 4).reshape(
+                groups, kv_heads, T * G, head_dim)
 
     def select(self, rows: torch.Tensor) -> KVCache:
-        """A cache holding copies of the given rows ([R] long or [B] bool), e.g. to drop finished ones."""
+        """A cache of groups of one holding copies of the given rows ([R] long or [rows] bool), e.g. to
+        drop finished ones; each row keeps the room for new tokens it had."""
+        if rows.dtype == torch.bool:
+            rows = rows.nonzero()[:, 0]
+        G, P, R = self.group, self.shared, len(rows)
+        T, room = (self.length - P) // G, (self.max_len - self.length) // G  # own tokens so far, and to come
+        owners, members = rows // G, self.member[rows]
         out = object.__new__(KVCache)
-        out.k, out.v = self.k[:, rows], self.v[:, rows]
-        out.valid, out.next_pos = self.valid[rows], self.next_pos[rows]
-        out.slot, out.length = self.slot.clone(), self.length
+        layers, _, kv_heads, _, head_dim = self.k.shape
+        out.k, out.v = (self.k.new_zeros(layers, R, kv_heads, P + T + room, head_dim) for _ in range(2))
+        for new, old in ((out.k, self.k), (out.v, self.v)):
+            new[:, :, :, :P] = old[:, owners, :, :P]
+            own = old[:, :, :, P:self.length].unflatten(3, (T, G))  # [layers, groups, kv, T, G, D]
+            new[:, :, :, P:P + T] = own[:, owners, :, :, members].movedim(0, 1)  # indexed dim comes first
+        out.valid = self.valid.new_zeros(R, P + T + room)
+        out.valid[:, :P] = self.valid[rows, :P]
+        out.valid[:, P:P + T] = self.valid[rows, P:self.length].unflatten(1, (T, G))[torch.arange(R), :, members]
+        out.next_pos = self.next_pos[rows]
+        out.length = P + T
+        out.slot = torch.full_like(self.slot, out.length)
+        out.group, out.shared = 1, 0
+        out.member = torch.zeros_like(out.next_pos)
         return out
 
     def advance(self, alive: torch.Tensor) -> None:
-        """Move past one Transformer.decode_step; rows where alive [B] is False keep their position."""
+        """Move past one Transformer.decode_step; rows where alive [rows] is False keep their position."""
         self.next_pos += alive
-        self.slot += 1
-        self.length += 1
+        self.slot += self.group
+        self.length += self.group
+
+
+def attention_bias(mask: torch.Tensor, group: int, heads_per_kv: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask for cached attention, [groups, 1, group * heads_per_kv * T, L], from which of
+    the L slots each row's T queries see, mask [rows, T, L]. Built once per forward pass, not per layer.
+
+    Cached attention folds a group's rows and the query heads sharing a kv head into one query axis,
+    ordered (member, head, t), so the mask repeats per folded head.
+    """
+    rows, T, L = mask.shape
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    bias = bias.view(rows // group, group, 1, T, L).expand(-1, -1, heads_per_kv, -1, -1)
+    return bias.reshape(rows // group, 1, group * heads_per_kv * T, L)
 
 
 class Attention(nn.Module):
@@ -206,7 +266,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, layer: int, cache: KVCache | None, cache_mask, slots):
+    def forward(self, x, cos, sin, layer: int, cache: KVCache | None, bias, slots):
         B, T, _ = x.shape
         cfg = self.cfg
         q = self.q_proj(x).view(B, T, cfg.num_heads, cfg.head_dim)
@@ -217,25 +277,22 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
         else:
-            out = self._attend_cached(q, k, v, layer, cache, cache_mask, slots)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+            out = self._attend_cached(q, k, v, layer, cache, bias, slots)
+        return self.o_proj(out.reshape(B, T, -1))
 
-    def _attend_cached(self, q, k, v, layer, cache, cache_mask, slots):
-        # slots (a slice, or a tensor in decode_step) says where the new keys go; the mask's last
-        # dim says how many slots to attend over: those filled so far, or all of them in decode_step.
-        cache.k[layer, :, :, slots] = k
-        cache.v[layer, :, :, slots] = v
-        end = cache_mask.shape[-1]
-        keys, values = cache.k[layer, :, :, :end], cache.v[layer, :, :, :end]
-        # Fold the query heads that share a kv head into the time axis, [B, kv_heads, rep*T, D],
-        # so the cached keys are read once instead of being copied per query head.
-        B, H, T, D = q.shape
-        rep = H // self.cfg.num_kv_heads
-        q = q.reshape(B, self.cfg.num_kv_heads, rep * T, D)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=cache_mask.repeat(1, 1, rep, 1))
-        return out.reshape(B, H, T, D)
+    def _attend_cached(self, q, k, v, layer, cache, bias, slots):
+        """[rows, T, heads, D] attention output over the cache's first bias.shape[-1] slots."""
+        cache.write(layer, slots, k, v)
+        end = bias.shape[-1]
+        # One query axis per (group, kv head): the group's rows times the query heads that share the
+        # kv head, so each cached key is read once for all of them, with no copy per query head.
+        rows, H, T, D = q.shape
+        groups, G, kv_heads = rows // cache.group, cache.group, self.cfg.num_kv_heads
+        q = q.reshape(groups, G, kv_heads, H // kv_heads, T, D).transpose(1, 2).reshape(groups, kv_heads, -1, D)
+        out = F.scaled_dot_product_attention(q, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end], attn_mask=bias)
+        return out.reshape(groups, kv_heads, G, H // kv_heads, T, D).permute(0, 2, 4, 1, 3, 5).reshape(rows, T, H, D)
 
 
 class MLP(nn.Module):
@@ -257,8 +314,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, layer=0, cache=None, cache_mask=None, slots=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, cache_mask, slots)
+    def forward(self, x, cos, sin, layer=0, cache=None, bias=None, slots=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, bias, slots)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -312,52 +369,63 @@ class Transformer(nn.Module):
         scatter = (torch.arange(T, device=input_ids.device) - shift[:, None]) % T
         return h.gather(1, scatter[..., None].expand_as(h))
 
-    def _run_blocks(self, input_ids, positions, cache=None, cache_mask=None, slots=None):
+    def _run_blocks(self, input_ids, positions, cache=None, mask=None, slots=None):
+        """The blocks; with a cache, mask [rows, T, L] says which of the cache's first L slots each query sees."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        bias = None
+        if cache is not None:
+            bias = attention_bias(mask, cache.group, self.config.num_heads // self.config.num_kv_heads, x.dtype)
         for i, block in enumerate(self.model.layers):
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and cache is None:
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)
             else:
-                x = block(x, cos, sin, i, cache, cache_mask, slots)
+                x = block(x, cos, sin, i, cache, bias, slots)
         return self.model.norm(x)
 
     def _hidden_cached(self, input_ids, pad_mask, cache: KVCache):
-        B, T = input_ids.shape
+        rows, T = input_ids.shape
         if pad_mask is None:
             pad_mask = torch.ones_like(input_ids, dtype=torch.bool)
-        start, end = cache.length, cache.length + T
+        start, end = cache.length, cache.length + T * cache.group
         if end > cache.max_len:
-            raise ValueError(f"KV cache overflow: {end} tokens do not fit in max_len={cache.max_len}")
+            raise ValueError(f"KV cache overflow: {T} more tokens per row need {end} slots; max_len={cache.max_len}")
         positions = cache.next_pos[:, None] + pad_mask.long().cumsum(1) - 1
-        cache.valid[:, start:end] = pad_mask
-        slots = torch.arange(end, device=input_ids.device)
-        causal = slots[None, :] <= (start + torch.arange(T, device=input_ids.device))[:, None]  # [T, end]
-        # A pad query sees only its own slot: its output is never used, but it must not be NaN.
-        own = slots[None, :] == (start + torch.arange(T, device=input_ids.device))[:, None]
-        cache_mask = (causal & cache.valid[:, None, :end]) | own  # [B, T, end]
-        h = self._run_blocks(input_ids, positions.clamp(min=0), cache, cache_mask[:, None], slice(start, end))
+        device = input_ids.device
+        own = start + torch.arange(T, device=device) * cache.group + cache.member[:, None]  # [rows, T] new slots
+        cache.valid.scatter_(1, own, pad_mask)
+        slots = torch.arange(end, device=device)
+        # Causal over the row's own slots; a pad query sees only its own slot: its output is never
+        # used, but it must not be NaN.
+        mask = ((slots <= own[..., None]) & cache.valid[:, None, :end]) | (slots == own[..., None])  # [rows, T, end]
+        h = self._run_blocks(input_ids, positions.clamp(min=0), cache, mask, slice(start, end))
         cache.length = end
         cache.slot.fill_(end)
         cache.next_pos += pad_mask.sum(1)
         return h
 
     def decode_step(self, tokens: torch.Tensor, alive: torch.Tensor, cache: KVCache,
-                    span: int | None = None) -> torch.Tensor:
-        """Logits [B, V] for one token per row (tokens [B] long, alive [B] bool) written at cache.slot.
+                    whole_cache: bool = True) -> torch.Tensor:
+        """Logits [rows, V] for one token per row (tokens [rows] long, alive [rows] bool), written at the
+        group's next `group` slots.
 
-        The fixed-shape twin of model(tokens[:, None], alive[:, None], cache): with span=None it
+        The fixed-shape twin of model(tokens[:, None], alive[:, None], cache): with whole_cache it
         attends over every cache slot (unwritten ones are invalid) and reads no Python number that
         changes between steps, so one CUDA-graph capture serves every step. Eager callers pass
-        span=cache.length + 1 to attend over the filled slots only. It does not move the cache
-        forward; call cache.advance(alive) after it, which also makes a repeated call harmless.
+        whole_cache=False to attend over the filled slots only, and write through a slice, which is
+        cheaper than a tensor index. It does not move the cache forward; call cache.advance(alive)
+        after it, which also makes a repeated call harmless.
         """
-        span = cache.max_len if span is None else span
-        slots = torch.arange(span, device=tokens.device)
-        cache.valid[:, cache.slot] = alive[:, None]
+        device, G = tokens.device, cache.group
+        if whole_cache:
+            span, slots = cache.max_len, cache.slot + torch.arange(G, device=device)
+        else:
+            span, slots = cache.length + G, slice(cache.length, cache.length + G)
+        own = cache.slot + cache.member  # [rows] each row's new slot
+        cache.valid.scatter_(1, own[:, None], alive[:, None])
         # A finished row's query sees only its own slot: its output is never used, but it must not be NaN.
-        cache_mask = cache.valid[:, :span] | (slots == cache.slot)  # [B, span]
-        h = self._run_blocks(tokens[:, None], cache.next_pos[:, None], cache, cache_mask[:, None, None], cache.slot)
+        mask = cache.valid[:, :span] | (torch.arange(span, device=device) == own[:, None])  # [rows, span]
+        h = self._run_blocks(tokens[:, None], cache.next_pos[:, None], cache, mask[:, None], slots)
         return self.lm_head(h[:, 0])
 
     def forward(self, input_ids: torch.Tensor, pad_mask: torch.Tensor | None = None,

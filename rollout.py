@@ -1,10 +1,12 @@
 """Sampling G completions per prompt with a KV cache: the rollout half of a GRPO step.
 
 Sampling takes most of a GRPO step's wall clock, so this file is built for speed while staying plain:
-- each distinct prompt is prefilled once (one left-padded batch) and its cache copied to its G samples;
+- each distinct prompt is prefilled once (one left-padded batch) and its cache shared by its G samples:
+  the prompt's keys are stored once and attention reads them once for all G rows (KVCache.fork);
 - every decode step feeds one token per row through Transformer.decode_step, whose shapes never change,
   so on CUDA it is captured once in a CUDA graph and replayed without Python or launch overhead;
-- on CPU the same step runs eagerly, and rows that finished are dropped from the batch as they pile up;
+- on CPU the same step runs eagerly, and rows that finished are dropped from the batch as they pile up
+  (the rows kept then take their own copy of their prompt's keys);
 - a token is drawn by inverse-CDF sampling (one uniform number per row) instead of torch.multinomial,
   which draws one random number per vocabulary entry and costs as much as a third of a CPU step.
 
@@ -118,10 +120,10 @@ def _sample_rows(model, prompts, G, max_new_tokens, temperature, top_p, top_k, s
     prompt_mask = torch.tensor([[False] * (P - len(p)) + [True] * len(p) for p in prompts], device=device)
 
     # Prefill the B distinct prompts once; only the last position's logits are needed.
-    cache = model.new_cache(len(prompts), P + max_new_tokens)
+    cache = model.new_cache(len(prompts), P + G * max_new_tokens)
     last_hidden = model.hidden(prompt_ids, prompt_mask, cache)[:, -1]  # left padding: last slot is real
     logits = model.lm_head(last_hidden).repeat_interleave(G, dim=0)  # [N, V]
-    cache = cache.repeat_interleave(G)
+    cache = cache.fork(G)
 
     generator = torch.Generator(device).manual_seed(seed)
     sample = partial(_sample, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator)
@@ -173,7 +175,7 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, 
     if temperature == 0:
         tokens = logits.argmax(-1)
         return tokens, torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
-    logp = torch.log_softmax(logits / temperature, dim=-1)  # [R, V]
+    logp = torch.log_softmax(logits if temperature == 1 else logits / temperature, dim=-1)  # [R, V]
     cdf = _restrict(logp, top_p, top_k).exp().cumsum(-1)  # [R, V], unnormalized
     # u in (0, 1]: the first index whose cdf reaches u * total always has a nonzero probability.
     u = 1.0 - torch.rand(logits.shape[0], 1, generator=generator, device=logits.device)
@@ -201,7 +203,7 @@ def _restrict(logp: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
 
 def _eager_decode_step(model: Transformer) -> Callable:
     """model.decode_step attending over the filled cache slots only: shapes may change on the CPU."""
-    return lambda tokens, alive, cache: model.decode_step(tokens, alive, cache, span=cache.length + 1)
+    return lambda tokens, alive, cache: model.decode_step(tokens, alive, cache, whole_cache=False)
 
 
 def _graphed_decode_step(model: Transformer, cache: KVCache) -> Callable:

@@ -119,21 +119,30 @@ def test_kv_cache_decode_equals_full_forward(checkpoint):
     model = M.from_pretrained(checkpoint)
     prompts = random_rows([5, 2], model.config.vocab_size, seed=5)
     prompt_ids, prompt_mask = padded_batch(prompts, left=[0, 3], right=[0, 0])
-    samples, steps = 2, 4
+    samples, steps, P = 2, 4, prompt_ids.shape[1]
     continuation = torch.randint(3, model.config.vocab_size, (2 * samples, steps),
                                  generator=torch.Generator().manual_seed(6))
-
-    cache = model.new_cache(2, prompt_ids.shape[1] + steps)
-    prefill = model(prompt_ids, prompt_mask, cache=cache)
-    cache = cache.repeat_interleave(samples)  # rows 0,1 continue prompt 0; rows 2,3 prompt 1
-    decoded = [model(continuation[:, t:t + 1], cache=cache) for t in range(steps)]
-
     full_ids = torch.cat([prompt_ids.repeat_interleave(samples, 0), continuation], dim=1)
     full_mask = torch.cat([prompt_mask.repeat_interleave(samples, 0), torch.ones_like(continuation).bool()], dim=1)
     full = model(full_ids, full_mask)
-    P = prompt_ids.shape[1]
+
+    prompt_cache = model.new_cache(2, P + samples * steps)
+    prefill = model(prompt_ids, prompt_mask, cache=prompt_cache)
     assert (prefill - full[::samples, :P])[prompt_mask].abs().max() < 1e-4
-    assert (torch.cat(decoded, dim=1) - full[:, P:]).abs().max() < 1e-4
+
+    cache = prompt_cache.fork(samples)  # rows 0,1 continue prompt 0; rows 2,3 prompt 1
+    two = model(continuation[:, :2], cache=cache)  # two tokens at once, interleaved after the shared prompt
+    alive = torch.ones(2 * samples, dtype=torch.bool)
+    third = model.decode_step(continuation[:, 2], alive, cache, whole_cache=False)
+    cache.advance(alive)
+    assert (two - full[:, P:P + 2]).abs().max() < 1e-4
+    assert (third - full[:, P + 2]).abs().max() < 1e-4
+
+    kept = torch.tensor([3, 0, 2])  # dropping row 1 gives each kept row its own copy of its prompt
+    cache = cache.select(kept)
+    assert cache.group == 1 and cache.length == P + 3 and cache.max_len == P + 4
+    fourth = model(continuation[kept, 3:], cache=cache)
+    assert (fourth[:, 0] - full[kept, P + 3]).abs().max() < 1e-4
 
 
 @torch.no_grad()

@@ -116,8 +116,21 @@ def bench_cpu(repeats: int, dtype: torch.dtype) -> None:
     ours_generate(ours, prompts, samples, 4)  # warm-up: first-call allocations
     hf_generate(hf, prompts, samples, 4, pad_id)
     compare({"rollout.generate": lambda: ours_generate(ours, prompts, samples, new_tokens),
-             "transformers generate": lambda: hf_generate(hf, prompts, samples, new_tokens, pad_id)},
+             "transformers generate": lambda: hf_generate(hf, prompts, samples, new_tokens, pad_id),
+             "decode matrix products alone": lambda: decode_matmuls(ours, prompts_n * samples, new_tokens - 1)},
             prompts_n * samples * new_tokens, device, repeats)
+
+
+@torch.inference_mode()
+def decode_matmuls(model, rows: int, steps: int) -> None:
+    """Only the matrix products of `steps` decode steps: every linear layer and the vocabulary
+    projection on [rows, in_features] inputs. Any sampler on these weights does at least this
+    work per step; its time against both samplers' shows how much of a step is left to win."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {n: torch.randn(rows, n, dtype=model.dtype) for n in {m.in_features for m in linears}}
+    for _ in range(steps):
+        for linear in linears:
+            linear(inputs[linear.in_features])
 
 
 def build_qwen3(name: str, device: str):
@@ -155,12 +168,16 @@ def bench_gpu(repeats: int) -> None:
 
 
 def build_on_meta() -> None:
-    """Build the GPU benchmark's models and run one fixed-shape decode step on the meta device (shapes only)."""
+    """Build the GPU benchmark's models, prefill 4 prompts and run one fixed-shape decode step over
+    their 4 x 4 forked rows on the meta device (shapes only)."""
+    meta = torch.device("meta")
     for name in QWEN3:
         hf, ours = build_qwen3(name, "meta")
-        cache = ours.new_cache(16, 384)
-        logits = ours.decode_step(torch.zeros(16, dtype=torch.long, device="meta"),
-                                  torch.ones(16, dtype=torch.bool, device="meta"), cache)
+        prompt_cache = ours.new_cache(4, 128 + 4 * 256)
+        ours.hidden(torch.zeros(4, 128, dtype=torch.long, device=meta), None, prompt_cache)
+        cache = prompt_cache.fork(4)
+        logits = ours.decode_step(torch.zeros(16, dtype=torch.long, device=meta),
+                                  torch.ones(16, dtype=torch.bool, device=meta), cache)
         assert logits.shape == (16, ours.config.vocab_size)
         params = sum(p.numel() for p in ours.parameters())
         print(f"{name}: built on meta, {params / 1e9:.2f}B {ours.dtype} parameters, {ours.config.num_layers} "
