@@ -86,6 +86,19 @@ def test_decode_step_matches_growing_cache(model):
             assert not logits.isnan().any()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA-graph decode step needs a CUDA device")
+def test_cuda_graph_sampler_matches_cpu_and_fresh_forward(model, tiny_model_dir):
+    gpu = load_checkpoint_dir(tiny_model_dir, device="cuda")
+    stop_ids = [7, 21, 99]
+    on_gpu, on_cpu = sample(gpu, temperature=0.0, stop_ids=stop_ids), sample(model, temperature=0.0, stop_ids=stop_ids)
+    assert on_gpu.completions == on_cpu.completions
+    torch.testing.assert_close(on_gpu.old_logp.cpu(), on_cpu.old_logp, rtol=0, atol=1e-4)
+    out = sample(gpu, temperature=1.0, stop_ids=stop_ids)
+    with torch.no_grad():
+        logp, _ = gpu.token_logprobs(out.input_ids, out.pad_mask)
+    torch.testing.assert_close(out.old_logp, logp[:, out.prompt_len:] * out.completion_mask, rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9), (1.3, 0, 0.8), (0.0, 0, 1.0)])
 def test_old_logp_equals_fresh_forward(model, temperature, top_k, top_p):
     out = sample(model, temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=[7, 21, 99, 150])
@@ -93,6 +106,17 @@ def test_old_logp_equals_fresh_forward(model, temperature, top_k, top_p):
     logp, _ = model.token_logprobs(out.input_ids, out.pad_mask, temperature=temperature or 1.0)
     expected = logp[:, out.prompt_len:] * out.completion_mask
     torch.testing.assert_close(out.old_logp, expected, rtol=0, atol=1e-5)
+
+
+def test_rows_that_stop_at_once_leave_before_the_first_decode_step(model):
+    # Prompt 1's greedy rows stop on their first token, so the batch is compacted before any decode
+    # step: the kept rows take their prompt's keys out of the shared cache with no own tokens yet.
+    first_token = sample(model, temperature=0.0, max_new_tokens=1).completion_ids[3, 0].item()
+    out = sample(model, temperature=0.0, max_new_tokens=6, stop_ids=[first_token])
+    lengths = [len(c) for c in out.completions]
+    assert lengths[3:6] == [1, 1, 1] and max(lengths) == 6
+    logp, _ = model.token_logprobs(out.input_ids, out.pad_mask)
+    torch.testing.assert_close(out.old_logp, logp[:, out.prompt_len:] * out.completion_mask, rtol=0, atol=1e-5)
 
 
 def test_seeded_sampling_is_reproducible(model):
