@@ -208,9 +208,9 @@ def compare(model_name: str, device: str, batch: int, seq: int, steps: int) -> N
           f"{ratio('peak'):>10} {ratio('step'):>10}")
 
 
-def check_on_meta() -> None:
+def check_on_meta(models: list[str]) -> None:
     """Build both Qwen3 sides on the meta device and run our step there: shapes and wiring only."""
-    for name in QWEN3:
+    for name in models:
         ours, theirs = build_ours(name, "meta"), build_peft(name, "meta")
         ours_lora = sum(p.numel() for p in lora.parameters(ours))
         peft_lora = sum(p.numel() for p in theirs.parameters() if p.requires_grad)
@@ -227,11 +227,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda", "meta"], default="cpu")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per side; the best one counts")
+    parser.add_argument("--models", nargs="+", choices=list(QWEN3), default=list(QWEN3),
+                        help="GPU and meta: which Qwen3 shapes (one at a time fits a short device session)")
     args = parser.parse_args()
     if args.device == "meta":
-        check_on_meta()
+        check_on_meta(args.models)
     elif args.device == "cuda":
-        for name, (batch, seq) in GPU_BATCHES.items():
+        for name in args.models:
+            batch, seq = GPU_BATCHES[name]
             print(f"\n{torch.cuda.get_device_name()}: {name} random bf16 weights, {batch} x {seq} tokens, "
                   f"LoRA r={RANK} on all linear layers, gradient checkpointing")
             compare(name, "cuda", batch, seq, args.steps)

@@ -7,6 +7,7 @@ static cache and torch.compile. --device meta only builds the GPU models, a chec
 No stop tokens on either side, so every row runs to full length and both produce the same token count.
 
     .venv/bin/python bench/rollout.py [--device cpu|cuda|meta] [--repeats 2] [--threads N] [--dtype bfloat16]
+                                      [--models Qwen3-1.7B Qwen3-8B]
 """
 
 from __future__ import annotations
@@ -142,12 +143,12 @@ def build_qwen3(name: str, device: str):
     return hf, ours_from_hf(hf)
 
 
-def bench_gpu(repeats: int) -> None:
+def bench_gpu(repeats: int, models: list[str]) -> None:
     from transformers import CompileConfig
 
     prompts_n, samples, prompt_len, new_tokens = 32, 8, 128, 256
     device = torch.device("cuda")
-    for name in QWEN3:
+    for name in models:
         torch.manual_seed(0)
         hf, ours = build_qwen3(name, "cuda")
         prompts = torch.randint(1000, 100000, (prompts_n, prompt_len)).tolist()
@@ -167,11 +168,11 @@ def bench_gpu(repeats: int) -> None:
         torch.cuda.empty_cache()
 
 
-def build_on_meta() -> None:
+def build_on_meta(models: list[str]) -> None:
     """Build the GPU benchmark's models, prefill 4 prompts and run one fixed-shape decode step over
     their 4 x 4 forked rows on the meta device (shapes only)."""
     meta = torch.device("meta")
-    for name in QWEN3:
+    for name in models:
         hf, ours = build_qwen3(name, "meta")
         prompt_cache = ours.new_cache(4, 128 + 4 * 256)
         ours.hidden(torch.zeros(4, 128, dtype=torch.long, device=meta), None, prompt_cache)
@@ -190,13 +191,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per sampler; the best one counts")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="CPU weights")
+    parser.add_argument("--models", nargs="+", choices=list(QWEN3), default=list(QWEN3),
+                        help="GPU and meta: which Qwen3 shapes (one at a time fits a short device session)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device == "cuda":
-        bench_gpu(args.repeats)
+        bench_gpu(args.repeats, args.models)
     elif args.device == "meta":
-        build_on_meta()
+        build_on_meta(args.models)
     else:
         bench_cpu(args.repeats, getattr(torch, args.dtype))
 
