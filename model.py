@@ -384,20 +384,14 @@ class Transformer(nn.Module):
         return self.model.norm(x)
 
     def _hidden_cached(self, input_ids, pad_mask, cache: KVCache):
-        rows, T = input_ids.shape
+        T = input_ids.shape[1]
         if pad_mask is None:
             pad_mask = torch.ones_like(input_ids, dtype=torch.bool)
         start, end = cache.length, cache.length + T * cache.group
         if end > cache.max_len:
             raise ValueError(f"KV cache overflow: {T} more tokens per row need {end} slots; max_len={cache.max_len}")
         positions = cache.next_pos[:, None] + pad_mask.long().cumsum(1) - 1
-        device = input_ids.device
-        own = start + torch.arange(T, device=device) * cache.group + cache.member[:, None]  # [rows, T] new slots
-        cache.valid.scatter_(1, own, pad_mask)
-        slots = torch.arange(end, device=device)
-        # Causal over the row's own slots; a pad query sees only its own slot: its output is never
-        # used, but it must not be NaN.
-        mask = ((slots <= own[..., None]) & cache.valid[:, None, :end]) | (slots == own[..., None])  # [rows, T, end]
+        mask = _mark_new_slots(cache, pad_mask, end)
         h = self._run_blocks(input_ids, positions.clamp(min=0), cache, mask, slice(start, end))
         cache.length = end
         cache.slot.fill_(end)
@@ -416,16 +410,13 @@ class Transformer(nn.Module):
         cheaper than a tensor index. It does not move the cache forward; call cache.advance(alive)
         after it, which also makes a repeated call harmless.
         """
-        device, G = tokens.device, cache.group
+        G = cache.group
         if whole_cache:
-            span, slots = cache.max_len, cache.slot + torch.arange(G, device=device)
+            span, slots = cache.max_len, cache.slot + torch.arange(G, device=tokens.device)
         else:
             span, slots = cache.length + G, slice(cache.length, cache.length + G)
-        own = cache.slot + cache.member  # [rows] each row's new slot
-        cache.valid.scatter_(1, own[:, None], alive[:, None])
-        # A finished row's query sees only its own slot: its output is never used, but it must not be NaN.
-        mask = cache.valid[:, :span] | (torch.arange(span, device=device) == own[:, None])  # [rows, span]
-        h = self._run_blocks(tokens[:, None], cache.next_pos[:, None], cache, mask[:, None], slots)
+        mask = _mark_new_slots(cache, alive[:, None], span)
+        h = self._run_blocks(tokens[:, None], cache.next_pos[:, None], cache, mask, slots)
         return self.lm_head(h[:, 0])
 
     def forward(self, input_ids: torch.Tensor, pad_mask: torch.Tensor | None = None,
@@ -476,6 +467,20 @@ class Transformer(nn.Module):
         if not with_entropy:
             return logp, logp.new_zeros(0)
         return logp, -(logp_all.exp() * logp_all).sum(-1)
+
+
+def _mark_new_slots(cache: KVCache, present: torch.Tensor, span: int) -> torch.Tensor:
+    """Mark in cache.valid the slots of each row's next T tokens (present [rows, T]: real tokens) and
+    return which of the first `span` slots each new query sees, [rows, T, span]: its row's valid
+    slots up to its own. Reads the slot from the device tensor, so decode_step stays graph-safe.
+
+    A pad or finished row's query sees only its own slot: its output is never used, but it must not be NaN.
+    """
+    T, device = present.shape[1], present.device
+    own = cache.slot + torch.arange(T, device=device) * cache.group + cache.member[:, None]  # [rows, T]
+    cache.valid.scatter_(1, own, present)
+    slots = torch.arange(span, device=device)
+    return ((slots <= own[..., None]) & cache.valid[:, None, :span]) | (slots == own[..., None])
 
 
 def _leading_pads(pad_mask: torch.Tensor) -> torch.Tensor:
