@@ -1,13 +1,15 @@
 """GRPO training: model, LoRA, rollout, reward and loss wired into one loop.
 
     python train.py                                  # the offline demo: SmolLM2-135M learns arithmetic
-    python train.py --preset atr-grpo-qwen3-1.7b     # a paper setup (needs the model and data/prepare.py)
+    python train.py --preset atr-grpo-qwen3-1.7b     # a paper's run (needs the model and data/prepare.py)
+    python train.py --preset atr-grpo-qwen3-1.7b --plan   # its memory, phase by phase, without loading it
     python train.py --resume runs/NAME               # continue a run from its last checkpoint
 
-Each step: sample prompts -> G completions per prompt (rollout.py) -> rewards (reward.py) ->
-group-normalized advantages -> one or more optimizer steps over mini-batches, each accumulated
-over micro-batches (loss.py) -> one JSON line in runs/NAME/metrics.jsonl -> periodic eval and
-checkpoint. Only the LoRA adapters train; the frozen base doubles as the reference policy.
+The file reads in the order a run executes: the config, then one step (prompts -> G completions each
+-> rewards -> group-normalized advantages -> optimizer steps over mini-batches of the rollout), then
+the loop around it (evaluation, logging, checkpoints), then the plumbing (building the model,
+checkpoint files, the command line). Only the LoRA adapters train; the frozen base doubles as the
+reference policy.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import random
 import shutil
@@ -22,6 +25,7 @@ import signal
 import sys
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,14 +36,15 @@ from tqdm import tqdm
 import eval as evaluation
 import lora
 import loss
-import model as modeling
+import memory
 import reward
 import rollout
-from data import load_problems, render_prompt
+import weights
+from data import load_problems, render_prompt, stop_ids
 
 
-def opt(default, help: str):
-    return field(default=default, metadata={"help": help})
+def opt(default, help: str, choices: tuple[str, ...] | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass
@@ -47,8 +52,9 @@ class Config:
     # model
     model: str | None = opt(None, "HF directory or hub id; empty = the offline SmolLM2-135M-Instruct")
     device: str = opt("auto", "cpu, cuda, cuda:N or auto (cuda when present)")
-    dtype: str = opt("auto", "float32, bfloat16 or auto (bfloat16 on cuda, float32 on cpu)")
-    gradient_checkpointing: str = opt("auto", "on, off or auto (on for cuda)")
+    dtype: str = opt("auto", "bfloat16 on cuda and float32 on cpu when auto", ("auto", "float32", "bfloat16"))
+    gradient_checkpointing: str = opt("auto", "recompute activations in the backward (auto: on for cuda)",
+                                      ("auto", "on", "off"))
     lora_rank: int = opt(16, "LoRA rank r")
     lora_alpha: float = opt(32.0, "LoRA alpha (scale alpha/r)")
     lora_dropout: float = opt(0.0, "dropout on the LoRA input")
@@ -56,7 +62,7 @@ class Config:
                             "comma-separated module names that get adapters")
     # data
     dataset: str = opt("arithmetic", "training set: a name from data/ or a jsonl path")
-    eval_dataset: str = opt("arithmetic_test", "held-out set: a name from data/ or a jsonl path")
+    eval_dataset: str = opt("arithmetic_test", "held-out sets, comma-separated: names from data/ or jsonl paths")
     template: str = opt("equation", "prompt template of data/templates.py: equation, plain, boxed or answer")
     system_prompt: str | None = opt("You are a helpful assistant.",
                                     "system message; empty = the chat template's own default")
@@ -67,93 +73,511 @@ class Config:
     temperature: float = opt(1.0, "sampling temperature (also used for the training log-probs)")
     top_p: float = opt(1.0, "nucleus sampling mass")
     top_k: int = opt(0, "top-k sampling; 0 = off")
-    # loss
-    rule: str = opt("grpo", "clip rule from loss.py (grpo, dapo, atr, ...; see loss.py's table)")
-    delta: float | None = opt(None, "trust-region size; empty = the rule's default")
-    dual_clip: str | None = opt(None, "dual clip: c (tokens with A < 0 and ratio > c lose their gradient) "
-                                      "or lo,hi (also A > 0 and ratio < lo); empty = off")
-    aggregation: str = opt("token-mean", "token-mean, seq-mean-token-mean or seq-mean-token-sum-norm")
-    adv_std: str = opt("group", "advantage scale: group, batch or none (Dr. GRPO)")
-    kl_beta: float = opt(0.0, "weight of the KL penalty to the frozen base")
-    kl_estimator: str = opt("k3", "k1, k2 or k3")
-    format_weight: float = opt(0.0, "reward for an answer in the template's format, added to correctness")
+    rollout_batch: int = opt(0, "prompts per sampler call; 0 = from the memory plan on a GPU, all on the CPU")
+    cuda_graphs: str = opt("auto", "replay the decode step from CUDA graphs (auto: on, eager if capture fails)",
+                           ("auto", "on", "off"))
+    format_weight: float = opt(0.0, "reward in [0, 1) for an answer in the template's format, added to correctness")
     # optimization
     steps: int = opt(20, "training steps (rollout batches)")
     lr: float = opt(3e-4, "AdamW learning rate")
     weight_decay: float = opt(0.0, "AdamW weight decay")
     grad_clip: float = opt(1.0, "max gradient norm")
     updates_per_rollout: int = opt(1, "optimizer steps (mini-batches) per rollout batch")
-    grad_accum: int = opt(1, "micro-batches per optimizer step")
-    recompute_old_logp: bool = opt(False, "recompute old log-probs with a full forward before updating "
-                                          "(the rollout's are exact in float32; bf16 kernels may differ)")
+    grad_accum: int = opt(0, "micro-batches per optimizer step; 0 = from the memory plan on a GPU, 1 on the CPU")
+    recompute_old_logp: str = opt("auto", "recompute old log-probs with the training pass before updating "
+                                          "(auto: unless float32, where the sampler's are exact)", ("auto", "on", "off"))
+    loss: loss.LossConfig = field(default_factory=loss.LossConfig)  # its fields are flags too: --rule, --delta, ...
     # evaluation
     eval_every: int = opt(0, "evaluate every N steps (0 = only before and after training)")
-    eval_problems: int = opt(0, "held-out problems used (0 = all)")
+    eval_problems: int = opt(0, "held-out problems used per set (0 = all)")
     eval_k: int = opt(8, "samples per held-out problem")
     eval_temperature: float = opt(1.0, "sampling temperature at evaluation")
+    eval_batch: int = opt(0, "held-out prompts per sampler call; 0 = from the memory plan on a GPU, 16 on the CPU")
     # run
     run_name: str | None = opt(None, "folder under out_dir; empty = a timestamp")
     out_dir: str = opt("runs", "where runs are written")
     seed: int = opt(0, "seed for data order, sampling and adapters")
     checkpoint_every: int = opt(10, "checkpoint every N steps (and at the end and on Ctrl-C)")
+    log_tokens: int = opt(0, "per step, record this many sampled completion tokens (mu, w, advantage, clip flags) "
+                             "in RUN/tokens/ for `python loss.py calibrate RUN`; 0 = off")
+    gpu_memory: float | None = opt(None, "GPU memory budget in GB for --plan and the automatic batch sizes; "
+                                         "empty = the GPU's (80 without one)")
     resume: str | None = opt(None, "run directory to continue from its last checkpoint")
-    export: str | None = opt(None, "after training, write merged HF weights to this directory")
+    export: str | None = opt(None, "after training, write merged HF weights to this new or empty directory")
     preset: str | None = opt(None, "a named setup from PRESETS; explicit flags override it")
 
 
+# Every value a paper states carries its source; the values it leaves open are our choices, listed with
+# their reasons in the README ("Presets").
+ATR_GRPO = dict(  # ATR-GRPO, arXiv:2602.05494, experimental setup
+    lora_rank=32,  # stated: LoRA rank 32
+    lr=5e-6,  # stated
+    group_size=8,  # stated: G = 8
+    # stated: "batch 8, gradient accumulation 4", completions per device batch, so 32 completions = 4
+    # prompts x 8 per optimizer step. Not stated: updates per rollout; with 4 mini-batches per rollout
+    # three of every four updates start from moved weights, so the trust region acts.
+    prompts_per_step=16, updates_per_rollout=4,
+    rule="atr", delta=0.07,  # stated: the KL3 constraint, delta 0.07
+    eval_dataset="amc23,aime24,aime25", eval_k=8,  # stated: Mean@8 and Pass@8 on AMC23, AIME24, AIME25
+    # our choices (README): data, template, lengths, schedule, alpha, evaluation temperature
+    dataset="dapo", template="answer", lora_alpha=64.0, max_new_tokens=4096, steps=500, eval_every=50,
+    eval_temperature=0.6)
 PRESETS = {
-    "atr-grpo-qwen3-1.7b": dict(
-        model="Qwen/Qwen3-1.7B", dataset="dapo", eval_dataset="aime24", template="answer",
-        lora_rank=32, lora_alpha=64.0, lr=5e-6, prompts_per_step=8, group_size=8, grad_accum=4,
-        rule="atr", delta=0.07, max_new_tokens=4096, steps=500, eval_every=50, eval_k=8,
-        eval_problems=0, eval_temperature=0.6),
-    "gppo-qwen3-8b": dict(
-        model="Qwen/Qwen3-8B", dataset="dapo", eval_dataset="aime24", template="answer",
-        lora_rank=32, lora_alpha=64.0, lr=1e-6, prompts_per_step=64, group_size=8,
-        updates_per_rollout=8, rule="kl-atomic", delta=0.223, dual_clip="0.5,10", kl_beta=0.0,
-        max_new_tokens=8192, steps=500, eval_every=50, eval_k=8, eval_problems=0, eval_temperature=0.6),
+    "atr-grpo-qwen3-1.7b": dict(ATR_GRPO, model="Qwen/Qwen3-1.7B"),  # stated: Qwen3-1.7B
+    "atr-grpo-qwen3-8b": dict(ATR_GRPO, model="Qwen/Qwen3-8B"),  # stated: the Qwen3-8B twin
+    "gppo-qwen3-8b": dict(  # GPPO paper, experimental setup (math)
+        model="Qwen/Qwen3-8B-Base",  # stated: the base model
+        prompts_per_step=128, group_size=8,  # stated: 1024 rollouts per step, 128 prompts x 8
+        updates_per_rollout=8,  # stated: 8 mini-batch updates per rollout
+        steps=400,  # stated: 400 steps for math
+        rule="kl-atomic",  # stated: the best cell, KL with the Atomic estimator, delta = f(0.8) (the default)
+        ratio_limits=(0.5, 10.0),  # stated: global clip [0.5, 10], read as outer limits (README, "Clip rules")
+        kl_beta=0.0,  # stated: no KL penalty
+        # our choices (README)
+        dataset="dapo", template="answer", eval_dataset="amc23,aime24,aime25", lora_rank=32, lora_alpha=64.0,
+        lr=1e-6, max_new_tokens=8192, eval_every=50, eval_k=8, eval_temperature=0.6),
 }
 
-FORMATTED_TEMPLATES = ("boxed", "answer")  # templates whose prompt asks for an answer format of that name
+
+# ----------------------------------------------------------------------------- one step
 
 
-# ----------------------------------------------------------------------------- command line
+def train_step(model, optimizer, tokenizer, problems: list[dict], cfg: Config, step: int) -> tuple[dict, list]:
+    """One GRPO step on `problems`; returns its metrics line and the per-token records (empty unless logged)."""
+    watch = Stopwatch()
+    out = sample(model, tokenizer, problems, cfg, step)
+    watch.lap("rollout")
+    rewards, correct = score(out, problems, cfg)
+    watch.lap("reward")
+    advantages = loss.advantages(rewards, cfg.group_size, cfg.loss)  # [N]
+    records = [] if cfg.log_tokens else None
+    update = policy_update(model, optimizer, out, advantages, cfg, step, records)
+    watch.lap("update")
+    lengths = out.completion_mask.sum(1).float()
+    return {"step": step, "reward": float(rewards.mean()), "accuracy": float(correct.mean()),
+            "completion_length": float(lengths.mean()), "truncated": float(out.truncated.float().mean()),
+            **update, "step_seconds": watch.total, "reward_seconds": watch.laps["reward"],
+            "rollout_tokens_per_s": float(lengths.sum()) / watch.laps["rollout"],
+            # every row is trained on once per mini-batch pass, prompt included
+            "train_tokens_per_s": int(out.pad_mask.sum()) / watch.laps["update"]}, records or []
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[Config, set[str]]:
-    """Every Config field is a flag; a preset fills defaults that explicit flags still override.
+def sample(model, tokenizer, problems: list[dict], cfg: Config, step: int) -> rollout.Rollout:
+    """G completions for each problem, with the sampling policy's log-probs, in calls of rollout_batch prompts."""
+    prompts = [render_prompt(tokenizer, p["problem"], cfg.template, cfg.system_prompt) for p in problems]
+    model.eval()  # no LoRA dropout while sampling: the old log-probs must be the sampling policy's
+    with oom_hint("the rollout", f"lower --rollout-batch (now {cfg.rollout_batch} prompts per call)"):
+        return rollout.generate(model, prompts, samples_per_prompt=cfg.group_size,
+                                max_new_tokens=cfg.max_new_tokens,
+                                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                stop_ids=stop_ids(model.config, tokenizer), seed=cfg.seed * 1_000_003 + step,
+                                tokenizer=tokenizer, max_rows=cfg.rollout_batch * cfg.group_size or None,
+                                cuda_graphs=cfg.cuda_graphs)
 
-    Returns the config and the names of the fields given explicitly (they win over a resumed run's).
+
+def score(out: rollout.Rollout, problems: list[dict], cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rewards [N], correct [N]) on the model's device; the format bonus is below 1, so correct = reward >= 1."""
+    references = [p["answer"] for p in problems for _ in range(cfg.group_size)]
+    answer_format = cfg.template if cfg.format_weight else None
+    rewards = torch.tensor(reward.reward(out.texts, references, format_weight=cfg.format_weight,
+                                         answer_format=answer_format), device=out.old_logp.device)
+    return rewards, (rewards >= 1).float()
+
+
+def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tensor, cfg: Config, step: int,
+                  records: list | None = None) -> dict:
+    """updates_per_rollout optimizer steps over shuffled mini-batches of the rollout's rows, each the sum of
+    grad_accum micro-batches. Metrics: token-weighted means over micro-batches; *_min / *_max are extremes;
+    start_ratio_min / _max are the first mini-batch's, before this step's first update (the numerical floor)."""
+    inputs = frozen_inputs(model, out, cfg)  # what the loss needs of the policy before it moves
+    advantages = advantages.to(out.old_logp.device)
+    order = torch.randperm(len(advantages), generator=torch.Generator().manual_seed(cfg.seed + step), device="cpu")
+    model.train()
+    per_update, grad_norms = [], []
+    for minibatch in order.to(advantages.device).chunk(cfg.updates_per_rollout):
+        totals = {"num_tokens": out.completion_mask[minibatch].sum(), "num_seqs": len(minibatch)}  # of the whole step
+        losses, metrics = [], []
+        for rows in minibatch.chunk(cfg.grad_accum):
+            with oom_hint(f"a training micro-batch of {len(rows)} rows", f"raise --grad-accum (now {cfg.grad_accum})"):
+                value, micro_metrics = micro_batch_loss(model, out, advantages, inputs, rows, cfg, totals, records)
+                value.backward()
+            losses.append(value.detach())
+            metrics.append(micro_metrics)
+        grad_norms.append(optimizer_step(model, optimizer, torch.stack(losses).sum(), cfg, step))
+        per_update.append(metrics)
+    summary, start = merge_metrics(sum(per_update, [])), merge_metrics(per_update[0])
+    applied = [norm for norm in grad_norms if norm is not None]
+    summary.update(start_ratio_min=start["ratio_min"], start_ratio_max=start["ratio_max"],
+                   grad_norm=float(np.mean(applied)) if applied else None,
+                   skipped_updates=len(grad_norms) - len(applied))
+    return summary
+
+
+def micro_batch_loss(model, out: rollout.Rollout, advantages: torch.Tensor, inputs: dict, rows: torch.Tensor,
+                     cfg: Config, totals: dict, records: list | None) -> tuple[torch.Tensor, dict]:
+    """The loss of some rows of the rollout (their share of the optimizer step's loss) and their metrics."""
+    ids, pad, start, c = window(out, rows)
+    h = model.hidden(ids, pad)  # [rows, W, hidden]
+    logp, entropy = model.hidden_logprobs(h, ids, start=start, temperature=cfg.temperature, with_entropy=True)
+    mask = out.completion_mask[rows, :c]  # [rows, c], like every per-token tensor below
+    given = {name: value[rows, :c] for name, value in inputs.items()}
+    live = {"hidden": lambda: completion_states(h, start), "lm_head_weight": lambda: model.lm_head.weight,
+            "temperature": lambda: cfg.temperature}
+    given |= {name: live[name]() for name in loss.required_inputs(cfg.loss) & live.keys()}
+    value, metrics = loss.policy_loss(logp, given.pop("old_logp"), advantages[rows], mask, cfg.loss,
+                                      **totals, records=records, **given)
+    metrics["entropy"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
+    metrics["tokens"] = int(mask.sum())
+    return value, metrics
+
+
+def optimizer_step(model, optimizer, total_loss: torch.Tensor, cfg: Config, step: int) -> float | None:
+    """Clip and apply the accumulated gradient; a non-finite loss or norm skips the update (returns None)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(lora.parameters(model), cfg.grad_clip)
+    finite = bool(torch.isfinite(total_loss) & torch.isfinite(grad_norm))  # one device sync
+    if finite:
+        optimizer.step()
+    else:
+        warnings.warn(f"step {step}: non-finite loss ({float(total_loss)}) or gradient norm ({float(grad_norm)}); "
+                      "update skipped")
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm) if finite else None
+
+
+def frozen_inputs(model, out: rollout.Rollout, cfg: Config) -> dict[str, torch.Tensor]:
+    """Per-token inputs of the loss taken before the policy moves, each [N, C, ...] completion-aligned.
+
+    old_logp: the sampler's, or recomputed by the training pass (recompute_old_logp); ref_logp: the
+    frozen base's (LoRA off), when the loss asks for it; old_hidden: the sampling policy's final states
+    at the positions that predict each completion token, when the rule asks for them. The passes run
+    without gradient, in eval mode (no LoRA dropout), in micro-batches of the training size.
     """
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                                help=f"{f.metadata['help']} (default: {f.default})")
-        else:
-            parser.add_argument(flag, type=_parse_type(f.type), default=argparse.SUPPRESS,
-                                help=f"{f.metadata['help']} (default: {f.default})")
-    given = vars(parser.parse_args(argv))  # only the flags on the command line
-    preset = given.get("preset")
-    if preset is not None and preset not in PRESETS:
-        parser.error(f"--preset {preset!r} is unknown; known presets: {', '.join(PRESETS)}")
-    return Config(**{**PRESETS.get(preset, {}), **given}), set(given)
+    needs = loss.required_inputs(cfg.loss)
+    recompute = cfg.recompute_old_logp == "on" or (cfg.recompute_old_logp == "auto" and model.dtype != torch.float32)
+    passes = {"old_logp": recompute, "ref_logp": "ref_logp" in needs, "old_hidden": "old_hidden" in needs}
+    N, C = out.completion_mask.shape
+    results = {name: None for name, wanted in passes.items() if wanted}
+    model.eval()
+    with torch.no_grad():
+        for rows in torch.arange(N, device=out.completion_mask.device).chunk(cfg.updates_per_rollout * cfg.grad_accum):
+            ids, pad, start, c = window(out, rows)
+            h = model.hidden(ids, pad)
+            chunk = {}
+            if passes["old_logp"]:
+                chunk["old_logp"] = model.hidden_logprobs(h, ids, start=start, temperature=cfg.temperature)[0]
+            if passes["old_hidden"]:
+                chunk["old_hidden"] = completion_states(h, start)
+            if passes["ref_logp"]:
+                with lora.disabled(model):  # the frozen base is the reference policy
+                    h_ref = model.hidden(ids, pad)
+                chunk["ref_logp"] = model.hidden_logprobs(h_ref, ids, start=start, temperature=cfg.temperature)[0]
+            for name, value in chunk.items():
+                if results[name] is None:
+                    results[name] = value.new_zeros(N, C, *value.shape[2:])
+                results[name][rows, :c] = value
+    return {"old_logp": out.old_logp, **results}
 
 
-def _parse_type(type_name: str):
-    """int, float or str; for an optional field an empty string means None."""
-    base = {"int": int, "float": float, "str": str}[type_name.split("|")[0].strip()]
-    return (lambda text: None if text == "" else base(text)) if "None" in type_name else base
+def window(out: rollout.Rollout, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The rows' input ids and pad mask, cut to the columns some row uses: (ids, pad, start, c).
+
+    The window holds the last `start` prompt columns and the first c completion columns, so
+    hidden_logprobs(h, ids, start=start) and every [N, C] per-token tensor's [rows, :c] line up.
+    """
+    used = out.pad_mask[rows].any(0).nonzero()[:, 0]
+    first, last = int(used[0]), int(used[-1]) + 1
+    start, c = out.prompt_len - first, last - out.prompt_len
+    return out.input_ids[rows, first:last], out.pad_mask[rows, first:last], start, c
 
 
-# ----------------------------------------------------------------------------- checkpoints
+def completion_states(h: torch.Tensor, start: int) -> torch.Tensor:
+    """The hidden states [rows, c, hidden] that predict the completion tokens (positions start-1 .. W-2)."""
+    return h[:, start - 1:-1]
+
+
+def merge_metrics(metrics: list[dict]) -> dict:
+    """One step's metrics from its micro-batches': *_min and *_max are extremes, the rest token-weighted means."""
+    tokens = [m["tokens"] for m in metrics]
+    merged = {}
+    for key in metrics[0]:
+        values = [m[key] for m in metrics]
+        merged[key] = (min(values) if key.endswith("_min") else max(values) if key.endswith("_max")
+                       else float(np.average(values, weights=tokens)))
+    del merged["tokens"]
+    return merged
+
+
+@contextmanager
+def oom_hint(what: str, advice: str):
+    """Out of memory inside the block becomes an error that names the phase and the flag that lowers it."""
+    try:
+        yield
+    except torch.OutOfMemoryError as error:
+        raise torch.OutOfMemoryError(f"out of memory in {what}: {advice}") from error
+
+
+class Stopwatch:
+    """Seconds per named stage of a step, as laps of one clock."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name], self.last = now - self.last, now
+
+    @property
+    def total(self) -> float:
+        return self.last - self.start
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def train(cfg: Config) -> dict:
+    """Run (or resume) training; returns the final state with the before/after evaluations."""
+    validate(cfg)
+    train_set, eval_sets = load_problems(cfg.dataset), load_eval_sets(cfg)
+    run_dir = prepare_run_dir(cfg)
+    model, tokenizer, optimizer = build(cfg)
+    cfg = resolve_automatic(cfg, model)
+    warn_if_inert(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed start leaves no empty run directory
+    metrics_file = run_dir / "metrics.jsonl"
+    if cfg.resume:
+        state = load_checkpoint(run_dir, model, optimizer)
+        truncate_metrics(metrics_file, state["step"])
+        print(f"resumed {run_dir} at step {state['step']}", file=sys.stderr)
+    else:
+        write_json(run_dir / "config.json", flat_config(cfg))
+        metrics_file.unlink(missing_ok=True)
+        state = {"step": 0, "data_position": 0, "before": None, "best": None}
+        save_checkpoint(run_dir, model, optimizer, state)  # a run stopped before its first step can resume
+        print(f"run directory: {run_dir}", file=sys.stderr)
+    with StopRequest() as stop:
+        if state["before"] is None:
+            with stop.immediate():
+                state["before"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, "eval before")
+        bar = tqdm(range(state["step"], cfg.steps), desc="train", unit="step", initial=state["step"], total=cfg.steps)
+        for _ in bar:
+            step = state["step"] + 1
+            problems = batch_of(train_set, state["data_position"], cfg.prompts_per_step, cfg.seed)
+            record, records = train_step(model, optimizer, tokenizer, problems, cfg, step)
+            state.update(step=step, data_position=state["data_position"] + cfg.prompts_per_step)
+            if records:
+                loss.write_token_records(run_dir / "tokens" / f"step-{step:06d}.npz", records, cfg.log_tokens,
+                                         seed=cfg.seed * 1_000_003 + step)
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                with stop.immediate():
+                    record["eval"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, f"eval step {step}")
+                keep_best(run_dir, model, state, record["eval"])
+            with metrics_file.open("a") as f:
+                f.write(to_json(record) + "\n")
+            bar.set_postfix(reward=f"{record['reward']:.2f}", acc=f"{record['accuracy']:.2f}")
+            if step % cfg.checkpoint_every == 0 or stop.requested:
+                save_checkpoint(run_dir, model, optimizer, state)
+            if stop.requested:
+                print(f"stopped at step {step}; continue with: python train.py --resume {run_dir}", file=sys.stderr)
+                return state
+        with stop.immediate():
+            state["after"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, "eval after")
+    keep_best(run_dir, model, state, state["after"])
+    save_checkpoint(run_dir, model, optimizer, state)
+    write_json(run_dir / "summary.json", {k: state[k] for k in ("before", "after", "best")})
+    if cfg.export:
+        weights.save_pretrained(model, cfg.export, tokenizer=tokenizer)
+        print(f"exported merged weights to {cfg.export}", file=sys.stderr)
+    print(f"run directory: {run_dir}", file=sys.stderr)
+    return state
+
+
+def batch_of(problems: list[dict], position: int, size: int, seed: int) -> list[dict]:
+    """Problems position .. position+size of an endless stream: a fresh seeded shuffle each epoch.
+
+    The order is a function of (seed, epoch) alone, so a resumed run needs only the position.
+    """
+    orders, batch = {}, []
+    for index in range(position, position + size):
+        epoch, offset = divmod(index, len(problems))
+        if epoch not in orders:
+            generator = torch.Generator().manual_seed(seed * 7919 + epoch)
+            orders[epoch] = torch.randperm(len(problems), generator=generator, device="cpu")
+        batch.append(problems[int(orders[epoch][offset])])
+    return batch
+
+
+def load_eval_sets(cfg: Config) -> dict[str, list[dict]]:
+    """The held-out sets by name, each cut to eval_problems when that is set."""
+    names = [name.strip() for name in cfg.eval_dataset.split(",") if name.strip()]
+    if not names:
+        raise ValueError("--eval-dataset: no dataset given")
+    sets = {name: load_problems(name) for name in names}
+    return {name: problems[:cfg.eval_problems] if cfg.eval_problems else problems for name, problems in sets.items()}
+
+
+def evaluate_held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: Config, desc: str) -> dict:
+    """Mean@k and Pass@k on each held-out set; with several sets, accuracy is their unweighted mean."""
+    results = {}
+    for name, problems in eval_sets.items():
+        with oom_hint(f"evaluation on {name}", f"lower --eval-batch (now {cfg.eval_batch} prompts per call)"):
+            result = evaluation.evaluate(model, tokenizer, problems, k=cfg.eval_k, temperature=cfg.eval_temperature,
+                                         top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, template=cfg.template,
+                                         system=cfg.system_prompt, batch_size=cfg.eval_batch, seed=cfg.seed,
+                                         desc=f"{desc} {name}" if len(eval_sets) > 1 else desc)
+        mean = result.summary["mean@k"]
+        results[name] = {"accuracy": mean.mean, "se": mean.se, "pass@k": result.summary["pass@k"].mean,
+                         "problems": len(problems), "k": cfg.eval_k}
+    if len(results) == 1:
+        return next(iter(results.values()))
+    parts = list(results.values())
+    return {"accuracy": float(np.mean([p["accuracy"] for p in parts])),
+            "se": math.sqrt(sum(p["se"] ** 2 for p in parts)) / len(parts),
+            "pass@k": float(np.mean([p["pass@k"] for p in parts])),
+            "problems": sum(p["problems"] for p in parts), "k": cfg.eval_k, "sets": results}
+
+
+def keep_best(run_dir: Path, model, state: dict, result: dict) -> None:
+    """Keep the adapter with the best held-out accuracy in run_dir/best (the papers report best and last)."""
+    if state["best"] is not None and result["accuracy"] <= state["best"]["accuracy"]:
+        return
+    state["best"] = {**result, "step": state["step"]}
+    tmp = run_dir / ".best.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    lora.save(model, tmp)
+    shutil.rmtree(run_dir / "best", ignore_errors=True)
+    os.replace(tmp, run_dir / "best")
+
+
+def warn_if_inert(cfg: Config) -> None:
+    if cfg.updates_per_rollout == 1:
+        warnings.warn("--updates-per-rollout 1: every update starts from the weights that sampled its rollout, so "
+                      "the ratio w is 1 up to rounding and every clip rule gives the same update; use several "
+                      "updates per rollout to compare rules", stacklevel=2)
+
+
+class StopRequest:
+    """While active, the first Ctrl-C (or SIGTERM) asks the loop to stop after the current step and
+    checkpoint; a second one interrupts at once, and the last checkpoint stays as it was. Inside
+    `immediate()` (evaluations, which hold nothing to save) the first one interrupts at once."""
+
+    def __enter__(self):
+        self.requested, self.interrupt_now = False, False
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def immediate(self):
+        return _Flag(self, "interrupt_now")
+
+    def _handle(self, signum, frame):
+        if self.requested or self.interrupt_now:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\nstopping after this step (press Ctrl-C again to abort without saving)", file=sys.stderr)
+
+
+class _Flag:
+    """Sets an attribute to True for the duration of a with block."""
+
+    def __init__(self, owner, name: str):
+        self.owner, self.name = owner, name
+
+    def __enter__(self):
+        setattr(self.owner, self.name, True)
+
+    def __exit__(self, *exc):
+        setattr(self.owner, self.name, False)
+
+
+# ----------------------------------------------------------------------------- building the model
+
+
+def resolve_device(cfg: Config) -> tuple[torch.device, torch.dtype]:
+    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if cfg.device == "auto" else cfg.device)
+    if cfg.dtype == "auto":
+        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, getattr(torch, cfg.dtype)
+
+
+def build(cfg: Config):
+    """Model with fresh LoRA adapters, tokenizer and optimizer."""
+    device, dtype = resolve_device(cfg)
+    model = weights.from_pretrained(cfg.model, dtype=dtype, device=device)
+    tokenizer = weights.load_tokenizer(cfg.model)
+    model.requires_grad_(False)
+    torch.manual_seed(cfg.seed)  # adapter initialization
+    lora.inject(model, cfg.lora_rank, cfg.lora_alpha, targets=tuple(cfg.lora_targets.split(",")),
+                dropout=cfg.lora_dropout)
+    model.gradient_checkpointing = cfg.gradient_checkpointing == "on" or (
+        cfg.gradient_checkpointing == "auto" and device.type == "cuda")
+    optimizer = torch.optim.AdamW(lora.parameters(model), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return model, tokenizer, optimizer
+
+
+def resolve_automatic(cfg: Config, model) -> Config:
+    """Fill the sizes left at 0: from the memory plan on a GPU; on the CPU one call and one micro-batch."""
+    if model.device.type != "cuda":
+        return dataclasses.replace(cfg, rollout_batch=cfg.rollout_batch or cfg.prompts_per_step,
+                                   grad_accum=cfg.grad_accum or 1, eval_batch=cfg.eval_batch or 16)
+    budget = memory.gpu_memory_bytes(str(model.device), cfg.gpu_memory, free=True)
+    return planned_config(cfg, model.config, budget)
+
+
+def planned_config(cfg: Config, model_cfg, budget: int) -> Config:
+    """cfg with rollout_batch, grad_accum and eval_batch chosen by the memory plan where they are 0."""
+    work = memory.fit(model_cfg, workload(cfg), budget)
+    rows_per_update = math.ceil(cfg.prompts_per_step * cfg.group_size / cfg.updates_per_rollout)
+    return dataclasses.replace(cfg, rollout_batch=cfg.rollout_batch or work.rollout_prompts,
+                               grad_accum=cfg.grad_accum or math.ceil(rows_per_update / work.micro_batch_rows),
+                               eval_batch=cfg.eval_batch or work.eval_prompts)
+
+
+def workload(cfg: Config) -> memory.Workload:
+    """What one step of this config asks of the GPU, with the explicit sizes fixed and the zeros left to fit."""
+    device, dtype = resolve_device(cfg)
+    rows_per_update = math.ceil(cfg.prompts_per_step * cfg.group_size / cfg.updates_per_rollout)
+    needs = loss.required_inputs(cfg.loss)
+    return memory.Workload(
+        dtype=dtype, lora_rank=cfg.lora_rank, lora_targets=tuple(cfg.lora_targets.split(",")),
+        gradient_checkpointing=cfg.gradient_checkpointing == "on" or (
+            cfg.gradient_checkpointing == "auto" and device.type in ("cuda", "meta")),
+        prompt_len=memory.PROMPT_TOKENS, max_new_tokens=cfg.max_new_tokens, group_size=cfg.group_size,
+        rollout_prompts=cfg.rollout_batch or cfg.prompts_per_step,
+        micro_batch_rows=math.ceil(rows_per_update / cfg.grad_accum) if cfg.grad_accum else rows_per_update,
+        eval_prompts=cfg.eval_batch or 16, eval_k=cfg.eval_k,
+        reference_pass="ref_logp" in needs, fixed={name for name in ("rollout_batch", "grad_accum", "eval_batch")
+                                                  if getattr(cfg, name)})
+
+
+def plan(cfg: Config) -> bool:
+    """Print the memory each phase of a step takes on the GPU, without loading weights; True if it fits."""
+    validate(cfg, need_device=False)
+    model_cfg = memory.model_config(cfg.model)
+    budget = memory.gpu_memory_bytes(None if cfg.device in ("auto", "cpu") else cfg.device, cfg.gpu_memory)
+    try:
+        chosen = planned_config(cfg, model_cfg, budget)
+    except ValueError as error:  # nothing fits, even at one row: the report says which phase
+        print(error)
+        chosen = cfg
+    text, fits = memory.report(model_cfg, workload(chosen), budget)
+    print(f"--rollout-batch {chosen.rollout_batch} --grad-accum {chosen.grad_accum} --eval-batch {chosen.eval_batch}")
+    print(text)
+    return fits
+
+
+# ----------------------------------------------------------------------------- checkpoints and files
 
 
 def save_checkpoint(run_dir: Path, model, optimizer, state: dict) -> Path:
     """Write checkpoint-STEP under a temporary name, rename it into place, then repoint `latest`.
 
-    Each rename is atomic, so a crash at any moment leaves `latest` naming a complete checkpoint.
+    Each rename is atomic, so a crash at any moment leaves `latest` naming a complete checkpoint. The two
+    newest checkpoints are kept, so a latest one damaged on disk still has a fallback.
     """
     name = f"checkpoint-{state['step']:06d}"
     tmp, final = run_dir / f".{name}.tmp", run_dir / name
@@ -166,22 +590,29 @@ def save_checkpoint(run_dir: Path, model, optimizer, state: dict) -> Path:
     pointer = run_dir / ".latest.tmp"
     pointer.write_text(name)
     os.replace(pointer, run_dir / "latest")
-    for old in run_dir.glob("checkpoint-*"):
-        if old.name != name:
-            shutil.rmtree(old, ignore_errors=True)
+    for old in sorted(run_dir.glob("checkpoint-*"))[:-2]:
+        shutil.rmtree(old, ignore_errors=True)
     return final
 
 
 def load_checkpoint(run_dir: Path, model, optimizer) -> dict:
+    """Restore the newest readable checkpoint (falling back to the one before, with a warning)."""
     latest = run_dir / "latest"
     if not latest.is_file():
         raise FileNotFoundError(f"--resume {run_dir}: no checkpoint found (missing {latest})")
-    ckpt_dir = run_dir / latest.read_text().strip()
-    lora.load(model, ckpt_dir / "adapter")
-    saved = torch.load(ckpt_dir / "trainer.pt", weights_only=False)
-    optimizer.load_state_dict(saved["optimizer"])
-    _set_rng_state(saved["rng"])
-    return saved["state"]
+    newest = run_dir / latest.read_text().strip()
+    candidates = [newest, *sorted((p for p in run_dir.glob("checkpoint-*") if p != newest), reverse=True)]
+    for ckpt_dir in candidates:
+        try:
+            lora.load(model, ckpt_dir / "adapter")
+            saved = torch.load(ckpt_dir / "trainer.pt", weights_only=False)
+        except Exception as error:  # a damaged file: say which, then try the previous checkpoint
+            warnings.warn(f"{ckpt_dir} cannot be read ({type(error).__name__}: {error}); trying an older checkpoint")
+            continue
+        optimizer.load_state_dict(saved["optimizer"])
+        _set_rng_state(saved["rng"])
+        return saved["state"]
+    raise ValueError(f"--resume {run_dir}: no readable checkpoint among {', '.join(p.name for p in candidates)}")
 
 
 def _rng_state() -> dict:
@@ -221,332 +652,159 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     os.replace(tmp, path)
 
 
-# ----------------------------------------------------------------------------- one step
+def to_json(value) -> str:
+    """Strict JSON: NaN and infinities (an undefined standard error, say) become null."""
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+    return json.dumps(clean(value), allow_nan=False)
 
 
-def sample(model, tokenizer, problems: list[dict], cfg: Config, stops: list[int], step: int) -> rollout.Rollout:
-    """G completions for each problem, with the sampling policy's log-probs."""
-    prompts = [render_prompt(tokenizer, p["problem"], cfg.template, cfg.system_prompt) for p in problems]
-    model.eval()  # no LoRA dropout while sampling: the old log-probs must be the sampling policy's
-    return rollout.generate(model, prompts, samples_per_prompt=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
-                            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, stop_ids=stops,
-                            seed=cfg.seed * 1_000_003 + step, tokenizer=tokenizer)
+def write_json(path: Path, value) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(to_json(value) + "\n")
+    os.replace(tmp, path)
 
 
-def score(out: rollout.Rollout, problems: list[dict], cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rewards [N], correct [N]): correctness, plus the optional format term of the template's format."""
-    references = [p["answer"] for p in problems for _ in range(cfg.group_size)]
-    correct = torch.tensor(reward.reward(out.texts, references))
-    if not cfg.format_weight:
-        return correct, correct
-    formatted = torch.tensor([float(reward.has_format(t, cfg.template)) for t in out.texts])
-    return correct + cfg.format_weight * formatted, correct
+def prepare_run_dir(cfg: Config) -> Path:
+    """The run directory, after checking that starting or resuming there loses nothing."""
+    run_dir = Path(cfg.out_dir) / (cfg.run_name or time.strftime("%Y%m%d-%H%M%S"))
+    if not cfg.resume and (run_dir / "latest").exists():
+        raise FileExistsError(f"{run_dir} already holds a run: continue it with --resume {run_dir}, "
+                              "or pick another --run-name")
+    if cfg.export:
+        weights.check_export_dir(cfg.export)  # before training, not after it
+    return run_dir
 
 
-def policy_update(model, optimizer, out, advantages: torch.Tensor, cfg: Config, loss_cfg: loss.LossConfig,
-                  step: int) -> dict:
-    """updates_per_rollout optimizer steps over mini-batches, each summed over grad_accum micro-batches."""
-    frozen = _frozen_passes(model, out, cfg, loss_cfg)  # leaves the model in train mode
-    params = [p for p in model.parameters() if p.requires_grad]
-    old_logp, mask = out.old_logp, out.completion_mask
-    P = out.prompt_len
-    if cfg.recompute_old_logp:
-        old_logp = frozen["old_logp"]
-    order = torch.randperm(len(mask), generator=torch.Generator().manual_seed(cfg.seed + step))
-    records, skipped, grad_norms = [], 0, []
-    for minibatch in order.chunk(cfg.updates_per_rollout):
-        num_tokens, num_seqs = int(mask[minibatch].sum()), len(minibatch)
-        losses = []
-        for rows in minibatch.chunk(cfg.grad_accum):
-            ids, pad, lo, hi = _trim(out.input_ids[rows], out.pad_mask[rows])
-            C = hi - P  # completion columns this micro-batch uses
-            h = model.hidden(ids, pad)
-            logp, entropy = model.hidden_logprobs(h, ids, start=P - lo, temperature=cfg.temperature,
-                                                  with_entropy=True)  # [rows, hi - P]
-            extra = {}
-            if "ref_logp" in frozen:
-                extra["ref_logp"] = frozen["ref_logp"][rows, :C]
-            if "old_hidden" in frozen:  # the region test needs no gradient through the KL
-                with torch.no_grad():  # the states at positions P-1 .. hi-2 predict the completion tokens
-                    extra["vocab_kl"] = loss.full_vocab_kl(frozen["old_hidden"][rows, :C],
-                                                           h[:, P - 1 - lo:hi - 1 - lo], model.lm_head.weight,
-                                                           temperature=cfg.temperature)
-            value, metrics = loss.policy_loss(logp, old_logp[rows, :C], advantages[rows], mask[rows, :C],
-                                              loss_cfg, num_tokens=num_tokens, num_seqs=num_seqs, **extra)
-            value.backward()
-            losses.append(value.detach())
-            m = mask[rows, :C]
-            metrics["entropy"] = float((entropy.detach() * m).sum() / m.sum().clamp(min=1))
-            records.append((metrics, int(m.sum())))
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        total = torch.stack(losses).sum()
-        if torch.isfinite(total) and torch.isfinite(grad_norm):
-            optimizer.step()
-            grad_norms.append(float(grad_norm))
-        else:
-            skipped += 1
-            warnings.warn(f"step {step}: non-finite loss ({float(total)}) or gradient norm ({float(grad_norm)}); "
-                          "update skipped")
-        optimizer.zero_grad(set_to_none=True)
-    summary = _mean_of(records)
-    # None, not NaN, when every update was skipped: the metrics file stays strict JSON
-    summary.update(grad_norm=float(np.mean(grad_norms)) if grad_norms else None, skipped_updates=skipped)
-    return summary
+# ----------------------------------------------------------------------------- command line
 
 
-def _frozen_passes(model, out, cfg: Config, loss_cfg: loss.LossConfig) -> dict:
-    """Forward passes without gradient that some settings need before the policy moves.
-
-    They run in eval mode (no LoRA dropout: the sampling policy is deterministic) and in micro-batches
-    of the training size. old_hidden keeps the states that predict completion tokens, [N, C, hidden].
-    """
-    P = out.prompt_len
-    wanted = {
-        "old_logp": cfg.recompute_old_logp,
-        "ref_logp": loss_cfg.kl_beta > 0,
-        "old_hidden": loss_cfg.rule == "kl_full",  # the exact KL needs the sampling policy's distribution
-    }
-    parts = {name: [] for name, on in wanted.items() if on}
-    model.eval()
-    with torch.no_grad():
-        for rows in torch.arange(len(out.input_ids)).chunk(cfg.updates_per_rollout * cfg.grad_accum):
-            ids, pad = out.input_ids[rows], out.pad_mask[rows]
-            if wanted["old_logp"]:
-                parts["old_logp"].append(model.token_logprobs(ids, pad, temperature=cfg.temperature)[0][:, P:])
-            if wanted["ref_logp"]:
-                with lora.disabled(model):  # the frozen base is the reference policy
-                    parts["ref_logp"].append(model.token_logprobs(ids, pad, temperature=cfg.temperature)[0][:, P:])
-            if wanted["old_hidden"]:
-                parts["old_hidden"].append(model.hidden(ids, pad)[:, P - 1:-1])
-    model.train()
-    return {name: torch.cat(chunks) for name, chunks in parts.items()}
-
-
-def _trim(input_ids: torch.Tensor, pad_mask: torch.Tensor):
-    """Drop the columns that are padding in every row: (ids, pad_mask, lo, hi) with the kept window [lo, hi)."""
-    used = pad_mask.any(0).nonzero()
-    lo, hi = int(used[0]), int(used[-1]) + 1
-    return input_ids[:, lo:hi], pad_mask[:, lo:hi], lo, hi
-
-
-def _mean_of(records: list[tuple[dict, int]]) -> dict:
-    """One step's metrics from its micro-batches': extremes for ratio_min/max, else token-weighted means."""
-    metrics, tokens = [r for r, _ in records], [n for _, n in records]
-    reduced = {key: float(np.average([m[key] for m in metrics], weights=tokens)) for key in metrics[0]}
-    reduced.update(ratio_min=min(m["ratio_min"] for m in metrics), ratio_max=max(m["ratio_max"] for m in metrics))
-    return reduced
-
-
-# ----------------------------------------------------------------------------- the run
-
-
-def batch_of(problems: list[dict], position: int, size: int, seed: int) -> list[dict]:
-    """Problems position .. position+size of an endless stream: a fresh seeded shuffle each epoch.
-
-    The order is a function of (seed, epoch) alone, so a resumed run needs only the position.
-    """
-    orders, batch = {}, []
-    for index in range(position, position + size):
-        epoch, offset = divmod(index, len(problems))
-        if epoch not in orders:
-            orders[epoch] = torch.randperm(len(problems), generator=torch.Generator().manual_seed(seed * 7919 + epoch))
-        batch.append(problems[int(orders[epoch][offset])])
-    return batch
-
-
-def loss_config(cfg: Config) -> loss.LossConfig:
-    # Dr. GRPO's constant length is the generation cap: the same for every micro-batch, however
-    # much padding each one trims, so accumulated micro-batches add up to one batch's gradient.
-    return loss.LossConfig(rule=cfg.rule, delta=cfg.delta, dual_clip=_dual_clip(cfg.dual_clip),
-                           aggregation=cfg.aggregation, norm_len=cfg.max_new_tokens, kl_beta=cfg.kl_beta,
-                           kl_estimator=cfg.kl_estimator)
-
-
-def _dual_clip(text: str | None) -> float | tuple[float, float] | None:
-    """--dual-clip "3" -> 3.0, "0.5,10" -> (0.5, 10.0); loss.LossConfig checks the values."""
-    if text is None:
-        return None
-    try:
-        values = tuple(float(v) for v in text.split(","))
-    except ValueError:
-        raise ValueError(f"--dual-clip {text!r}: expected a number c or two numbers lo,hi") from None
-    return values[0] if len(values) == 1 else values
-
-
-def evaluate_held_out(model, tokenizer, problems, cfg: Config, desc: str) -> dict:
-    result = evaluation.evaluate(model, tokenizer, problems, k=cfg.eval_k, temperature=cfg.eval_temperature,
-                                 top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, template=cfg.template,
-                                 system=cfg.system_prompt, batch_size=16, seed=cfg.seed, desc=desc)
-    mean = result.summary["mean@k"]
-    return {"accuracy": mean.mean, "se": mean.se, "pass@k": result.summary["pass@k"].mean,
-            "problems": len(problems), "k": cfg.eval_k}
-
-
-def resolve_device(cfg: Config) -> tuple[torch.device, torch.dtype]:
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if cfg.device == "auto" else cfg.device)
-    if cfg.dtype == "auto":
-        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    if cfg.dtype not in dtypes:
-        raise ValueError(f"--dtype {cfg.dtype!r}: expected one of {', '.join(dtypes)} or auto")
-    return device, dtypes[cfg.dtype]
-
-
-def build(cfg: Config):
-    """Model with fresh LoRA adapters, tokenizer and optimizer."""
-    device, dtype = resolve_device(cfg)
-    model = modeling.from_pretrained(cfg.model, dtype=dtype, device=device)
-    tokenizer = modeling.load_tokenizer(cfg.model)
-    model.requires_grad_(False)
-    torch.manual_seed(cfg.seed)  # adapter initialization
-    lora.inject(model, cfg.lora_rank, cfg.lora_alpha, targets=tuple(cfg.lora_targets.split(",")),
-                dropout=cfg.lora_dropout)
-    model.gradient_checkpointing = cfg.gradient_checkpointing == "on" or (
-        cfg.gradient_checkpointing == "auto" and device.type == "cuda")
-    optimizer = torch.optim.AdamW(lora.parameters(model), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return model, tokenizer, optimizer
-
-
-class StopRequest:
-    """While active, the first Ctrl-C (or SIGTERM) asks the loop to stop after the current step and
-    checkpoint; a second one interrupts at once, and the last checkpoint stays as it was."""
-
-    def __enter__(self):
-        self.requested = False
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        print("\nstopping after this step (press Ctrl-C again to abort without saving)", file=sys.stderr)
-
-
-def validate(cfg: Config) -> None:
-    """Settings that would fail only after the model loads fail here, naming the flag."""
+def validate(cfg: Config, need_device: bool = True) -> None:
+    """Every setting that would fail after the model loads fails here, naming the flag and what it accepts."""
+    rows = cfg.prompts_per_step * cfg.group_size
+    device = cfg.device
     for ok, message in (
+        (device in ("auto", "cpu", "meta") or device.startswith("cuda"),
+         f"--device {device!r}: expected cpu, cuda, cuda:N or auto"),
+        (not need_device or not device.startswith("cuda") or torch.cuda.is_available(),
+         f"--device {device}: no CUDA GPU is visible to torch on this machine; use --device cpu"),
         (cfg.group_size >= 2, f"--group-size {cfg.group_size}: GRPO compares at least 2 samples per prompt"),
         (cfg.prompts_per_step >= 1, f"--prompts-per-step {cfg.prompts_per_step}: must be >= 1"),
-        (cfg.updates_per_rollout >= 1, f"--updates-per-rollout {cfg.updates_per_rollout}: must be >= 1"),
-        (cfg.grad_accum >= 1, f"--grad-accum {cfg.grad_accum}: must be >= 1"),
+        (cfg.max_new_tokens >= 1, f"--max-new-tokens {cfg.max_new_tokens}: must be >= 1"),
+        (cfg.temperature > 0 and math.isfinite(cfg.temperature),
+         f"--temperature {cfg.temperature}: training needs sampling (> 0); greedy samples of a prompt are "
+         "identical and carry no signal"),
+        (0 < cfg.top_p <= 1, f"--top-p {cfg.top_p}: must be in (0, 1]"),
+        (cfg.top_k >= 0, f"--top-k {cfg.top_k}: must be >= 0 (0 = off)"),
+        (cfg.lora_rank >= 1 and cfg.lora_alpha > 0, f"--lora-rank {cfg.lora_rank} must be >= 1 and --lora-alpha "
+                                                    f"{cfg.lora_alpha} > 0"),
+        (0 <= cfg.lora_dropout < 1, f"--lora-dropout {cfg.lora_dropout}: must be in [0, 1)"),
+        (cfg.lr > 0 and math.isfinite(cfg.lr), f"--lr {cfg.lr}: must be a positive number"),
+        (cfg.weight_decay >= 0 and cfg.grad_clip > 0, f"--weight-decay {cfg.weight_decay} must be >= 0 and "
+                                                      f"--grad-clip {cfg.grad_clip} > 0"),
+        (1 <= cfg.updates_per_rollout <= rows, f"--updates-per-rollout {cfg.updates_per_rollout}: must be between 1 "
+                                               f"and the {rows} rows of a step (--prompts-per-step x --group-size)"),
+        (0 <= cfg.grad_accum <= max(1, rows // cfg.updates_per_rollout),
+         f"--grad-accum {cfg.grad_accum}: must be between 0 (automatic) and the {rows // cfg.updates_per_rollout} "
+         "rows of a mini-batch"),
+        (cfg.rollout_batch >= 0 and cfg.eval_batch >= 0, "--rollout-batch and --eval-batch must be >= 0 (0 = automatic)"),
         (cfg.checkpoint_every >= 1, f"--checkpoint-every {cfg.checkpoint_every}: must be >= 1"),
-        (cfg.temperature > 0, f"--temperature {cfg.temperature}: training needs sampling (> 0); greedy "
-                              "samples of a prompt are identical and carry no signal"),
         (cfg.steps >= 0 and cfg.eval_every >= 0 and cfg.eval_problems >= 0 and cfg.eval_k >= 1,
          "--steps, --eval-every and --eval-problems must be >= 0 and --eval-k >= 1"),
-        (not cfg.format_weight or cfg.template in FORMATTED_TEMPLATES,
-         f"--format-weight needs a template that asks for a format ({', '.join(FORMATTED_TEMPLATES)}), "
+        (cfg.eval_temperature >= 0, f"--eval-temperature {cfg.eval_temperature}: must be >= 0 (0 = greedy)"),
+        (cfg.log_tokens >= 0, f"--log-tokens {cfg.log_tokens}: must be >= 0"),
+        (cfg.gpu_memory is None or cfg.gpu_memory > 0, f"--gpu-memory {cfg.gpu_memory}: must be > 0 GB"),
+        (0 <= cfg.format_weight < 1, f"--format-weight {cfg.format_weight}: must be in [0, 1), below a correct "
+                                     "answer's reward"),
+        (not cfg.format_weight or cfg.template in reward.ANSWER_FORMATS,
+         f"--format-weight needs a template that asks for a format ({', '.join(reward.ANSWER_FORMATS)}), "
          f"not {cfg.template!r}"),
     ):
         if not ok:
             raise ValueError(message)
 
 
-def train(cfg: Config) -> dict:
-    """Run (or resume) training; returns the final state with the before/after evaluations."""
-    validate(cfg)
-    loss_cfg = loss_config(cfg)  # first, so a bad rule or option fails before the model loads
-    train_set = load_problems(cfg.dataset)
-    eval_set = load_problems(cfg.eval_dataset)
-    eval_set = eval_set[:cfg.eval_problems] if cfg.eval_problems else eval_set
-    run_dir = Path(cfg.out_dir) / (cfg.run_name or time.strftime("%Y%m%d-%H%M%S"))
-    if not cfg.resume and (run_dir / "latest").exists():
-        raise FileExistsError(f"{run_dir} already holds a run: continue it with --resume {run_dir}, "
-                              "or pick another --run-name")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    model, tokenizer, optimizer = build(cfg)
-    stops = evaluation.stop_ids(model, tokenizer)
-    metrics_file = run_dir / "metrics.jsonl"
-    if cfg.resume:
-        state = load_checkpoint(run_dir, model, optimizer)
-        truncate_metrics(metrics_file, state["step"])
-        print(f"resumed {run_dir} at step {state['step']}")
+LOSS_FIELDS = {f.name: f for f in dataclasses.fields(loss.LossConfig)}
+TRAIN_FIELDS = {f.name: f for f in dataclasses.fields(Config) if f.name != "loss"}
+assert not LOSS_FIELDS.keys() & TRAIN_FIELDS.keys(), "a flag name would mean two settings"
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Config, set[str], bool]:
+    """Every Config and LossConfig field is a flag; a preset fills defaults that explicit flags override.
+
+    Returns the config, the names of the fields given explicitly (they win over a resumed run's) and
+    whether --plan was asked.
+    """
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--plan", action="store_true", help="print the GPU memory of each phase and exit "
+                                                            "(0: fits, 1: does not); loads no weights")
+    for f in [*TRAIN_FIELDS.values(), *LOSS_FIELDS.values()]:
+        help_text = f"{f.metadata.get('help', '')} (default: {_default_text(f)})"
+        flag = "--" + f.name.replace("_", "-")
+        if _type_text(f) == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(flag, type=_parser_of(f), choices=f.metadata.get("choices"),
+                                default=argparse.SUPPRESS, help=help_text)
+    given = vars(parser.parse_args(argv))  # only the flags on the command line
+    show_plan = given.pop("plan")
+    preset = given.get("preset")
+    if preset is not None and preset not in PRESETS:
+        parser.error(f"--preset {preset!r} is unknown; known presets: {', '.join(PRESETS)}")
+    return make_config({**PRESETS.get(preset, {}), **given}), set(given), show_plan
+
+
+def make_config(values: dict) -> Config:
+    """A Config from flat settings (flag names with underscores), the loss's fields going to LossConfig.
+
+    Dr. GRPO's constant length defaults to the generation cap: the same for every micro-batch, however
+    much padding each trims, so accumulated micro-batches add up to one batch's gradient.
+    """
+    loss_values = {name: value for name, value in values.items() if name in LOSS_FIELDS}
+    train_values = {name: value for name, value in values.items() if name not in LOSS_FIELDS}
+    unknown = train_values.keys() - TRAIN_FIELDS.keys()
+    if unknown:
+        raise ValueError(f"unknown settings: {', '.join(sorted(unknown))}")
+    cfg = Config(**train_values)
+    loss_values.setdefault("norm_len", cfg.max_new_tokens)
+    return dataclasses.replace(cfg, loss=loss.LossConfig(**loss_values))
+
+
+def flat_config(cfg: Config) -> dict:
+    """The settings as one flat dict, as the command line names them (the inverse of make_config)."""
+    values = {name: getattr(cfg, name) for name in TRAIN_FIELDS}
+    return {**values, **dataclasses.asdict(cfg.loss)}
+
+
+def _type_text(f: dataclasses.Field) -> str:
+    return f.type if isinstance(f.type, str) else f.type.__name__ if isinstance(f.type, type) else str(f.type)
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    return "empty" if default is None else str(default)
+
+
+def _parser_of(f: dataclasses.Field):
+    """A flag's text -> value: int, float or str; "lo,hi" for pairs; an empty string is None."""
+    text = _type_text(f).replace(" ", "")
+    optional = "None" in text.split("|")
+    if "tuple[float" in text:
+        def parse(value: str):
+            try:
+                numbers = tuple(float(v) for v in value.split(","))
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected numbers separated by a comma, got {value!r}") from None
+            return numbers[0] if len(numbers) == 1 and text.startswith("float") else numbers
     else:
-        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-        metrics_file.unlink(missing_ok=True)
-        state = {"step": 0, "data_position": 0, "before": None, "best": None}
-    if state["before"] is None:
-        state["before"] = evaluate_held_out(model, tokenizer, eval_set, cfg, "eval before")
-    with StopRequest() as stop:
-        bar = tqdm(range(state["step"], cfg.steps), desc="train", unit="step", initial=state["step"],
-                   total=cfg.steps)
-        for _ in bar:
-            record = train_step(model, optimizer, tokenizer, train_set, cfg, loss_cfg, stops, state)
-            if cfg.eval_every and state["step"] % cfg.eval_every == 0 and state["step"] < cfg.steps:
-                record["eval"] = evaluate_held_out(model, tokenizer, eval_set, cfg, f"eval step {state['step']}")
-                _keep_best(run_dir, model, state, record["eval"])
-            with metrics_file.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-            bar.set_postfix(reward=f"{record['reward']:.2f}", acc=f"{record['accuracy']:.2f}")
-            if state["step"] % cfg.checkpoint_every == 0 or stop.requested:
-                save_checkpoint(run_dir, model, optimizer, state)
-            if stop.requested:
-                print(f"stopped at step {state['step']}; continue with --resume {run_dir}")
-                return state
-    state["after"] = evaluate_held_out(model, tokenizer, eval_set, cfg, "eval after")
-    _keep_best(run_dir, model, state, state["after"])
-    save_checkpoint(run_dir, model, optimizer, state)
-    if cfg.export:
-        modeling.save_pretrained(model, cfg.export, tokenizer=tokenizer)
-    (run_dir / "summary.json").write_text(json.dumps({k: state[k] for k in ("before", "after", "best")}, indent=2))
-    return state
-
-
-def train_step(model, optimizer, tokenizer, train_set, cfg: Config, loss_cfg, stops, state: dict) -> dict:
-    """One GRPO step; advances state (step, data position) and returns the step's metrics line."""
-    step = state["step"] + 1
-    start = time.perf_counter()
-    problems = batch_of(train_set, state["data_position"], cfg.prompts_per_step, cfg.seed)
-    out = sample(model, tokenizer, problems, cfg, stops, step)
-    sampled = time.perf_counter()
-    rewards, correct = score(out, problems, cfg)
-    scored = time.perf_counter()
-    advantages = loss.group_advantages(rewards, cfg.group_size, std=cfg.adv_std).float()
-    trained = time.perf_counter()
-    update = policy_update(model, optimizer, out, advantages, cfg, loss_cfg, step)
-    done = time.perf_counter()
-    state.update(step=step, data_position=state["data_position"] + cfg.prompts_per_step)
-    lengths = out.completion_mask.sum(1).float()
-    trained_tokens = int(out.pad_mask.sum())
-    return {"step": step, "reward": float(rewards.mean()), "accuracy": float(correct.mean()),
-            "completion_length": float(lengths.mean()), "truncated": float(out.truncated.float().mean()),
-            **update, "step_seconds": done - start,
-            "rollout_tokens_per_s": float(lengths.sum()) / (sampled - start),
-            "reward_seconds": scored - sampled,
-            "train_tokens_per_s": trained_tokens / (done - trained)}  # each row trains once per step
-
-
-def _keep_best(run_dir: Path, model, state: dict, result: dict) -> None:
-    """Keep the adapter with the best held-out accuracy in run_dir/best (the papers report best and last)."""
-    if state["best"] is not None and result["accuracy"] <= state["best"]["accuracy"]:
-        return
-    state["best"] = {**result, "step": state["step"]}
-    tmp = run_dir / ".best.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    lora.save(model, tmp)
-    shutil.rmtree(run_dir / "best", ignore_errors=True)
-    os.replace(tmp, run_dir / "best")
-
-
-def main(argv: list[str] | None = None) -> None:
-    cfg, given = parse_args(argv)
-    if cfg.resume:
-        cfg = _resumed_config(cfg, given)
-    state = train(cfg)
-    if "after" in state:
-        before, after = state["before"], state["after"]
-        best = state["best"]
-        print(f"best held-out accuracy {100 * best['accuracy']:.1f}% at step {best['step']}")
-        print(f"held-out accuracy: before {100 * before['accuracy']:.1f}% -> after {100 * after['accuracy']:.1f}% "
-              f"(n={after['problems']}, k={after['k']}, se {100 * after['se']:.1f})")
+        parse = {"int": int, "float": float}.get(text.split("|")[0], str)
+    return (lambda value: None if value == "" else parse(value)) if optional else parse
 
 
 def _resumed_config(cfg: Config, given: set[str]) -> Config:
@@ -555,10 +813,54 @@ def _resumed_config(cfg: Config, given: set[str]) -> Config:
     saved_file = run_dir / "config.json"
     if not saved_file.is_file():
         raise FileNotFoundError(f"--resume {run_dir}: not a run directory (no config.json)")
+    refused = given & {"preset", "run_name", "out_dir"}
+    if refused:
+        flags = ", ".join("--" + name.replace("_", "-") for name in sorted(refused))
+        raise ValueError(f"--resume {run_dir} continues that run with its own settings; {flags} cannot change them")
     saved = json.loads(saved_file.read_text())
-    merged = {**saved, **{name: getattr(cfg, name) for name in given}}
+    current = flat_config(cfg)
+    merged = {**saved, **{name: current[name] for name in given}}
     merged.update(run_name=run_dir.name, out_dir=str(run_dir.parent), resume=str(run_dir))
-    return Config(**merged)
+    return make_config(merged)
+
+
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Settings, data and paths are checked before anything loads; a mistake there prints one line and
+    exits with status 2. A Ctrl-C exits with 130 and says how to continue."""
+    try:
+        cfg, given, show_plan = parse_args(argv)
+        if show_plan:
+            sys.exit(0 if plan(cfg) else 1)
+        if cfg.resume:
+            cfg = _resumed_config(cfg, given)
+        state = train(cfg)
+    except USER_ERRORS as error:
+        if _inside_training(error):
+            raise
+        print(f"train.py: {error}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("\ninterrupted; the last checkpoint is kept (python train.py --resume RUN continues it)", file=sys.stderr)
+        sys.exit(130)
+    if "after" in state:
+        before, after, best = state["before"], state["after"], state["best"]
+        print(f"best held-out accuracy {100 * best['accuracy']:.1f}% at step {best['step']}")
+        print(f"held-out accuracy: before {100 * before['accuracy']:.1f}% -> after {100 * after['accuracy']:.1f}% "
+              f"(n={after['problems']}, k={after['k']}, se {100 * (after['se'] or 0):.1f})")
+
+
+def _inside_training(error: BaseException) -> bool:
+    """Whether an error was raised inside a training step rather than by the checks before it: those are
+    bugs or hardware trouble, and keep their traceback."""
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name in ("train_step", "evaluate_held_out"):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 if __name__ == "__main__":
