@@ -1,10 +1,14 @@
 """The training loop end to end on a tiny random model: it trains, logs, checkpoints and resumes exactly."""
 
+import dataclasses
 import json
+import math
+import re
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -13,8 +17,8 @@ import transformers
 from safetensors.torch import load_file
 
 import lora
-import model as modeling
 import train
+import weights
 
 TIMING_KEYS = {"step_seconds", "rollout_tokens_per_s", "reward_seconds", "train_tokens_per_s"}
 
@@ -33,7 +37,7 @@ def tiny_args(model_dir: Path, out_dir: Path, name: str, *extra: str) -> list[st
 
 
 def run_training(argv: list[str]) -> dict:
-    cfg, given = train.parse_args(argv)
+    cfg, given, _ = train.parse_args(argv)
     if cfg.resume:
         cfg = train._resumed_config(cfg, given)
     return train.train(cfg)
@@ -71,7 +75,7 @@ def test_two_steps_train_log_and_checkpoint(tiny_model_dir, tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["after"]["k"] == 2
     # the merged export is a plain transformers checkpoint with the trained policy's logits
-    policy = lora.load(modeling.from_pretrained(str(tiny_model_dir)), checkpoint / "adapter")
+    policy = lora.load(weights.from_pretrained(str(tiny_model_dir)), checkpoint / "adapter")
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export")
     ids = torch.randint(0, policy.config.vocab_size, (2, 9))
     with torch.no_grad():
@@ -125,6 +129,23 @@ def test_ctrl_c_checkpoints_the_step_in_progress_and_resumes(tiny_model_dir, tmp
     assert state["step"] == saved_step + 1
 
 
+def test_ctrl_c_during_an_evaluation_exits_cleanly_and_the_run_resumes(tiny_model_dir, tmp_path):
+    args = tiny_args(tiny_model_dir, tmp_path, "eval-stop", "--steps", "1", "--eval-problems", "0", "--eval-k", "8",
+                     "--max-new-tokens", "64")
+    log = tmp_path / "eval-stop.log"
+    proc = launch(args, log)
+    deadline = time.time() + 120
+    while "eval before" not in log.read_text():
+        assert proc.poll() is None and time.time() < deadline, log.read_text()[-2000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in log.read_text(), log.read_text()[-2000:]
+    assert "--resume" in log.read_text().splitlines()[-1]
+    state = run_training(["--resume", str(tmp_path / "eval-stop"), "--eval-problems", "2"])
+    assert state["step"] == 1 and state["before"]["problems"] == 2
+
+
 def _latest_step(run_dir: Path) -> int:
     return int((run_dir / "latest").read_text().split("-")[1])
 
@@ -146,7 +167,7 @@ def test_interrupted_checkpoint_write_keeps_the_previous_one(tiny_model_dir, tmp
 
 def test_reference_kl_full_kl_rule_minibatches_and_recomputed_old_logp(tiny_model_dir, tmp_path):
     run_training(tiny_args(tiny_model_dir, tmp_path, "options", "--steps", "2", "--rule", "kl_full",
-                           "--kl-beta", "0.1", "--recompute-old-logp", "--updates-per-rollout", "2",
+                           "--kl-beta", "0.1", "--recompute-old-logp", "on", "--updates-per-rollout", "2",
                            "--grad-accum", "2", "--prompts-per-step", "4"))
     first, second = metric_lines(tmp_path / "options")
     for line in (first, second):
@@ -155,72 +176,244 @@ def test_reference_kl_full_kl_rule_minibatches_and_recomputed_old_logp(tiny_mode
     assert first["approx_kl"] > 0, "the second mini-batch of a step sees a policy that has moved"
 
 
-@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_micro_batches_give_the_update_of_one_batch(tiny_model_dir, tmp_path, aggregation):
-    cfg, _ = train.parse_args(tiny_args(tiny_model_dir, tmp_path, "accum", "--prompts-per-step", "4",
-                                        "--max-new-tokens", "6", "--aggregation", aggregation))
-    loss_cfg = train.loss_config(cfg)
+def sampled_step(tiny_model_dir, tmp_path, monkeypatch, *flags):
+    """A config, a fresh model and one rollout with its advantages; a quarter of the vocabulary ends a row,
+    so rows differ in length and the trimming of padding is exercised."""
+    cfg, _, _ = train.parse_args(tiny_args(tiny_model_dir, tmp_path, "step", "--prompts-per-step", "4",
+                                           "--max-new-tokens", "6", *flags))
     model, tokenizer, _ = train.build(cfg)
+    cfg = train.resolve_automatic(cfg, model)
+    monkeypatch.setattr(train, "stop_ids", lambda config, tok: list(range(0, len(tok), 4)))
     problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
-    stops = list(range(0, len(tokenizer), 4))  # a quarter of the vocabulary ends a row: lengths differ
-    out = train.sample(model, tokenizer, problems, cfg, stops, step=1)
+    out = train.sample(model, tokenizer, problems, cfg, step=1)
     rewards, _ = train.score(out, problems, cfg)
-    assert out.completion_mask.sum(1).unique().numel() > 1, "rows of different lengths exercise the trimming"
-    advantages = train.loss.group_advantages(rewards, cfg.group_size).float()
+    assert out.completion_mask.sum(1).unique().numel() > 1
+    return cfg, out, train.loss.advantages(rewards, cfg.group_size, cfg.loss)
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batches_give_the_update_of_one_batch(tiny_model_dir, tmp_path, monkeypatch, aggregation):
+    cfg, out, advantages = sampled_step(tiny_model_dir, tmp_path, monkeypatch, "--aggregation", aggregation)
     updated = []
     for accum in (1, 4):
         model, _, optimizer = train.build(cfg)
-        cfg.grad_accum = accum
-        train.policy_update(model, optimizer, out, advantages, cfg, loss_cfg, step=1)
+        train.policy_update(model, optimizer, out, advantages, dataclasses.replace(cfg, grad_accum=accum), step=1)
         updated.append({k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad})
     for name, value in updated[0].items():
         torch.testing.assert_close(updated[1][name], value, rtol=1e-5, atol=1e-7)
 
 
-def test_non_finite_loss_skips_the_update(tiny_model_dir, tmp_path):
-    cfg, _ = train.parse_args(tiny_args(tiny_model_dir, tmp_path, "nan"))
-    model, tokenizer, optimizer = train.build(cfg)
-    stops = [tokenizer.eos_token_id]
-    problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
-    out = train.sample(model, tokenizer, problems, cfg, stops, step=1)
-    rewards, _ = train.score(out, problems, cfg)
+def test_non_finite_loss_skips_the_update(tiny_model_dir, tmp_path, monkeypatch):
+    cfg, out, advantages = sampled_step(tiny_model_dir, tmp_path, monkeypatch)
+    model, _, optimizer = train.build(cfg)
     before = {k: v.clone() for k, v in model.named_parameters() if v.requires_grad}
-    advantages = torch.full((len(rewards),), float("nan"))
     with pytest.warns(UserWarning, match="update skipped"):
-        metrics = train.policy_update(model, optimizer, out, advantages, cfg, train.loss.LossConfig(), step=1)
-    assert metrics["skipped_updates"] == 1
+        metrics = train.policy_update(model, optimizer, out, torch.full_like(advantages, float("nan")), cfg, step=1)
+    assert metrics["skipped_updates"] == 1 and metrics["grad_norm"] is None
     for name, param in model.named_parameters():
         if param.requires_grad:
             assert torch.equal(param, before[name]), name
 
 
-def test_every_config_field_is_a_flag_and_presets_yield_to_flags():
-    cfg, given = train.parse_args(["--preset", "atr-grpo-qwen3-1.7b", "--lr", "1e-5", "--model", ""])
-    assert cfg.rule == "atr" and cfg.delta == 0.07 and cfg.grad_accum == 4 and cfg.lora_rank == 32
+def test_a_step_and_an_evaluation_create_every_tensor_on_the_model_device(tiny_model_dir, tmp_path, monkeypatch):
+    """With the default device set to meta, any tensor made without naming the model's device lands on meta
+    and meeting the model's CPU tensors raises, as a CPU tensor meeting CUDA ones does on a GPU."""
+    cfg, _, _ = train.parse_args(tiny_args(tiny_model_dir, tmp_path, "device", "--updates-per-rollout", "2",
+                                           "--kl-beta", "0.1", "--rule", "kl_full", "--recompute-old-logp", "on"))
+    model, tokenizer, optimizer = train.build(cfg)
+    cfg = train.resolve_automatic(cfg, model)
+    problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
+    eval_sets = train.load_eval_sets(cfg)
+    torch.set_default_device("meta")
+    try:
+        record, _ = train.train_step(model, optimizer, tokenizer, problems, cfg, step=1)
+        result = train.evaluate_held_out(model, tokenizer, eval_sets, cfg, "eval")
+    finally:
+        torch.set_default_device(None)
+    assert record["skipped_updates"] == 0 and 0 <= result["accuracy"] <= 1
+
+
+def test_old_logp_are_recomputed_automatically_outside_float32(tiny_model_dir, tmp_path, monkeypatch):
+    cfg, out, _ = sampled_step(tiny_model_dir, tmp_path, monkeypatch)
+    model, _, _ = train.build(cfg)
+    assert train.frozen_inputs(model, out, cfg)["old_logp"] is out.old_logp  # float32: the sampler's are exact
+    recomputed = train.frozen_inputs(model.to(torch.bfloat16), out, cfg)["old_logp"]
+    assert recomputed is not out.old_logp and recomputed.shape == out.old_logp.shape
+    assert (recomputed[~out.completion_mask] == 0).all() and (recomputed[out.completion_mask] < 0).all()
+    off = train.frozen_inputs(model, out, dataclasses.replace(cfg, recompute_old_logp="off"))
+    assert off["old_logp"] is out.old_logp
+
+
+def test_the_first_minibatch_logs_the_numerical_floor_of_the_ratio(tiny_model_dir, tmp_path):
+    run_training(tiny_args(tiny_model_dir, tmp_path, "floor", "--steps", "1", "--updates-per-rollout", "2"))
+    line = metric_lines(tmp_path / "floor")[0]
+    assert line["start_ratio_min"] == pytest.approx(1, abs=1e-5) and line["start_ratio_max"] == pytest.approx(1, abs=1e-5)
+    assert line["ratio_max"] > line["start_ratio_max"] or line["ratio_min"] < line["start_ratio_min"]
+
+
+def test_the_inert_trust_region_is_announced_exactly_when_it_is_inert():
+    cfg, _, _ = train.parse_args([])
+    with pytest.warns(UserWarning, match="every clip rule gives the same update"):
+        train.warn_if_inert(cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train.warn_if_inert(dataclasses.replace(cfg, updates_per_rollout=2))
+
+
+def test_token_records_are_written_every_step(tiny_model_dir, tmp_path):
+    run_training(tiny_args(tiny_model_dir, tmp_path, "tokens", "--steps", "2", "--log-tokens", "5",
+                           "--updates-per-rollout", "2"))
+    records = train.loss.read_token_records(tmp_path / "tokens")
+    assert sorted(set(records["step"].tolist())) == [1, 2] and len(records["step"]) <= 10
+    assert ((records["mu"] > 0) & (records["mu"] <= 1)).all() and (records["w"] > 0).all()
+
+
+# Each row: (preset, setting, value, where the paper states it). Values the papers leave open are not here:
+# they are our choices, listed in the README.
+PAPER_VALUES = [
+    ("atr-grpo-qwen3-1.7b", "model", "Qwen/Qwen3-1.7B", "ATR-GRPO, arXiv:2602.05494, experiments"),
+    ("atr-grpo-qwen3-8b", "model", "Qwen/Qwen3-8B", "ATR-GRPO, experiments: the 8B twin"),
+    ("atr-grpo-qwen3-1.7b", "lora_rank", 32, "ATR-GRPO, experimental setup"),
+    ("atr-grpo-qwen3-1.7b", "lr", 5e-6, "ATR-GRPO, experimental setup"),
+    ("atr-grpo-qwen3-1.7b", "group_size", 8, "ATR-GRPO, experimental setup"),
+    ("atr-grpo-qwen3-1.7b", "rule", "atr", "ATR-GRPO: the KL3 constraint"),
+    ("atr-grpo-qwen3-1.7b", "delta", 0.07, "ATR-GRPO, experimental setup"),
+    ("atr-grpo-qwen3-1.7b", "eval_dataset", "amc23,aime24,aime25", "ATR-GRPO, results tables"),
+    ("atr-grpo-qwen3-1.7b", "eval_k", 8, "ATR-GRPO: Mean@8 and Pass@8"),
+    ("gppo-qwen3-8b", "model", "Qwen/Qwen3-8B-Base", "GPPO, experimental setup"),
+    ("gppo-qwen3-8b", "prompts_per_step", 128, "GPPO: 1024 rollouts per step = 128 prompts x 8"),
+    ("gppo-qwen3-8b", "group_size", 8, "GPPO, experimental setup"),
+    ("gppo-qwen3-8b", "updates_per_rollout", 8, "GPPO: 8 mini-batch updates per rollout"),
+    ("gppo-qwen3-8b", "steps", 400, "GPPO: 400 steps for math"),
+    ("gppo-qwen3-8b", "rule", ("kl", "atomic"), "GPPO: the KL x Atomic cell"),
+    ("gppo-qwen3-8b", "ratio_limits", (0.5, 10.0), "GPPO: global clip [0.5, 10]"),
+    ("gppo-qwen3-8b", "kl_beta", 0.0, "GPPO: no KL penalty"),
+]
+
+
+@pytest.mark.parametrize("preset, name, value, source", PAPER_VALUES)
+def test_presets_are_the_papers_runs(preset, name, value, source):
+    cfg, _, _ = train.parse_args(["--preset", preset])
+    assert train.flat_config(cfg)[name] == value, source
+
+
+def test_atr_preset_steps_the_optimizer_on_32_completions():
+    """ATR-GRPO's "batch 8, gradient accumulation 4" counts completions: 4 prompts x 8 per optimizer step."""
+    cfg, _, _ = train.parse_args(["--preset", "atr-grpo-qwen3-1.7b"])
+    assert cfg.prompts_per_step * cfg.group_size / cfg.updates_per_rollout == 32 and cfg.updates_per_rollout > 1
+
+
+def test_the_gppo_delta_is_kl_at_0_8():
+    cfg, _, _ = train.parse_args(["--preset", "gppo-qwen3-8b"])
+    assert cfg.loss.delta == pytest.approx(-math.log(0.8))
+
+
+def test_every_setting_is_a_flag_and_presets_yield_to_flags():
+    cfg, given, _ = train.parse_args(["--preset", "atr-grpo-qwen3-1.7b", "--lr", "1e-5", "--model", ""])
+    assert cfg.loss.rule == "atr" and cfg.loss.delta == 0.07 and cfg.lora_rank == 32
     assert cfg.lr == 1e-5 and cfg.model is None and given == {"preset", "lr", "model"}
-    assert train.parse_args(["--recompute-old-logp"])[0].recompute_old_logp is True
-    gppo, _ = train.parse_args(["--preset", "gppo-qwen3-8b"])
-    assert gppo.rule == "kl-atomic" and gppo.updates_per_rollout == 8 and gppo.kl_beta == 0.0
-    assert train._dual_clip(gppo.dual_clip) == (0.5, 10.0) and train._dual_clip("3") == 3.0
-    with pytest.raises(SystemExit):
-        train.parse_args(["--preset", "nope"])
+    assert train.parse_args(["--plan"])[2] is True
+    usage = subprocess.run([sys.executable, "train.py", "--help"], cwd=Path(train.__file__).parent,
+                           capture_output=True, text=True).stdout
+    for name in [*train.TRAIN_FIELDS, *train.LOSS_FIELDS]:
+        assert "--" + name.replace("_", "-") in usage, name
 
 
-def test_bad_inputs_fail_before_training(tiny_model_dir, tmp_path):
+FLAG_VALUES = {  # a value for every loss setting, other than its default, and what LossConfig makes of it
+    "rule": ("dapo", "dapo"), "delta": ("0.3", 0.3), "delta_high": ("0.4", 0.4), "dual_clip": ("3", 3.0),
+    "ratio_limits": ("0.5,10", (0.5, 10.0)), "aggregation": ("seq-mean-token-mean", "seq-mean-token-mean"),
+    "norm_len": ("7", 7), "kl_beta": ("0.1", 0.1), "kl_estimator": ("k2", "k2"), "tv_half": (True, True),
+    "kl_two_sided": (False, False), "sapo_tau_pos": ("2", 2.0), "sapo_tau_neg": ("3", 3.0),
+    "cov_ratio": ("0.01", 0.01), "clip_cov_bounds": ("2,4", (2.0, 4.0)), "kl_cov_coef": ("2", 2.0),
+    "adv_std": ("batch", "batch"), "leave_one_out": (True, True),
+}
+
+
+def test_every_loss_setting_reaches_the_loss_config():
+    assert FLAG_VALUES.keys() == train.LOSS_FIELDS.keys(), "a new LossConfig field needs a row here"
+    argv = []
+    for name, (text, _) in FLAG_VALUES.items():
+        flag = "--" + name.replace("_", "-")
+        argv += [flag] if text is True else ["--no-" + flag[2:]] if text is False else [flag, text]
+    cfg, _, _ = train.parse_args(argv)
+    for name, (_, value) in FLAG_VALUES.items():
+        assert getattr(cfg.loss, name) == value, name
+
+
+def test_a_resumed_run_refuses_settings_that_name_another_run(tiny_model_dir, tmp_path):
+    run_training(tiny_args(tiny_model_dir, tmp_path, "first", "--steps", "1"))
+    for flags in (["--preset", "atr-grpo-qwen3-1.7b"], ["--run-name", "other"], ["--out-dir", "elsewhere"]):
+        with pytest.raises(ValueError, match="cannot change"):
+            run_training(["--resume", str(tmp_path / "first"), *flags])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--adv-std", "foo"], "--adv-std"), (["--top-k", "-3"], "--top-k"), (["--kl-beta", "-1"], "kl.beta"),
+    (["--lr", "-1"], "--lr"), (["--lr", "nan"], "--lr"), (["--lr", "0"], "--lr"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--gradient-checkpointing", "maybe"], "--gradient-checkpointing"),
+    (["--updates-per-rollout", "100"], "--updates-per-rollout"), (["--group-size", "1"], "--group-size"),
+    (["--checkpoint-every", "0"], "--checkpoint-every"), (["--temperature", "0"], "--temperature"),
+    (["--format-weight", "0.1"], "--format-weight"),
+    (["--format-weight", "1", "--template", "boxed"], "--format-weight"),
+    (["--rule", "nope"], "rule"), (["--dual-clip", "0.5,x"], "--dual-clip"),
+    (["--ratio-limits", "2,1"], "ratio.limits"), (["--aggregation", "token-mean", "--rule", "gspo"], "--aggregation"),
+])
+def test_each_bad_flag_fails_in_one_line_before_the_model_loads(tmp_path, flags, message):
+    """The model path does not exist: an error about the flag proves the check came first."""
+    proc = subprocess.run([sys.executable, "train.py", "--model", str(tmp_path / "no-model"), "--out-dir",
+                           str(tmp_path), *flags], cwd=Path(train.__file__).parent, capture_output=True, text=True)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and re.search(message, lines[0]), proc.stderr
+    assert not any(tmp_path.iterdir()), "a failed start leaves nothing behind"
+
+
+def test_bad_data_and_runs_fail_before_training(tiny_model_dir, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"problem": "1 + 1?", "answer": "2"}\n{"problem": "", "answer": "3"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         run_training(tiny_args(tiny_model_dir, tmp_path, "bad", "--dataset", str(bad)))
-    with pytest.raises(ValueError, match="rule"):
-        run_training(tiny_args(tiny_model_dir, tmp_path, "bad", "--rule", "nope"))
-    with pytest.raises(ValueError, match="dual.clip"):
-        run_training(tiny_args(tiny_model_dir, tmp_path, "bad", "--dual-clip", "0.5,x"))
     with pytest.raises(FileNotFoundError, match="--resume"):
         run_training(["--resume", str(tmp_path / "missing")])
-    for flags, flag in ((["--group-size", "1"], "--group-size"), (["--checkpoint-every", "0"], "--checkpoint-every"),
-                        (["--temperature", "0"], "--temperature"), (["--format-weight", "0.1"], "--format-weight")):
-        with pytest.raises(ValueError, match=flag):
-            run_training(tiny_args(tiny_model_dir, tmp_path, "bad", *flags))
+    assert not (tmp_path / "bad").exists(), "a failed start leaves no run directory"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_device_cuda_without_a_gpu_says_so_in_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "train.py", "--device", "cuda", "--out-dir", str(tmp_path)],
+                          cwd=Path(train.__file__).parent, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "train.py: --device cuda: no CUDA GPU is visible to torch on this machine; use --device cpu")
+
+
+def test_an_export_never_replaces_a_users_folder(tiny_model_dir, tmp_path):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="mine"):
+        run_training(tiny_args(tiny_model_dir, tmp_path, "export", "--steps", "1", "--export", str(folder)))
+    assert (folder / "notes.txt").read_text() == "keep me" and not (tmp_path / "export").exists()
+
+
+def test_json_files_are_strict_when_a_standard_error_is_undefined(tiny_model_dir, tmp_path):
+    run_training(tiny_args(tiny_model_dir, tmp_path, "strict", "--steps", "1", "--eval-problems", "1"))
+
+    def refuse(constant):
+        raise AssertionError(f"non-standard JSON constant {constant}")
+    summary = json.loads((tmp_path / "strict" / "summary.json").read_text(), parse_constant=refuse)
+    assert summary["after"]["se"] is None
+    for line in (tmp_path / "strict" / "metrics.jsonl").read_text().splitlines():
+        json.loads(line, parse_constant=refuse)
+
+
+def test_the_two_newest_checkpoints_are_kept_and_a_damaged_one_falls_back(tiny_model_dir, tmp_path):
+    run_training(tiny_args(tiny_model_dir, tmp_path, "two", "--steps", "4", "--checkpoint-every", "1"))
+    run_dir = tmp_path / "two"
+    assert sorted(p.name for p in run_dir.glob("checkpoint-*")) == ["checkpoint-000003", "checkpoint-000004"]
+    (run_dir / "checkpoint-000004" / "adapter" / "adapter_model.safetensors").write_bytes(b"damaged")
+    with pytest.warns(UserWarning, match="checkpoint-000004"):
+        state = run_training(["--resume", str(run_dir), "--steps", "5"])
+    assert state["step"] == 5
 
 
 def test_a_run_is_never_silently_restarted_or_overwritten(tiny_model_dir, tmp_path):

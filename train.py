@@ -741,7 +741,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, set[str], bool]:
     Returns the config, the names of the fields given explicitly (they win over a resumed run's) and
     whether --plan was asked.
     """
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrors(prog="train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan", action="store_true", help="print the GPU memory of each phase and exit "
                                                             "(0: fits, 1: does not); loads no weights")
     for f in [*TRAIN_FIELDS.values(), *LOSS_FIELDS.values()]:
@@ -758,6 +758,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, set[str], bool]:
     if preset is not None and preset not in PRESETS:
         parser.error(f"--preset {preset!r} is unknown; known presets: {', '.join(PRESETS)}")
     return make_config({**PRESETS.get(preset, {}), **given}), set(given), show_plan
+
+
+class OneLineErrors(argparse.ArgumentParser):
+    """A flag that cannot be parsed is one line of error, not the usage of seventy flags."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message}\n")
 
 
 def make_config(values: dict) -> Config:
