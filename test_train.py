@@ -13,8 +13,8 @@ import transformers
 from safetensors.torch import load_file
 
 import lora
-import model as modeling
 import train
+import weights
 
 TIMING_KEYS = {"step_seconds", "rollout_tokens_per_s", "reward_seconds", "train_tokens_per_s"}
 
@@ -71,7 +71,7 @@ def test_two_steps_train_log_and_checkpoint(tiny_model_dir, tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["after"]["k"] == 2
     # the merged export is a plain transformers checkpoint with the trained policy's logits
-    policy = lora.load(modeling.from_pretrained(str(tiny_model_dir)), checkpoint / "adapter")
+    policy = lora.load(weights.from_pretrained(str(tiny_model_dir)), checkpoint / "adapter")
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export")
     ids = torch.randint(0, policy.config.vocab_size, (2, 9))
     with torch.no_grad():

@@ -32,9 +32,9 @@ from tqdm import tqdm
 import eval as evaluation
 import lora
 import loss
-import model as modeling
 import reward
 import rollout
+import weights
 from data import load_problems, render_prompt
 
 
@@ -396,8 +396,8 @@ def resolve_device(cfg: Config) -> tuple[torch.device, torch.dtype]:
 def build(cfg: Config):
     """Model with fresh LoRA adapters, tokenizer and optimizer."""
     device, dtype = resolve_device(cfg)
-    model = modeling.from_pretrained(cfg.model, dtype=dtype, device=device)
-    tokenizer = modeling.load_tokenizer(cfg.model)
+    model = weights.from_pretrained(cfg.model, dtype=dtype, device=device)
+    tokenizer = weights.load_tokenizer(cfg.model)
     model.requires_grad_(False)
     torch.manual_seed(cfg.seed)  # adapter initialization
     lora.inject(model, cfg.lora_rank, cfg.lora_alpha, targets=tuple(cfg.lora_targets.split(",")),
@@ -495,7 +495,7 @@ def train(cfg: Config) -> dict:
     _keep_best(run_dir, model, state, state["after"])
     save_checkpoint(run_dir, model, optimizer, state)
     if cfg.export:
-        modeling.save_pretrained(model, cfg.export, tokenizer=tokenizer)
+        weights.save_pretrained(model, cfg.export, tokenizer=tokenizer)
     (run_dir / "summary.json").write_text(json.dumps({k: state[k] for k in ("before", "after", "best")}, indent=2))
     return state
 
