@@ -30,7 +30,7 @@ import lora
 import reward
 import rollout
 from data import load_problems, render_prompt
-from model import from_pretrained, load_tokenizer
+from weights import from_pretrained, load_tokenizer
 
 # -----------------------------------------------------------------------------
 # statistics over a [problems, samples] table

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from model import KVCache, Transformer
+import model as modeling
 
 PAD_ID = 0  # fills left padding and finished rows; any id works because those slots are masked out
 
@@ -45,7 +45,7 @@ class Rollout:
     texts: list[str] | None  # decoded completions (special tokens skipped) when a tokenizer was given
 
 
-def generate(model: Transformer, prompts: list[list[int]], *, samples_per_prompt: int, max_new_tokens: int,
+def generate(model: modeling.Transformer, prompts: list[list[int]], *, samples_per_prompt: int, max_new_tokens: int,
              temperature: float, top_p: float = 1.0, top_k: int = 0, stop_ids: list[int], seed: int,
              tokenizer=None) -> Rollout:
     """Sample samples_per_prompt completions for each prompt (token-id lists of any lengths).
@@ -133,7 +133,7 @@ def _sample_rows(model, prompts, G, max_new_tokens, temperature, top_p, top_k, s
     return prompt_ids, prompt_mask, *_decode(step, cache, logits, sample, stop, max_new_tokens, compact=not on_gpu)
 
 
-def _decode(step: Callable, cache: KVCache, logits: torch.Tensor, sample: Callable, stop: torch.Tensor,
+def _decode(step: Callable, cache: modeling.KVCache, logits: torch.Tensor, sample: Callable, stop: torch.Tensor,
             max_new_tokens: int, compact: bool):
     """The token loop. Returns completion ids, old_logp and mask, each [N, C] with C <= max_new_tokens.
 
@@ -201,12 +201,12 @@ def _restrict(logp: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
     return torch.full_like(logp, float("-inf")).scatter(1, index, candidates)
 
 
-def _eager_decode_step(model: Transformer) -> Callable:
+def _eager_decode_step(model: modeling.Transformer) -> Callable:
     """model.decode_step attending over the filled cache slots only: shapes may change on the CPU."""
     return lambda tokens, alive, cache: model.decode_step(tokens, alive, cache, whole_cache=False)
 
 
-def _graphed_decode_step(model: Transformer, cache: KVCache) -> Callable:
+def _graphed_decode_step(model: modeling.Transformer, cache: modeling.KVCache) -> Callable:
     """model.decode_step on `cache`, captured once in a CUDA graph; calling it copies the inputs in and replays.
 
     The capture runs on dummy tokens: decode_step only writes the current slot and does not advance
@@ -225,7 +225,7 @@ def _graphed_decode_step(model: Transformer, cache: KVCache) -> Callable:
     with torch.cuda.graph(graph):
         logits = model.decode_step(tokens, alive, cache)
 
-    def step(new_tokens: torch.Tensor, new_alive: torch.Tensor, _cache: KVCache) -> torch.Tensor:
+    def step(new_tokens: torch.Tensor, new_alive: torch.Tensor, _cache: modeling.KVCache) -> torch.Tensor:
         # _cache is the captured cache: rows are never dropped on this path, so it does not change.
         tokens.copy_(new_tokens)
         alive.copy_(new_alive)

@@ -304,7 +304,7 @@ def test_evaluate_with_adapter_restores_train_mode(tiny_model_dir, tmp_path):
     import torch
 
     import lora
-    from model import from_pretrained, load_tokenizer
+    from weights import from_pretrained, load_tokenizer
 
     model, tokenizer = from_pretrained(str(tiny_model_dir)), load_tokenizer(str(tiny_model_dir))
     problems = [{"problem": "What is 2 + 2?", "answer": "4"}]

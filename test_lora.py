@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import lora
-import model as M
+import weights
 from conftest import make_tiny_checkpoint
 
 
@@ -32,7 +32,7 @@ def hf_model(path):
 
 @torch.no_grad()
 def test_zero_initialized_adapters_leave_logits_unchanged(tiny_model_dir):
-    model = M.from_pretrained(tiny_model_dir)
+    model = weights.from_pretrained(tiny_model_dir)
     ids = sample_ids(model)
     base = model(ids)
     lora.inject(model, rank=4, alpha=8)
@@ -43,7 +43,7 @@ def test_zero_initialized_adapters_leave_logits_unchanged(tiny_model_dir):
 
 
 def test_only_adapters_train(tiny_model_dir):
-    model = lora.inject(M.from_pretrained(tiny_model_dir), rank=4, alpha=8, targets=("q_proj", "v_proj"))
+    model = lora.inject(weights.from_pretrained(tiny_model_dir), rank=4, alpha=8, targets=("q_proj", "v_proj"))
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
     assert trainable == {id(p) for p in lora.parameters(model)}
     assert len(trainable) == 2 * 2 * 2  # A and B, two targets, two layers
@@ -60,7 +60,7 @@ def test_only_adapters_train(tiny_model_dir):
 
 
 def test_gradient_checkpointing_gives_the_same_adapter_gradients(tiny_model_dir):
-    model = trained_like(lora.inject(M.from_pretrained(tiny_model_dir), rank=4, alpha=8)).train()
+    model = trained_like(lora.inject(weights.from_pretrained(tiny_model_dir), rank=4, alpha=8)).train()
     ids = sample_ids(model)
     grads = []
     for checkpointing in (False, True):
@@ -74,7 +74,7 @@ def test_gradient_checkpointing_gives_the_same_adapter_gradients(tiny_model_dir)
 
 @torch.no_grad()
 def test_merge_unmerge_and_disable(tiny_model_dir):
-    model = M.from_pretrained(tiny_model_dir)
+    model = weights.from_pretrained(tiny_model_dir)
     ids = sample_ids(model)
     base, base_weights = model(ids), {k: v.clone() for k, v in model.state_dict().items()}
     trained_like(lora.inject(model, rank=4, alpha=16))
@@ -100,10 +100,10 @@ def test_merge_unmerge_and_disable(tiny_model_dir):
 
 @torch.no_grad()
 def test_bf16_base_keeps_fp32_adapters(tiny_model_dir):
-    model = trained_like(lora.inject(M.from_pretrained(tiny_model_dir, dtype=torch.bfloat16), rank=4, alpha=8))
+    model = trained_like(lora.inject(weights.from_pretrained(tiny_model_dir, dtype=torch.bfloat16), rank=4, alpha=8))
     module = model.model.layers[1].mlp.up_proj
     assert module.weight.dtype == torch.bfloat16 and module.lora_A.weight.dtype == torch.float32
-    reference = trained_like(lora.inject(M.from_pretrained(tiny_model_dir), rank=4, alpha=8))
+    reference = trained_like(lora.inject(weights.from_pretrained(tiny_model_dir), rank=4, alpha=8))
     for ours, ref in zip(lora.parameters(model), lora.parameters(reference)):
         ours.copy_(ref)
     ids = sample_ids(model)
@@ -113,7 +113,7 @@ def test_bf16_base_keeps_fp32_adapters(tiny_model_dir):
 
 
 def test_dropout_applies_in_training_only(tiny_model_dir):
-    model = trained_like(lora.inject(M.from_pretrained(tiny_model_dir), rank=4, alpha=8, dropout=0.5))
+    model = trained_like(lora.inject(weights.from_pretrained(tiny_model_dir), rank=4, alpha=8, dropout=0.5))
     ids = sample_ids(model)
     with torch.no_grad():
         assert torch.equal(model.eval()(ids), model(ids))
@@ -124,32 +124,32 @@ def test_dropout_applies_in_training_only(tiny_model_dir):
 @torch.no_grad()
 def test_save_load_round_trip(tmp_path, tiny_model_dir):
     targets = ("k_proj", "down_proj")
-    model = trained_like(lora.inject(M.from_pretrained(tiny_model_dir), rank=4, alpha=8, targets=targets))
+    model = trained_like(lora.inject(weights.from_pretrained(tiny_model_dir), rank=4, alpha=8, targets=targets))
     lora.save(model, tmp_path, base_model_name_or_path=str(tiny_model_dir))
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 8, ["down_proj", "k_proj"])
 
-    restored = lora.load(M.from_pretrained(tiny_model_dir), tmp_path)  # injects from the config
+    restored = lora.load(weights.from_pretrained(tiny_model_dir), tmp_path)  # injects from the config
     ids = sample_ids(model)
     assert torch.equal(restored(ids), model(ids))
 
 
 def test_load_rejects_mismatches(tmp_path, tiny_model_dir):
     with pytest.raises(FileNotFoundError, match="adapter_config.json"):
-        lora.load(M.from_pretrained(tiny_model_dir), tmp_path)
-    lora.save(lora.inject(M.from_pretrained(tiny_model_dir), rank=4, alpha=8), tmp_path)
+        lora.load(weights.from_pretrained(tiny_model_dir), tmp_path)
+    lora.save(lora.inject(weights.from_pretrained(tiny_model_dir), rank=4, alpha=8), tmp_path)
     with pytest.raises(ValueError, match="r=4, lora_alpha=8 differ"):
-        lora.load(lora.inject(M.from_pretrained(tiny_model_dir), rank=2, alpha=8), tmp_path)
+        lora.load(lora.inject(weights.from_pretrained(tiny_model_dir), rank=2, alpha=8), tmp_path)
     with pytest.raises(ValueError, match="missing"):
-        lora.load(lora.inject(M.from_pretrained(tiny_model_dir), rank=4, alpha=8, targets=("lm_head",)), tmp_path)
+        lora.load(lora.inject(weights.from_pretrained(tiny_model_dir), rank=4, alpha=8, targets=("lm_head",)), tmp_path)
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(ValueError, match="use_dora=True is not supported"):
-        lora.load(M.from_pretrained(tiny_model_dir), tmp_path)
+        lora.load(weights.from_pretrained(tiny_model_dir), tmp_path)
 
 
 def test_inject_rejects_bad_arguments(tmp_path, tiny_model_dir):
-    model = M.from_pretrained(tiny_model_dir)
+    model = weights.from_pretrained(tiny_model_dir)
     with pytest.raises(ValueError, match="match no nn.Linear"):
         lora.inject(model, rank=4, alpha=8, targets=("qkv",))
     with pytest.raises(ValueError, match="rank must be >= 1"):
@@ -157,18 +157,18 @@ def test_inject_rejects_bad_arguments(tmp_path, tiny_model_dir):
     lora.inject(model, rank=4, alpha=8)
     with pytest.raises(ValueError, match="already has LoRA adapters"):
         lora.inject(model, rank=4, alpha=8)
-    tied = M.from_pretrained(make_tiny_checkpoint(tmp_path, "qwen3", tie_word_embeddings=True))
+    tied = weights.from_pretrained(make_tiny_checkpoint(tmp_path, "qwen3", tie_word_embeddings=True))
     with pytest.raises(ValueError, match="shares its weight"):
         lora.inject(tied, rank=4, alpha=8, targets=("lm_head",))
     with pytest.raises(ValueError, match="no LoRA adapters"):
-        lora.save(M.from_pretrained(tiny_model_dir), "unused")
+        lora.save(weights.from_pretrained(tiny_model_dir), "unused")
 
 
 @torch.no_grad()
 def test_our_adapter_loads_in_peft(tmp_path, tiny_model_dir):
     from peft import PeftModel
 
-    model = trained_like(lora.inject(M.from_pretrained(tiny_model_dir), rank=4, alpha=8))
+    model = trained_like(lora.inject(weights.from_pretrained(tiny_model_dir), rank=4, alpha=8))
     lora.save(model, tmp_path)
     peft_model = PeftModel.from_pretrained(hf_model(tiny_model_dir), tmp_path).eval()
     ids = sample_ids(model)
@@ -186,7 +186,7 @@ def test_peft_adapter_loads_in_ours(tmp_path, tiny_model_dir):
         if "lora_B" in name:
             param.normal_(std=0.1)
     peft_model.save_pretrained(tmp_path)
-    ours = lora.load(M.from_pretrained(tiny_model_dir), tmp_path)
+    ours = lora.load(weights.from_pretrained(tiny_model_dir), tmp_path)
     assert len(lora.lora_modules(ours)) == 2 * 3
     ids = sample_ids(ours)
     assert (peft_model.eval()(ids).logits - ours(ids)).abs().max() < 1e-4
@@ -194,10 +194,10 @@ def test_peft_adapter_loads_in_ours(tmp_path, tiny_model_dir):
 
 @torch.no_grad()
 def test_merged_export_loads_in_transformers(tmp_path, tiny_model_dir):
-    model = trained_like(lora.inject(M.from_pretrained(tiny_model_dir), rank=4, alpha=8))
+    model = trained_like(lora.inject(weights.from_pretrained(tiny_model_dir), rank=4, alpha=8))
     ids = sample_ids(model)
     adapted = model(ids)
-    M.save_pretrained(model, tmp_path)
+    weights.save_pretrained(model, tmp_path)
     assert torch.equal(model(ids), adapted)  # the export left the model as it was (unmerged)
     assert (hf_model(tmp_path)(ids).logits - adapted).abs().max() < 1e-4
     assert (hf_model(tiny_model_dir)(ids).logits - adapted).abs().max() > 1e-2  # the adapters are in it

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import model as M
+import model as modeling
+import weights
 from conftest import make_tiny_checkpoint
 
 FAMILIES = {  # name -> (family, config overrides): every architectural switch the loader reads
@@ -57,14 +58,14 @@ def random_rows(lengths, vocab, seed=0):
 
 @torch.no_grad()
 def test_logits_match_transformers(checkpoint):
-    ours, ref = M.from_pretrained(checkpoint), hf_model(checkpoint)
+    ours, ref = weights.from_pretrained(checkpoint), hf_model(checkpoint)
     ids = torch.randint(0, ours.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     assert (ours(ids) - ref(ids).logits).abs().max() < 1e-4
 
 
 @torch.no_grad()
 def test_padded_batch_matches_transformers_and_single_rows(checkpoint):
-    ours, ref = M.from_pretrained(checkpoint), hf_model(checkpoint)
+    ours, ref = weights.from_pretrained(checkpoint), hf_model(checkpoint)
     rows = random_rows([9, 4, 6], ours.config.vocab_size)
     ids, pad_mask = padded_batch(rows, left=[0, 5, 1], right=[0, 0, 2])
     logits = ours(ids, pad_mask)
@@ -76,22 +77,22 @@ def test_padded_batch_matches_transformers_and_single_rows(checkpoint):
 
 
 def test_token_logprobs_equal_plain_path_values_and_gradients(tiny_model_dir):
-    model = M.from_pretrained(tiny_model_dir)
+    model = weights.from_pretrained(tiny_model_dir)
     rows = random_rows([10, 7, 3], model.config.vocab_size, seed=2)
     ids, pad_mask = padded_batch(rows, left=[0, 3, 4], right=[0, 0, 3])
     temperature = 0.7
-    weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(3))  # an arbitrary loss
+    loss_weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(3))  # an arbitrary loss
 
     # chunk_tokens=4 splits the 3 x 9 predicted positions into several chunks, one of them partial.
     logp, entropy = model.token_logprobs(ids, pad_mask, temperature=temperature, with_entropy=True, chunk_tokens=4)
-    (logp * weights).sum().backward()
+    (logp * loss_weights).sum().backward()
     chunked_grad = model.lm_head.weight.grad.clone()
     model.zero_grad()
 
     log_probs = torch.log_softmax(model(ids, pad_mask).float() / temperature, dim=-1)[:, :-1]
     expected = torch.cat([torch.zeros(3, 1), log_probs.gather(-1, ids[:, 1:, None]).squeeze(-1)], dim=1)
     expected_entropy = torch.cat([torch.zeros(3, 1), -(log_probs.exp() * log_probs).sum(-1)], dim=1)
-    (expected * weights).sum().backward()
+    (expected * loss_weights).sum().backward()
 
     assert logp.shape == entropy.shape == ids.shape
     assert (logp - expected).abs().max() < 1e-5
@@ -102,7 +103,7 @@ def test_token_logprobs_equal_plain_path_values_and_gradients(tiny_model_dir):
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_model_dir):
-    model = M.from_pretrained(tiny_model_dir).train()
+    model = weights.from_pretrained(tiny_model_dir).train()
     ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(4))
     grads = []
     for checkpointing in (False, True):
@@ -116,7 +117,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_model_dir):
 
 @torch.no_grad()
 def test_kv_cache_decode_equals_full_forward(checkpoint):
-    model = M.from_pretrained(checkpoint)
+    model = weights.from_pretrained(checkpoint)
     prompts = random_rows([5, 2], model.config.vocab_size, seed=5)
     prompt_ids, prompt_mask = padded_batch(prompts, left=[0, 3], right=[0, 0])
     samples, steps, P = 2, 4, prompt_ids.shape[1]
@@ -150,31 +151,31 @@ def test_loads_sharded_checkpoints_and_bf16(tmp_path, tiny_model_dir):
     ref = hf_model(tiny_model_dir)
     ref.save_pretrained(tmp_path, max_shard_size="30KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
-    sharded = M.from_pretrained(str(tmp_path))
+    sharded = weights.from_pretrained(str(tmp_path))
     ids = torch.randint(0, sharded.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(7))
     assert (sharded(ids) - ref(ids).logits).abs().max() < 1e-4
-    bf16 = M.from_pretrained(str(tiny_model_dir), dtype=torch.bfloat16)
+    bf16 = weights.from_pretrained(str(tiny_model_dir), dtype=torch.bfloat16)
     assert bf16.dtype == torch.bfloat16 and all(p.dtype == torch.bfloat16 for p in bf16.parameters())
     assert (bf16(ids).float() - ref(ids).logits).abs().max() < 0.05
 
 
 @torch.no_grad()
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path, checkpoint):
-    model = M.from_pretrained(checkpoint)
-    M.save_pretrained(model, tmp_path, tokenizer=M.load_tokenizer(checkpoint))
+    model = weights.from_pretrained(checkpoint)
+    weights.save_pretrained(model, tmp_path, tokenizer=weights.load_tokenizer(checkpoint))
     exported = json.loads((tmp_path / "config.json").read_text())
     source = json.loads((checkpoint / "config.json").read_text())
     assert exported["eos_token_id"] == source["eos_token_id"]
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(8))
     assert (hf_model(tmp_path)(ids).logits - model(ids)).abs().max() < 1e-4
-    assert M.load_tokenizer(tmp_path).eos_token == "<|im_end|>"
+    assert weights.load_tokenizer(tmp_path).eos_token == "<|im_end|>"
 
 
 def test_an_interrupted_export_keeps_the_previous_one(tmp_path, tiny_model_dir, monkeypatch):
     import safetensors.torch
 
-    model = M.from_pretrained(tiny_model_dir)
-    M.save_pretrained(model, tmp_path / "export")
+    model = weights.from_pretrained(tiny_model_dir)
+    weights.save_pretrained(model, tmp_path / "export")
     good = (tmp_path / "export" / "model.safetensors").read_bytes()
 
     def crash(tensors, filename, metadata=None):
@@ -183,8 +184,27 @@ def test_an_interrupted_export_keeps_the_previous_one(tmp_path, tiny_model_dir, 
 
     monkeypatch.setattr(safetensors.torch, "save_file", crash)
     with pytest.raises(OSError, match="disk full"):
-        M.save_pretrained(model, tmp_path / "export")
+        weights.save_pretrained(model, tmp_path / "export")
     assert (tmp_path / "export" / "model.safetensors").read_bytes() == good
+
+
+def test_export_refuses_a_users_folder_and_replaces_its_own(tmp_path, tiny_model_dir):
+    model = weights.from_pretrained(tiny_model_dir)
+    users = tmp_path / "notes"
+    users.mkdir()
+    (users / "thesis.txt").write_text("years of work")
+    with pytest.raises(ValueError, match=f"{users}.*not an earlier export"):
+        weights.save_pretrained(model, users)
+    assert (users / "thesis.txt").read_text() == "years of work"
+    with pytest.raises(ValueError, match="not an earlier export"):
+        weights.save_pretrained(model, users / "thesis.txt")
+
+    export = tmp_path / "export"
+    weights.save_pretrained(model, export)
+    (export / "stale.bin").write_bytes(b"left by the first export")
+    weights.save_pretrained(model, export)  # our own export: replaced whole, nothing else left behind
+    assert sorted(p.name for p in export.iterdir()) == [weights.EXPORT_MARKER, "config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "notes"]  # no temporary folders left
 
 
 def test_unsupported_model_type_names_the_supported_ones(tmp_path, tiny_model_dir):
@@ -192,30 +212,30 @@ def test_unsupported_model_type_names_the_supported_ones(tmp_path, tiny_model_di
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="'gpt2' is not supported; supported types: llama, qwen2, qwen3"):
-        M.from_pretrained(tmp_path / "m")
+        weights.from_pretrained(tmp_path / "m")
 
 
 def test_missing_files_are_named(tmp_path, tiny_model_dir):
     with pytest.raises(FileNotFoundError, match="config.json"):
-        M.from_pretrained(tmp_path)
+        weights.from_pretrained(tmp_path)
     shutil.copy(tiny_model_dir / "config.json", tmp_path)
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
-        M.from_pretrained(tmp_path)
+        weights.from_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError, match="neither a local directory nor a hub id"):
-        M.from_pretrained(str(tmp_path / "no" / "such" / "dir"))
+        weights.from_pretrained(str(tmp_path / "no" / "such" / "dir"))
     with pytest.raises(ValueError, match="is a file"):
-        M.from_pretrained(str(tmp_path / "config.json"))
+        weights.from_pretrained(str(tmp_path / "config.json"))
 
 
 def test_missing_tensor_is_an_error(tmp_path, tiny_model_dir):
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(tiny_model_dir, tmp_path / "m")
-    weights = load_file(tmp_path / "m" / "model.safetensors")
-    del weights["model.layers.1.mlp.up_proj.weight"]
-    save_file(weights, tmp_path / "m" / "model.safetensors")
+    tensors = load_file(tmp_path / "m" / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, tmp_path / "m" / "model.safetensors")
     with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
-        M.from_pretrained(tmp_path / "m")
+        weights.from_pretrained(tmp_path / "m")
 
 
 def test_hub_id_offline_says_so(monkeypatch):
@@ -223,7 +243,7 @@ def test_hub_id_offline_says_so(monkeypatch):
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(FileNotFoundError, match="offline.*Pass a local model directory"):
-        M.from_pretrained("no-such-org/no-such-model")
+        weights.from_pretrained("no-such-org/no-such-model")
 
 
 # ----------------------------------------------------------------------------- the real SmolLM2 GGUF
@@ -237,7 +257,7 @@ def smollm2_cache(tmp_path_factory) -> Path:
     """A cache directory into which the packaged GGUF file was converted during this session."""
     cache = tmp_path_factory.mktemp("grpo-cache")
     gguf_file = Path(next(iter(SMOLLM2.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    M.converted_gguf(gguf_file, cache / "smollm2-135m-instruct")
+    weights.converted_gguf(gguf_file, cache / "smollm2-135m-instruct")
     return cache
 
 
@@ -250,8 +270,8 @@ def smollm2_dir(smollm2_cache, monkeypatch) -> Path:
 @needs_smollm2
 @torch.no_grad()
 def test_default_model_knows_the_capital_of_france(smollm2_dir):
-    assert M.resolve_checkpoint(None) == smollm2_dir  # found in the cache, not converted again
-    model, tokenizer = M.from_pretrained(), M.load_tokenizer()
+    assert weights.resolve_checkpoint(None) == smollm2_dir  # found in the cache, not converted again
+    model, tokenizer = weights.from_pretrained(), weights.load_tokenizer()
     ids = torch.tensor([tokenizer("The capital of France is")["input_ids"]])
     assert tokenizer.decode(model(ids)[0, -1].argmax()) == " Paris"
     assert (hf_model(smollm2_dir)(ids).logits - model(ids)).abs().max() < 1e-4
@@ -259,7 +279,7 @@ def test_default_model_knows_the_capital_of_france(smollm2_dir):
 
 @needs_smollm2
 def test_default_tokenizer_keeps_chat_template_and_eos(smollm2_dir):
-    tokenizer = M.load_tokenizer()
+    tokenizer = weights.load_tokenizer()
     assert tokenizer.eos_token == "<|im_end|>"
     text = tokenizer.apply_chat_template([{"role": "user", "content": "2+2?"}], tokenize=False,
                                          add_generation_prompt=True)

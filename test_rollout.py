@@ -6,7 +6,7 @@ import torch
 
 import rollout
 from conftest import make_tiny_checkpoint
-from model import load_checkpoint_dir
+from weights import load_checkpoint_dir
 
 PROMPTS = [[5, 17, 42, 9], [100, 3, 77, 12, 250, 8, 61, 44, 19], [31]]  # different lengths: left padding
 

@@ -35,7 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import lora  # noqa: E402
-import model as model_lib  # noqa: E402
+import model as modeling  # noqa: E402
+import weights  # noqa: E402
 from qwen3_shapes import QWEN3, QWEN3_COMMON  # noqa: E402
 
 RANK, ALPHA = 32, 64
@@ -54,26 +55,26 @@ def build_hf(model_name: str, device: str):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     if model_name == "SmolLM2-135M-Instruct":
-        return AutoModelForCausalLM.from_pretrained(model_lib.resolve_checkpoint(None), dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(weights.resolve_checkpoint(None), dtype=torch.float32)
     torch.manual_seed(0)
     with torch.device(device):
         return AutoModelForCausalLM.from_config(Qwen3Config(**QWEN3[model_name], **QWEN3_COMMON), dtype=torch.bfloat16)
 
 
-def ours_from_hf(hf_model) -> model_lib.Transformer:
+def ours_from_hf(hf_model) -> modeling.Transformer:
     """Our model holding the transformers model's weight tensors: same weights, no second copy."""
-    cfg = model_lib.ModelConfig.from_hf(hf_model.config.to_dict())
+    cfg = modeling.ModelConfig.from_hf(hf_model.config.to_dict())
     with torch.device("meta"):
-        ours = model_lib.Transformer(cfg)
+        ours = modeling.Transformer(cfg)
     ours.load_state_dict(hf_model.state_dict(), strict=True, assign=True)
     if cfg.tie_word_embeddings:
         ours.lm_head.weight = ours.model.embed_tokens.weight
     return ours
 
 
-def build_ours(model_name: str, device: str) -> model_lib.Transformer:
+def build_ours(model_name: str, device: str) -> modeling.Transformer:
     if model_name == "SmolLM2-135M-Instruct":
-        model = model_lib.from_pretrained(None)
+        model = weights.from_pretrained(None)
     else:
         model = ours_from_hf(build_hf(model_name, device))
     lora.inject(model, RANK, ALPHA, TARGETS)

