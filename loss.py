@@ -10,6 +10,8 @@ the same output. Intervals below are ratio_bounds(rule, default delta, mu).
 rule          inside the region (d = delta, d_high = delta_high)       default d     mu=0.5          mu=0.05
 grpo          1-d <= w <= 1+d                                          0.2           [0.8, 1.2]      same
 dapo          1-d <= w <= 1+d_high (clip-higher)                       0.2, 0.28     [0.8, 1.28]     same
+interval      everywhere: only ratio_limits clip (the control arm      none          (0, inf)        same
+              "lower 0.5, upper 10" is rule="interval", ratio_limits=(0.5, 10))
 kl1           -log w <= d (one-sided by construction)                  KL1(0.8)=.223 [0.8, inf)      same
 kl2           log^2(w)/2 <= d; bounds exp(-+sqrt(2d))                  KL2(0.8)=.025 [0.8, 1.25]     same
 kl3, atr      w - 1 - log w <= d; bounds by Lambert W (ATR-GRPO)       0.07          [0.671, 1.422]  same
@@ -18,17 +20,20 @@ dcpo          mu*w*(1-w) <= d, w >= 1/2 below 1; mu*w*(w-1) <= d_high, 0.2, 0.28
               w <= 10 above (DCPO: rare tokens may move further)
 (f, est)      the GPPO grid below, e.g. ("kl", "atomic") or "kl-atomic"  f(0.8)
 gspo          1-d <= s <= 1+d_high on the sequence ratio               3e-4, 4e-4    [.9997, 1.0004] same
-              s = exp(mean log w) (GSPO; use seq-mean-token-mean)
+              s = exp(mean log w) (GSPO; seq-mean-token-mean)
 gmpo          |log w| <= d per token, loss A * geometric mean of the   0.4           [0.670, 1.492]  same
-              clipped ratios (GMPO; use seq-mean-token-mean)
+              clipped ratios (GMPO; seq-mean-token-mean)
 cispo         soft: gradient sg(min(w, 1+d)) * A * grad log pi for     0.2           [0, 1.2]        same
               every token; the interval is where w is not truncated (CISPO)
-sapo          soft: A * (4/tau) sigmoid(tau (w-1)), tau 1.0 for A > 0, 1.05 for A < 0; weight 1 at w = 1 (SAPO)
+sapo          soft: A * (4/tau) sigmoid(tau (w-1)), tau 1.0 for A > 0, 1.05 for A < 0; weight 1 at w = 1
+              (SAPO; its reference averages seq-mean-token-mean)
 clip_cov      grpo's region, and a random cov_ratio = 2e-4 of tokens   0.2           [0.8, 1.2]      same
               with cov(A, logp) in (1, 5) also lose their gradient
 kl_cov        no clip; the top 2e-4 of tokens by cov(A, logp) add 1.0 * |log w| to their loss
-(*) The region depends on the whole distribution; its interval is the tight outer bound
-    KL(Bernoulli(mu) || Bernoulli(mu*w)) <= d. d = ATR's, as k3 estimates this KL without bias.
+(*) The region depends on the whole distribution, so the rule needs the hidden states (Rule.needs);
+    its interval is the tight outer bound KL(Bernoulli(mu) || Bernoulli(mu*w)) <= d: merging the
+    vocabulary into {token, rest} can only lower a KL. d = ATR's, as k3 estimates this KL without bias.
+Sequence-level rules (gspo, gmpo, sapo) default to seq-mean-token-mean and refuse another aggregation.
 
 The GPPO grid: divergence f (tv |w-1|, chi2 (w-1)^2, hellinger (sqrt(w)-1)^2, kl |log w|) times an
 estimator: mc f(w) <= d; atomic mu*f(w) <= d; binary mu*f(w) + (1-mu)*f((1-mu*w)/(1-mu)) <= d, the
@@ -36,19 +41,35 @@ divergence between the two-outcome distributions {token, rest}. GRPO = (tv, mc),
 DPPO = (tv, binary), RIPO = (chi2, atomic). Default d = f(0.8), GRPO's lower edge: tv 0.2, chi2 0.04,
 hellinger 0.0111, kl 0.223. At mu = 0.5 / 0.05: (kl, mc) [0.8, 1.25] / same; (tv, binary) [0.8, 1.2] /
 [0, 3]; (chi2, atomic) [0.717, 1.283] / [0.106, 1.894]; (kl, atomic) [0.640, 1.562] / [0.012, 86.7].
-Conventions, where papers differ: TV is |w-1| without the 1/2 (tv_half=True halves it); the kl region
-is two-sided, |log w| <= d (kl_two_sided=False uses -log w: mc and atomic then bound only decreases,
-and (kl, binary) becomes the exact Bernoulli KL).
+Conventions, where papers differ: TV is |w-1| without the 1/2; tv_half=True halves it, so the default
+d becomes 0.1 (the interval stays [0.8, 1.2]) and d = 0.2 gives [0.6, 1.4]. The kl region is
+two-sided, |log w| <= d; kl_two_sided=False uses -log w: mc and atomic then bound only decreases
+((kl, mc) [0.8, inf); (kl, atomic) at mu = 0.05 [0.012, inf)) and (kl, binary) becomes the exact
+Bernoulli KL.
+
+GPPO's "[0.5, 10]" has two readings, and both are here. dual_clip=(0.5, 10): two mirrored dual clips,
+a token the region pulls back in (A < 0 above 10, A > 0 below 0.5) loses its gradient; the region
+itself is unchanged. ratio_limits=(0.5, 10): outer limits intersected with the rule's interval under
+the same clip operator, so a token pushed outward past 10 or below 0.5 stops even where the cell
+would admit it (the reading of the review's arithmetic: (kl, atomic)'s upper bound passes 10 below
+mu = 0.097, and from there the limit acts instead of the cell).
 
 Numerics: log w is clamped to [-20, 20] before exp (e^20 ~ 5e8 is outside every bounded region),
 regions are evaluated in float64 on log w, and groups with equal rewards get exactly zero advantage.
+
+    python loss.py calibrate RUN_DIR --rules grpo,atr,kl-atomic,interval --target-rate 0.02
+reads the per-token records a run wrote (train.py --log-tokens N) and compares rules at equal clip rate.
 """
 
+import argparse
 import dataclasses
 import math
-from dataclasses import dataclass
-from typing import Callable, Sequence
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, NamedTuple, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -59,7 +80,15 @@ DCPO_MAX_RATIO = 10.0  # DCPO caps its dynamic upper bound here
 MU_EDGES = (0.01, 0.1, 0.5, 0.9)  # old-probability buckets for the diagnostics
 MU_LABELS = ("<0.01", "0.01-0.1", "0.1-0.5", "0.5-0.9", ">0.9")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+ADV_STDS = ("group", "batch", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+INPUTS = {  # what a trainer can hand policy_loss by name, when the config asks for it (required_inputs)
+    "ref_logp": "[B, T] log-probs of the frozen reference (base) policy",
+    "old_hidden": "[B, T, H] final hidden states of the sampling policy at the positions predicting each token",
+    "hidden": "[B, T, H] the current policy's final hidden states at the same positions",
+    "lm_head_weight": "[V, H] the output projection",
+    "temperature": "float, the sampling temperature the log-probs use",
+}
 
 
 # ----------------------------------------------------------------------------- advantages
@@ -77,7 +106,7 @@ def group_advantages(rewards: Tensor | Sequence[float], group_size: int, *, std:
         raise ValueError(f"rewards must be 1-D [N], got shape {tuple(r.shape)}")
     if group_size < 2 or r.numel() % group_size:
         raise ValueError(f"group_size={group_size} must be >= 2 and divide the {r.numel()} rewards")
-    if std not in ("group", "batch", "none"):
+    if std not in ADV_STDS:
         raise ValueError(f"std must be 'group', 'batch' or 'none', got {std!r}")
     groups = r.view(-1, group_size)  # [N/G, G]
     others_mean = (groups.sum(1, keepdim=True) - groups) / (group_size - 1)
@@ -92,37 +121,135 @@ def group_advantages(rewards: Tensor | Sequence[float], group_size: int, *, std:
     return advantages.flatten().float()
 
 
-# ----------------------------------------------------------------------------- rules
+def advantages(rewards: Tensor | Sequence[float], group_size: int, cfg: "LossConfig") -> Tensor:
+    """Advantages [N] with the config's options: cfg.adv_std and cfg.leave_one_out."""
+    return group_advantages(rewards, group_size, std=cfg.adv_std, leave_one_out=cfg.leave_one_out)
+
+
+# ----------------------------------------------------------------------------- the clip operator
+
+
+class Clip(NamedTuple):
+    """What the clip operator did to each token, all [B, T]; the three flags never overlap."""
+
+    ratio: Tensor  # w, with its gradient stopped where the operator stops it
+    low: Tensor  # bool: stopped below the rule's region
+    high: Tensor  # bool: stopped above the rule's region
+    limit: Tensor  # bool: stopped by ratio_limits or dual_clip while inside the region
+
+
+def trust_region_clip(ratio: Tensor, inside: Tensor, advantages: Tensor, *,
+                      limits: tuple[float, float] | None = None,
+                      dual_clip: float | tuple[float, float] | None = None) -> Clip:
+    """PPO's min(w*A, clip(w)*A) for any region: w where the token may move, stop-gradient w where not.
+
+    clip(w) is w moved to the region's edge, a constant. Inside the region the two terms are equal.
+    Outside, the min takes clip(w)*A exactly when the advantage pushes w further out, A*(w-1) > 0:
+    that token loses its gradient; one that the advantage pulls back in keeps w*A and its gradient.
+    Written as that choice, one rule for intervals and for regions without a closed-form edge; the
+    stopped token keeps w's value (the loss value is sum(w*A) either way up to those tokens).
+    ratio_limits (lo, hi) intersect the region with [lo, hi] under the same choice. dual_clip c also
+    stops tokens with A < 0 and w > c, which the region pulls back in (and, given as (lo, c), tokens
+    with A > 0 and w < lo): it caps how far a bad token's loss may grow.
+    """
+    w = ratio.detach()
+    outward = advantages * (w - 1) > 0
+    region = ~inside & outward
+    limit = torch.zeros_like(region)
+    if limits is not None:
+        limit = inside & outward & ((w < limits[0]) | (w > limits[1]))
+    if dual_clip is not None:
+        lo, hi = _dual_bounds(dual_clip)
+        limit = limit | ((advantages < 0) & (w > hi)) | ((advantages > 0) & (w < lo))
+    return Clip(torch.where(region | limit, w, ratio), region & (w < 1), region & (w > 1), limit)
+
+
+def _dual_bounds(dual_clip: float | tuple[float, float]) -> tuple[float, float]:
+    """(lo, hi) of a dual clip given as c (lo = 0: no lower edge) or as a pair (lo, hi)."""
+    if isinstance(dual_clip, (int, float)):
+        return 0.0, float(dual_clip)
+    return float(dual_clip[0]), float(dual_clip[1])
+
+
+# ----------------------------------------------------------------------------- the configuration
+
+
+def _invalid(name: str, value, why: str) -> ValueError:
+    """An error that names a field as its command-line flag: "--ratio-limits 2,1: ..."."""
+    shown = ",".join(str(v) for v in value) if isinstance(value, (tuple, list)) else value
+    return ValueError(f"--{name.replace('_', '-')} {shown}: {why}")
+
+
+def _numbers(name: str, value) -> float | tuple[float, ...] | None:
+    """A number or tuple of numbers from a number, list (JSON) or "a,b" string (a command line)."""
+    if value is None or isinstance(value, (int, float)):
+        return value
+    try:
+        numbers = tuple(float(v) for v in (value.split(",") if isinstance(value, str) else value))
+    except (TypeError, ValueError):
+        raise _invalid(name, value, "expected numbers separated by commas") from None
+    return numbers[0] if isinstance(value, str) and len(numbers) == 1 else numbers
 
 
 @dataclass
 class LossConfig:
-    """Everything policy_loss needs; fields left None take the rule's defaults from the table above."""
+    """Every knob of the loss and the advantages; train.py makes each field a flag (--delta-high ...).
 
-    rule: str | tuple[str, str] = "grpo"  # a name from the table, or (divergence, estimator), or "kl-atomic"
-    delta: float | None = None  # trust-region size
-    delta_high: float | None = None  # upper size of asymmetric rules; None: delta times the rule's ratio
-    # dual clip, c > 1: tokens with A < 0 and w > c lose their gradient (3.0 typical). A pair (lo, hi)
-    # also stops tokens with A > 0 and w < lo, its mirror image (GPPO's [0.5, 10]).
-    dual_clip: float | tuple[float, float] | None = None
-    aggregation: str = "token-mean"  # see AGGREGATIONS and policy_loss
-    norm_len: int | None = None  # seq-mean-token-sum-norm's constant; None: the batch's T
-    kl_beta: float = 0.0  # weight of the KL penalty to a reference policy
-    kl_estimator: str = "k3"  # k1 log(pi/ref), k2 log^2(pi/ref)/2, k3 ref/pi - 1 - log(ref/pi)
-    tv_half: bool = False  # TV = |w-1|/2 instead of |w-1|
-    kl_two_sided: bool = True  # kl divergence |log w| instead of -log w
-    sapo_tau_pos: float = 1.0  # SAPO gate temperature for A > 0
-    sapo_tau_neg: float = 1.05  # ... and for A < 0 (sharper: negative updates fade faster)
-    cov_ratio: float = 2e-4  # clip_cov / kl_cov: fraction of tokens selected by covariance
-    clip_cov_bounds: tuple[float, float] = (1.0, 5.0)  # clip_cov: covariance window to sample from
-    kl_cov_coef: float = 1.0  # kl_cov: weight of |log w| on the selected tokens
+    Fields left None take the rule's defaults from the table above. Tuple fields also take lists
+    (a JSON round trip) and "a,b" strings (a command line).
+    """
+
+    rule: str | tuple[str, str] = field(default="grpo", metadata={
+        "help": "clip rule: a name from loss.py's table (grpo, dapo, atr, interval, ...) or a GPPO cell "
+                "divergence-estimator (kl-atomic, tv-binary, ...)"})
+    delta: float | None = field(default=None, metadata={
+        "help": "trust-region size d; empty = the rule's default (grid cells: f(0.8))"})
+    delta_high: float | None = field(default=None, metadata={
+        "help": "upper size of asymmetric rules (dapo, dcpo, gspo, gmpo); empty = delta times the rule's ratio"})
+    ratio_limits: tuple[float, float] | None = field(default=None, metadata={
+        "help": "lo,hi: outer ratio limits intersected with the rule's interval (a token pushed outward "
+                "past them loses its gradient); GPPO's [0.5, 10] read as limits; empty = none"})
+    dual_clip: float | tuple[float, float] | None = field(default=None, metadata={
+        "help": "c: tokens with A < 0 and ratio > c lose their gradient; lo,hi: also A > 0 and ratio < lo "
+                "(GPPO's [0.5, 10] read as mirrored dual clips); empty = off"})
+    aggregation: str | None = field(default=None, metadata={
+        "help": "token-mean, seq-mean-token-mean or seq-mean-token-sum-norm; empty = the rule's own "
+                "(seq-mean-token-mean for gspo, gmpo, sapo; token-mean otherwise)"})
+    norm_len: int | None = field(default=None, metadata={
+        "help": "seq-mean-token-sum-norm's constant length; empty = the batch's T"})
+    adv_std: str = field(default="group", metadata={
+        "help": "advantage scale: group (GRPO), batch (one std over the batch) or none (Dr. GRPO)"})
+    leave_one_out: bool = field(default=False, metadata={
+        "help": "baseline = mean of the other G-1 rewards of the group instead of the group mean"})
+    kl_beta: float = field(default=0.0, metadata={"help": "weight of the KL penalty to the frozen base policy"})
+    kl_estimator: str = field(default="k3", metadata={
+        "help": "KL penalty estimator: k1 log(pi/ref), k2 log^2(pi/ref)/2, k3 ref/pi - 1 - log(ref/pi)"})
+    tv_half: bool = field(default=False, metadata={
+        "help": "TV = |w-1|/2 instead of |w-1|: tv cells' default delta becomes 0.1 (interval unchanged, "
+                "[0.8, 1.2] for tv-mc), and delta 0.2 gives tv-mc [0.6, 1.4]"})
+    kl_two_sided: bool = field(default=True, metadata={
+        "help": "kl cells use |log w|; false: -log w, so kl-mc at 0.223 is [0.8, inf) instead of "
+                "[0.8, 1.25] and kl-binary is the exact Bernoulli KL"})
+    sapo_tau_pos: float = field(default=1.0, metadata={"help": "sapo: gate temperature for A > 0"})
+    sapo_tau_neg: float = field(default=1.05, metadata={
+        "help": "sapo: gate temperature for A < 0 (sharper: negative updates fade faster)"})
+    cov_ratio: float = field(default=2e-4, metadata={
+        "help": "clip_cov, kl_cov: fraction of tokens selected by cov(A, log pi)"})
+    clip_cov_bounds: tuple[float, float] = field(default=(1.0, 5.0), metadata={
+        "help": "clip_cov: lo,hi covariance window the stopped tokens are drawn from"})
+    kl_cov_coef: float = field(default=1.0, metadata={"help": "kl_cov: weight of |log w| on the selected tokens"})
 
     def __post_init__(self):
         if isinstance(self.rule, str) and self.rule.split("-")[0] in DIVERGENCES:
             self.rule = tuple(self.rule.split("-", 1))  # "kl-atomic", as a command line spells it
         elif isinstance(self.rule, list):
             self.rule = tuple(self.rule)
-        rule = get_rule(self.rule)
+        for name in ("ratio_limits", "dual_clip", "clip_cov_bounds"):
+            setattr(self, name, _numbers(name, getattr(self, name)))
+        try:
+            rule = get_rule(self.rule)
+        except ValueError as error:
+            raise _invalid("rule", self.rule, str(error)) from None
         if self.delta is None and isinstance(self.rule, tuple):  # f(0.8), GRPO's lower edge, in these conventions
             log_08 = torch.tensor(math.log(0.8), dtype=torch.float64)
             self.delta = round(DIVERGENCES[self.rule[0]](log_08, self).item(), 12)  # round off float noise
@@ -130,30 +257,34 @@ class LossConfig:
             self.delta = rule.delta
         if self.delta_high is None and self.delta is not None:
             self.delta_high = self.delta * (rule.delta_high / rule.delta if rule.delta_high else 1.0)
-        for ok, message in (
-            (self.delta is None or self.delta >= 0, f"delta must be >= 0, got {self.delta}"),
-            (self.delta_high is None or self.delta_high >= 0, f"delta_high must be >= 0, got {self.delta_high}"),
-            (self.dual_clip is None or _valid_dual_clip(self.dual_clip),
-             f"dual_clip must be c > 1 or (lo, hi) with 0 < lo < 1 < hi, got {self.dual_clip}"),
-            (self.aggregation in AGGREGATIONS, f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}"),
-            (self.kl_estimator in KL_ESTIMATORS, f"kl_estimator must be k1, k2 or k3, got {self.kl_estimator!r}"),
-            (self.norm_len is None or self.norm_len >= 1, f"norm_len must be >= 1, got {self.norm_len}"),
-            (0 < self.cov_ratio <= 1, f"cov_ratio must be in (0, 1], got {self.cov_ratio}"),
-            (min(self.sapo_tau_pos, self.sapo_tau_neg) > 0, "sapo_tau_pos and sapo_tau_neg must be > 0"),
+        if self.aggregation is None:
+            self.aggregation = rule.aggregation or "token-mean"
+        elif rule.aggregation not in (None, self.aggregation):
+            raise _invalid("aggregation", self.aggregation, f"rule {self.rule} is sequence-level and is defined "
+                           f"with {rule.aggregation}; leave --aggregation unset for it")
+        self._validate()
+
+    def _validate(self):
+        limits, dual, window = self.ratio_limits, self.dual_clip, self.clip_cov_bounds
+        for name, ok, why in (
+            ("delta", self.delta is None or self.delta >= 0, "must be >= 0"),
+            ("delta_high", self.delta_high is None or self.delta_high >= 0, "must be >= 0"),
+            ("ratio_limits", limits is None or (isinstance(limits, tuple) and len(limits) == 2
+                                                and 0 <= limits[0] < 1 < limits[1]), "expected lo,hi with 0 <= lo < 1 < hi"),
+            ("dual_clip", dual is None or _valid_dual_clip(dual), "expected c > 1, or lo,hi with 0 < lo < 1 < hi"),
+            ("aggregation", self.aggregation in AGGREGATIONS, f"expected one of {', '.join(AGGREGATIONS)}"),
+            ("norm_len", self.norm_len is None or self.norm_len >= 1, "must be >= 1"),
+            ("adv_std", self.adv_std in ADV_STDS, f"expected one of {', '.join(ADV_STDS)}"),
+            ("kl_beta", self.kl_beta >= 0, "must be >= 0"),
+            ("kl_estimator", self.kl_estimator in KL_ESTIMATORS, f"expected one of {', '.join(KL_ESTIMATORS)}"),
+            ("sapo_tau_pos", self.sapo_tau_pos > 0, "must be > 0"),
+            ("sapo_tau_neg", self.sapo_tau_neg > 0, "must be > 0"),
+            ("cov_ratio", 0 < self.cov_ratio <= 1, "must be in (0, 1]"),
+            ("clip_cov_bounds", isinstance(window, tuple) and len(window) == 2 and window[0] < window[1],
+             "expected lo,hi with lo < hi"),
         ):
             if not ok:
-                raise ValueError(message)
-
-
-@dataclass(frozen=True)
-class Rule:
-    """A clip rule: how its region enters the loss, the region itself, and the published defaults."""
-
-    objective: Callable  # (logp, log_ratio, adv, mask, cfg, inside_of) -> (objective, clipped), all [B, T]
-    region: Callable | None = None  # (log w, old_logp, cfg), float64 -> inside, bool; tested on w directly
-    bounds: Callable | None = None  # (mu, cfg) -> (lo, hi): the closed-form interval, if there is one
-    delta: float | None = None  # soft rules (neither region nor bounds) keep every token inside
-    delta_high: float | None = None
+                raise _invalid(name, getattr(self, name), why)
 
 
 def _valid_dual_clip(dual_clip) -> bool:
@@ -162,73 +293,248 @@ def _valid_dual_clip(dual_clip) -> bool:
     return len(dual_clip) == 2 and 0 < dual_clip[0] < 1 < dual_clip[1]
 
 
-def _dual_bounds(dual_clip: float | tuple[float, float]) -> tuple[float, float]:
-    """(lo, hi) of a dual clip given as c (lo = 0: no lower edge) or as a pair (lo, hi)."""
-    if isinstance(dual_clip, (int, float)):
-        return 0.0, float(dual_clip)
-    lo, hi = dual_clip
-    return float(lo), float(hi)
+def required_inputs(cfg: LossConfig) -> frozenset[str]:
+    """The names policy_loss needs beyond the log-probs: the rule's declared needs, and ref_logp for a KL penalty."""
+    return frozenset(get_rule(cfg.rule).needs) | ({"ref_logp"} if cfg.kl_beta > 0 else set())
 
 
-def trust_region_clip(ratio: Tensor, inside: Tensor, advantages: Tensor,
-                      dual_clip: float | tuple[float, float] | None = None) -> tuple[Tensor, Tensor]:
-    """The clip operator every hard region shares: w where it may move, stop-gradient w where not.
+# ----------------------------------------------------------------------------- the rule interface
 
-    PPO maximizes min(w*A, clip(w)*A). With a stop-gradient outside value the two arguments tie, so
-    the min is written out as the choice it makes: a token outside the region whose advantage pushes
-    it further out (A*(w-1) > 0) keeps its value but loses its gradient; every other token keeps its
-    gradient A*w. Dual clip also stops tokens with A < 0 and w > c, capping their loss growth (and,
-    given as (lo, c), tokens with A > 0 and w < lo).
-    Returns (ratio [B, T] with those gradients stopped, clipped [B, T] int8: +1 stopped above the
-    region, -1 below, 0 free).
+
+@dataclass(frozen=True)
+class Tokens:
+    """What an objective receives: one micro-batch of completion tokens, tensors [B, T]."""
+
+    logp: Tensor  # the current policy's log-probs; the gradient flows through them
+    log_ratio: Tensor  # log w = logp - old_logp, clamped to +-LOG_RATIO_CAP, 0 off the mask (with gradient)
+    old_logp: Tensor  # the sampling policy's, constant
+    adv: Tensor  # advantages broadcast to [B, T], constant
+    mask: Tensor  # bool, True on completion tokens
+    inputs: dict  # the rule's declared needs by name (see INPUTS)
+    cfg: LossConfig
+    rule: "Rule"
+
+    def inside(self, log_w: Tensor) -> Tensor:
+        """The rule's region at these ratios, bool [B, T], evaluated in float64 (see Rule)."""
+        return _inside(self.rule, log_w.detach().double(), self.old_logp.double(), self.cfg)
+
+    def clip(self, log_w: Tensor, inside: Tensor | None = None) -> Clip:
+        """The clip operator at ratios exp(log_w), with the rule's region or the given `inside`."""
+        inside = self.inside(log_w) if inside is None else inside
+        return trust_region_clip(log_w.exp(), inside, self.adv, limits=self.cfg.ratio_limits,
+                                 dual_clip=self.cfg.dual_clip)
+
+
+Objective = Callable[[Tokens], tuple[Tensor, Clip]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One entry of the catalogue: how its region enters the loss, the region itself, its defaults.
+
+    objective(tokens) -> (objective [B, T], clip): the per-token objective to maximize (policy_loss
+    negates it, adds the KL penalty and aggregates; its gradient is the policy gradient), and the Clip
+    whose flags the metrics and per-token records count.
+    A hard region is given one or two ways. region(log_w, old_logp, cfg) -> inside, bool, on float64
+    tensors, tests w directly; bounds(mu, cfg) -> (lo, hi) is its closed-form interval. Training
+    tests region when there is one, else bounds; ratio_bounds uses bounds when there is one, else
+    bisects region (the two agree where both exist, and the tests check it). With neither, the rule
+    is soft: every token is inside. A rule whose region needs more than (w, mu) decides it in its
+    objective from `needs`; its region is then the (w, mu) outer bound that ratio_bounds reports.
+    needs: the names from INPUTS the objective reads; the trainer passes them to policy_loss.
+    aggregation: set for sequence-level rules, which are defined with it (LossConfig refuses another).
     """
-    w = ratio.detach()
-    stopped = ~inside & (advantages * (w - 1) > 0)
-    if dual_clip is not None:
-        lo, hi = _dual_bounds(dual_clip)
-        stopped = stopped | ((advantages < 0) & (w > hi)) | ((advantages > 0) & (w < lo))
-    return torch.where(stopped, w, ratio), (torch.sign(w - 1) * stopped).to(torch.int8)
+
+    objective: Objective
+    region: Callable | None = None
+    bounds: Callable | None = None
+    delta: float | None = None  # soft rules (and interval) have no size
+    delta_high: float | None = None
+    needs: tuple[str, ...] = ()
+    aggregation: str | None = None
 
 
-def _ppo_objective(logp, log_ratio, adv, mask, cfg, inside_of):
-    ratio, clipped = trust_region_clip(log_ratio.exp(), inside_of(log_ratio), adv, cfg.dual_clip)
-    return adv * ratio, clipped
+def _inside(rule: Rule, log_w: Tensor, old_logp: Tensor, cfg: LossConfig) -> Tensor:
+    if rule.region is not None:
+        return rule.region(log_w, old_logp, cfg)
+    if rule.bounds is not None:
+        lo, hi = rule.bounds(old_logp.exp(), cfg)
+        return (log_w.exp() >= lo) & (log_w.exp() <= hi)
+    return torch.ones_like(log_w, dtype=torch.bool)
 
 
-def _gspo_objective(logp, log_ratio, adv, mask, cfg, inside_of):
+# ----------------------------------------------------------------------------- the loss
+
+
+def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: LossConfig, *,
+                num_tokens: int | Tensor | None = None, num_seqs: int | Tensor | None = None,
+                records: list | None = None, **inputs) -> tuple[Tensor, dict[str, float]]:
+    """The policy-gradient loss of cfg.rule and its diagnostics.
+
+    logp, old_logp, mask: [B, T] (mask True on completion tokens); advantages: [B] or [B, T].
+    Aggregation: token-mean = sum / num_tokens; seq-mean-token-mean = sum of per-sequence means /
+    num_seqs; seq-mean-token-sum-norm (Dr. GRPO) = sum / (num_seqs * norm_len). For gradient
+    accumulation pass the whole optimizer step's num_tokens / num_seqs (default: this batch's) and
+    sum the micro-batch losses.
+    inputs: by name, every one of required_inputs(cfg) (see INPUTS); others from INPUTS are ignored.
+    records: a list to which one dict of numpy arrays per call is appended, one entry per masked
+    token (mu, w, advantage, region_low, region_high, limit), for write_token_records.
+    metrics: plain floats, clip fractions (region below / above, limits), k3 KL, ratio range, and a
+    table by old-probability bucket.
+    """
+    rule = get_rule(cfg.rule)
+    mask, adv = _check_inputs(logp, old_logp, advantages, mask, cfg, inputs)
+    old_logp = old_logp.detach()  # the sampling policy is a constant
+    log_ratio = torch.where(mask, logp - old_logp, 0).clamp(-LOG_RATIO_CAP, LOG_RATIO_CAP)  # [B, T]
+    objective, clip = rule.objective(Tokens(logp, log_ratio, old_logp, adv, mask, inputs, cfg, rule))
+    token_loss, ref_kl = -objective, None
+    if cfg.kl_beta:
+        ref_kl = _reference_kl(logp, inputs["ref_logp"].detach(), cfg.kl_estimator)
+        token_loss = token_loss + cfg.kl_beta * ref_kl
+    loss = _aggregate(token_loss, mask, cfg, num_tokens, num_seqs)
+    if records is not None:
+        records.append(_token_record(old_logp, adv, mask, clip))
+    return loss, _metrics(log_ratio, old_logp, adv, mask, clip, ref_kl)
+
+
+def _check_inputs(logp, old_logp, advantages, mask, cfg, inputs) -> tuple[Tensor, Tensor]:
+    if logp.dim() != 2:
+        raise ValueError(f"logp must be [B, T], got shape {tuple(logp.shape)}")
+    unknown = sorted(set(inputs) - set(INPUTS))
+    if unknown:
+        raise ValueError(f"unknown inputs {', '.join(unknown)}; policy_loss takes {', '.join(INPUTS)}")
+    missing = sorted(required_inputs(cfg) - set(inputs))
+    if missing:
+        raise ValueError(f"rule {cfg.rule!r} with kl_beta={cfg.kl_beta} needs the inputs {', '.join(missing)} "
+                         "(see loss.INPUTS)")
+    for name, t in (("old_logp", old_logp), ("mask", mask), ("ref_logp", inputs.get("ref_logp"))):
+        if t is not None and t.shape != logp.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected logp's {tuple(logp.shape)}")
+    for name in ("old_hidden", "hidden"):
+        if name in inputs and (inputs[name].dim() != 3 or inputs[name].shape[:2] != logp.shape):
+            raise ValueError(f"{name} has shape {tuple(inputs[name].shape)}, expected [B, T, H] with [B, T] "
+                             f"= {tuple(logp.shape)}")
+    if "temperature" in inputs and not inputs["temperature"] > 0:
+        raise ValueError(f"temperature must be > 0, got {inputs['temperature']}")
+    if advantages.shape not in (logp.shape[:1], logp.shape):
+        raise ValueError(f"advantages must be [B] or [B, T] = {tuple(logp.shape)}, got {tuple(advantages.shape)}")
+    mask = mask.bool()
+    if not mask.any():
+        raise ValueError("mask has no tokens: the loss would be a silent zero")
+    adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(logp)
+    return mask, adv.detach().to(logp.dtype)
+
+
+def _reference_kl(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
+    log_ref_ratio = (ref_logp - logp).clamp(-LOG_RATIO_CAP, LOG_RATIO_CAP)  # log(ref / pi), samples from pi
+    if estimator == "k1":
+        return -log_ref_ratio
+    if estimator == "k2":
+        return log_ref_ratio**2 / 2
+    return torch.expm1(log_ref_ratio) - log_ref_ratio  # k3: unbiased and never negative
+
+
+def _aggregate(token_loss: Tensor, mask: Tensor, cfg: LossConfig, num_tokens, num_seqs) -> Tensor:
+    """Sum over the micro-batch divided by a whole-step normalizer, so micro-batch losses add up."""
+    token_loss = torch.where(mask, token_loss, 0)
+    if cfg.aggregation == "token-mean":
+        return token_loss.sum() / (num_tokens if num_tokens is not None else mask.sum())
+    seqs = num_seqs if num_seqs is not None else mask.any(-1).sum()
+    if cfg.aggregation == "seq-mean-token-mean":
+        return (token_loss.sum(-1) / mask.sum(-1).clamp_min(1)).sum() / seqs
+    return token_loss.sum() / (seqs * (cfg.norm_len or mask.shape[-1]))  # Dr. GRPO: a constant length
+
+
+@torch.no_grad()
+def _metrics(log_ratio, old_logp, adv, mask, clip: Clip, ref_kl) -> dict[str, float]:
+    log_w, a = log_ratio[mask].double(), adv[mask].double()
+    low, high, limit = clip.low[mask].double(), clip.high[mask].double(), clip.limit[mask].double()
+    w = log_w.exp()
+    stats = {
+        "clip_low_frac": low.mean(),  # stopped by the rule's region
+        "clip_high_frac": high.mean(),
+        "limit_clip_frac": limit.mean(),  # stopped by ratio_limits or dual_clip
+        "approx_kl": (torch.expm1(log_w) - log_w).mean(),  # k3 estimate of KL(old || new)
+        "ratio_min": w.min(), "ratio_mean": w.mean(), "ratio_max": w.max(),
+    }
+    if ref_kl is not None:
+        stats["ref_kl"] = ref_kl.detach()[mask].double().mean()
+    edges = torch.tensor(MU_EDGES, dtype=torch.float64, device=log_w.device)
+    bucket = F.one_hot(torch.bucketize(old_logp[mask].double().exp(), edges), len(MU_LABELS)).double()  # [n, 5]
+    count = bucket.sum(0).clamp_min(1)
+    share, sign = bucket.sum(0) / len(w), (bucket * a.sign()[:, None]).sum(0) / count
+    region_clip, limit_clip = (bucket * (low + high)[:, None]).sum(0) / count, (bucket * limit[:, None]).sum(0) / count
+    for i, label in enumerate(MU_LABELS):
+        stats |= {f"mu[{label}]/share": share[i], f"mu[{label}]/adv_sign": sign[i],
+                  f"mu[{label}]/clip_frac": region_clip[i], f"mu[{label}]/limit_frac": limit_clip[i]}
+    return dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one device sync
+
+
+@torch.no_grad()
+def _token_record(old_logp: Tensor, adv: Tensor, mask: Tensor, clip: Clip) -> dict[str, np.ndarray]:
+    """One entry per masked token: mu, w (the ratio the rule clips: gspo's is the sequence ratio),
+    advantage, and the clip flags region_low, region_high, limit (the ones the metrics count)."""
+    tiny = torch.finfo(torch.float32).tiny  # float32 keeps mu > 0 for the calibration's checks
+
+    def column(x: Tensor, dtype) -> np.ndarray:
+        return x[mask].to(dtype).cpu().numpy()
+
+    return {"mu": column(old_logp.double().exp().clamp_min(tiny), torch.float32),
+            "w": column(clip.ratio.detach(), torch.float32), "advantage": column(adv, torch.float32),
+            "region_low": column(clip.low, torch.bool), "region_high": column(clip.high, torch.bool),
+            "limit": column(clip.limit, torch.bool)}
+
+
+# ----------------------------------------------------------------------------- the rules: objectives
+
+
+def _ppo_objective(t: Tokens) -> tuple[Tensor, Clip]:
+    clip = t.clip(t.log_ratio)
+    return t.adv * clip.ratio, clip
+
+
+def _gspo_objective(t: Tokens) -> tuple[Tensor, Clip]:
     # Every token carries the sequence ratio s = exp(mean log w) as value and s * grad log pi_t as
     # gradient; averaged over the sequence that is exactly GSPO's A * grad s.
-    lengths = mask.sum(-1, keepdim=True).clamp_min(1)
-    seq_log_ratio = torch.where(mask, log_ratio, 0).sum(-1, keepdim=True) / lengths  # [B, 1]
-    token_log_s = seq_log_ratio.detach() + log_ratio - log_ratio.detach()  # [B, T]
-    return _ppo_objective(logp, token_log_s, adv, mask, cfg, inside_of)
+    lengths = t.mask.sum(-1, keepdim=True).clamp_min(1)
+    seq_log_ratio = torch.where(t.mask, t.log_ratio, 0).sum(-1, keepdim=True) / lengths  # [B, 1]
+    clip = t.clip(seq_log_ratio.detach() + t.log_ratio - t.log_ratio.detach())  # [B, T]
+    return t.adv * clip.ratio, clip
 
 
-def _gmpo_objective(logp, log_ratio, adv, mask, cfg, inside_of):
-    # Clip each log w like PPO (stopped tokens sit at the region's edge), then take the geometric mean.
-    _, clipped = trust_region_clip(log_ratio.exp(), inside_of(log_ratio), adv, cfg.dual_clip)
-    edge = log_ratio.detach().clamp(-cfg.delta, cfg.delta_high)
-    clipped_log_ratio = torch.where((clipped != 0) & mask, edge, torch.where(mask, log_ratio, 0))
-    lengths = mask.sum(-1).clamp_min(1)
+def _gmpo_objective(t: Tokens) -> tuple[Tensor, Clip]:
+    # Clip each log w like PPO (stopped tokens sit at the edge of the region and the limits), then
+    # take the geometric mean.
+    clip, cfg = t.clip(t.log_ratio), t.cfg
+    lo, hi = -cfg.delta, cfg.delta_high
+    if cfg.ratio_limits is not None:
+        limit_lo, limit_hi = cfg.ratio_limits
+        lo, hi = max(lo, math.log(limit_lo) if limit_lo > 0 else -math.inf), min(hi, math.log(limit_hi))
+    edge = t.log_ratio.detach().clamp(lo, hi)
+    stopped = clip.low | clip.high | clip.limit
+    clipped_log_ratio = torch.where(stopped & t.mask, edge, torch.where(t.mask, t.log_ratio, 0))
+    lengths = t.mask.sum(-1).clamp_min(1)
     seq_ratio = (clipped_log_ratio.sum(-1) / lengths).exp()  # [B]
-    seq_adv = torch.where(mask, adv, 0).sum(-1) / lengths  # [B]
-    return (seq_adv * seq_ratio)[:, None].expand_as(log_ratio), clipped
+    seq_adv = torch.where(t.mask, t.adv, 0).sum(-1) / lengths  # [B]
+    return (seq_adv * seq_ratio)[:, None].expand_as(t.log_ratio), clip
 
 
-def _cispo_objective(logp, log_ratio, adv, mask, cfg, inside_of):
+def _cispo_objective(t: Tokens) -> tuple[Tensor, Clip]:
     # w * sg(weight / w) has value `weight` and gradient weight * grad log pi: REINFORCE with a
-    # truncated, stop-gradient importance weight, so no token ever loses its gradient to the clip.
-    ratio, clipped = trust_region_clip(log_ratio.exp(), torch.ones_like(mask), adv, cfg.dual_clip)
-    truncated = ~inside_of(log_ratio)
-    weight = torch.where(truncated, 1 + cfg.delta, ratio.detach())
-    return adv * ratio * (weight / ratio.detach()), torch.where(truncated, 1, clipped)
+    # truncated, stop-gradient importance weight, so the region never takes a token's gradient.
+    # Its flags: `high` marks the truncated weights.
+    clip = t.clip(t.log_ratio, inside=torch.ones_like(t.mask))
+    truncated = ~t.inside(t.log_ratio)
+    weight = torch.where(truncated, 1 + t.cfg.delta, clip.ratio.detach())
+    objective = t.adv * clip.ratio * (weight / clip.ratio.detach())
+    return objective, clip._replace(high=truncated, limit=clip.limit & ~truncated)
 
 
-def _sapo_objective(logp, log_ratio, adv, mask, cfg, inside_of):
+def _sapo_objective(t: Tokens) -> tuple[Tensor, Clip]:
     # d/dw of (4/tau) sigmoid(tau (w-1)) is 4 s (1-s), which is 1 at w = 1 and fades smoothly.
-    ratio, clipped = trust_region_clip(log_ratio.exp(), inside_of(log_ratio), adv, cfg.dual_clip)
-    tau = torch.where(adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
-    return adv * 4 / tau * torch.sigmoid(tau * (ratio - 1)), clipped
+    clip = t.clip(t.log_ratio)
+    tau = torch.where(t.adv > 0, t.cfg.sapo_tau_pos, t.cfg.sapo_tau_neg)
+    return t.adv * 4 / tau * torch.sigmoid(tau * (clip.ratio - 1)), clip
 
 
 def _token_covariance(logp: Tensor, adv: Tensor, mask: Tensor) -> Tensor:
@@ -244,27 +550,63 @@ def _top_tokens(score: Tensor, count: int) -> Tensor:
     """Bool [B, T] marking the `count` highest scores among those > -inf."""
     top = score.flatten().topk(min(count, score.numel()))
     picked = torch.zeros(score.numel(), dtype=torch.bool, device=score.device)
-    picked[top.indices] = top.values > -math.inf
+    picked[top.indices[top.values > -math.inf]] = True
     return picked.view_as(score)
 
 
-def _clip_cov_objective(logp, log_ratio, adv, mask, cfg, inside_of):
+def _clip_cov_objective(t: Tokens) -> tuple[Tensor, Clip]:
     # Entropy collapse is driven by tokens with high cov(A, log pi); stop a random few of them.
-    ratio, clipped = trust_region_clip(log_ratio.exp(), inside_of(log_ratio), adv, cfg.dual_clip)
-    cov = _token_covariance(logp, adv, mask)
-    low, high = cfg.clip_cov_bounds
-    candidate = (clipped == 0) & (cov > low) & (cov < high)
+    clip = t.clip(t.log_ratio)
+    cov = _token_covariance(t.logp, t.adv, t.mask)
+    low, high = t.cfg.clip_cov_bounds
+    candidate = ~(clip.low | clip.high | clip.limit) & (cov > low) & (cov < high)
     random_key = torch.where(candidate, torch.rand_like(cov), -math.inf)  # global RNG: seeded by the trainer
-    picked = _top_tokens(random_key, max(1, int(cfg.cov_ratio * mask.sum())))
-    side = torch.where(ratio.detach() < 1, -1, 1).to(torch.int8)
-    return adv * torch.where(picked, ratio.detach(), ratio), torch.where(picked, side, clipped)
+    picked = _top_tokens(random_key, max(1, int(t.cfg.cov_ratio * t.mask.sum())))
+    below = clip.ratio.detach() < 1
+    return (t.adv * torch.where(picked, clip.ratio.detach(), clip.ratio),
+            clip._replace(low=clip.low | (picked & below), high=clip.high | (picked & ~below)))
 
 
-def _kl_cov_objective(logp, log_ratio, adv, mask, cfg, inside_of):
+def _kl_cov_objective(t: Tokens) -> tuple[Tensor, Clip]:
     # Rather than stop the highest-covariance tokens, tie them to the old policy with |log w|.
-    ratio, clipped = trust_region_clip(log_ratio.exp(), inside_of(log_ratio), adv, cfg.dual_clip)
-    picked = _top_tokens(_token_covariance(logp, adv, mask), max(1, int(cfg.cov_ratio * mask.sum())))
-    return adv * ratio - cfg.kl_cov_coef * picked * log_ratio.abs(), clipped
+    clip = t.clip(t.log_ratio)
+    picked = _top_tokens(_token_covariance(t.logp, t.adv, t.mask), max(1, int(t.cfg.cov_ratio * t.mask.sum())))
+    return t.adv * clip.ratio - t.cfg.kl_cov_coef * picked * t.log_ratio.abs(), clip
+
+
+def _kl_full_objective(t: Tokens) -> tuple[Tensor, Clip]:
+    # The one region that depends on more than the sampled token: the exact KL over the vocabulary
+    # between the sampling and the current policy, a constant for the region test.
+    x = t.inputs
+    vocab_kl = full_vocab_kl(x["old_hidden"], x["hidden"], x["lm_head_weight"], temperature=x["temperature"])
+    clip = t.clip(t.log_ratio, inside=vocab_kl <= t.cfg.delta)
+    return t.adv * clip.ratio, clip
+
+
+@torch.no_grad()
+def full_vocab_kl(old_hidden: Tensor, new_hidden: Tensor, lm_head_weight: Tensor, *,
+                  temperature: float = 1.0, chunk_tokens: int = 256) -> Tensor:
+    """Exact KL(old || new) of the next-token distributions over the whole vocabulary, [B, T] float32.
+
+    old_hidden, new_hidden: [B, T, H] final hidden states (after the last norm) of the sampling and
+    the current policy at the positions whose lm_head output scores logp's tokens; lm_head_weight:
+    [V, H], frozen. Cost: one extra lm_head matmul per token for the old and for the new states
+    (2 * 2*H*V FLOPs per token), and O(chunk_tokens * V) float32 memory, never [B, T, V].
+    """
+    if old_hidden.shape != new_hidden.shape or old_hidden.dim() != 3 or old_hidden.shape[-1] != lm_head_weight.shape[1]:
+        raise ValueError(f"old_hidden {tuple(old_hidden.shape)} and new_hidden {tuple(new_hidden.shape)} must be "
+                         f"[B, T, H] with H = lm_head_weight.shape[1] = {lm_head_weight.shape[1]}")
+    old_flat, new_flat = old_hidden.flatten(0, 1), new_hidden.flatten(0, 1)  # [B*T, H]
+    kl = torch.empty(old_flat.shape[0], dtype=torch.float32, device=old_hidden.device)
+    for start in range(0, old_flat.shape[0], chunk_tokens):  # chunks of tokens, each [chunk, V]
+        chunk = slice(start, start + chunk_tokens)
+        old_logp = F.log_softmax((old_flat[chunk] @ lm_head_weight.T).float() / temperature, dim=-1)
+        new_logp = F.log_softmax((new_flat[chunk] @ lm_head_weight.T).float() / temperature, dim=-1)
+        kl[chunk] = (old_logp.exp() * (old_logp - new_logp)).sum(-1).clamp_min(0)
+    return kl.view(old_hidden.shape[:2])
+
+
+# ----------------------------------------------------------------------------- the rules: regions
 
 
 def _constant_bounds(mu: Tensor, lo: float, hi: float) -> tuple[Tensor, Tensor]:
@@ -273,6 +615,10 @@ def _constant_bounds(mu: Tensor, lo: float, hi: float) -> tuple[Tensor, Tensor]:
 
 def _interval_bounds(mu, cfg):  # grpo, dapo, gspo, clip_cov
     return _constant_bounds(mu, max(1 - cfg.delta, 0.0), 1 + cfg.delta_high)
+
+
+def _everywhere_bounds(mu, cfg):  # interval: only ratio_limits clip
+    return _constant_bounds(mu, 0.0, math.inf)
 
 
 def _cispo_bounds(mu, cfg):  # where the importance weight is not truncated
@@ -355,19 +701,22 @@ def _bernoulli_kl_region(log_w, old_logp, cfg):
 
 
 _KL3 = Rule(_ppo_objective, _sampled_kl_region(lambda lw: torch.expm1(lw) - lw), _kl3_bounds, delta=0.07)
+SEQUENCE_MEAN = "seq-mean-token-mean"
 RULES: dict[str, Rule] = {  # the registry: add a rule here
     "grpo": Rule(_ppo_objective, bounds=_interval_bounds, delta=0.2),
     "dapo": Rule(_ppo_objective, bounds=_interval_bounds, delta=0.2, delta_high=0.28),
+    "interval": Rule(_ppo_objective, bounds=_everywhere_bounds),
     "kl1": Rule(_ppo_objective, _sampled_kl_region(lambda lw: -lw), _kl1_bounds, delta=-math.log(0.8)),
     "kl2": Rule(_ppo_objective, _sampled_kl_region(lambda lw: lw**2 / 2), _kl2_bounds, delta=math.log(0.8) ** 2 / 2),
     "kl3": _KL3,
     "atr": _KL3,
-    "kl_full": Rule(_ppo_objective, _bernoulli_kl_region, delta=0.07),
+    "kl_full": Rule(_kl_full_objective, _bernoulli_kl_region, delta=0.07,
+                    needs=("old_hidden", "hidden", "lm_head_weight", "temperature")),
     "dcpo": Rule(_ppo_objective, bounds=_dcpo_bounds, delta=0.2, delta_high=0.28),
-    "gspo": Rule(_gspo_objective, bounds=_interval_bounds, delta=3e-4, delta_high=4e-4),
-    "gmpo": Rule(_gmpo_objective, bounds=_gmpo_bounds, delta=0.4),
+    "gspo": Rule(_gspo_objective, bounds=_interval_bounds, delta=3e-4, delta_high=4e-4, aggregation=SEQUENCE_MEAN),
+    "gmpo": Rule(_gmpo_objective, bounds=_gmpo_bounds, delta=0.4, aggregation=SEQUENCE_MEAN),
     "cispo": Rule(_cispo_objective, bounds=_cispo_bounds, delta=0.2),
-    "sapo": Rule(_sapo_objective),
+    "sapo": Rule(_sapo_objective, aggregation=SEQUENCE_MEAN),
     "clip_cov": Rule(_clip_cov_objective, bounds=_interval_bounds, delta=0.2),
     "kl_cov": Rule(_kl_cov_objective),
 }
@@ -384,17 +733,7 @@ def get_rule(rule: str | tuple[str, str]) -> Rule:
     return RULES[rule]
 
 
-def _inside(rule: Rule, log_w: Tensor, old_logp: Tensor, cfg: LossConfig) -> Tensor:
-    """Evaluate a rule's region in float64; soft rules have none, so every token is inside."""
-    if rule.region is not None:
-        return rule.region(log_w, old_logp, cfg)
-    if rule.bounds is not None:
-        lo, hi = rule.bounds(old_logp.exp(), cfg)
-        return (log_w.exp() >= lo) & (log_w.exp() <= hi)
-    return torch.ones_like(log_w, dtype=torch.bool)
-
-
-# ----------------------------------------------------------------------------- interval and calibration
+# ----------------------------------------------------------------------------- intervals and calibration
 
 
 def _as_probabilities(name: str, x) -> Tensor:
@@ -404,32 +743,47 @@ def _as_probabilities(name: str, x) -> Tensor:
     return x
 
 
-def ratio_bounds(rule: str | tuple[str, str], delta: float, mu, **options) -> tuple[Tensor, Tensor]:
+def ratio_bounds(rule: str | tuple[str, str], delta: float | None, mu, **options) -> tuple[Tensor, Tensor]:
     """The ratio interval [lo, hi] a rule admits at old probability mu (float or tensor), float64.
 
     Closed forms where they exist; otherwise bisection on log w (64 steps, vectorized over mu).
-    An unbounded side is 0 or inf. options: other LossConfig fields (delta_high, tv_half, kl_two_sided).
+    An unbounded side is 0 or inf. options: other LossConfig fields (delta_high, tv_half,
+    kl_two_sided, ratio_limits: the interval is then intersected with the limits).
     """
     cfg = LossConfig(rule=rule, delta=delta, **options)
     spec = get_rule(cfg.rule)
     mu = _as_probabilities("mu", mu)
     if spec.bounds is not None:
-        lo, hi = spec.bounds(mu, cfg)
-        return lo.expand_as(mu), hi.expand_as(mu)
-    if spec.region is None:
+        lo, hi = (bound.expand_as(mu) for bound in spec.bounds(mu, cfg))
+    elif spec.region is None:
         raise ValueError(f"rule {rule!r} has no trust region, so no ratio interval")
-    old_logp = mu.log()
+    else:
+        old_logp = mu.log()
 
-    def edge(direction: float) -> Tensor:  # every region is an interval in log w around 0
-        inner, outer = torch.zeros_like(mu), torch.full_like(mu, direction * SEARCH_CAP)
-        unbounded = spec.region(outer, old_logp, cfg)
-        for _ in range(64):
-            middle = (inner + outer) / 2
-            ok = spec.region(middle, old_logp, cfg)
-            inner, outer = torch.where(ok, middle, inner), torch.where(ok, outer, middle)
-        return torch.where(unbounded, math.exp(direction * math.inf), inner.exp())
+        def edge(direction: float) -> Tensor:  # every region is an interval in log w around 0
+            inner, outer = torch.zeros_like(mu), torch.full_like(mu, direction * SEARCH_CAP)
+            unbounded = spec.region(outer, old_logp, cfg)
+            for _ in range(64):
+                middle = (inner + outer) / 2
+                ok = spec.region(middle, old_logp, cfg)
+                inner, outer = torch.where(ok, middle, inner), torch.where(ok, outer, middle)
+            return torch.where(unbounded, math.exp(direction * math.inf), inner.exp())
 
-    return edge(-1.0), edge(1.0)
+        lo, hi = edge(-1.0), edge(1.0)
+    if cfg.ratio_limits is not None:
+        lo, hi = lo.clamp_min(cfg.ratio_limits[0]), hi.clamp_max(cfg.ratio_limits[1])
+    return lo, hi
+
+
+def _clipped(cfg: LossConfig, mu: Tensor, w: Tensor, advantages: Tensor | None) -> Tensor:
+    """Tokens outside the region or the ratio limits, and with advantages only those pushed outward."""
+    log_w = w.log()
+    outside = ~_inside(get_rule(cfg.rule), log_w, mu.log(), cfg)
+    if cfg.ratio_limits is not None:
+        outside |= (w < cfg.ratio_limits[0]) | (w > cfg.ratio_limits[1])
+    if advantages is not None:
+        outside &= advantages.double() * (w - 1) > 0
+    return outside
 
 
 def calibrate_delta(rule: str | tuple[str, str], mu, w, target_clip_frac: float, *,
@@ -442,22 +796,19 @@ def calibrate_delta(rule: str | tuple[str, str], mu, w, target_clip_frac: float,
     """
     cfg = LossConfig(rule=rule, **options)
     spec = get_rule(cfg.rule)
-    if cfg.rule == "kl_full" or cfg.delta is None:
-        raise ValueError(f"rule {rule!r} cannot be calibrated on (mu, w) pairs")
+    if spec.needs or cfg.delta is None:
+        why = f"it needs {', '.join(spec.needs)}" if spec.needs else "it has no delta"
+        raise ValueError(f"rule {rule!r} cannot be calibrated on (mu, w) pairs: {why}")
     if not 0 <= target_clip_frac <= 1:
         raise ValueError(f"target_clip_frac must be in [0, 1], got {target_clip_frac}")
     mu, w = _as_probabilities("mu", mu), torch.as_tensor(w, dtype=torch.float64)
     if w.shape != mu.shape or not (w > 0).all():
         raise ValueError(f"w must be positive with mu's shape {tuple(mu.shape)}, got {tuple(w.shape)}")
-    log_w, old_logp = w.log(), mu.log()
     high_per_low = cfg.delta_high / cfg.delta if cfg.delta else 1.0
 
     def clip_frac(delta: float) -> float:
         resized = dataclasses.replace(cfg, delta=delta, delta_high=delta * high_per_low)
-        outside = ~_inside(spec, log_w, old_logp, resized)
-        if advantages is not None:
-            outside &= advantages.double() * (w - 1) > 0
-        return outside.double().mean().item()
+        return _clipped(resized, mu, w, advantages).double().mean().item()
 
     low, high = 0.0, cfg.delta or 1.0
     while clip_frac(high) > target_clip_frac:
@@ -470,131 +821,127 @@ def calibrate_delta(rule: str | tuple[str, str], mu, w, target_clip_frac: float,
     return high
 
 
-# ----------------------------------------------------------------------------- exact vocabulary KL
+def expected_log_width(rule: str | tuple[str, str], delta: float | None, mu, **options) -> float:
+    """Mean over mu of log(hi) - log(lo), each side clamped to +-LOG_RATIO_CAP (the loss sees no further)."""
+    lo, hi = ratio_bounds(rule, delta, mu, **options)
+    return (hi.log().clamp(max=LOG_RATIO_CAP) - lo.log().clamp(min=-LOG_RATIO_CAP)).mean().item()
 
 
-@torch.no_grad()
-def full_vocab_kl(old_hidden: Tensor, new_hidden: Tensor, lm_head_weight: Tensor, *,
-                  temperature: float = 1.0, chunk_tokens: int = 256) -> Tensor:
-    """Exact KL(old || new) of the next-token distributions over the whole vocabulary, [B, T] float32.
+def delta_for_width(rule: str | tuple[str, str], width: float, mu, **options) -> float | None:
+    """The delta whose expected log-width over mu equals `width`; None where no delta reaches it."""
+    low, high = 0.0, LossConfig(rule=rule, **options).delta or 1.0
+    while expected_log_width(rule, high, mu, **options) < width:
+        if high > 1e6:
+            return None
+        high *= 2
+    for _ in range(50):
+        middle = (low + high) / 2
+        low, high = (middle, high) if expected_log_width(rule, middle, mu, **options) < width else (low, middle)
+    return high
 
-    old_hidden, new_hidden: [B, T, H] final hidden states (after the last norm) of the sampling and
-    the current policy at the positions whose lm_head output scores logp's tokens; lm_head_weight:
-    [V, H], frozen. Cost: one extra lm_head matmul per token for the old and for the new states
-    (2 * 2*H*V FLOPs per token), and O(chunk_tokens * V) float32 memory, never [B, T, V].
+
+# ----------------------------------------------------------------------------- per-token records
+
+
+def write_token_records(path: Path, records: list[dict], n: int, seed: int) -> None:
+    """Concatenate policy_loss records, keep a seeded sample of n tokens (all if fewer), write one .npz
+    atomically (a temporary file, then a rename: a crash never leaves half a file)."""
+    if not records or n < 1:
+        raise ValueError(f"write_token_records needs records and n >= 1, got {len(records)} records and n={n}")
+    columns = {name: np.concatenate([r[name] for r in records]) for name in records[0]}
+    total = len(columns["mu"])
+    if n < total:
+        keep = np.sort(np.random.default_rng(seed).choice(total, n, replace=False))
+        columns = {name: column[keep] for name, column in columns.items()}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".tmp")
+    with open(partial, "wb") as f:  # a file object: np.savez would add .npz to a name
+        np.savez_compressed(f, **columns)
+    os.replace(partial, path)
+
+
+def read_token_records(run_dir: str | Path) -> dict[str, np.ndarray]:
+    """All of a run's records, run_dir/tokens/step-*.npz, as columns with a `step` column added."""
+    files = sorted(Path(run_dir, "tokens").glob("step-*.npz"))
+    if not files:
+        raise FileNotFoundError(f"{Path(run_dir, 'tokens')} holds no step-*.npz files: per-token records are "
+                                "written by train.py --log-tokens N")
+    parts = []
+    for file in files:
+        with np.load(file) as data:
+            part = dict(data)
+        part["step"] = np.full(len(part["mu"]), int(file.stem.split("-")[1]), dtype=np.int64)
+        parts.append(part)
+    return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+
+
+# ----------------------------------------------------------------------------- calibrate from a run
+
+
+def calibration_report(records: dict[str, np.ndarray], rules: list[str], target_rate: float,
+                       ratio_limits: tuple[float, float] = (0.5, 10.0)) -> list[str]:
+    """Lines comparing rules at equal clip rate and at equal expected log-width (the first rule's).
+
+    A rule with a delta is calibrated to target_rate; one without a delta but with an interval (the
+    `interval` arm) is not calibratable and is reported at ratio_limits.
     """
-    if old_hidden.shape != new_hidden.shape or old_hidden.dim() != 3 or old_hidden.shape[-1] != lm_head_weight.shape[1]:
-        raise ValueError(f"old_hidden {tuple(old_hidden.shape)} and new_hidden {tuple(new_hidden.shape)} must be "
-                         f"[B, T, H] with H = lm_head_weight.shape[1] = {lm_head_weight.shape[1]}")
-    old_flat, new_flat = old_hidden.flatten(0, 1), new_hidden.flatten(0, 1)  # [B*T, H]
-    kl = torch.empty(old_flat.shape[0], dtype=torch.float32, device=old_hidden.device)
-    for start in range(0, old_flat.shape[0], chunk_tokens):  # chunks of tokens, each [chunk, V]
-        chunk = slice(start, start + chunk_tokens)
-        old_logp = F.log_softmax((old_flat[chunk] @ lm_head_weight.T).float() / temperature, dim=-1)
-        new_logp = F.log_softmax((new_flat[chunk] @ lm_head_weight.T).float() / temperature, dim=-1)
-        kl[chunk] = (old_logp.exp() * (old_logp - new_logp)).sum(-1).clamp_min(0)
-    return kl.view(old_hidden.shape[:2])
+    for rule in rules:
+        spec = get_rule(LossConfig(rule=rule).rule)
+        if spec.needs or (spec.bounds is None and spec.region is None):
+            raise ValueError(f"rule {rule!r} cannot be calibrated on per-token records: "
+                             + (f"it needs {', '.join(spec.needs)}" if spec.needs else "it has no trust region"))
+    mu, w, adv = (torch.as_tensor(records[name], dtype=torch.float64) for name in ("mu", "w", "advantage"))
+    bucket = torch.bucketize(mu, torch.tensor(MU_EDGES, dtype=torch.float64))
+    mu_quantiles = torch.quantile(mu, (torch.arange(1000, dtype=torch.float64) + 0.5) / 1000)  # for E[width]
+    lines = [f"{len(mu)} tokens from {len(np.unique(records['step']))} steps; clip rate = tokens outside the "
+             f"region and pushed outward (as policy_loss counts); target {target_rate:.2%}",
+             f"equal width: E over the recorded mu of log(hi) - log(lo), each side within +-{LOG_RATIO_CAP:g}, "
+             f"equal to {rules[0]}'s"]
+    reference_width = None
+    for rule in rules:
+        if LossConfig(rule=rule).delta is None:
+            delta, options = None, {"ratio_limits": ratio_limits}
+            head = f"{rule}: not calibratable (no delta), at limits {ratio_limits[0]:g},{ratio_limits[1]:g}"
+        else:
+            delta, options = calibrate_delta(rule, mu, w, target_rate, advantages=adv), {}
+            head = f"{rule}: delta {delta:.6g}"
+        clipped = _clipped(LossConfig(rule=rule, delta=delta, **options), mu, w, adv).double()
+        by_bucket = [clipped[bucket == i].mean().item() if (bucket == i).any() else math.nan
+                     for i in range(len(MU_LABELS))]
+        intervals = [ratio_bounds(rule, delta, m, **options) for m in (0.5, 0.05, 0.005)]
+        width = expected_log_width(rule, delta, mu_quantiles, **options)
+        reference_width = width if reference_width is None else reference_width
+        equal = delta_for_width(rule, reference_width, mu_quantiles) if delta is not None else None
+        lines += [f"{head}  clips {clipped.mean().item():.2%}  E[log width] {width:.4g}",
+                  "  interval at mu 0.5 / 0.05 / 0.005: " + "  ".join(
+                      f"[{lo.item():.4g}, {hi.item():.4g}]" for lo, hi in intervals),
+                  "  clip rate by old probability: " + "  ".join(
+                      f"{label} {rate:.2%}" for label, rate in zip(MU_LABELS, by_bucket)),
+                  f"  delta for equal width {reference_width:.4g}: "
+                  + (f"{equal:.6g}" if equal is not None else "none (no delta, or out of reach)")]
+    return lines
 
 
-# ----------------------------------------------------------------------------- the loss
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="loss.py", description="Tools on a run's per-token records.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    calibrate = commands.add_parser("calibrate", help="compare rules at equal clip rate on a run's records")
+    calibrate.add_argument("run_dir", type=Path, help="a run directory with tokens/step-*.npz (train.py --log-tokens)")
+    calibrate.add_argument("--rules", default="grpo,atr,kl-atomic,interval", help="comma-separated rules")
+    calibrate.add_argument("--target-rate", type=float, required=True, help="clip rate to calibrate each delta to")
+    calibrate.add_argument("--ratio-limits", default="0.5,10", help="lo,hi of the interval rule")
+    args = parser.parse_args(argv)
+    rules = [rule for rule in args.rules.split(",") if rule]
+    try:
+        limits = LossConfig(rule="interval", ratio_limits=args.ratio_limits).ratio_limits
+        if not rules or not 0 <= args.target_rate <= 1:
+            raise ValueError(f"--rules {args.rules!r} --target-rate {args.target_rate}: expected rules and a rate in [0, 1]")
+        records = read_token_records(args.run_dir)
+        print("\n".join(calibration_report(records, rules, args.target_rate, limits)))
+    except (ValueError, FileNotFoundError) as error:
+        parser.error(str(error))
 
 
-def _check_inputs(logp, old_logp, advantages, mask, ref_logp, vocab_kl) -> tuple[Tensor, Tensor]:
-    if logp.dim() != 2:
-        raise ValueError(f"logp must be [B, T], got shape {tuple(logp.shape)}")
-    for name, t in (("old_logp", old_logp), ("mask", mask), ("ref_logp", ref_logp), ("vocab_kl", vocab_kl)):
-        if t is not None and t.shape != logp.shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected logp's {tuple(logp.shape)}")
-    if advantages.shape not in (logp.shape[:1], logp.shape):
-        raise ValueError(f"advantages must be [B] or [B, T] = {tuple(logp.shape)}, got {tuple(advantages.shape)}")
-    mask = mask.bool()
-    if not mask.any():
-        raise ValueError("mask has no tokens: the loss would be a silent zero")
-    adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(logp)
-    return mask, adv.detach().to(logp.dtype)
-
-
-def _reference_kl(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
-    log_ref_ratio = (ref_logp - logp).clamp(-LOG_RATIO_CAP, LOG_RATIO_CAP)  # log(ref / pi), samples from pi
-    if estimator == "k1":
-        return -log_ref_ratio
-    if estimator == "k2":
-        return log_ref_ratio**2 / 2
-    return torch.expm1(log_ref_ratio) - log_ref_ratio  # k3: unbiased and never negative
-
-
-def _aggregate(token_loss: Tensor, mask: Tensor, cfg: LossConfig, num_tokens, num_seqs) -> Tensor:
-    """Sum over the micro-batch divided by a whole-step normalizer, so micro-batch losses add up."""
-    token_loss = torch.where(mask, token_loss, 0)
-    if cfg.aggregation == "token-mean":
-        return token_loss.sum() / (num_tokens if num_tokens is not None else mask.sum())
-    seqs = num_seqs if num_seqs is not None else mask.any(-1).sum()
-    if cfg.aggregation == "seq-mean-token-mean":
-        return (token_loss.sum(-1) / mask.sum(-1).clamp_min(1)).sum() / seqs
-    return token_loss.sum() / (seqs * (cfg.norm_len or mask.shape[-1]))  # Dr. GRPO: a constant length
-
-
-def _dual_clipped(w: Tensor, adv: Tensor, dual_clip) -> Tensor:
-    if dual_clip is None:
-        return torch.zeros_like(w, dtype=torch.bool)
-    lo, hi = _dual_bounds(dual_clip)
-    return ((adv < 0) & (w > hi)) | ((adv > 0) & (w < lo))
-
-
-@torch.no_grad()
-def _metrics(log_ratio, old_logp, adv, mask, clipped, cfg, ref_kl) -> dict[str, float]:
-    log_w, a, c = log_ratio[mask].double(), adv[mask].double(), clipped[mask].double()
-    w = log_w.exp()
-    stats = {
-        "clip_low_frac": (c < 0).double().mean(),
-        "clip_high_frac": (c > 0).double().mean(),
-        "dual_clip_frac": _dual_clipped(w, a, cfg.dual_clip).double().mean(),
-        "approx_kl": (torch.expm1(log_w) - log_w).mean(),  # k3 estimate of KL(old || new)
-        "ratio_min": w.min(), "ratio_mean": w.mean(), "ratio_max": w.max(),
-    }
-    if ref_kl is not None:
-        stats["ref_kl"] = ref_kl.detach()[mask].double().mean()
-    edges = torch.tensor(MU_EDGES, dtype=torch.float64, device=log_w.device)
-    bucket = F.one_hot(torch.bucketize(old_logp[mask].double().exp(), edges), len(MU_LABELS)).double()  # [n, 5]
-    count = bucket.sum(0)
-    share, sign = count / len(w), (bucket * a.sign()[:, None]).sum(0) / count.clamp_min(1)
-    clip = (bucket * (c != 0)[:, None]).sum(0) / count.clamp_min(1)
-    for i, label in enumerate(MU_LABELS):
-        stats |= {f"mu[{label}]/share": share[i], f"mu[{label}]/adv_sign": sign[i], f"mu[{label}]/clip_frac": clip[i]}
-    return dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one device sync
-
-
-def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: LossConfig, *,
-                num_tokens: int | Tensor | None = None, num_seqs: int | Tensor | None = None,
-                ref_logp: Tensor | None = None, vocab_kl: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
-    """The policy-gradient loss of cfg.rule and its diagnostics.
-
-    logp, old_logp, mask: [B, T] (mask True on completion tokens); advantages: [B] or [B, T].
-    Aggregation: token-mean = sum / num_tokens; seq-mean-token-mean = sum of per-sequence means /
-    num_seqs; seq-mean-token-sum-norm (Dr. GRPO) = sum / (num_seqs * norm_len). For gradient
-    accumulation pass the whole optimizer step's num_tokens / num_seqs (default: this batch's) and
-    sum the micro-batch losses. ref_logp: [B, T] reference log-probs, needed when cfg.kl_beta > 0;
-    vocab_kl: [B, T] from full_vocab_kl, needed by rule "kl_full".
-    metrics: plain floats, clip fractions, k3 KL, ratio range and a table by old-probability bucket.
-    """
-    mask, adv = _check_inputs(logp, old_logp, advantages, mask, ref_logp, vocab_kl)
-    rule = get_rule(cfg.rule)
-    old_logp = old_logp.detach()  # the sampling policy is a constant
-    log_ratio = torch.where(mask, logp - old_logp, 0).clamp(-LOG_RATIO_CAP, LOG_RATIO_CAP)  # [B, T]
-    if cfg.rule == "kl_full" and vocab_kl is None:
-        raise ValueError("rule 'kl_full' needs vocab_kl=full_vocab_kl(old_hidden, new_hidden, lm_head_weight)")
-
-    def inside_of(log_w: Tensor) -> Tensor:  # the rule's region at these ratios, [B, T] bool
-        if cfg.rule == "kl_full":  # the one region that depends on more than the sampled token
-            return vocab_kl.detach() <= cfg.delta
-        return _inside(rule, log_w.detach().double(), old_logp.double(), cfg)
-
-    objective, clipped = rule.objective(logp, log_ratio, adv, mask, cfg, inside_of)
-    token_loss, ref_kl = -objective, None
-    if cfg.kl_beta:
-        if ref_logp is None:
-            raise ValueError(f"kl_beta={cfg.kl_beta} needs ref_logp, the reference policy's log-probs")
-        ref_kl = _reference_kl(logp, ref_logp.detach(), cfg.kl_estimator)
-        token_loss = token_loss + cfg.kl_beta * ref_kl
-    loss = _aggregate(token_loss, mask, cfg, num_tokens, num_seqs)
-    return loss, _metrics(log_ratio, old_logp, adv, mask, clipped, cfg, ref_kl)
+if __name__ == "__main__":
+    main()

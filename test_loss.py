@@ -175,7 +175,7 @@ def test_dual_clip_stops_negative_advantage_tokens_above_c():
     expected = torch.tensor([0.0, -(-1.0) * 2.0 / 4, 0.0, 0.0], dtype=f64)
     assert torch.equal(grad[0] == 0, expected == 0)
     torch.testing.assert_close(grad[0], expected)
-    assert metrics["dual_clip_frac"] == 0.25 and metrics["clip_high_frac"] == 0.5
+    assert metrics["limit_clip_frac"] == 0.25 and metrics["clip_high_frac"] == 0.25  # counted apart
 
 
 def test_dual_clip_pair_also_stops_positive_advantage_tokens_below_lo():
@@ -188,9 +188,9 @@ def test_dual_clip_pair_also_stops_positive_advantage_tokens_below_lo():
                                LossConfig(rule=("kl", "atomic"), dual_clip=(0.5, 10.0)))
     expected = torch.tensor([0.0, -1.0 * 0.6 / 4, 0.0, 1.0 * 8.0 / 4], dtype=f64)
     torch.testing.assert_close(grad[0], expected)
-    assert metrics["dual_clip_frac"] == 0.5
+    assert metrics["limit_clip_frac"] == 0.5
     for bad in ((1.5, 10.0), (0.5, 0.9), (0.5,)):
-        with pytest.raises(ValueError, match="dual_clip"):
+        with pytest.raises(ValueError, match="--dual-clip"):
             LossConfig(dual_clip=bad)
 
 
@@ -301,9 +301,11 @@ def test_kl_full_uses_the_exact_vocabulary_kl():
     adv = torch.tensor([1.0, -1.0], dtype=f64)
     mask = torch.ones(B, T, dtype=torch.bool)
     delta = kl.median().item()
-    with pytest.raises(ValueError, match="vocab_kl"):
-        policy_loss(logp, old_logp, adv, mask, LossConfig(rule="kl_full", delta=delta))
-    _, grad, _ = grad_of(logp, old_logp, adv, mask, LossConfig(rule="kl_full", delta=delta), vocab_kl=kl)
+    cfg = LossConfig(rule="kl_full", delta=delta)
+    with pytest.raises(ValueError, match="hidden, lm_head_weight, old_hidden, temperature"):
+        policy_loss(logp, old_logp, adv, mask, cfg)
+    _, grad, _ = grad_of(logp, old_logp, adv, mask, cfg, old_hidden=old_hidden, hidden=new_hidden,
+                         lm_head_weight=head, temperature=0.7)
     w, a = (logp - old_logp).exp(), adv[:, None].expand(B, T)
     outward = (kl > delta) & (a * (w - 1) > 0)
     assert outward.any() and (~outward).any()
@@ -328,8 +330,8 @@ def test_gradient_accumulation_equals_one_big_batch():
 
     old_logp = logp_of(slice(None), weight.detach() + 0.5 * torch.randn(H, V, dtype=f64, generator=g))
     micro_batches = [slice(0, 2), slice(2, 4), slice(4, 6)]
-    for rule in ("grpo", "kl3", "gspo"):
-        for aggregation in AGGREGATIONS:
+    for rule, aggregations in (("grpo", AGGREGATIONS), ("kl3", AGGREGATIONS), ("gspo", [None])):
+        for aggregation in aggregations:  # gspo is defined with seq-mean-token-mean only
             cfg = LossConfig(rule=rule, aggregation=aggregation, norm_len=T)
             weight.grad = None
             full, _ = policy_loss(logp_of(slice(None), weight), old_logp, adv, mask, cfg)
@@ -424,12 +426,14 @@ def test_no_nan_for_extreme_ratios(rule):
     adv = torch.tensor([1.0, -1.0])
     mask = torch.ones(2, 41, dtype=torch.bool)
     cfg = LossConfig(rule=rule, dual_clip=3.0, kl_beta=0.01)
-    loss, metrics = policy_loss(logp, old_logp, adv, mask, cfg, ref_logp=old_logp,
-                                vocab_kl=torch.rand(2, 41, generator=torch.Generator().manual_seed(0)))
+    g = torch.Generator().manual_seed(0)
+    hidden = dict(old_hidden=torch.randn(2, 41, 4, generator=g), hidden=torch.randn(2, 41, 4, generator=g),
+                  lm_head_weight=torch.randn(5, 4, generator=g), temperature=1.0)
+    loss, metrics = policy_loss(logp, old_logp, adv, mask, cfg, ref_logp=old_logp, **hidden)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
     assert all(math.isfinite(v) for v in metrics.values())
-    loss, _ = policy_loss(logp, old_logp, torch.zeros(2), mask, LossConfig(rule=rule), vocab_kl=torch.zeros(2, 41))
+    loss, _ = policy_loss(logp, old_logp, torch.zeros(2), mask, LossConfig(rule=rule), **hidden)
     assert torch.isfinite(loss)
 
 
@@ -485,7 +489,7 @@ def test_bad_input_raises_value_errors_naming_the_argument():
         ratio_bounds("grpo", -0.2, 0.5)
     with pytest.raises(ValueError, match="aggregation"):
         LossConfig(aggregation="mean")
-    with pytest.raises(ValueError, match="dual_clip"):
+    with pytest.raises(ValueError, match="--dual-clip"):
         LossConfig(dual_clip=0.5)
     with pytest.raises(ValueError, match="old_logp"):
         policy_loss(logp, old_logp[:, :-1], adv, mask, LossConfig())
