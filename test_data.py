@@ -1,4 +1,4 @@
-"""Tests for data/: the arithmetic generator, strict dataset files, Hub-row conversion, prompt templates."""
+"""Tests for data/: the arithmetic generator, strict dataset files, Hub copies, prompt templates, stop tokens."""
 
 import json
 import re
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from data import arithmetic_problems, load_problems, render_prompt, user_message
+from data import arithmetic_problems, load_problems, render_prompt, stop_ids, user_message
 from data import prepare
 from data.arithmetic import DEFAULT_KINDS, KINDS, problems_of
 
@@ -180,6 +180,10 @@ def test_shared_copies_load_with_their_documented_row_counts():
         assert len(load_problems(SHARED / f"{name}.jsonl")) == count, name
 
 
+def located(rows: list[dict]) -> list[tuple[str, dict]]:
+    return [(f"row {i}", row) for i, row in enumerate(rows)]
+
+
 @needs_shared
 def test_dapo_conversion_strips_the_wrapper_and_dedupes():
     shared = shared_rows("dapo_math_17k")
@@ -194,7 +198,7 @@ def test_dapo_conversion_strips_the_wrapper_and_dedupes():
         }
 
     hub = [hub_row(row, copy) for copy in range(3) for row in shared]
-    problems = list(prepare.convert_dapo(hub, "BytedTsinghua-SIA/DAPO-Math-17k"))
+    problems = list(prepare.convert_rows(located(hub), "dapo", "BytedTsinghua-SIA/DAPO-Math-17k"))
     distinct = list(dict.fromkeys((r["problem"].strip(), r["answer"]) for r in shared))
     assert len(shared) == 17917 and len(distinct) == 17267  # the file's rows vs its distinct problems
     assert [(p["problem"], p["answer"]) for p in problems] == distinct
@@ -206,18 +210,21 @@ def test_dapo_conversion_strips_the_wrapper_and_dedupes():
 def test_gsm8k_answer_is_the_number_after_the_marker():
     row = {"question": "A farm has 1,200 cows and buys 34 more. How many cows? ",
            "answer": "1,200 + 34 = <<1200+34=1234>>1,234 cows.\n#### 1,234"}
-    (problem,) = prepare.convert_gsm8k([row], "openai/gsm8k")
+    (problem,) = prepare.convert_rows(located([row]), "gsm8k", "openai/gsm8k")
     assert problem == {"problem": row["question"].strip(), "answer": "1234", "source": "openai/gsm8k"}
     assert prepare.gsm8k_answer("She is left with -5 dollars.\n#### -5") == "-5"
     with pytest.raises(ValueError, match="without '####'"):
         prepare.gsm8k_answer("The answer is 5.")
+    with pytest.raises(ValueError, match=r"row 0: GSM8K solution without '####'"):
+        list(prepare.convert_rows(located([{"question": "q?", "answer": "5"}]), "gsm8k", "x"))
 
 
 @needs_shared
 def test_gsm8k_conversion_reproduces_the_shared_answers():
     shared = shared_rows("gsm8k_train")
     hub = [{"question": r["problem"], "answer": f"{r['solution']}\n#### {r['answer']}"} for r in shared]
-    assert [p["answer"] for p in prepare.convert_gsm8k(hub, "openai/gsm8k")] == [r["answer"] for r in shared]
+    converted = prepare.convert_rows(located(hub), "gsm8k", "openai/gsm8k")
+    assert [p["answer"] for p in converted] == [r["answer"] for r in shared]
 
 
 @needs_shared
@@ -226,7 +233,7 @@ def test_math500_conversion_keeps_latex_answers(tmp_path):
     hub = [{"problem": r["problem"], "solution": "...", "answer": r["answer"], "subject": r["subject"],
             "level": r["level"], "unique_id": r["id"]} for r in shared]
     path = tmp_path / "math500.jsonl"
-    prepare.write_jsonl(prepare.convert_math500(hub, "HuggingFaceH4/MATH-500"), path)
+    prepare.write_jsonl(prepare.convert_rows(located(hub), "math500", "HuggingFaceH4/MATH-500"), path)
     loaded = load_problems("math500", data_dir=tmp_path)
     assert [p["answer"] for p in loaded] == [r["answer"] for r in shared]
     assert loaded[0]["answer"] == "\\left( 3, \\frac{\\pi}{2} \\right)"
@@ -235,10 +242,11 @@ def test_math500_conversion_keeps_latex_answers(tmp_path):
 
 def test_competition_answers_become_plain_integers():
     rows = [{"problem": "AIME 1", "answer": "025"}, {"question": "AMC 1", "answer": 27.0},
-            {"question": "AMC 2", "answer": "\\frac{1}{2}"}, {"problem": "AIME 2", "answer": "000"}]
-    problems = list(prepare.convert_competition(rows, "mirror"))
-    assert [p["answer"] for p in problems] == ["25", "27", "\\frac{1}{2}", "0"]
-    assert [p["problem"] for p in problems] == ["AIME 1", "AMC 1", "AMC 2", "AIME 2"]
+            {"question": "AMC 2", "answer": "\\frac{1}{2}"}, {"problem": "AIME 2", "answer": "000"},
+            {"Problem": "AIME 3", "Answer": 204}]  # Maxwell-Jia/AIME_2024's capitalized columns
+    problems = list(prepare.convert_rows(located(rows), "aime", "mirror"))
+    assert [p["answer"] for p in problems] == ["25", "27", "\\frac{1}{2}", "0", "204"]
+    assert [p["problem"] for p in problems] == ["AIME 1", "AMC 1", "AMC 2", "AIME 2", "AIME 3"]
 
 
 def test_cli_converts_a_local_file(tmp_path, capsys):
@@ -255,9 +263,9 @@ def test_cli_converts_a_local_file(tmp_path, capsys):
     ]
     assert "wrote 2 problems" in capsys.readouterr().out
     bad = write_lines(tmp_path / "bad.jsonl", ['{"q": "What is 2 + 2?", "a": 4}', '{"q": "What is 3 + 3?"}'])
-    with pytest.raises(SystemExit, match=re.escape(f"{bad}:2: missing field 'a'")):
-        prepare.main(["--from", str(bad), "--problem-key", "q", "--answer-key", "a", "--out", "bad",
-                      "--data-dir", str(tmp_path)])
+    err = run_cli(["--from", str(bad), "--problem-key", "q", "--answer-key", "a", "--out", "bad",
+                   "--data-dir", str(tmp_path)], capsys)
+    assert f"{bad}:2: missing field 'a'" in err
     assert not (tmp_path / "bad.jsonl.tmp").exists() and not (tmp_path / "bad.json").exists()
 
 
@@ -301,14 +309,141 @@ def test_download_reads_dapo_parquet_with_its_nesting_and_repeats(tmp_path, monk
     assert [(p["problem"], p["answer"]) for p in problems] == [("What is 1 + 1?", "2"), ("Find x if 2x = 6.", "3")]
 
 
-def test_download_offline_says_how_to_convert_instead(tmp_path, monkeypatch):
+def test_download_offline_says_how_to_convert_instead(tmp_path, monkeypatch, capsys):
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # never touch the network, even where there is one
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
-    with pytest.raises(SystemExit, match=r"cannot download HuggingFaceH4/MATH-500(.|\n)*--from FILE.*--out math500"):
+    with pytest.raises(SystemExit):
         prepare.main(["math500", "--data-dir", str(tmp_path)])
+    assert re.search(r"cannot download HuggingFaceH4/MATH-500(.|\n)*--from FILE --out math500", capsys.readouterr().err)
     assert not (tmp_path / "math500.jsonl").exists()
+
+
+# ---------------------------------------------------------------- local copies of Hub files (--from)
+
+DAPO_ROWS = [  # the Hub layout; the file repeats every row
+    {"data_source": "math_dapo", "prompt": [{"content": DAPO_WRAPPER.format(q), "role": "user"}], "ability": "MATH",
+     "reward_model": {"ground_truth": a, "style": "rule-based"}, "extra_info": {"index": f"id-{i}"}}
+    for i, (q, a) in enumerate([("What is 1 + 1?", "2"), ("Find x if 2x = 6.", "3")] * 2)
+]
+# dataset name -> (rows in its Hub layout, the prepared (problem, answer) pairs)
+HUB_COPIES = {
+    "gsm8k": ([{"question": "Tom has 3 bags of 6 apples. How many apples?",
+                "answer": "3 * 6 = <<3*6=18>>18\n#### 18"},
+               {"question": "A shop sells 1,000 pens and 250 more.", "answer": "1,000 + 250 = 1,250\n#### 1,250"}],
+              [("Tom has 3 bags of 6 apples. How many apples?", "18"),
+               ("A shop sells 1,000 pens and 250 more.", "1250")]),
+    "math500": ([{"problem": "Simplify $\\frac{28}{6}$.", "solution": "It is $\\boxed{\\frac{14}{3}}$.",
+                  "answer": "\\frac{14}{3}", "subject": "Algebra", "level": 2, "unique_id": "test/algebra/1.json"}],
+                [("Simplify $\\frac{28}{6}$.", "\\frac{14}{3}")]),
+    "aime24": ([{"id": 60, "problem": "Find the remainder.", "solution": "...", "answer": "033",
+                 "url": "https://artofproblemsolving.com/wiki", "year": "2024"}],
+               [("Find the remainder.", "33")]),
+    "aime25": ([{"question": "Find the sum of all bases.", "answer": "70"}], [("Find the sum of all bases.", "70")]),
+    "amc23": ([{"id": 0, "question": "Cities A and B are 45 miles apart.", "answer": 27.0, "url": "https://aops"}],
+              [("Cities A and B are 45 miles apart.", "27")]),
+    "dapo": (DAPO_ROWS, [("What is 1 + 1?", "2"), ("Find x if 2x = 6.", "3")]),
+}
+
+
+def write_copy(path: Path, rows: list[dict]) -> Path:
+    """rows in path's format: a parquet table, one JSON list (.json), or JSON lines."""
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows), encoding="utf-8")
+    else:
+        write_lines(path, [json.dumps(row) for row in rows])
+    return path
+
+
+def run_cli(args: list[str], capsys) -> str:
+    """prepare.main for a run that must fail as a user error: exit status 2, one line on stderr; returns it."""
+    with pytest.raises(SystemExit) as exit_info:
+        prepare.main(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("prepare.py: ") and err.count("\n") == 1 and "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl", ".json"])
+@pytest.mark.parametrize("name", list(HUB_COPIES))
+def test_cli_converts_hub_copies_by_dataset_name(tmp_path, name, suffix):
+    rows, expected = HUB_COPIES[name]
+    source = write_copy(tmp_path / f"copy{suffix}", rows)
+    prepare.main(["--from", str(source), "--out", name, "--data-dir", str(tmp_path)])
+    problems = load_problems(name, data_dir=tmp_path)
+    assert [(p["problem"], p["answer"]) for p in problems] == expected
+    assert {p["source"] for p in problems} == {str(source)}
+
+
+def test_layout_flag_converts_into_any_name(tmp_path):
+    source = write_copy(tmp_path / "test-00000-of-00001.parquet", HUB_COPIES["gsm8k"][0])
+    prepare.main(["--from", str(source), "--layout", "gsm8k", "--out", "mine", "--data-dir", str(tmp_path)])
+    assert [p["answer"] for p in load_problems("mine", data_dir=tmp_path)] == ["18", "1250"]
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
+def test_dotted_keys_read_the_dapo_layout_and_unwrap_it(tmp_path, suffix):
+    source = write_copy(tmp_path / f"dapo{suffix}", DAPO_ROWS)
+    prepare.main(["--from", str(source), "--problem-key", "prompt.0.content", "--answer-key",
+                  "reward_model.ground_truth", "--out", "mine", "--dedupe", "--data-dir", str(tmp_path)])
+    problems = load_problems("mine", data_dir=tmp_path)
+    assert [(p["problem"], p["answer"]) for p in problems] == HUB_COPIES["dapo"][1]
+    # the fields the keys did not use are kept, the ones they used are not
+    assert problems[0]["extra_info"] == {"index": "id-0"}
+    assert "prompt" not in problems[0] and "reward_model" not in problems[0]
+
+
+def test_keys_on_a_gsm8k_copy_take_the_final_answer(tmp_path):
+    source = write_copy(tmp_path / "gsm8k.jsonl", HUB_COPIES["gsm8k"][0])
+    prepare.main(["--from", str(source), "--problem-key", "question", "--answer-key", "answer", "--out", "mine",
+                  "--data-dir", str(tmp_path)])
+    assert [p["answer"] for p in load_problems("mine", data_dir=tmp_path)] == ["18", "1250"]
+    parquet = write_copy(tmp_path / "gsm8k.parquet", HUB_COPIES["gsm8k"][0])
+    assert [p["answer"] for p in load_problems(parquet, problem_key="question")] == ["18", "1250"]
+
+
+def test_field_reaches_into_nested_objects_and_lists():
+    record = {"a.b": 1, "a": {"b": 2, "c": [{"d": "x"}]}}
+    assert prepare.field(record, "a.b") == 1  # a field named with a dot wins over the path
+    assert prepare.field(record, "a.c.0.d") == "x"
+    for missing in ("a.c.1.d", "a.x", "a.c.d", "z"):
+        with pytest.raises(KeyError):
+            prepare.field(record, missing)
+
+
+def test_unreadable_files_name_the_file_and_the_format(tmp_path, capsys):
+    parquet_as_jsonl = write_copy(tmp_path / "g.parquet", HUB_COPIES["gsm8k"][0]).rename(tmp_path / "g.jsonl")
+    err = run_cli(["--from", str(parquet_as_jsonl), "--out", "gsm8k", "--data-dir", str(tmp_path)], capsys)
+    assert f"{parquet_as_jsonl}: cannot read as JSON lines: not UTF-8 text" in err and "name it .parquet" in err
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"PAR1 not really")
+    err = run_cli(["--from", str(broken), "--out", "gsm8k", "--data-dir", str(tmp_path)], capsys)
+    assert f"{broken}: cannot read as parquet" in err
+    csv = write_lines(tmp_path / "gsm8k.csv", ["question,answer"])
+    err = run_cli(["--from", str(csv), "--out", "gsm8k", "--data-dir", str(tmp_path)], capsys)
+    assert "gsm8k.csv: unknown file type '.csv'; expected .jsonl, .json or .parquet" in err
+    assert not list(tmp_path.glob("gsm8k.jsonl*"))
+
+
+def test_a_copy_in_another_layout_is_named_with_its_fields(tmp_path, capsys):
+    source = write_copy(tmp_path / "mine.parquet", [{"problem": "What is 2 + 2?", "answer": "4"}])
+    err = run_cli(["--from", str(source), "--out", "gsm8k", "--data-dir", str(tmp_path)], capsys)
+    assert f"{source}: row 0: not a row of the gsm8k layout (KeyError: 'question'; fields: problem, answer)" in err
+    err = run_cli(["--from", str(source), "--problem-key", "prompt.0.content", "--out", "x",
+                   "--data-dir", str(tmp_path)], capsys)
+    assert f"{source}: row 0: missing field 'prompt.0.content'" in err
+    prepare.main(["--from", str(source), "--problem-key", "problem", "--out", "gsm8k", "--data-dir", str(tmp_path)])
+    assert load_problems("gsm8k", data_dir=tmp_path)[0]["answer"] == "4"  # keys given: no layout by name
+    with pytest.raises(SystemExit):
+        prepare.main(["--from", str(source), "--layout", "gsm8k", "--answer-key", "a", "--out", "x"])
+    assert "--layout and --problem-key/--answer-key are alternatives" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- templates
@@ -391,3 +526,16 @@ def test_tokenizer_without_chat_template_gets_plain_text(tokenizer):
     ids = render_prompt(tokenizer_copy, "What is 7 + 5?", "plain", system="Be brief.")
     text = "Be brief.\n\nWhat is 7 + 5? Answer with the number only."
     assert tokens(tokenizer_copy, ids) == ["<s>"] + expected_tokens(text)  # a base model gets its usual BOS
+
+
+def test_stop_ids_join_the_checkpoint_end_tokens_and_the_tokenizer_eos(tokenizer):
+    from model import ModelConfig
+
+    eos = tokenizer.eos_token_id
+    assert stop_ids(ModelConfig(eos_token_id=[9, eos, 2]), tokenizer) == sorted({2, 9, eos})
+    assert stop_ids(ModelConfig(eos_token_id=9), tokenizer) == sorted({9, eos})
+    assert stop_ids(ModelConfig(eos_token_id=None), tokenizer) == [eos]
+    no_eos = type(tokenizer)(tokenizer_object=tokenizer.backend_tokenizer, unk_token="[UNK]")
+    assert stop_ids(ModelConfig(eos_token_id=5), no_eos) == [5]
+    with pytest.raises(ValueError, match="neither the model config nor the tokenizer names an EOS"):
+        stop_ids(ModelConfig(eos_token_id=None), no_eos)

@@ -5,14 +5,14 @@
     ids = render_prompt(tokenizer, problems[0]["problem"], "boxed")
 
 arithmetic.py generates the offline demo's problems, prepare.py reads, converts and downloads
-dataset files, templates.py turns a problem into chat-formatted token ids.
+dataset files, templates.py turns a problem into chat-formatted token ids and names the tokens that end a reply.
 """
 
 from pathlib import Path
 
 from .arithmetic import DEFAULT_KINDS, KINDS, arithmetic_problems
-from .prepare import DATA_DIR, HUB, read_problems
-from .templates import TEMPLATES, render_prompt, user_message
+from .prepare import DATA_DIR, FORMATS, HUB, read_problems
+from .templates import TEMPLATES, render_prompt, stop_ids, user_message
 
 GENERATED = {"arithmetic": "train", "arithmetic_test": "test"}  # name -> split, made on the fly
 
@@ -24,16 +24,17 @@ def load_problems(
     answer_key: str = "answer",
     data_dir: str | Path = DATA_DIR,
 ) -> list[dict]:
-    """Problems {"problem", "answer", ...} of a named dataset or of a .jsonl/.json file.
+    """Problems {"problem", "answer", ...} of a named dataset or of a .jsonl/.json/.parquet file.
 
     Names: the Hub datasets of prepare.py (files data_dir/NAME.jsonl that it writes), any other
     NAME.jsonl in data_dir (e.g. written by `prepare.py --from FILE --out NAME`), and
     arithmetic / arithmetic_test (the demo's train and held-out splits of the default kinds,
     generated, no file needed).
-    Malformed records are a ValueError naming file and line (see prepare.read_problems).
+    Malformed records are a ValueError naming file and line (see prepare.read_problems); keys may be
+    dotted to reach nested fields ("reward_model.ground_truth").
     """
     name = str(name_or_path)
-    if name.endswith((".jsonl", ".json")):
+    if name.endswith(tuple(FORMATS)):  # a path, not a name
         return read_problems(name, problem_key, answer_key)
     if name in GENERATED:
         return arithmetic_problems(GENERATED[name])
@@ -43,11 +44,11 @@ def load_problems(
     if name in HUB:
         raise FileNotFoundError(
             f"{path} does not exist: run `python data/prepare.py {name}` to download it, or convert a "
-            f"local copy with `python data/prepare.py --from FILE --problem-key KEY --answer-key KEY --out {name}`"
+            f"local copy of its files with `python data/prepare.py --from FILE --out {name}`"
         )
     raise ValueError(
         f"unknown dataset {name!r}; known: {', '.join([*HUB, *GENERATED])}, "
-        f"any NAME.jsonl in {data_dir}, or a path ending in .jsonl/.json"
+        f"any NAME.jsonl in {data_dir}, or a path ending in .jsonl, .json or .parquet"
     )
 
 
@@ -59,5 +60,6 @@ __all__ = [
     "load_problems",
     "read_problems",
     "render_prompt",
+    "stop_ids",
     "user_message",
 ]

@@ -7,7 +7,10 @@ answer is a ValueError naming the file and line, so a dataset is never silently 
 
     python data/prepare.py math500 aime24            # download from the Hub (needs network)
     python data/prepare.py all
+    python data/prepare.py --from test-00000-of-00001.parquet --out gsm8k     # a local copy of a Hub dataset
     python data/prepare.py --from my.jsonl --problem-key question --answer-key solution --out mine
+    python data/prepare.py --from dapo.parquet --problem-key prompt.0.content \\
+        --answer-key reward_model.ground_truth --out mine
 
 Hub sources (repo ids, file layouts and columns checked against the repos' file listings, dataset
 cards and published code that loads them):
@@ -19,9 +22,12 @@ cards and published code that loads them):
     aime25       opencompass/AIME2025             aime2025-*.jsonl      question, answer (AIME 2025 I and II)
     amc23        math-ai/amc23                    test-*.parquet        question, answer (AMC 2023: the 40 problems of
                                                                         Qwen2.5-Math's evaluation)
-Most hub copies are parquet files, read with pyarrow; the conversion functions below take plain
-rows, so they serve local files too. huggingface_hub and pyarrow are imported only where needed,
-so converting a local file runs on the standard library alone.
+A local copy of one of these, in .parquet, .jsonl or .json (a list, or JSON lines as `datasets`
+writes them), converts by its layout: `--out NAME` with a Hub name, or `--layout` (dapo, gsm8k,
+math500, aime, amc) with any name. Any other file converts by field names, dotted for nested
+fields; read by field names, a problem in DAPO's instruction wrapper is unwrapped and a GSM8K
+worked solution ending "#### 18" gives the answer "18", so a Hub copy read by keys is right too.
+pyarrow and huggingface_hub are imported only where needed, so JSON files need the standard library alone.
 """
 
 import argparse
@@ -38,6 +44,8 @@ DAPO_PREFIX = (
     "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
 )
 DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
+FORMATS = {".jsonl": "JSON lines", ".json": "JSON (one list, or JSON lines)", ".parquet": "parquet"}
+GSM8K_SOLUTION = re.compile(r"\n####\s*[^\n]+$")  # a worked solution whose last line is "#### 18"
 
 
 # ---------------------------------------------------------------- reading and writing files
@@ -54,9 +62,26 @@ def _answer_text(value) -> str | None:
     return value.strip() if isinstance(value, str) else None
 
 
-def _records(path: Path) -> Iterator[tuple[str, object]]:
-    """(where, parsed object) for each record: JSON lines, or a .json file holding one JSON list."""
-    text = path.read_text(encoding="utf-8")
+def read_rows(path: str | Path) -> Iterator[tuple[str, object]]:
+    """(where, record) for every record of a .jsonl, .json or .parquet file, streamed.
+
+    `where` names the file and line ("f.jsonl:3"), list item ("f.json: item 2") or row ("f.parquet: row 7").
+    A file that cannot be read in its format is a ValueError naming the file and the format expected.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no such dataset file: {path}")
+    if path.suffix not in FORMATS:
+        raise ValueError(f"{path}: unknown file type {path.suffix!r}; expected .jsonl, .json or .parquet")
+    if path.suffix == ".parquet":
+        yield from _parquet_rows(path)
+        return
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        hint = "; it is a parquet file: name it .parquet" if path.read_bytes()[:4] == b"PAR1" else ""
+        raise ValueError(f"{path}: cannot read as {FORMATS[path.suffix]}: not UTF-8 text (byte {e.start}){hint}"
+                         ) from None
     if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
             items = json.loads(text)
@@ -75,29 +100,76 @@ def _records(path: Path) -> Iterator[tuple[str, object]]:
             raise ValueError(f"{path}:{number}: invalid JSON: {e.msg}") from None
 
 
-def read_problems(path: str | Path, problem_key: str = "problem", answer_key: str = "answer") -> list[dict]:
-    """Every record of a .jsonl/.json file as {"problem", "answer", ...the record's other fields}.
+def _parquet_rows(path: Path) -> Iterator[tuple[str, dict]]:
+    """Rows in batches: the DAPO parquet file alone holds 1.79M rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
+    try:
+        batches = pq.ParquetFile(path).iter_batches(batch_size=10_000)
+        index = 0
+        for batch in batches:
+            for row in batch.to_pylist():
+                yield f"{path}: row {index}", row
+                index += 1
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path}: cannot read as parquet: {e}") from None
+
+
+def field(record: dict, key: str):
+    """record[key], where a dotted key reaches into nested objects and lists: "prompt.0.content".
+
+    A key that is itself a field name (dots included) wins. Raises KeyError(key) when the path is absent.
+    """
+    if key in record:
+        return record[key]
+    value = record
+    for part in key.split("."):
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            raise KeyError(key)
+    return value
+
+
+def bare(problem: str, answer: str) -> tuple[str, str]:
+    """The problem without DAPO's instruction wrapper, and the final answer of a GSM8K worked solution.
+
+    Hub copies read by field names carry both: the wrapper would be added twice by the "answer"
+    template, and a whole solution as the reference answer can never be matched by a completion.
+    """
+    if problem.startswith(DAPO_PREFIX) and problem.endswith(DAPO_SUFFIX):
+        problem = strip_dapo_prompt(problem)
+    if GSM8K_SOLUTION.search(answer):
+        answer = gsm8k_answer(answer)
+    return problem, answer
+
+
+def read_problems(path: str | Path, problem_key: str = "problem", answer_key: str = "answer") -> list[dict]:
+    """Every record of a .jsonl/.json/.parquet file as {"problem", "answer", ...the record's other fields}.
+
+    Keys may be dotted ("reward_model.ground_truth", see field()); problem and answer go through bare().
     Raises ValueError naming file and line for a record that is not an object, lacks either key,
     or has an empty problem or answer, and for a file with no records at all.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no such dataset file: {path}")
+    used = {problem_key, answer_key, problem_key.split(".")[0], answer_key.split(".")[0]}  # not kept as extras
     problems = []
-    for where, record in _records(path):
+    for where, record in read_rows(path):
         if not isinstance(record, dict):
             raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-        for key in (problem_key, answer_key):
-            if key not in record:
-                raise ValueError(f"{where}: missing field {key!r} (fields: {', '.join(record) or 'none'})")
-        problem, answer = record[problem_key], _answer_text(record[answer_key])
+        try:
+            problem, answer = field(record, problem_key), _answer_text(field(record, answer_key))
+        except KeyError as e:
+            raise ValueError(f"{where}: missing field {e.args[0]!r} (fields: {', '.join(record) or 'none'})") from None
         if not isinstance(problem, str) or not problem.strip():
             raise ValueError(f"{where}: empty or non-text problem in field {problem_key!r}")
         if not answer:
             raise ValueError(f"{where}: empty or non-text answer in field {answer_key!r}")
-        extra = {k: v for k, v in record.items() if k not in (problem_key, answer_key)}
-        problems.append({"problem": problem.strip(), "answer": answer, **extra})
+        problem, answer = bare(problem.strip(), answer)
+        extra = {k: v for k, v in record.items() if k not in used}
+        problems.append({"problem": problem, "answer": answer, **extra})
     if not problems:
         raise ValueError(f"{path}: no problems in file")
     return problems
@@ -112,7 +184,8 @@ def write_jsonl(problems: Iterable[dict], path: str | Path) -> int:
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             for problem in problems:
-                f.write(json.dumps(problem, ensure_ascii=False) + "\n")
+                # default=str: parquet columns may hold dates or bytes, which JSON has no type for
+                f.write(json.dumps(problem, ensure_ascii=False, default=str) + "\n")
                 count += 1
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -131,7 +204,7 @@ def dedupe(problems: Iterable[dict]) -> Iterator[dict]:
             yield problem
 
 
-# ---------------------------------------------------------------- Hub rows -> problems (pure)
+# ---------------------------------------------------------------- Hub layouts: one row -> one problem (pure)
 
 
 def strip_dapo_prompt(prompt: str) -> str:
@@ -139,23 +212,6 @@ def strip_dapo_prompt(prompt: str) -> str:
     if not (prompt.startswith(DAPO_PREFIX) and prompt.endswith(DAPO_SUFFIX)):
         raise ValueError(f"DAPO prompt without the expected instruction wrapper: {prompt[:80]!r}...")
     return prompt[len(DAPO_PREFIX) : -len(DAPO_SUFFIX)].strip()
-
-
-def convert_dapo(rows: Iterable[dict], source: str) -> Iterator[dict]:
-    """DAPO-Math-17k rows (chat-format prompt, reward_model.ground_truth) -> distinct bare problems.
-
-    The Hub file lists its 17,917 rows 100 times each (1.79M rows), and 650 of those rows repeat
-    another's problem and answer (up to surrounding whitespace) under a new index: 17,267 remain.
-    """
-    problems = (
-        {
-            "problem": strip_dapo_prompt(row["prompt"][0]["content"]),
-            "answer": _answer_text(row["reward_model"]["ground_truth"]),
-            "source": source,
-        }
-        for row in rows
-    )
-    return dedupe(problems)
 
 
 def gsm8k_answer(solution: str) -> str:
@@ -166,17 +222,6 @@ def gsm8k_answer(solution: str) -> str:
     return solution[marker + 4 :].strip().replace(",", "")
 
 
-def convert_gsm8k(rows: Iterable[dict], source: str) -> Iterator[dict]:
-    for row in rows:
-        yield {"problem": row["question"].strip(), "answer": gsm8k_answer(row["answer"]), "source": source}
-
-
-def convert_math500(rows: Iterable[dict], source: str) -> Iterator[dict]:
-    """MATH-500 answers are LaTeX (\\frac{14}{3}, \\text{Evelyn}) and are kept verbatim."""
-    for row in rows:
-        yield {"problem": row["problem"].strip(), "answer": row["answer"].strip(), "source": source}
-
-
 def integer_answer(answer) -> str:
     """Competition answers written as '025' or 27.0 become '25' and '27'; anything else is kept."""
     text = _answer_text(answer)
@@ -184,44 +229,80 @@ def integer_answer(answer) -> str:
     return match[1] + match[2] if match else text
 
 
-def convert_competition(rows: Iterable[dict], source: str) -> Iterator[dict]:
-    """AIME and AMC rows: the problem under "problem" or "question" (mirrors differ), an integer answer."""
-    for row in rows:
-        problem = row["problem"] if "problem" in row else row["question"]
-        yield {"problem": problem.strip(), "answer": integer_answer(row["answer"]), "source": source}
+def dapo_row(row: dict) -> dict:
+    """DAPO-Math-17k: a chat-format prompt in DAPO's wrapper, the answer in reward_model.ground_truth."""
+    return {"problem": strip_dapo_prompt(row["prompt"][0]["content"]),
+            "answer": _answer_text(row["reward_model"]["ground_truth"])}
+
+
+def gsm8k_row(row: dict) -> dict:
+    """GSM8K: "question", and "answer" holding the worked solution that ends "#### 18"."""
+    return {"problem": row["question"].strip(), "answer": gsm8k_answer(row["answer"])}
+
+
+def math500_row(row: dict) -> dict:
+    """MATH-500 answers are LaTeX (\\frac{14}{3}, \\text{Evelyn}) and are kept verbatim."""
+    return {"problem": row["problem"].strip(), "answer": row["answer"].strip()}
+
+
+def competition_row(row: dict) -> dict:
+    """AIME and AMC: the problem under "problem", "question" or "Problem" (mirrors differ), an integer answer."""
+    problem_key = next((key for key in ("problem", "question", "Problem") if key in row), "problem")
+    answer_key = "Answer" if "Answer" in row else "answer"
+    return {"problem": row[problem_key].strip(), "answer": integer_answer(row[answer_key])}
+
+
+LAYOUTS = {"dapo": dapo_row, "gsm8k": gsm8k_row, "math500": math500_row, "aime": competition_row,
+           "amc": competition_row}
+
+
+def convert_rows(rows: Iterable[tuple[str, dict]], layout: str, source: str) -> Iterator[dict]:
+    """(where, row) pairs of a Hub copy in one of LAYOUTS -> {"problem", "answer", "source"}.
+
+    A row that does not fit the layout is a ValueError naming where it is. DAPO's repeats are dropped:
+    the Hub file lists its 17,917 rows 100 times each (1.79M rows), and 650 of those rows repeat
+    another's problem and answer (up to surrounding whitespace) under a new index: 17,267 remain.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
+    to_problem = LAYOUTS[layout]
+
+    def problems() -> Iterator[dict]:
+        for where, row in rows:
+            try:
+                problem = to_problem(row)
+            except (KeyError, IndexError, TypeError, AttributeError) as e:
+                fields = ", ".join(row) if isinstance(row, dict) else type(row).__name__
+                raise ValueError(f"{where}: not a row of the {layout} layout ({type(e).__name__}: {e}; "
+                                 f"fields: {fields})") from None
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
+            if not problem["problem"] or not problem["answer"]:
+                raise ValueError(f"{where}: empty problem or answer in the {layout} layout")
+            yield {**problem, "source": source}
+
+    return dedupe(problems()) if layout == "dapo" else problems()
 
 
 # ---------------------------------------------------------------- the Hub (thin layer)
 
-# name -> (repo id, file patterns, rows -> problems)
+# name -> (repo id, file patterns, layout)
 HUB = {
-    "dapo": ("BytedTsinghua-SIA/DAPO-Math-17k", "data/*.parquet", convert_dapo),
-    "math500": ("HuggingFaceH4/MATH-500", "test.jsonl", convert_math500),
-    "gsm8k": ("openai/gsm8k", "main/test-*.parquet", convert_gsm8k),
-    "gsm8k_train": ("openai/gsm8k", "main/train-*.parquet", convert_gsm8k),
-    "aime24": ("HuggingFaceH4/aime_2024", "data/*.parquet", convert_competition),
-    "aime25": ("opencompass/AIME2025", "aime2025-*.jsonl", convert_competition),
-    "amc23": ("math-ai/amc23", "test-*.parquet", convert_competition),
+    "dapo": ("BytedTsinghua-SIA/DAPO-Math-17k", "data/*.parquet", "dapo"),
+    "math500": ("HuggingFaceH4/MATH-500", "test.jsonl", "math500"),
+    "gsm8k": ("openai/gsm8k", "main/test-*.parquet", "gsm8k"),
+    "gsm8k_train": ("openai/gsm8k", "main/train-*.parquet", "gsm8k"),
+    "aime24": ("HuggingFaceH4/aime_2024", "data/*.parquet", "aime"),
+    "aime25": ("opencompass/AIME2025", "aime2025-*.jsonl", "aime"),
+    "amc23": ("math-ai/amc23", "test-*.parquet", "amc"),
 }
-
-
-def _file_rows(path: Path) -> Iterator[dict]:
-    """Raw rows of a downloaded file, streamed: the DAPO parquet file alone holds 1.79M rows."""
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=10_000):
-            yield from batch.to_pylist()
-    else:
-        with open(path, encoding="utf-8") as f:
-            yield from (json.loads(line) for line in f if line.strip())
 
 
 def download(name: str, data_dir: str | Path = DATA_DIR) -> Path:
     """Fetch one Hub dataset, convert it and write data_dir/NAME.jsonl; returns that path."""
     if name not in HUB:
         raise ValueError(f"unknown dataset {name!r}; known: {', '.join(HUB)}")
-    repo, pattern, convert = HUB[name]
+    repo, pattern, layout = HUB[name]
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -230,28 +311,31 @@ def download(name: str, data_dir: str | Path = DATA_DIR) -> Path:
     except LocalEntryNotFoundError as e:  # what both no network and HF_HUB_OFFLINE=1 raise
         raise ConnectionError(
             f"cannot download {repo} (no network, or HF_HUB_OFFLINE is set, and no cached copy).\n"
-            f"With a local copy of the data, convert it instead:\n"
-            f"  python data/prepare.py --from FILE --problem-key KEY --answer-key KEY --out {name}"
+            f"With a local copy of its files (parquet, jsonl or json), convert it instead:\n"
+            f"  python data/prepare.py --from FILE --out {name}"
         ) from e
     files = sorted(folder.glob(pattern))
     if not files:
         raise FileNotFoundError(f"{repo} has no file matching {pattern!r}; its layout may have changed")
-    rows = (row for path in files for row in _file_rows(path))
-    try:
-        return _write_checked(convert(rows, repo), Path(data_dir) / f"{name}.jsonl")
-    except (KeyError, TypeError, IndexError) as e:
-        raise ValueError(f"{repo}: unexpected row layout ({e!r}); the dataset may have changed") from e
+    rows = (row for path in files for row in read_rows(path))
+    return _write_checked(convert_rows(rows, layout, repo), Path(data_dir) / f"{name}.jsonl")
 
 
-def convert_file(
-    path: str | Path, out: str, problem_key: str, answer_key: str, remove_duplicates: bool, data_dir: str | Path
-) -> Path:
-    """A local .jsonl/.json file -> data_dir/OUT.jsonl in the prepared format."""
+def convert_file(path: str | Path, out: str, *, layout: str | None = None, problem_key: str = "problem",
+                 answer_key: str = "answer", remove_duplicates: bool = False, data_dir: str | Path = DATA_DIR) -> Path:
+    """A local .jsonl/.json/.parquet file -> data_dir/OUT.jsonl in the prepared format.
+
+    With a layout (a key of LAYOUTS) the file is a copy of that Hub dataset; without, the problem and
+    answer are read from the named (dotted) fields by read_problems.
+    """
     if Path(out).name != out or Path(out).suffix in (".json", ".jsonl"):
         raise ValueError(f"--out takes a dataset name such as 'math500' (written as NAME.jsonl), got {out!r}")
-    problems = read_problems(path, problem_key, answer_key)
-    for problem in problems:
-        problem.setdefault("source", str(path))
+    if layout is not None:
+        problems = list(convert_rows(read_rows(path), layout, str(path)))
+    else:
+        problems = read_problems(path, problem_key, answer_key)
+        for problem in problems:
+            problem.setdefault("source", str(path))
     return _write_checked(dedupe(problems) if remove_duplicates else problems, Path(data_dir) / f"{out}.jsonl")
 
 
@@ -269,9 +353,14 @@ def _write_checked(problems: Iterable[dict], path: Path) -> Path:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help=f"Hub datasets to download: {', '.join(HUB)}, or all")
-    parser.add_argument("--from", dest="source", metavar="FILE", help="convert this local .jsonl/.json file")
-    parser.add_argument("--problem-key", default="problem", help="field holding the problem (with --from)")
-    parser.add_argument("--answer-key", default="answer", help="field holding the answer (with --from)")
+    parser.add_argument("--from", dest="source", metavar="FILE",
+                        help="convert this local .jsonl, .json or .parquet file")
+    parser.add_argument("--layout", choices=list(LAYOUTS), help="the --from file is a copy of this Hub dataset "
+                        "(default: the layout of --out when it is a Hub name and no key is given)")
+    parser.add_argument("--problem-key", help="field holding the problem, dotted for nested fields such as "
+                        "prompt.0.content (with --from; default: problem)")
+    parser.add_argument("--answer-key", help="field holding the answer, dotted for nested fields such as "
+                        "reward_model.ground_truth (with --from; default: answer)")
     parser.add_argument("--out", help="name of the converted dataset: writes DATA_DIR/OUT.jsonl (with --from)")
     parser.add_argument("--dedupe", action="store_true", help="drop repeated (problem, answer) pairs (with --from)")
     parser.add_argument("--data-dir", default=str(DATA_DIR), help="where prepared datasets are written")
@@ -280,17 +369,23 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("give either dataset names to download or --from FILE --out NAME")
     if args.source and not args.out:
         parser.error("--from needs --out NAME")
+    keys = args.problem_key is not None or args.answer_key is not None
+    if args.layout and keys:
+        parser.error("--layout and --problem-key/--answer-key are alternatives: give one")
     names = list(HUB) if args.names == ["all"] else args.names
     unknown = [name for name in names if name not in HUB]
     if unknown:
         parser.error(f"unknown datasets {unknown}; known: {', '.join(HUB)}, or all")
+    layout = args.layout or (HUB[args.out][2] if args.out in HUB and not keys else None)
     try:
         if args.source:
-            convert_file(args.source, args.out, args.problem_key, args.answer_key, args.dedupe, args.data_dir)
+            convert_file(args.source, args.out, layout=layout, problem_key=args.problem_key or "problem",
+                         answer_key=args.answer_key or "answer", remove_duplicates=args.dedupe,
+                         data_dir=args.data_dir)
         for name in names:
             download(name, args.data_dir)
     except (ValueError, OSError, ImportError) as e:
-        sys.exit(f"prepare.py: {e}")
+        parser.exit(2, f"prepare.py: {e}\n")
 
 
 if __name__ == "__main__":

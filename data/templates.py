@@ -9,9 +9,15 @@ here, because the reward has to parse exactly that presentation:
   by restating the equation ("2 + 3 = 5"). Tiny chat models follow examples far better than
   instructions: SmolLM2-135M-Instruct ignores "answer with the number only" and explains at length,
   while after this one turn it usually answers in about ten tokens.
+A template's reply ends at one of stop_ids(): where sampling stops is part of how a problem is posed.
 """
 
+from typing import TYPE_CHECKING
+
 from .prepare import DAPO_PREFIX, DAPO_SUFFIX
+
+if TYPE_CHECKING:  # data/ stays importable without torch
+    from model import ModelConfig
 
 TEMPLATES = {
     "answer": DAPO_PREFIX + "{problem}" + DAPO_SUFFIX,  # DAPO-Math-17k's prompt, word for word
@@ -57,3 +63,15 @@ def render_prompt(tokenizer, problem: str, template: str = "boxed", system: str 
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     # the rendered text already carries the template's special tokens: adding BOS again would double it
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def stop_ids(model_config: "ModelConfig", tokenizer) -> list[int]:
+    """Token ids that end a reply: the checkpoint's end tokens (config.json may list several, e.g.
+    end-of-turn and end-of-text) and the tokenizer's EOS, which for chat models is the end-of-turn token."""
+    ids = model_config.eos_token_id
+    ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if not ids:
+        raise ValueError("neither the model config nor the tokenizer names an EOS token to stop sampling at")
+    return sorted(ids)
