@@ -35,6 +35,7 @@ MAX_POWER_BITS = 100_000  # refuse to build a power with more bits than this: 10
 MAX_FACTORIAL = 10_000  # 2006! is fine, (10^8)! is refused
 WORKER_MEMORY_BYTES = 2 << 30  # a runaway expression hits MemoryError in its worker, not the machine
 TAIL_CHARS = 4000  # fallback extraction (last number / math segment) only looks at the end of a text
+ANSWER_FORMATS = ("boxed", "answer")  # the formats has_format checks, named as the templates that ask for them
 
 
 # ----------------------------------------------------------------------------- extraction
