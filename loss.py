@@ -103,7 +103,8 @@ def group_advantages(rewards: Tensor | Sequence[float], group_size: int, *, std:
     A = (r - baseline) / (std + eps). baseline: the group mean, or with leave_one_out the mean of the
     other G-1 samples. std: "group" (GRPO), "batch" (one std over all N) or "none" (Dr. GRPO).
     """
-    r = torch.as_tensor(rewards, dtype=torch.float64)
+    device = rewards.device if isinstance(rewards, Tensor) else "cpu"  # stay where the rewards are
+    r = torch.as_tensor(rewards, dtype=torch.float64, device=device)
     if r.dim() != 1:
         raise ValueError(f"rewards must be 1-D [N], got shape {tuple(r.shape)}")
     if group_size < 2 or r.numel() % group_size:

@@ -779,6 +779,7 @@ def make_config(values: dict) -> Config:
     if unknown:
         raise ValueError(f"unknown settings: {', '.join(sorted(unknown))}")
     cfg = Config(**train_values)
+    validate(cfg, need_device=False)  # before LossConfig, whose norm_len follows max_new_tokens
     loss_values.setdefault("norm_len", cfg.max_new_tokens)
     return dataclasses.replace(cfg, loss=loss.LossConfig(**loss_values))
 
