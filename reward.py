@@ -3,16 +3,21 @@
 The reward is GRPO's only teacher, so every checker error becomes training signal: a false negative
 hides a correct answer, a false positive teaches the policy to game the checker, a hang stalls the run.
 
-  1. extract_answer: the last \\boxed{}, an "Answer:" line, "#### n", a bare answer, else the last number;
-  2. normalize: one spelling for LaTeX and plain answers (\\dfrac, \\frac12, units, 1,000, degrees, %, $...$);
-  3. structure: tuples keep order, sets and "a, b" lists do not, intervals keep their open/closed
-     ends, matrices compare elementwise, equations up to a nonzero factor, inequalities up to flipping;
-  4. leaves: exact text, then exact rationals in pure Python (plain numbers never start sympy), then
-     sympy in a persistent worker process that is killed on a hard timeout.
+  1. extract_answer: the last \\boxed{} (with the boxes just before it that "and", ";" or \\quad join) or the
+     last answer phrase ("The final answer is", "Answer:", a few other languages), whichever comes later;
+     "#### n"; a bare answer; else the last number. A reference that is a whole solution is read the same way;
+  2. normalize: one spelling for LaTeX and plain answers (\\dfrac, \\frac12, units, 1,000, 1 000, 4 4/9, %, $...$);
+  3. structure: tuples keep order, sets and "a, b" lists do not (a repeated element is one answer), intervals
+     keep their open/closed ends and equal inequality chains on a name, matrices compare elementwise,
+     labels drop ("x = 5", "(p, q) = (3, 2)", "|AB| = 1"), equations compare up to a nonzero factor;
+  4. leaves: exact text, then exact rationals in pure Python (plain numbers never start sympy), then sympy in
+     a persistent worker process that is killed on a hard timeout. Exact values compare exactly, however
+     large; only a decimal of 4 or more significant digits stands for a rounded value (0.3333 = 1/3).
 
 Model text never reaches eval, exec or sympify: a recursive-descent parser builds sympy objects from
 whitelisted tokens and refuses numbers too large to build. Workers are processes, so the timeout
-works from any thread (signal.alarm only works in the main one).
+works from any thread (signal.alarm only works in the main one). `python reward.py PRED GOLD` shows
+the verdict and both sides as extracted and normalized.
 """
 
 import atexit
@@ -49,14 +54,15 @@ _CONNECTOR_RE = re.compile(r"(?:[\s,;:.$~]|\\[,;:! ]|\\q?quad|\\(?:text|textnorm
 _ANSWER_LINE_RE = re.compile(r"^[ \t>*_#]*(?:final )?answer[ \t*_]*:(.*)$", re.I | re.M)  # the DAPO format
 # "The final answer is X", "Answer: X", "Answer \[ X \]", and the same in a few other languages
 _ANSWER_PHRASE_RE = re.compile(
-    r"(?:(?:final\s+)?answer\**(?:\s+is\b|\s*[:：])|answer(?=\s*(?:\$|\\\[|\\\())|(?:la\s+)?respuesta(?:\s+final)?\s+es\b|"
+    r"(?:(?:final\s+)?answer\**(?:\s+is\b|\s*[:：])|answer(?=\s*(?:\$|\\\[|\\\())|"
+    r"(?:la\s+)?respuesta(?:\s+final)?\s+es\b|"
     r"réponse(?:\s+finale)?\s+est\b|resposta(?:\s+final)?\s+é|risposta(?:\s+finale)?\s+è|antwort\s+(?:ist|lautet)\b|"
     r"ответ\s*(?:[:：]|—|-)|答案(?:是|为|為|[:：])|답은?\s*[:：]?)[ \t*_:：]*", re.I)
 _ANSWER_WORDS = ("answer", "respuesta", "réponse", "resposta", "risposta", "antwort", "ответ", "答案", "답")
 _MATH_START_RE = re.compile(r"\$\$(.+?)\$\$|\\\[(.+?)\\\]|\$((?:\\\$|[^$\n])+?)(?<!\\)\$|\\\(([^\n]+?)\\\)", re.S)
 _SENTENCE_END_RE = re.compile(r"(?<!\.)\.(?=\s|$)|\n|<\|")
-_NUMBER_IN_TEXT_RE = re.compile(r"(?:(?<![\w)\]}])-)?(?<![\d.,])(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+|,\d{1,2}(?!\d))?"
-                                r"(?:/\d+)?")
+_NUMBER_IN_TEXT_RE = re.compile(r"(?:(?<![\w)\]}])-)?(?<![\d.,])(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)"
+                                r"(?:\.\d+|,\d{1,2}(?!\d))?(?:/\d+)?")  # 1,234.5 and 2,74 (a decimal comma)
 _MATH_SEGMENT_RE = re.compile(r"(?<!\\)\$\$(.+?)(?<!\\)\$\$|(?<!\\)\$(.+?)(?<!\\)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.S)
 _LATEX_WORD_RE = re.compile(r"\\[a-zA-Z]+(?:\s*\{[^{}]*\})?")  # commands and \text{...}: not prose
 _CJK_RE = re.compile(r"[\u3040-\u30ff\u4e00-\u9fff\uac00-\ud7af]")
@@ -149,8 +155,8 @@ def extract_answer(text: str) -> str | None:
 # ----------------------------------------------------------------------------- normalization
 
 _UNICODE = {"−": "-", "–": "-", "×": "\\times ", "·": "\\cdot ", "÷": "\\div ", "π": "\\pi ", "∞": "\\infty ",
-            "≤": "\\le ", "≥": "\\ge ", "≠": "\\ne ", "≈": "\\approx ", "°": "^\\circ", "√": "\\sqrt", "∪": "\\cup ",
-            "²": "^2", "³": "^3", "€": "", "£": "", "：": ":"}
+            "≤": "\\le ", "≥": "\\ge ", "≠": "\\ne ", "≈": "\\approx ", "°": "^\\circ", "√": "\\sqrt",
+            "∪": "\\cup ", "²": "^2", "³": "^3", "€": "", "£": "", "：": ":"}
 # "\\frac" written with an escaped backslash (JSON twice encoded) is \frac, not a row break and "frac"
 _DOUBLED_RE = re.compile(r"\\\\(?=(?:left|right|[dtc]?frac|sqrt|pi|cdot|times|text|boxed|infty)(?![a-zA-Z]))")
 _SPACING_RE = re.compile(r"\\\\|\\[,;:! ]|\\q?quad|\\(?:left|right|[bB]igg?)(?![a-zA-Z])\.?|\\displaystyle|~")
@@ -486,27 +492,26 @@ class _SympyJudge(_FastJudge):
             return False
         return sp.simplify(a - b) == 0 or self.equal_for_positive(a, b)
 
-    def values(self, expr) -> list[complex] | None:
-        """expr at two fixed points with positive coordinates, or None where it is not finite there."""
+    def values(self, expr) -> list | None:
+        """expr at two fixed points with positive coordinates, or None where it is not a finite number there."""
         symbols = sorted(expr.free_symbols, key=str)
-        try:
-            values = [complex(self.sp.N(expr.subs({s: start + 0.1 * i for i, s in enumerate(symbols)}), 20))
-                      for start in (0.6180339887, 1.2599210498)]
-        except (TypeError, ValueError, ZeroDivisionError, OverflowError):
-            return None
-        return values if all(math.isfinite(abs(v)) for v in values) else None
+        values = [self.sp.N(expr.subs({s: start + 0.1 * i for i, s in enumerate(symbols)}), 20)
+                  for start in (0.6180339887, 1.2599210498)]
+        return values if all(v.is_number and v.is_finite for v in values) else None
 
     def differ_somewhere(self, a, b) -> bool:
         """a and b take clearly different values at a point where both are finite: they are not equal."""
         va, vb = self.values(a), self.values(b)
-        return va is not None and vb is not None and any(abs(x - y) > 1e-8 * max(1.0, abs(x), abs(y))
+        return va is not None and vb is not None and any(bool(abs(x - y) > 1e-8 * max(1, abs(x), abs(y)))
                                                          for x, y in zip(va, vb))
 
     def equal_for_positive(self, a, b) -> bool:
         """Equality when the letters are positive, the usual reading of an answer's unknowns: sqrt(1/n) is
-        1/sqrt(n) then. |x| would equal x too, so answers with absolute values are not compared this way."""
+        1/sqrt(n) then. |x| would equal x too, so answers with absolute values are not compared this way;
+        nor are those without roots or logarithms, where positivity changes nothing."""
         sp, symbols = self.sp, a.free_symbols | b.free_symbols
-        if not symbols or a.has(sp.Abs) or b.has(sp.Abs):
+        if not symbols or a.has(sp.Abs) or b.has(sp.Abs) or not any(
+                e.has(sp.log) or any(not p.exp.is_integer for p in e.atoms(sp.Pow)) for e in (a, b)):
             return False
         positive = {s: sp.Symbol(s.name, positive=True) for s in symbols}
         return sp.simplify(a.subs(positive) - b.subs(positive)) == 0
@@ -518,7 +523,7 @@ class _SympyJudge(_FastJudge):
         zero_a, zero_b = self.sp.simplify(da) == 0, self.sp.simplify(db) == 0
         if zero_a or zero_b:
             return zero_a and zero_b
-        if (values := self.values(da / db)) and abs(values[0] - values[1]) > 1e-8 * max(1.0, *map(abs, values)):
+        if (values := self.values(da / db)) and bool(abs(values[0] - values[1]) > 1e-8 * max(1, *map(abs, values))):
             return False  # the ratio is not constant
         ratio = self.sp.simplify(da / db)  # same solution set: lhs - rhs agree up to a constant factor
         if ratio.free_symbols or not ratio.is_finite or ratio.is_zero is not False:
@@ -547,7 +552,9 @@ class _Parser:
     def __init__(self, text: str | list[str], sp, bindings: dict | None = None, budget: list | None = None) -> None:
         self.sp, self.bindings = sp, bindings or {}  # bindings: the value of a summation index
         self.budget = budget or [MAX_SUM_TERMS]  # terms left to all sums of one answer, nested ones included
-        self.tokens = text if isinstance(text, list) else _TOKEN_RE.findall(_BARE_WORD_RE.sub(lambda m: "\\" + m[1], text))
+        if isinstance(text, str):
+            text = _TOKEN_RE.findall(_BARE_WORD_RE.sub(lambda m: "\\" + m[1], text))
+        self.tokens = text
         self.pos = 0
 
     def peek(self) -> str | None:
@@ -673,7 +680,11 @@ class _Parser:
         tokens = self.tokens[start : self.pos]
         terms = [_Parser(tokens, self.sp, {**self.bindings, index: self.sp.Integer(k)}, self.budget).term()
                  for k in range(int(low), int(high) + 1)]
-        return self.sp.Add(*terms) if token == "\\sum" else self.sp.Mul(*terms)
+        if token == "\\sum":
+            return self.sp.Add(*terms)
+        if sum(max(abs(t.p).bit_length(), t.q.bit_length()) for t in terms if t.is_Rational) > MAX_POWER_BITS:
+            raise ValueError("product too large to evaluate")
+        return self.sp.Mul(*terms)
 
     def term(self):
         """A factor and the implicit products that follow it: the argument of \\sin 2x or of \\sum."""
@@ -878,7 +889,8 @@ def main(argv: list[str]) -> int:
     prediction, gold = argv
     print(f"verdict: {'correct' if grade(prediction, gold) else 'wrong'}")
     for side, extracted in (("prediction", extract_answer(prediction)), ("reference", _reference_answer(gold))):
-        print(f"{side}:\n  extracted:  {extracted!r}\n  normalized: {None if extracted is None else normalize(extracted)!r}")
+        normalized = None if extracted is None else normalize(extracted)
+        print(f"{side}:\n  extracted:  {extracted!r}\n  normalized: {normalized!r}")
     return 0
 
 

@@ -206,8 +206,8 @@ KIND_CASES = [
     ("\\sqrt{2} \\approx 1.41", "\\sqrt{2}", True),
     ("\\textnormal{Evelyn}", "\\text{Evelyn}", True),
     ("126\\textnormal{ miles}", "125", False),
-    ("\\left[\\begin{array}{cc}1 & 2 \\\\ 3 & 4\\end{array}\\right]", "\\begin{pmatrix}1 & 2 \\\\ 3 & 4\\end{pmatrix}", True),
-    ("\\left[\\begin{array}{cc}1 & 2 \\\\ 4 & 3\\end{array}\\right]", "\\begin{pmatrix}1 & 2 \\\\ 3 & 4\\end{pmatrix}", False),
+    (r"\left[\begin{array}{cc}1 & 2 \\ 3 & 4\end{array}\right]", r"\begin{pmatrix}1 & 2 \\ 3 & 4\end{pmatrix}", True),
+    (r"\left[\begin{array}{cc}1 & 2 \\ 4 & 3\end{array}\right]", r"\begin{pmatrix}1 & 2 \\ 3 & 4\end{pmatrix}", False),
     ("(\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix})", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", True),
     ("\\sum_{k=1}^{10} k^2", "385", True),
     ("\\sum_{k=1}^{10} k^2", "386", False),
@@ -613,7 +613,8 @@ MATH_VERIFY_DIFFERENCES = {
      r"The sum is $\begin{pmatrix}1 & 2 \\ 3 & 4\end{pmatrix} + \begin{pmatrix}5 & 6 \\ 7 & 8\end{pmatrix}$"):
         "matrix arithmetic is not evaluated",
     (r"$\begin{pmatrix}1 & 0 \\ 0 & 1\end{pmatrix}$",
-     r"When multiplying by identity: $\begin{pmatrix}1 & 0 \\ 0 & 1\end{pmatrix} \begin{pmatrix}1 & 0 \\ 0 & 1\end{pmatrix}$"):
+     r"When multiplying by identity: $\begin{pmatrix}1 & 0 \\ 0 & 1\end{pmatrix} "
+     r"\begin{pmatrix}1 & 0 \\ 0 & 1\end{pmatrix}$"):
         "matrix arithmetic is not evaluated",
     ("$F_n = \\sum_{k=0}^{n-1} F_k F_{n-k-1}$", "$F_n = \\sum_{k=0}^{n-1} F_{n-k-1} F_k$"):
         "sums with symbolic bounds and expression subscripts are compared as text only",
