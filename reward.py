@@ -857,7 +857,8 @@ def reward(completions: list[str], references: list[str], *, format_weight: floa
            rel_tol: float = REL_TOL) -> list[float]:
     """Per completion: 1.0 if its answer is correct else 0.0, plus format_weight if has_format(...).
     The format term is separate from correctness (a correct answer in the wrong format still earns 1.0),
-    so format_weight = 0 gives the pure verifiable reward. Symbolic checks run in `workers` processes."""
+    so format_weight = 0 gives the pure verifiable reward. Symbolic checks run in `workers` processes;
+    rel_tol only applies to constants that are not both rational (sqrt(2) + sqrt(3) vs sqrt(5 + 2 sqrt(6)))."""
     if len(completions) != len(references):
         raise ValueError(f"completions and references differ in length: {len(completions)} vs {len(references)}")
     if answer_format not in (None, "boxed", "answer"):
