@@ -37,6 +37,7 @@ TIMEOUT_S = 2.0  # per symbolic comparison; a worker that takes longer is killed
 REL_TOL = 1e-12  # irrational constants this close (relative, at 40 digits) are equal: simplify may miss it
 MIN_SIGNIFICANT_DIGITS = 4  # a decimal stands for a rounded value only with this many digits: 3.142 ~ pi, 3.14 not
 MAX_ANSWER_CHARS = 2000  # longer answers are compared as exact strings only
+MAX_NESTING = 50  # so are answers with brackets nested deeper than this
 MAX_POWER_BITS = 100_000  # refuse to build a power with more bits than this: 10^{10^{10}} stays unbuilt
 MAX_FACTORIAL = 10_000  # 2006! is fine, (10^8)! is refused
 MAX_SUM_TERMS = 1_000  # \sum_{k=1}^{100} k^2 is added up term by term (nested sums share this); no symbolic bounds
@@ -55,10 +56,11 @@ _ANSWER_LINE_RE = re.compile(r"^[ \t>*_#]*(?:final )?answer[ \t*_]*:(.*)$", re.I
 # "The final answer is X", "Answer: X", "Answer \[ X \]", and the same in a few other languages
 _ANSWER_PHRASE_RE = re.compile(
     r"(?:(?:final\s+)?answer\**(?:\s+is\b|\s*[:：])|answer(?=\s*(?:\$|\\\[|\\\())|"
-    r"(?:la\s+)?respuesta(?:\s+final)?\s+es\b|"
-    r"réponse(?:\s+finale)?\s+est\b|resposta(?:\s+final)?\s+é|risposta(?:\s+finale)?\s+è|antwort\s+(?:ist|lautet)\b|"
-    r"ответ\s*(?:[:：]|—|-)|答案(?:是|为|為|[:：])|답은?\s*[:：]?)[ \t*_:：]*", re.I)
-_ANSWER_WORDS = ("answer", "respuesta", "réponse", "resposta", "risposta", "antwort", "ответ", "答案", "답")
+    r"(?:respuesta|soluci[oó]n)(?:\s+\w+)?\s+es\b|(?:réponse|solution)(?:\s+\w+)?\s+est\b|resposta(?:\s+\w+)?\s+é|"
+    r"risposta(?:\s+\w+)?\s+è|(?:antwort|lösung)\s+(?:\w+\s+)?(?:ist|lautet)\b|ответ\s*(?:[:：]|—|-)|"
+    r"答案(?:是|为|為|[:：])|答えは|답은?\s*[:：]?)[ \t*_:：]*", re.I)
+_ANSWER_WORDS = ("answer", "respuesta", "soluci", "réponse", "solution", "resposta", "risposta", "antwort", "lösung",
+                 "ответ", "答案", "答え", "답")
 _MATH_START_RE = re.compile(r"\$\$(.+?)\$\$|\\\[(.+?)\\\]|\$((?:\\\$|[^$\n])+?)(?<!\\)\$|\\\(([^\n]+?)\\\)", re.S)
 _SENTENCE_END_RE = re.compile(r"(?<!\.)\.(?=\s|$)|\n|<\|")
 _NUMBER_IN_TEXT_RE = re.compile(r"(?:(?<![\w)\]}])-)?(?<![\d.,])(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)"
@@ -169,6 +171,8 @@ _REWRITES = [(re.compile(pattern), template) for pattern, template in [  # appli
     (r"\\(?:leqslant|leq|le)(?![a-zA-Z])|<=", r"\\le "),
     (r"\\(?:geqslant|geq|ge)(?![a-zA-Z])|>=", r"\\ge "),
     (r"\\(?:neq|ne)(?![a-zA-Z])|!=", r"\\ne "),
+    (r"\\(?:varnothing|emptyset)(?![a-zA-Z])|^\\\{\s*\\\}$", r"\\emptyset"),
+    (r"^(?:[A-Za-z]\s*\\in\s*)?\\mathbb\s*\{?R\}?$|^\\R$", r"(-\\infty, \\infty)"),  # x \in \mathbb{R}
     (r"\\lt(?![a-zA-Z])", "<"),
     (r"\\gt(?![a-zA-Z])", ">"),
     (r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree", ""),  # degrees: 90^\circ = 90
@@ -236,7 +240,7 @@ _FLIPPED = {">": "<", "\\ge": "\\le"}  # a > b is b < a
 _MATRIX_RE = re.compile(r"\\begin\{([pbvBV]?matrix|array)\}(?:\{[^{}]*\})?(.*)\\end\{\1\}", re.S)
 _NAME = r"(?:[A-Za-z]{1,3}|\\[a-zA-Z]+)(?:_\{?\w+\}?)?'*(?:\([^()=]*\))?"  # x, AB, a_1, f(3), f'(x), \theta
 # what may label an answer: x = 5, |AB| = 1, \angle ABC = 30, (p, q) = (3, 2), S_{MBCN}:S = 7:32
-_LABEL_RE = re.compile(rf"{_NAME}|\|{_NAME}\||\\angle\s*{_NAME}|\(\s*{_NAME}(?:\s*,\s*{_NAME})+\s*\)|"
+_LABEL_RE = re.compile(rf"{_NAME}|\|{_NAME}\||m?\\angle\s*{_NAME}|\(\s*{_NAME}(?:\s*,\s*{_NAME})+\s*\)|"
                        rf"{_NAME}(?:\s*:\s*{_NAME})+")
 _FUNCTION_NAME_RE = re.compile(r"y|[a-zA-Z]\([a-z]\)")  # y = 2x + 3 and f(x) = 2x + 3 state one function
 
@@ -360,6 +364,9 @@ def _coerce(a: Node, b: Node) -> Node:
         return _structure(a.items[1])
     if a.kind == "rel" and b.kind == "seq" and len(b.items) == 2 and (interval := _as_interval(a)):
         return interval
+    if a.kind == "rel" and a.ends == "\\ne" and b.kind == "set" and _LABEL_RE.fullmatch(a.items[0]):
+        point, infinity = _structure(a.items[1]), Node("expr", ("\\infty",))  # x \ne 2: (-\infty, 2) \cup (2, \infty)
+        return Node("set", (Node("seq", (Node("expr", ("-\\infty",)), point), "()"), Node("seq", (point, infinity), "()")))
     if a.kind == "matrix" and b.kind == "seq" and (len(a.items) == 1 or all(len(r) == 1 for r in a.items)):
         return Node("seq", tuple(x for row in a.items for x in row), "()")
     if a.kind == "set" and a.ends and b.kind == "expr" and "." in b.items[0] and _DECIMAL_RE.fullmatch(b.items[0]):
@@ -402,7 +409,7 @@ def _same_set(xs: tuple, ys: tuple, judge) -> bool:
 
 # ----------------------------------------------------------------------------- leaf comparison
 
-_DECIMAL_RE = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)")
+_DECIMAL_RE = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d{1,4})?")  # 2.5e-3 too
 _POINT_DECIMAL_RE = re.compile(r"[-+]?(\d*)\.(\d+)")
 _FRACTION_RE = re.compile(r"([-+]?)(?:\\frac\{(\d+)\}\{(\d+)\}|(\d+)/(\d+))")
 
@@ -702,7 +709,7 @@ class _Parser:
             return self.sp.Symbol(f"{name}_{subscript}")
         if name in self.bindings:
             return self.bindings[name]
-        return self.sp.I if name == "i" else self.sp.Symbol(name)
+        return {"i": self.sp.I, "e": self.sp.E}.get(name) or self.sp.Symbol(name)  # i and e are the constants
 
     def function(self, name: str):
         exponent = self.group() if self.accept("^") else None  # \sin^2 x
@@ -814,6 +821,15 @@ def _reference_answer(reference: str) -> str:
     return reference
 
 
+def _nesting(s: str) -> int:
+    """How deep brackets nest in s."""
+    depth = deepest = 0
+    for char in s:
+        depth += (char in "([{") - (char in ")]}")
+        deepest = max(deepest, depth)
+    return deepest
+
+
 _PLAIN_NUMBER_RE = re.compile(r"-?(?:\d+(?:\.\d+)?|\.\d+)")
 
 
@@ -830,6 +846,8 @@ def _grade_fast(completion: str, reference: str) -> bool | tuple[str, str]:
     a, r = normalize(answer), normalize(reference)
     if not a or not r:
         return False
+    if max(_nesting(a), _nesting(r)) > MAX_NESTING:  # each level rescans the text: cost grows with depth^2
+        return a == r
     judge = _FastJudge()
     try:
         ok = _equal(_structure(a), _structure(r), judge)

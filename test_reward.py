@@ -224,6 +224,20 @@ KIND_CASES = [
     ("\\sqrt{1/n}", "\\frac{1}{\\sqrt n}", True),
     ("\\sqrt{1/n}", "\\frac{1}{n}", False),
     ("|x|", "x", False),
+    ("2.718", "e", True),  # e is Euler's number
+    ("2.71", "e", False),
+    ("\\frac{1}{\\mathrm{e}}", "e^{-1}", True),
+    ("\\varnothing", "\\emptyset", True),
+    ("\\{0\\}", "\\emptyset", False),
+    ("x \\in \\mathbb{R}", "(-\\infty, \\infty)", True),
+    ("\\mathbb{R}", "(0, \\infty)", False),
+    ("2.5e-3", "0.0025", True),
+    ("2.5e-3", "0.025", False),
+    ("x \\neq -2", "(-\\infty, -2) \\cup (-2, \\infty)", True),
+    ("x \\neq 2", "(-\\infty, -2) \\cup (-2, \\infty)", False),
+    ("m\\angle A = 30^\\circ", "30", True),
+    ("a=2, b=3", "(2,3)", True),
+    ("a=3, b=2", "(2,3)", False),
     ("1,22", "1.22", True),  # a decimal comma, when the other side is a decimal
     ("1, 22", "1.22", False),
     ("-2,1", "1,-2", True),  # and a list otherwise
@@ -238,6 +252,9 @@ KIND_CASES = [
     ("La respuesta es 42.", "42", True),
     ("答案是 $\\frac{1}{2}$", "0.5", True),
     ("Die Antwort ist 41.", "42", False),
+    ("La respuesta correcta es 12.", "12", True),
+    ("Die Lösung lautet 7.", "8", False),
+    ("答えは 3 です", "3", True),
     ("La réponse est 2,5.", "2.5", True),
     ("La réponse est 2,5.", "2.6", False),
 ]
@@ -364,6 +381,12 @@ def test_grading_works_off_the_main_thread():
     lambda path: "7" * 100_000,
     lambda path: ("\\boxed{" + "x+" * 50_000 + "1}"),
     lambda path: "$" * 50_000 + "\\(" * 20_000 + "#" * 30_000,
+    lambda path: "\\boxed{\\sum_{i=1}^{999} \\sum_{j=1}^{999} i \\cdot j}",
+    lambda path: "\\boxed{\\prod_{k=1}^{999} k^{999}}",
+    lambda path: "\\boxed{\\sum_{k=1}^{999} k^{k^{k}}}",
+    lambda path: " and ".join(f"\\boxed{{x^{{{i}}}}}" for i in range(2_000)),
+    lambda path: "\\boxed{x \\approx " * 300 + "1" + "}" * 300,
+    lambda path: "The final answer is " + "答案是 " * 20_000,
 ])
 def test_hostile_output_is_wrong_fast_and_inert(make_payload, tmp_path):
     marker = tmp_path / "executed"
