@@ -3,7 +3,7 @@
 A hand formula for activation memory drifts from the code the day someone adds a cast or a mask. Here
 every phase calls the same functions the trainer and the sampler call (model.hidden, hidden_logprobs,
 backward, AdamW, new_cache / fork / decode_step, rollout._sample), on meta tensors: shapes and dtypes
-are real, no data exists, so planning Qwen3-8B takes about a second without a GPU or its weights.
+are real, no data exists, so a plan of Qwen3-8B takes seconds of CPU time, without a GPU or its weights.
 `LiveBytes`, a dispatch mode, sees every tensor an operator returns and counts the bytes of each new
 storage until it is freed; its peak is the phase's own peak.
 
@@ -45,7 +45,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import lora
 import rollout
@@ -160,16 +159,15 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = list(_tensors((args, kwargs.values())))
         if func is torch.ops.aten.equal.default and inputs[0].is_meta:
             return True
         out = func(*args, **kwargs)
         seen = {id(t.untyped_storage()) for t in inputs}  # in-place ops and views return these
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                if id(storage) not in seen and id(storage) not in self._alive:
-                    self._count(storage)
+        for t in _tensors(out):
+            storage = t.untyped_storage()
+            if id(storage) not in seen and id(storage) not in self._alive:
+                self._count(storage)
         return out
 
     def _count(self, storage) -> None:
@@ -184,6 +182,15 @@ class LiveBytes(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak = self.live
+
+
+def _tensors(x):
+    """The tensors in an operator's arguments or results (nested tuples and lists, as foreach ops take)."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (tuple, list, type({}.values()))):
+        for item in x:
+            yield from _tensors(item)
 
 
 @contextmanager
@@ -321,15 +328,14 @@ def sampling_phase(model: Transformer, prompts: int, samples: int, work: Workloa
         outputs = rollout_results(N, 0, C, device)[:3]  # completion ids, old_logp and mask: [N, C]
         tokens, _ = rollout._sample(logits, temperature, work.top_p, work.top_k, generator)
         alive = torch.ones(N, dtype=torch.bool, device=device)
-        before_step = tracker.live
+        prefill_peak = tracker.peak
         tracker.reset_peak()
         logits = model.decode_step(tokens, alive, cache)
         step_temporaries = tracker.peak - tracker.live  # freed on return, but a graph keeps them reserved
         tracker.reset_peak()
         rollout._sample(logits, temperature, work.top_p, work.top_k, generator)
-        draw_peak = tracker.peak
         del outputs
-    return max(tracker.peak, draw_peak + step_temporaries, before_step)
+    return max(prefill_peak, tracker.peak + step_temporaries)
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -458,10 +464,10 @@ def fit(model_cfg: ModelConfig, work: Workload, budget_bytes: int) -> Workload:
 
 def _largest(need, most: int, usable: int) -> int:
     """The largest size in [1, most] with need(size) <= usable, given that need(1) fits and need grows
-    with size. Memory is close to affine in the size, so each next size comes from the line through
-    the nearest sizes known to fit and not to fit: usually four or five measurements."""
+    with size. Memory is close to affine in the size, so after a first probe at 8 each next size comes
+    from the line through the nearest sizes known to fit and not to fit: four or five measurements."""
     lo, bad = 1, most + 1  # need(lo) fits; no size from bad on does (most + 1: none known yet)
-    size = 2
+    size = min(most, 8)  # past the small sizes where a constant term (one logits chunk) dominates
     while lo + 1 < bad:
         if need(size) <= usable:
             lo = size
