@@ -17,9 +17,9 @@ Phases, each peak = weights + LoRA state + step data + the phase's own peak:
 Step data are the rollout results kept for training ([N, P + C] ids and masks, [N, C] log-probs).
 
 Where the meta run differs from the code it stands for:
-- scaled_dot_product_attention runs the fused kernel (PyTorch's CPU flash attention, which the CPU picks
-  too), not the [T, T] math fallback that meta tensors would get: like flash / memory-efficient
-  attention on CUDA it keeps only the output and a [B, heads, T] log-sum-exp.
+- scaled_dot_product_attention, whose allocations happen inside a CUDA kernel, is replaced by a stand-in
+  that allocates what FlashAttention-2 does (output, log-sum-exp; in backward its fp32 accumulator and
+  the per-query-head dk, dv of grouped-query attention), not the [T, T] math fallback meta would take.
 - loss.policy_loss asks data-dependent questions (is the mask empty? metrics via .tolist()) that meta
   tensors cannot answer, so the train phase uses `_surrogate_loss`, the same tensor work on [rows, C]
   (log ratio, ratio, float64 region test, clip choice, masked sum). It is O(rows x C), tiny next to
@@ -193,23 +193,45 @@ def _tensors(x):
             yield from _tensors(item)
 
 
+class _FlashAttentionOnMeta(torch.autograd.Function):
+    """What FlashAttention-2 allocates on CUDA, on meta tensors: forward, the output and a fp32
+    log-sum-exp per query; backward, the three gradients, its fp32 dq accumulator and row sums and,
+    when there are fewer kv heads than query heads, dk and dv per query head before they are summed.
+    (Memory-efficient attention, which the cached passes with a mask take, allocates no more.)"""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        B, H, T, D = q.shape
+        out = q.new_empty(B, T, H, D).transpose(1, 2)  # the kernel writes [B, T, H, D]
+        ctx.save_for_backward(q, k, v, out, q.new_empty(B, H, T, dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, _, _ = ctx.saved_tensors
+        B, H, T, D = q.shape
+        workspace = [q.new_empty(B, T, H, D, dtype=torch.float32), q.new_empty(B, H, T, dtype=torch.float32)]
+        if k.shape[1] != H:
+            workspace += [q.new_empty(B, k.shape[2], H, D), q.new_empty(B, k.shape[2], H, D)]
+        del workspace
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
 @contextmanager
-def fused_attention_on_meta():
-    """While active, F.scaled_dot_product_attention on meta tensors runs PyTorch's fused CPU kernel,
-    whose meta kernel keeps only the output and a log-sum-exp, as flash / memory-efficient attention do
-    on CUDA; meta tensors would otherwise take the math fallback and materialize [B, heads, T, T] scores.
-    A module attribute, not a mode, so gradient checkpointing's recomputation in backward sees it too."""
+def flash_attention_on_meta():
+    """While active, F.scaled_dot_product_attention on meta tensors allocates what the fused CUDA kernels
+    do (_FlashAttentionOnMeta); meta tensors would otherwise take the math fallback and materialize
+    [B, heads, T, T] scores. A module attribute, not a mode, so gradient checkpointing's recomputation
+    in backward sees it too."""
     original = F.scaled_dot_product_attention
 
-    def fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    def flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if not q.is_meta:
             return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                             enable_gqa=enable_gqa)
-        # the fused kernel reads fewer kv heads than query heads (enable_gqa) without copying them
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        return _FlashAttentionOnMeta.apply(q, k, v)
 
-    F.scaled_dot_product_attention = fused
+    F.scaled_dot_product_attention = flash
     try:
         yield
     finally:
@@ -414,7 +436,7 @@ class _MetaRun:
     def measure(self, name: str, size: int) -> tuple[int, int]:
         """(resident, own) bytes of a phase: what is held when it starts, and its own peak above that."""
         w, model, resident = self.work, self.model, self.weights + self.lora
-        with fused_attention_on_meta():
+        with flash_attention_on_meta():
             if name == "weights":
                 return 0, self.weights
             if name == "lora":

@@ -22,10 +22,10 @@ SMALL_WORK = memory.Workload(dtype=torch.float32, lora_rank=16, prompt_len=P, ma
                              prompts_per_step=2, rollout_prompts=2, micro_batch_rows=ROWS, eval_prompts=2, eval_k=4)
 # The presets as train.py sets them (prompts of up to 512 tokens), entropy computed without autograd.
 ATR = memory.Workload(lora_rank=32, prompt_len=512, max_new_tokens=4096, group_size=8, prompts_per_step=8,
-                      rollout_prompts=8, micro_batch_rows=64, eval_prompts=30, eval_k=8, with_entropy=False)
+                      rollout_prompts=8, micro_batch_rows=64, eval_prompts=30, eval_k=8, with_entropy=False, eval_temperature=0.6)
 GPPO = memory.Workload(lora_rank=32, prompt_len=512, max_new_tokens=8192, group_size=8, prompts_per_step=128,
                        updates_per_rollout=8, rollout_prompts=128, micro_batch_rows=128, eval_prompts=30, eval_k=8,
-                       with_entropy=False)
+                       with_entropy=False, eval_temperature=0.6)
 
 
 @pytest.fixture(scope="module", autouse=True)
