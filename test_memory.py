@@ -22,7 +22,8 @@ SMALL_WORK = memory.Workload(dtype=torch.float32, lora_rank=16, prompt_len=P, ma
                              prompts_per_step=2, rollout_prompts=2, micro_batch_rows=ROWS, eval_prompts=2, eval_k=4)
 # The presets as train.py sets them (prompts of up to 512 tokens), entropy computed without autograd.
 ATR = memory.Workload(lora_rank=32, prompt_len=512, max_new_tokens=4096, group_size=8, prompts_per_step=8,
-                      rollout_prompts=8, micro_batch_rows=64, eval_prompts=30, eval_k=8, with_entropy=False, eval_temperature=0.6)
+                      rollout_prompts=8, micro_batch_rows=64, eval_prompts=30, eval_k=8, with_entropy=False,
+                      eval_temperature=0.6)
 GPPO = memory.Workload(lora_rank=32, prompt_len=512, max_new_tokens=8192, group_size=8, prompts_per_step=128,
                        updates_per_rollout=8, rollout_prompts=128, micro_batch_rows=128, eval_prompts=30, eval_k=8,
                        with_entropy=False, eval_temperature=0.6)
@@ -160,8 +161,8 @@ def test_fit_names_the_phase_that_cannot_fit():
 
 
 def test_report_says_what_does_not_fit():
-    text, fits = memory.report(memory.model_config("Qwen/Qwen3-1.7B"), dataclasses.replace(ATR, micro_batch_rows=16, eval_prompts=16),
-                               40 * memory.GB)
+    work = dataclasses.replace(ATR, micro_batch_rows=16, eval_prompts=16)
+    text, fits = memory.report(memory.model_config("Qwen/Qwen3-1.7B"), work, 40 * memory.GB)
     assert not fits  # 16 prompts x 8 x 4096 tokens of cache: 61 GB
     assert re.fullmatch(r"plan: peak 6[56]\.\d GB of 40\.0 GB \(does not fit: eval needs 6[56]\.\d GB; "
                         r"lower --eval-batch \(prompts per evaluation call\)\)", text.splitlines()[-1])
