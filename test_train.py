@@ -182,7 +182,7 @@ def sampled_step(tiny_model_dir, tmp_path, monkeypatch, *flags):
     cfg, _, _ = train.parse_args(tiny_args(tiny_model_dir, tmp_path, "step", "--prompts-per-step", "4",
                                            "--max-new-tokens", "6", *flags))
     model, tokenizer, _ = train.build(cfg)
-    cfg = train.resolve_automatic(cfg, model)
+    cfg = train.resolve_automatic(cfg, model, tokenizer, [])
     monkeypatch.setattr(train, "stop_ids", lambda config, tok: list(range(0, len(tok), 4)))
     problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
     out = train.sample(model, tokenizer, problems, cfg, step=1)
@@ -222,7 +222,7 @@ def test_a_step_and_an_evaluation_create_every_tensor_on_the_model_device(tiny_m
     cfg, _, _ = train.parse_args(tiny_args(tiny_model_dir, tmp_path, "device", "--updates-per-rollout", "2",
                                            "--kl-beta", "0.1", "--rule", "kl_full", "--recompute-old-logp", "on"))
     model, tokenizer, optimizer = train.build(cfg)
-    cfg = train.resolve_automatic(cfg, model)
+    cfg = train.resolve_automatic(cfg, model, tokenizer, [])
     problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
     eval_sets = train.load_eval_sets(cfg)
     torch.set_default_device("meta")
