@@ -445,6 +445,9 @@ class Transformer(nn.Module):
         length: prompt tokens need no log-prob). It runs chunk_tokens positions at a time and, under
         autograd, each chunk is recomputed in the backward pass, so peak memory holds one
         [chunk, V] fp32 block rather than [B, T, V]. Returns (logp, entropy or None).
+
+        The entropy is a metric, never differentiated: it is computed without autograd, so no chunk's
+        [chunk, V] blocks outlive the chunk (with a graph, each would stay alive until the backward).
         """
         h = h[:, start - 1:-1]  # the states that predict tokens start..T-1
         B, T, H = h.shape
@@ -467,7 +470,9 @@ class Transformer(nn.Module):
         logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
         if not with_entropy:
             return logp, logp.new_zeros(0)
-        return logp, -(logp_all.exp() * logp_all).sum(-1)
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+        return logp, entropy
 
 
 def _leading_pads(pad_mask: torch.Tensor) -> torch.Tensor:
