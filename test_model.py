@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import model as modeling
+import lora
 import weights
 from conftest import make_tiny_checkpoint
 
@@ -145,6 +145,32 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_model_dir):
         assert torch.allclose(plain, recomputed, atol=1e-6)
 
 
+def test_training_pass_makes_no_tensor_off_the_models_device(tiny_model_dir):
+    # Under a meta default device, a tensor created without device= lands on meta: mixing it with the
+    # CPU model's tensors raises or gives different values, as a CPU tensor among CUDA ones would.
+    model = lora.inject(weights.from_pretrained(tiny_model_dir), rank=2, alpha=4).train()
+    model.gradient_checkpointing = True
+    rows = random_rows([9, 5], model.config.vocab_size, seed=10)
+    ids, pad_mask = padded_batch(rows, left=[0, 2], right=[0, 2])
+
+    def training_pass():
+        model.zero_grad()
+        h = model.hidden(ids, pad_mask)
+        logp, entropy = model.hidden_logprobs(h, ids, start=3, with_entropy=True, chunk_tokens=5)
+        (logp * pad_mask[:, 3:]).sum().backward()
+        return logp, entropy, [p.grad.clone() for p in lora.parameters(model)]
+
+    expected = training_pass()
+    previous = torch.get_default_device()
+    torch.set_default_device("meta")
+    try:
+        logp, entropy, grads = training_pass()
+    finally:
+        torch.set_default_device(previous)
+    assert torch.equal(logp, expected[0]) and torch.equal(entropy, expected[1])
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected[2]))
+
+
 @torch.no_grad()
 def test_kv_cache_decode_equals_full_forward(checkpoint):
     model = weights.from_pretrained(checkpoint)
@@ -164,7 +190,7 @@ def test_kv_cache_decode_equals_full_forward(checkpoint):
     cache = prompt_cache.fork(samples)  # rows 0,1 continue prompt 0; rows 2,3 prompt 1
     two = model(continuation[:, :2], cache=cache)  # two tokens at once, interleaved after the shared prompt
     alive = torch.ones(2 * samples, dtype=torch.bool)
-    third = model.decode_step(continuation[:, 2], alive, cache, whole_cache=False)
+    third = model.decode_step(continuation[:, 2], alive, cache)
     cache.advance(alive)
     assert (two - full[:, P:P + 2]).abs().max() < 1e-4
     assert (third - full[:, P + 2]).abs().max() < 1e-4
