@@ -79,19 +79,21 @@ def generate(model: modeling.Transformer, prompts: list[list[int]], *, samples_p
     per_call = len(prompts) if max_rows is None else max_rows // G
     draw = partial(_sample, temperature=temperature, top_p=top_p, top_k=top_k)
     stop = torch.tensor(stop_ids, dtype=torch.long, device=model.device)
+    parts = []  # per call: prompt ids [B, P], prompt mask [B, P], completion ids, old_logp, completion mask [B*G, C]
     try:
         with torch.inference_mode():
-            parts = [_sample_rows(model, prompts[lo:lo + per_call], P, G, max_new_tokens, draw, stop,
-                                  _row_keys(seed, first_prompt + lo, len(prompts[lo:lo + per_call]), G, model.device),
-                                  _decode_step(model, fixed_shapes, cuda_graphs))
-                     for lo in range(0, len(prompts), per_call)]
+            for lo in range(0, len(prompts), per_call):
+                chunk = prompts[lo:lo + per_call]
+                keys = _row_keys(seed, first_prompt + lo, len(chunk), G, model.device)
+                parts.append(_sample_rows(model, chunk, P, G, max_new_tokens, partial(draw, keys=keys), stop,
+                                          _decode_step(model, fixed_shapes, cuda_graphs)))
     except torch.OutOfMemoryError as err:
         raise torch.OutOfMemoryError(
             f"out of memory sampling {min(per_call, len(prompts))} prompts x {G} samples x {max_new_tokens} new "
             f"tokens in one call: lower max_rows, samples_per_prompt or max_new_tokens") from err
 
     # Outside inference mode, so the results can enter the loss's autograd graph (ops on inference
-    # tensors, like cat and pad, return ordinary tensors).
+    # tensors, like cat and pad, return ordinary tensors). Shorter calls are right-padded to the longest.
     C = max(part[2].shape[1] for part in parts)
     prompt_ids, prompt_mask = (torch.cat([part[i] for part in parts]) for i in (0, 1))
     completion_ids, old_logp, completion_mask = (
@@ -151,7 +153,7 @@ def _check_args(model, prompts, samples_per_prompt, max_new_tokens, temperature,
         raise ValueError(f"cuda_graphs='on' needs the model on a CUDA device; it is on {model.device}")
 
 
-def _sample_rows(model, prompts, P, G, max_new_tokens, draw, stop, keys, step):
+def _sample_rows(model, prompts, P, G, max_new_tokens, draw, stop, step):
     """Prefill, then decode; returns the prompts left-padded to P [B, P] with their mask, and [N, C] results."""
     device = model.device
     prompt_ids = torch.tensor([[PAD_ID] * (P - len(p)) + p for p in prompts], device=device)  # [B, P]
@@ -161,7 +163,6 @@ def _sample_rows(model, prompts, P, G, max_new_tokens, draw, stop, keys, step):
     cache = model.new_cache(len(prompts), P + G * max_new_tokens)
     last_hidden = model.hidden(prompt_ids, prompt_mask, cache)[:, -1]  # left padding: last slot is real
     logits = model.lm_head(last_hidden).repeat_interleave(G, dim=0)  # [N, V]
-    draw = partial(draw, keys=keys)
     return prompt_ids, prompt_mask, *_decode(step, cache.fork(G), logits, draw, stop, max_new_tokens)
 
 

@@ -1,5 +1,12 @@
 """Tests for rollout.py on tiny random checkpoints: parity with transformers' greedy generate,
-old_logp against a fresh forward pass, seeding, top-k/top-p sets, per-row stopping, bad input."""
+old_logp against a fresh forward pass, seeding and per-row random streams, the fixed-shape (CUDA)
+loop against the eager one, split calls, top-k/top-p sets, per-row stopping, bad input, and a CPU
+dry run of bench/gpu_check.py."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -314,3 +321,21 @@ def test_out_of_memory_names_the_knobs(model, monkeypatch):
     monkeypatch.setattr(model, "new_cache", no_memory)
     with pytest.raises(torch.OutOfMemoryError, match="samples_per_prompt.*max_new_tokens"):
         sample(model)
+
+
+def test_gpu_check_dry_run(tmp_path):
+    """bench/gpu_check.py end to end on a tiny Qwen3 on the CPU, so the script is not what breaks on a GPU."""
+    run = subprocess.run([sys.executable, "bench/gpu_check.py", "--device", "cpu", "--tiny", "--out", str(tmp_path)],
+                         cwd=Path(__file__).parent, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["ok"] and report["models"]["Qwen3-tiny"]["parity"]["ok"]
+    assert all(row["status"] == "ok" for row in report["rows"])
+    timed = {(row["side"], row["phase"]) for row in report["rows"] if row["tokens_per_s"]}
+    for side in ("ours", "transformers"):
+        for cap in (8, 16):
+            assert {phase for s, phase in timed if s == side and f"cap {cap}," in phase} >= {
+                f"rollout 2x2 rows, cap {cap}, forced"}, (side, cap)
+            assert any(s == side and f"cap {cap}, long tail" in phase for s, phase in timed), (side, cap)
+    assert {side for side, phase in timed if phase.startswith("train")} == {"ours", "transformers + peft"}
+    assert "peak GiB" in run.stdout and "ok:" in run.stdout
