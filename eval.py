@@ -9,6 +9,10 @@ runs problem by problem so a reader sees at once which gaps are noise.
     python eval.py --model PATH_OR_ID [--adapter DIR] --bench aime24,aime25,amc23 --k 8 --temperature 0.6 \
         --top-p 0.95 --max-new-tokens 4096 [--out runs/eval.json]
     python eval.py --compare A.json B.json [--baseline TABLE.json]
+    python eval.py --bench math500 --limit 20 --limit-seed 0 --k 2 --max-new-tokens 1024    # a quick try
+
+Every file written is strict JSON (an undefined standard error is null). If sampling fails or is interrupted,
+the problems finished so far are written beside --out as OUT.partial.json.
 
 The statistics are plain numpy over a [problems, samples] table of correct flags; evaluate() is the plain function
 train.py calls for periodic evaluation.
@@ -17,6 +21,10 @@ train.py calls for periodic evaluation.
 import argparse
 import json
 import math
+import os
+import random
+import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -29,7 +37,7 @@ from tqdm import tqdm
 import lora
 import reward
 import rollout
-from data import load_problems, render_prompt
+from data import load_problems, render_prompt, stop_ids, user_message
 from weights import from_pretrained, load_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -320,22 +328,48 @@ def compare_to_baseline(run: Mapping[str, Evaluation], baseline: Mapping[str, Ma
 # run files and tables
 
 
-def save_run(path: str, config: Mapping, evaluations: Mapping[str, Evaluation], avg: Mapping[str, Estimate]) -> None:
-    """One JSON file with the settings, the summaries and every per-problem result, so re-analysis needs no re-run."""
+def strict_json(value):
+    """value with every NaN and infinity replaced by None: strict JSON readers reject Python's NaN, and a
+    standard error over one problem is undefined (NaN), so it is written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value
+
+
+def save_run(path: str | Path, config: Mapping, evaluations: Mapping[str, Evaluation],
+             avg: Mapping[str, Estimate]) -> None:
+    """One JSON file with the settings, the summaries and every per-problem result, so re-analysis needs no re-run.
+
+    Strict JSON (NaN and infinity as null), written atomically: a failure never leaves half a file.
+    """
     run = {"config": dict(config), "average": {m: asdict(e) for m, e in avg.items()},
            "benchmarks": {name: asdict(e) for name, e in evaluations.items()}}
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(run, indent=1))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps(strict_json(run), indent=1, allow_nan=False))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
-def load_run(path: str) -> dict[str, Evaluation]:
-    """The evaluations of a run file written by save_run: benchmark -> Evaluation."""
+def _estimate(fields: Mapping) -> Estimate:
+    return Estimate(**{key: math.nan if value is None else value for key, value in fields.items()})
+
+
+def load_run(path: str | Path) -> dict[str, Evaluation]:
+    """The evaluations of a run file written by save_run: benchmark -> Evaluation (null read back as NaN)."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"run file {path} does not exist")
     try:
         benchmarks = json.loads(Path(path).read_text())["benchmarks"]
         return {name: Evaluation(int(e["k"]), [ProblemResult(**p) for p in e["problems"]],
-                                 {m: Estimate(**s) for m, s in e["summary"].items()})
+                                 {m: _estimate(s) for m, s in e["summary"].items()})
                 for name, e in benchmarks.items()}
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"{path}: not a run file written by eval.py ({type(error).__name__}: {error})") from None
@@ -379,27 +413,18 @@ def comparison_table(gaps: Mapping[str, Mapping[str, Gap]], label_a: str, label_
 # sampling and grading
 
 
-def stop_ids(model, tokenizer) -> list[int]:
-    """The checkpoint's end tokens (config.json may list several, e.g. end-of-turn and end-of-text) and the
-    tokenizer's EOS, which for chat models is the end-of-turn token."""
-    ids = model.config.eos_token_id
-    ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    if not ids:
-        raise ValueError("neither the model config nor the tokenizer names an EOS token to stop sampling at")
-    return sorted(ids)
-
-
 def evaluate(model, tokenizer, problems: Sequence[Mapping], *, k: int, n: int | None = None, temperature: float,
              top_p: float = 1.0, max_new_tokens: int, template: str = "boxed", system: str | None = None,
-             batch_size: int = 8, seed: int = 0, desc: str = "eval", progress: bool = True) -> Evaluation:
+             batch_size: int = 8, seed: int = 0, desc: str = "eval", progress: bool = True,
+             finished: list[ProblemResult] | None = None) -> Evaluation:
     """Sample n (default k) completions for each problem {"problem", "answer", optional "id"}, grade them, and
     summarize Mean@k, Pass@k, Maj@k, completion length and truncation rate with their error bars.
 
     template and system (None: the chat template's default system message) pose each problem as in training.
-    batch_size prompts are sampled together (batch_size * n rows); each batch's seed is seed + its first index, so
-    the same seed and batch_size give the same samples. A problem without "id" is named by its index.
+    batch_size prompts are sampled together (batch_size * n rows, a bound on memory); a problem's samples depend
+    on the seed and its index, not on batch_size. A problem without "id" is named by its index.
+    finished, an empty list, receives each problem's result as its batch is graded: a caller keeps the work done
+    when a later batch fails or is interrupted.
     """
     n = k if n is None else n
     if not 1 <= k <= n:
@@ -408,17 +433,17 @@ def evaluate(model, tokenizer, problems: Sequence[Mapping], *, k: int, n: int | 
         raise ValueError("problems is empty")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    stops = stop_ids(model, tokenizer)
+    stops = stop_ids(model.config, tokenizer)
     was_training = model.training
     model.eval()  # no LoRA dropout while measuring
-    results = []
+    results = [] if finished is None else finished
     bar = tqdm(total=len(problems), desc=desc, unit="problem", disable=not progress)
     try:
         for start in range(0, len(problems), batch_size):
             batch = problems[start:start + batch_size]
             out = rollout.generate(model, [render_prompt(tokenizer, p["problem"], template, system) for p in batch],
                                    samples_per_prompt=n, max_new_tokens=max_new_tokens, temperature=temperature,
-                                   top_p=top_p, stop_ids=stops, seed=seed + start, tokenizer=tokenizer)
+                                   top_p=top_p, stop_ids=stops, seed=seed, first_prompt=start, tokenizer=tokenizer)
             references = [p["answer"] for p in batch for _ in range(n)]  # rows are prompt-major
             correct = [score == 1.0 for score in reward.reward(out.texts, references)]
             # Maj@k votes on the normalized spelling, so "\dfrac12" and "\frac{1}{2}" count as one answer
@@ -440,14 +465,25 @@ def evaluate(model, tokenizer, problems: Sequence[Mapping], *, k: int, n: int | 
 # command line
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line, not argparse's usage block: the message names the flag."""
+        self.exit(2, f"eval.py: {message} (see --help)\n")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    """The flags, each checked here with a message naming it and its allowed values, before anything loads."""
+    parser = _Parser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--model", default=None, help="model directory or hub id (default: the offline "
                         "SmolLM2-135M-Instruct)")
     parser.add_argument("--adapter", default=None, help="LoRA adapter directory (PEFT format) to load on the model")
     parser.add_argument("--bench", default="aime24,aime25,amc23", help="comma-separated dataset names of data/ "
-                        "(see data/prepare.py) or .jsonl/.json paths (default: %(default)s)")
+                        "(see data/prepare.py) or .jsonl/.json/.parquet paths (default: %(default)s)")
     parser.add_argument("--data-dir", default=None, help="where named datasets live (default: data/)")
+    parser.add_argument("--limit", type=int, default=None, metavar="N", help="evaluate only N problems of each "
+                        "benchmark (the first N, or a seeded sample with --limit-seed): a quick try")
+    parser.add_argument("--limit-seed", type=int, default=None, metavar="S", help="with --limit: draw the N "
+                        "problems at random with this seed, kept in their benchmark order")
     parser.add_argument("--k", type=int, default=8, help="k of Mean@k, Pass@k and Maj@k (default: %(default)s)")
     parser.add_argument("--n", type=int, default=None, help="samples drawn per problem, at least k (default: k); "
                         "more samples make the Pass@k estimate less noisy")
@@ -470,9 +506,70 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "{'mean': x, 'se': s}}} to compare the run(s) against; metrics " + ", ".join(METRICS) +
                         ", rates as fractions")
     args = parser.parse_args(argv)
-    if args.n is not None and args.k > args.n:
-        parser.error(f"--k {args.k} is larger than the --n {args.n} samples drawn per problem")
+    checks = [
+        (args.k >= 1, f"--k {args.k}: must be >= 1"),
+        (args.n is None or args.n >= args.k, f"--k {args.k} is larger than the --n {args.n} samples drawn per problem"),
+        (args.limit is None or args.limit >= 1, f"--limit {args.limit}: must be >= 1"),
+        (args.limit_seed is None or args.limit is not None, "--limit-seed needs --limit N"),
+        (args.temperature >= 0 and math.isfinite(args.temperature), f"--temperature {args.temperature}: must be >= 0"),
+        (0 < args.top_p <= 1, f"--top-p {args.top_p}: must be in (0, 1]"),
+        (args.max_new_tokens >= 1, f"--max-new-tokens {args.max_new_tokens}: must be >= 1"),
+        (args.batch_size >= 1, f"--batch-size {args.batch_size}: must be >= 1"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            parser.error(message)
+    try:
+        user_message("", args.template)
+    except ValueError as error:
+        parser.error(f"--template: {error}")
     return args
+
+
+def limit_problems(problems: Sequence[Mapping], limit: int | None, seed: int | None = None) -> list[dict]:
+    """The first `limit` problems, or with a seed a random `limit` of them in their original order.
+
+    A problem without "id" gets its position in the full benchmark as id, so a limited run pairs with a full one
+    under --compare.
+    """
+    named = [{**p, "id": p.get("id", index)} for index, p in enumerate(problems)]
+    if limit is None or limit >= len(named):
+        return named
+    if seed is None:
+        return named[:limit]
+    return [named[i] for i in sorted(random.Random(seed).sample(range(len(named)), limit))]
+
+
+def check_writable(path: Path, flag: str) -> None:
+    """Fail now, not after the evaluation, when `path` cannot be written (ValueError naming the flag).
+
+    Tries what saving will do: append to the file when it exists, else create a file in the nearest existing
+    folder above it (the folders in between are made when saving). Nothing is left behind.
+    """
+    if path.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory; give a file name such as {path / 'eval.json'}")
+    folder = next(p for p in (path.parent, *path.parent.parents) if p.exists())
+    try:
+        if path.exists():
+            with open(path, "a"):
+                pass
+        elif not folder.is_dir():
+            raise NotADirectoryError(0, f"{folder} is a file, not a folder")
+        else:
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+    except OSError as error:
+        raise ValueError(f"{flag} {path}: cannot write there ({error.strerror})") from None
+
+
+def check_device(device: str) -> None:
+    """A ValueError naming --device when torch does not know the device or this machine has none of it."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as error:
+        raise ValueError(f"--device {device}: {error}") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device is available here; use --device cpu")
 
 
 def _load_baseline(path: str) -> dict:
@@ -494,8 +591,9 @@ def run_compare(path_a: str, path_b: str, baseline_path: str | None = None) -> N
     """Print the paired comparison of two run files, and each against the baseline table when given."""
     run_a, run_b = load_run(path_a), load_run(path_b)
     baseline = _load_baseline(baseline_path) if baseline_path else None
+    gaps = compare(run_a, run_b)
     print(f"A = {path_a}\nB = {path_b}\npaired on problems; a gap with abs(z) < 2 is within noise\n")
-    print(comparison_table(compare(run_a, run_b), "A", "B", next(iter(run_a.values())).k))
+    print(comparison_table(gaps, "A", "B", next(iter(run_a.values())).k))
     for label, run, other in (("A", run_a, run_b), ("B", run_b, run_a)):
         if skipped := sorted(run.keys() - other.keys()):
             print(f"not compared, only in {label}: {', '.join(skipped)}")
@@ -504,40 +602,98 @@ def run_compare(path_a: str, path_b: str, baseline_path: str | None = None) -> N
         _print_baseline(run_b, baseline, "B")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.compare:
-        run_compare(*args.compare, args.baseline)
-        return
-    # everything that can be wrong with the input fails here, before minutes of model loading
-    if args.adapter is not None and not Path(args.adapter).is_dir():
-        raise FileNotFoundError(f"--adapter: directory {args.adapter} does not exist")
-    baseline = _load_baseline(args.baseline) if args.baseline else None
+def load_benchmarks(args: argparse.Namespace) -> dict[str, list[dict]]:
+    """Benchmark name -> its problems (after --limit), read and checked before any model loads."""
     names = [name.strip() for name in args.bench.split(",") if name.strip()]
     if not names:
         raise ValueError("--bench: no benchmark given")
     data_dir = {} if args.data_dir is None else {"data_dir": args.data_dir}
-    benchmarks = {Path(name).stem if name.endswith((".jsonl", ".json")) else name: load_problems(name, **data_dir)
-                  for name in names}
+    return {Path(name).stem if name.endswith((".jsonl", ".json", ".parquet")) else name:
+            limit_problems(load_problems(name, **data_dir), args.limit, args.limit_seed) for name in names}
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
-    model = from_pretrained(args.model, dtype=dtype, device=device)
-    if args.adapter is not None:
-        lora.load(model, args.adapter)
-    tokenizer = load_tokenizer(args.model)
 
-    evaluations = {name: evaluate(model, tokenizer, problems, k=args.k, n=args.n, temperature=args.temperature,
-                                  top_p=args.top_p, max_new_tokens=args.max_new_tokens, template=args.template,
-                                  system=args.system, batch_size=args.batch_size, seed=args.seed, desc=name)
-                   for name, problems in benchmarks.items()}
+def save_partial(out: Path, config: Mapping, finished: Mapping[str, list[ProblemResult]], k: int,
+                 seed: int) -> Path | None:
+    """After a late failure, the problems finished so far as a run file beside `out` (OUT.partial.json), or in
+    the temporary folder when that cannot be written either; None when nothing was finished."""
+    evaluations = {name: Evaluation(k, results, summarize(results, k, seed=seed))
+                   for name, results in finished.items() if results}
+    if not evaluations:
+        return None
+    for folder in (out.parent, Path(tempfile.gettempdir())):
+        path = folder / f"{out.stem}.partial{out.suffix}"
+        try:
+            save_run(path, {**config, "partial": True}, evaluations, average(evaluations, seed=seed))
+            return path
+        except OSError:
+            continue
+    return None
+
+
+def _keep_finished(out: Path, config: Mapping, finished: Mapping[str, list[ProblemResult]], k: int, seed: int) -> str:
+    kept = save_partial(out, config, finished, k, seed)
+    count = sum(len(results) for results in finished.values())
+    return f"the {count} problems finished are in {kept}" if kept else "no finished problem could be kept"
+
+
+def run_eval(args: argparse.Namespace, benchmarks: Mapping[str, list[dict]], out: Path, model, tokenizer,
+             config: Mapping) -> dict[str, Evaluation]:
+    """Sample, grade, print the table and write the run file; a late failure keeps what was finished."""
+    finished = {name: [] for name in benchmarks}
+    try:
+        evaluations = {name: evaluate(model, tokenizer, problems, k=args.k, n=args.n, temperature=args.temperature,
+                                      top_p=args.top_p, max_new_tokens=args.max_new_tokens, template=args.template,
+                                      system=args.system, batch_size=args.batch_size, seed=args.seed, desc=name,
+                                      finished=finished[name])
+                       for name, problems in benchmarks.items()}
+    except KeyboardInterrupt:
+        print(f"\neval.py: interrupted; {_keep_finished(out, config, finished, args.k, args.seed)}", file=sys.stderr)
+        raise SystemExit(130) from None
+    except Exception:
+        print(f"eval.py: the evaluation failed; {_keep_finished(out, config, finished, args.k, args.seed)}",
+              file=sys.stderr)
+        raise
     avg = average(evaluations, seed=args.seed)
-    out = args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    config = {key: value for key, value in vars(args).items() if key not in ("compare", "out")}
-    save_run(out, {**config, "n": args.n or args.k, "device": device, "dtype": str(dtype)}, evaluations, avg)
     print(f"\nk={args.k}, n={args.n or args.k} samples per problem; mean ± se [{LEVEL:.0%} bootstrap interval]\n")
     print(summary_table(evaluations, avg))
+    try:
+        save_run(out, config, evaluations, avg)
+    except OSError as error:
+        print(f"eval.py: --out {out}: cannot write ({error.strerror or error}); "
+              f"{_keep_finished(out, config, finished, args.k, args.seed)}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"\nper-problem results: {out}")
+    return evaluations
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """The command line. Mistakes in flags and input files print one line and exit with status 2, before any
+    model loads; errors inside the evaluation keep their traceback."""
+    args = parse_args(argv)
+    try:
+        if args.compare:
+            run_compare(*args.compare, args.baseline)
+            return
+        if args.adapter is not None and not Path(args.adapter).is_dir():
+            raise FileNotFoundError(f"--adapter: directory {args.adapter} does not exist")
+        baseline = _load_baseline(args.baseline) if args.baseline else None
+        benchmarks = load_benchmarks(args)
+        out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}.json")
+        check_writable(out, "--out")
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        check_device(device)
+        dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+        model = from_pretrained(args.model, dtype=dtype, device=device)
+        if args.adapter is not None:
+            lora.load(model, args.adapter)
+        tokenizer = load_tokenizer(args.model)
+    except (ValueError, OSError) as error:
+        print(f"eval.py: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+    config = {key: value for key, value in vars(args).items() if key not in ("compare", "out")}
+    config.update(n=args.n or args.k, device=device, dtype=str(dtype))
+    evaluations = run_eval(args, benchmarks, out, model, tokenizer, config)
     if baseline is not None:
         _print_baseline(evaluations, baseline, "run")
 

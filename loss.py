@@ -61,6 +61,8 @@ regions are evaluated in float64 on log w, and groups with equal rewards get exa
 reads the per-token records a run wrote (train.py --log-tokens N) and compares rules at equal clip rate.
 """
 
+from __future__ import annotations
+
 import argparse
 import dataclasses
 import math
@@ -101,7 +103,8 @@ def group_advantages(rewards: Tensor | Sequence[float], group_size: int, *, std:
     A = (r - baseline) / (std + eps). baseline: the group mean, or with leave_one_out the mean of the
     other G-1 samples. std: "group" (GRPO), "batch" (one std over all N) or "none" (Dr. GRPO).
     """
-    r = torch.as_tensor(rewards, dtype=torch.float64)
+    device = rewards.device if isinstance(rewards, Tensor) else "cpu"  # stay where the rewards are
+    r = torch.as_tensor(rewards, dtype=torch.float64, device=device)
     if r.dim() != 1:
         raise ValueError(f"rewards must be 1-D [N], got shape {tuple(r.shape)}")
     if group_size < 2 or r.numel() % group_size:
@@ -121,7 +124,7 @@ def group_advantages(rewards: Tensor | Sequence[float], group_size: int, *, std:
     return advantages.flatten().float()
 
 
-def advantages(rewards: Tensor | Sequence[float], group_size: int, cfg: "LossConfig") -> Tensor:
+def advantages(rewards: Tensor | Sequence[float], group_size: int, cfg: LossConfig) -> Tensor:
     """Advantages [N] with the config's options: cfg.adv_std and cfg.leave_one_out."""
     return group_advantages(rewards, group_size, std=cfg.adv_std, leave_one_out=cfg.leave_one_out)
 
@@ -146,11 +149,12 @@ def trust_region_clip(ratio: Tensor, inside: Tensor, advantages: Tensor, *,
     clip(w) is w moved to the region's edge, a constant. Inside the region the two terms are equal.
     Outside, the min takes clip(w)*A exactly when the advantage pushes w further out, A*(w-1) > 0:
     that token loses its gradient; one that the advantage pulls back in keeps w*A and its gradient.
-    Written as that choice, one rule for intervals and for regions without a closed-form edge; the
-    stopped token keeps w's value (the loss value is sum(w*A) either way up to those tokens).
-    ratio_limits (lo, hi) intersect the region with [lo, hi] under the same choice. dual_clip c also
-    stops tokens with A < 0 and w > c, which the region pulls back in (and, given as (lo, c), tokens
-    with A > 0 and w < lo): it caps how far a bad token's loss may grow.
+    Written as that choice the operator needs no edge, so regions without a closed-form edge work
+    the same way; a stopped token keeps the value w*A rather than edge*A (same gradient, test_loss
+    checks it against the textbook min).
+    limits (lo, hi), cfg.ratio_limits, intersect the region with [lo, hi] under the same choice.
+    dual_clip c also stops tokens with A < 0 and w > c, which the region pulls back in (and, given as
+    (lo, c), tokens with A > 0 and w < lo): it caps how far a bad token's loss may grow.
     """
     w = ratio.detach()
     outward = advantages * (w - 1) > 0
@@ -176,13 +180,16 @@ def _dual_bounds(dual_clip: float | tuple[float, float]) -> tuple[float, float]:
 
 def _invalid(name: str, value, why: str) -> ValueError:
     """An error that names a field as its command-line flag: "--ratio-limits 2,1: ..."."""
-    shown = ",".join(str(v) for v in value) if isinstance(value, (tuple, list)) else value
-    return ValueError(f"--{name.replace('_', '-')} {shown}: {why}")
+    if isinstance(value, (tuple, list)):
+        value = ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
+    return ValueError(f"--{name.replace('_', '-')} {value}: {why}")
 
 
 def _numbers(name: str, value) -> float | tuple[float, ...] | None:
-    """A number or tuple of numbers from a number, list (JSON) or "a,b" string (a command line)."""
-    if value is None or isinstance(value, (int, float)):
+    """A number or tuple of numbers from a number, list (JSON) or "a,b" string (a command line; "" is None)."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, (int, float)):
         return value
     try:
         numbers = tuple(float(v) for v in (value.split(",") if isinstance(value, str) else value))
@@ -270,7 +277,8 @@ class LossConfig:
             ("delta", self.delta is None or self.delta >= 0, "must be >= 0"),
             ("delta_high", self.delta_high is None or self.delta_high >= 0, "must be >= 0"),
             ("ratio_limits", limits is None or (isinstance(limits, tuple) and len(limits) == 2
-                                                and 0 <= limits[0] < 1 < limits[1]), "expected lo,hi with 0 <= lo < 1 < hi"),
+                                                and 0 <= limits[0] < 1 < limits[1]),
+             "expected lo,hi with 0 <= lo < 1 < hi"),
             ("dual_clip", dual is None or _valid_dual_clip(dual), "expected c > 1, or lo,hi with 0 < lo < 1 < hi"),
             ("aggregation", self.aggregation in AGGREGATIONS, f"expected one of {', '.join(AGGREGATIONS)}"),
             ("norm_len", self.norm_len is None or self.norm_len >= 1, "must be >= 1"),
@@ -312,7 +320,7 @@ class Tokens:
     mask: Tensor  # bool, True on completion tokens
     inputs: dict  # the rule's declared needs by name (see INPUTS)
     cfg: LossConfig
-    rule: "Rule"
+    rule: Rule
 
     def inside(self, log_w: Tensor) -> Tensor:
         """The rule's region at these ratios, bool [B, T], evaluated in float64 (see Rule)."""
@@ -775,15 +783,28 @@ def ratio_bounds(rule: str | tuple[str, str], delta: float | None, mu, **options
     return lo, hi
 
 
-def _clipped(cfg: LossConfig, mu: Tensor, w: Tensor, advantages: Tensor | None) -> Tensor:
-    """Tokens outside the region or the ratio limits, and with advantages only those pushed outward."""
-    log_w = w.log()
-    outside = ~_inside(get_rule(cfg.rule), log_w, mu.log(), cfg)
-    if cfg.ratio_limits is not None:
-        outside |= (w < cfg.ratio_limits[0]) | (w > cfg.ratio_limits[1])
-    if advantages is not None:
-        outside &= advantages.double() * (w - 1) > 0
-    return outside
+class _Recorded(NamedTuple):
+    """Recorded tokens in the forms the region tests take, float64 [n]; outward: A*(w-1) > 0, or all."""
+
+    old_logp: Tensor
+    log_w: Tensor
+    w: Tensor
+    outward: Tensor
+
+    @classmethod
+    def of(cls, mu, w, advantages: Tensor | None) -> _Recorded:
+        mu, w = _as_probabilities("mu", mu), torch.as_tensor(w, dtype=torch.float64)
+        if w.shape != mu.shape or not (w > 0).all():
+            raise ValueError(f"w must be positive with mu's shape {tuple(mu.shape)}, got {tuple(w.shape)}")
+        outward = torch.ones_like(w, dtype=torch.bool) if advantages is None else advantages.double() * (w - 1) > 0
+        return cls(mu.log(), w.log(), w, outward)
+
+    def clipped(self, cfg: LossConfig) -> Tensor:
+        """Tokens outside the region or the ratio limits and pushed outward: what policy_loss stops."""
+        outside = ~_inside(get_rule(cfg.rule), self.log_w, self.old_logp, cfg)
+        if cfg.ratio_limits is not None:
+            outside |= (self.w < cfg.ratio_limits[0]) | (self.w > cfg.ratio_limits[1])
+        return outside & self.outward
 
 
 def calibrate_delta(rule: str | tuple[str, str], mu, w, target_clip_frac: float, *,
@@ -801,14 +822,12 @@ def calibrate_delta(rule: str | tuple[str, str], mu, w, target_clip_frac: float,
         raise ValueError(f"rule {rule!r} cannot be calibrated on (mu, w) pairs: {why}")
     if not 0 <= target_clip_frac <= 1:
         raise ValueError(f"target_clip_frac must be in [0, 1], got {target_clip_frac}")
-    mu, w = _as_probabilities("mu", mu), torch.as_tensor(w, dtype=torch.float64)
-    if w.shape != mu.shape or not (w > 0).all():
-        raise ValueError(f"w must be positive with mu's shape {tuple(mu.shape)}, got {tuple(w.shape)}")
+    tokens = _Recorded.of(mu, w, advantages)
     high_per_low = cfg.delta_high / cfg.delta if cfg.delta else 1.0
 
     def clip_frac(delta: float) -> float:
         resized = dataclasses.replace(cfg, delta=delta, delta_high=delta * high_per_low)
-        return _clipped(resized, mu, w, advantages).double().mean().item()
+        return tokens.clipped(resized).double().mean().item()
 
     low, high = 0.0, cfg.delta or 1.0
     while clip_frac(high) > target_clip_frac:
@@ -834,7 +853,7 @@ def delta_for_width(rule: str | tuple[str, str], width: float, mu, **options) ->
         if high > 1e6:
             return None
         high *= 2
-    for _ in range(50):
+    for _ in range(40):
         middle = (low + high) / 2
         low, high = (middle, high) if expected_log_width(rule, middle, mu, **options) < width else (low, middle)
     return high
@@ -892,6 +911,7 @@ def calibration_report(records: dict[str, np.ndarray], rules: list[str], target_
             raise ValueError(f"rule {rule!r} cannot be calibrated on per-token records: "
                              + (f"it needs {', '.join(spec.needs)}" if spec.needs else "it has no trust region"))
     mu, w, adv = (torch.as_tensor(records[name], dtype=torch.float64) for name in ("mu", "w", "advantage"))
+    tokens = _Recorded.of(mu, w, adv)
     bucket = torch.bucketize(mu, torch.tensor(MU_EDGES, dtype=torch.float64))
     mu_quantiles = torch.quantile(mu, (torch.arange(1000, dtype=torch.float64) + 0.5) / 1000)  # for E[width]
     lines = [f"{len(mu)} tokens from {len(np.unique(records['step']))} steps; clip rate = tokens outside the "
@@ -906,7 +926,7 @@ def calibration_report(records: dict[str, np.ndarray], rules: list[str], target_
         else:
             delta, options = calibrate_delta(rule, mu, w, target_rate, advantages=adv), {}
             head = f"{rule}: delta {delta:.6g}"
-        clipped = _clipped(LossConfig(rule=rule, delta=delta, **options), mu, w, adv).double()
+        clipped = tokens.clipped(LossConfig(rule=rule, delta=delta, **options)).double()
         by_bucket = [clipped[bucket == i].mean().item() if (bucket == i).any() else math.nan
                      for i in range(len(MU_LABELS))]
         intervals = [ratio_bounds(rule, delta, m, **options) for m in (0.5, 0.05, 0.005)]
@@ -936,7 +956,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         limits = LossConfig(rule="interval", ratio_limits=args.ratio_limits).ratio_limits
         if not rules or not 0 <= args.target_rate <= 1:
-            raise ValueError(f"--rules {args.rules!r} --target-rate {args.target_rate}: expected rules and a rate in [0, 1]")
+            raise ValueError(f"--rules {args.rules!r} --target-rate {args.target_rate}: "
+                             "expected rule names and a rate in [0, 1]")
         records = read_token_records(args.run_dir)
         print("\n".join(calibration_report(records, rules, args.target_rate, limits)))
     except (ValueError, FileNotFoundError) as error:

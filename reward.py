@@ -3,16 +3,21 @@
 The reward is GRPO's only teacher, so every checker error becomes training signal: a false negative
 hides a correct answer, a false positive teaches the policy to game the checker, a hang stalls the run.
 
-  1. extract_answer: the last \\boxed{}, an "Answer:" line, "#### n", a bare answer, else the last number;
-  2. normalize: one spelling for LaTeX and plain answers (\\dfrac, \\frac12, units, 1,000, degrees, %, $...$);
-  3. structure: tuples keep order, sets and "a, b" lists do not, intervals keep their open/closed
-     ends, matrices compare elementwise, equations up to a nonzero factor, inequalities up to flipping;
-  4. leaves: exact text, then exact rationals in pure Python (plain numbers never start sympy), then
-     sympy in a persistent worker process that is killed on a hard timeout.
+  1. extract_answer: the last \\boxed{} (with the boxes just before it that "and", ";" or \\quad join) or the
+     last answer phrase ("The final answer is", "Answer:", a few other languages), whichever comes later;
+     "#### n"; a bare answer; else the last number. A reference that is a whole solution is read the same way;
+  2. normalize: one spelling for LaTeX and plain answers (\\dfrac, \\frac12, units, 1,000, 1 000, 4 4/9, %, $...$);
+  3. structure: tuples keep order, sets and "a, b" lists do not (a repeated element is one answer), intervals
+     keep their open/closed ends and equal inequality chains on a name, matrices compare elementwise,
+     labels drop ("x = 5", "(p, q) = (3, 2)", "|AB| = 1"), equations compare up to a nonzero factor;
+  4. leaves: exact text, then exact rationals in pure Python (plain numbers never start sympy), then sympy in
+     a persistent worker process that is killed on a hard timeout. Exact values compare exactly, however
+     large; only a decimal of 4 or more significant digits stands for a rounded value (0.3333 = 1/3).
 
 Model text never reaches eval, exec or sympify: a recursive-descent parser builds sympy objects from
 whitelisted tokens and refuses numbers too large to build. Workers are processes, so the timeout
-works from any thread (signal.alarm only works in the main one).
+works from any thread (signal.alarm only works in the main one). `python reward.py PRED GOLD` shows
+the verdict and both sides as extracted and normalized.
 """
 
 import atexit
@@ -29,23 +34,41 @@ from fractions import Fraction
 from pathlib import Path
 
 TIMEOUT_S = 2.0  # per symbolic comparison; a worker that takes longer is killed and the answer is wrong
-REL_TOL = 1e-9  # numbers closer than this (relative) are equal: 0.333333333333 = 1/3, but 5 != 5.001
+REL_TOL = 1e-12  # irrational constants this close (relative, at 40 digits) are equal: simplify may miss it
+MIN_SIGNIFICANT_DIGITS = 4  # a decimal stands for a rounded value only with this many digits: 3.142 ~ pi, 3.14 not
 MAX_ANSWER_CHARS = 2000  # longer answers are compared as exact strings only
+MAX_NESTING = 50  # so are answers with brackets nested deeper than this
 MAX_POWER_BITS = 100_000  # refuse to build a power with more bits than this: 10^{10^{10}} stays unbuilt
 MAX_FACTORIAL = 10_000  # 2006! is fine, (10^8)! is refused
+MAX_SUM_TERMS = 1_000  # \sum_{k=1}^{100} k^2 is added up term by term (nested sums share this); no symbolic bounds
 WORKER_MEMORY_BYTES = 2 << 30  # a runaway expression hits MemoryError in its worker, not the machine
 TAIL_CHARS = 4000  # fallback extraction (last number / math segment) only looks at the end of a text
+ANSWER_FORMATS = ("boxed", "answer")  # the formats has_format checks, named as the templates that ask for them
 
 
 # ----------------------------------------------------------------------------- extraction
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*")
 _BOX_TOKEN_RE = re.compile(r"[^\s$]+")  # the argument of "\boxed 5"
-_BETWEEN_BOXES_RE = re.compile(r"[\s,;$]*(?:and|or)?[\s,;$]*")
-_ANSWER_LINE_RE = re.compile(r"^[ \t>*_#]*(?:final )?answer[ \t*_]*:(.*)$", re.I | re.M)
-_NUMBER_IN_TEXT_RE = re.compile(r"(?:(?<![\w)\]}])-)?(?<![\d.])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?")
+# what may stand between two boxes of one answer list: "\boxed{2} \quad \text{and} \quad x = \boxed{3}"
+_CONNECTOR_RE = re.compile(r"(?:[\s,;:.$~]|\\[,;:! ]|\\q?quad|\\(?:text|textnormal|mathrm)\s*\{\s*(?:and|or)\s*\}|"
+                           r"\b(?:and|or|und|oder|et|ou|y|o)\b|和|或|[A-Za-z](?:_\{?\w+\}?)?\s*=|\\[()\[\]])*")
+_ANSWER_LINE_RE = re.compile(r"^[ \t>*_#]*(?:final )?answer[ \t*_]*:(.*)$", re.I | re.M)  # the DAPO format
+# "The final answer is X", "Answer: X", "Answer \[ X \]", and the same in a few other languages
+_ANSWER_PHRASE_RE = re.compile(
+    r"(?:(?:final\s+)?answer\**(?:\s+is\b|\s*[:：])|answer(?=\s*(?:\$|\\\[|\\\())|"
+    r"(?:respuesta|soluci[oó]n)(?:\s+\w+)?\s+es\b|(?:réponse|solution)(?:\s+\w+)?\s+est\b|resposta(?:\s+\w+)?\s+é|"
+    r"risposta(?:\s+\w+)?\s+è|(?:antwort|lösung)\s+(?:\w+\s+)?(?:ist|lautet)\b|ответ\s*(?:[:：]|—|-)|"
+    r"答案(?:是|为|為|[:：])|答えは|답은?\s*[:：]?)[ \t*_:：]*", re.I)
+_ANSWER_WORDS = ("answer", "respuesta", "soluci", "réponse", "solution", "resposta", "risposta", "antwort", "lösung",
+                 "ответ", "答案", "答え", "답")
+_MATH_START_RE = re.compile(r"\$\$(.+?)\$\$|\\\[(.+?)\\\]|\$((?:\\\$|[^$\n])+?)(?<!\\)\$|\\\(([^\n]+?)\\\)", re.S)
+_SENTENCE_END_RE = re.compile(r"(?<!\.)\.(?=\s|$)|\n|<\|")
+_NUMBER_IN_TEXT_RE = re.compile(r"(?:(?<![\w)\]}])-)?(?<![\d.,])(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)"
+                                r"(?:\.\d+|,\d{1,2}(?!\d))?(?:/\d+)?")  # 1,234.5 and 2,74 (a decimal comma)
 _MATH_SEGMENT_RE = re.compile(r"(?<!\\)\$\$(.+?)(?<!\\)\$\$|(?<!\\)\$(.+?)(?<!\\)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.S)
 _LATEX_WORD_RE = re.compile(r"\\[a-zA-Z]+(?:\s*\{[^{}]*\})?")  # commands and \text{...}: not prose
+_CJK_RE = re.compile(r"[\u3040-\u30ff\u4e00-\u9fff\uac00-\ud7af]")
 
 
 def _brace_pairs(text: str) -> dict[int, int]:
@@ -74,9 +97,20 @@ def _outer_boxes(text: str) -> list[tuple[int, int, str]]:
     return boxes
 
 
+def _last_box_list(text: str, boxes: list[tuple[int, int, str]]) -> str:
+    """The last box, with the boxes before it that only connectors separate: "\\boxed{-2} and \\boxed{1}"."""
+    first = len(boxes) - 1
+    while first > 0 and _CONNECTOR_RE.fullmatch(text[boxes[first - 1][1] : boxes[first][0]]):
+        first -= 1
+    contents = [content.strip() for _, _, content in boxes[first:]]
+    return ", ".join(dict.fromkeys(c for c in contents if c))  # a repeated box is one answer
+
+
 def _is_prose(text: str) -> bool:
-    """Two or more words outside LaTeX commands: a sentence, not an answer ("Evelyn", "5 cm" are answers)."""
-    return len(re.findall(r"[A-Za-z]{2,}", _LATEX_WORD_RE.sub(" ", text))) >= 2
+    """Two or more words outside LaTeX commands and labels: a sentence, not an answer ("Evelyn", "5 cm" and
+    "AB = 4, CD = 5" are answers)."""
+    words = re.findall(r"[^\W\d_]{2,}\b(?!\s*=)", _LATEX_WORD_RE.sub(" ", text))
+    return bool(_CJK_RE.search(text)) or len(words) >= 2
 
 
 def _last_math_or_number(text: str) -> str | None:
@@ -89,21 +123,31 @@ def _last_math_or_number(text: str) -> str | None:
 
 
 def _clean(candidate: str) -> str | None:
-    candidate = candidate.strip().strip("*").strip()
+    candidate = re.sub(r'^\\?["“«]|\\?["”»]$', "", candidate.strip().strip("*").strip()).strip()  # "$12$"
     if _is_prose(candidate):  # "Answer: the total is $42$." -> 42
         return _last_math_or_number(candidate)
-    return candidate.rstrip(".").strip() or None
+    return re.sub(r"(?<!\.)[.,]$", "", candidate).strip() or None
+
+
+def _phrase_answer(text: str, start: int) -> str | None:
+    """The answer stated right after an answer phrase: a math segment, else the rest of its sentence."""
+    if m := _MATH_START_RE.match(text, start):
+        return next(g for g in m.groups() if g is not None).strip() or None
+    return _clean(_SENTENCE_END_RE.split(text[start : start + 500], 1)[0])
 
 
 def extract_answer(text: str) -> str | None:
-    """The final answer of a completion, or None when it has none."""
-    if boxes := _outer_boxes(text):
-        first = len(boxes) - 1  # "\boxed{2} and \boxed{3}" answers a "find all" question
-        while first > 0 and _BETWEEN_BOXES_RE.fullmatch(text[boxes[first - 1][1] : boxes[first][0]]):
-            first -= 1
-        return ", ".join(content.strip() for _, _, content in boxes[first:])
-    if lines := _ANSWER_LINE_RE.findall(text):
-        return _clean(lines[-1])
+    """The final answer of a completion, or None when it has none. The last box (with the boxes just
+    before it that connectors like "and" separate) or the last answer phrase, whichever comes later."""
+    boxes, phrase, offset = _outer_boxes(text), None, max(0, len(text) - TAIL_CHARS)
+    if any(word in text[offset:].lower() for word in _ANSWER_WORDS):  # a plain search is 10x faster than the regex
+        for phrase in _ANSWER_PHRASE_RE.finditer(text, offset):
+            pass
+    if phrase and phrase.start() >= max(boxes[-1][1] if boxes else 0, text.rfind("####")):
+        if answer := _phrase_answer(text, phrase.end()):
+            return answer
+    if boxes:
+        return _last_box_list(text, boxes) or None
     if (hashes := text.rfind("####")) >= 0:
         return _clean(text[hashes + 4 :].split("\n", 1)[0])
     if len(text) <= 200 and "\n" not in text.strip() and not _is_prose(text):
@@ -114,20 +158,28 @@ def extract_answer(text: str) -> str | None:
 # ----------------------------------------------------------------------------- normalization
 
 _UNICODE = {"−": "-", "–": "-", "×": "\\times ", "·": "\\cdot ", "÷": "\\div ", "π": "\\pi ", "∞": "\\infty ",
-            "≤": "\\le ", "≥": "\\ge ", "°": "^\\circ", "√": "\\sqrt", "∪": "\\cup "}
+            "≤": "\\le ", "≥": "\\ge ", "≠": "\\ne ", "≈": "\\approx ", "°": "^\\circ", "√": "\\sqrt",
+            "∪": "\\cup ", "²": "^2", "³": "^3", "€": "", "£": "", "：": ":"}
+# "\\frac" written with an escaped backslash (JSON twice encoded) is \frac, not a row break and "frac"
+_DOUBLED_RE = re.compile(r"\\\\(?=(?:left|right|[dtc]?frac|sqrt|pi|cdot|times|text|boxed|infty)(?![a-zA-Z]))")
 _SPACING_RE = re.compile(r"\\\\|\\[,;:! ]|\\q?quad|\\(?:left|right|[bB]igg?)(?![a-zA-Z])\.?|\\displaystyle|~")
+_TEXT_CMD = r"\\(?:text|textnormal|textrm|textbf|textit|textsf|mathrm|mathbf|mathit|mathsf|mbox|operatorname)\s*"
 # a trailing \text{...} after a number is a unit, however short: 1.5\text{ m}, 15\mbox{ cm}^2
-_TEXT_UNIT_RE = re.compile(r"(?<=[\d}])\s*\\(?:text|textrm|mbox|mathrm)\s*\{[^{}]*\}(?:\s*\^\s*\{?\d\}?)?$")
-_TEXT_RE = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|mbox|operatorname)\s*\{([^{}]*)\}")
+_TEXT_UNIT_RE = re.compile(rf"(?<=[\d}}])\s*{_TEXT_CMD}\{{[^{{}}]*\}}(?:\s*\^\s*\{{?\d\}}?)?$")
+_TEXT_RE = re.compile(rf"{_TEXT_CMD}\{{([^{{}}]*)\}}")
 _REWRITES = [(re.compile(pattern), template) for pattern, template in [  # applied in order
     (r"\\[dtc]frac", r"\\frac"),
     (r"\\(?:leqslant|leq|le)(?![a-zA-Z])|<=", r"\\le "),
     (r"\\(?:geqslant|geq|ge)(?![a-zA-Z])|>=", r"\\ge "),
+    (r"\\(?:neq|ne)(?![a-zA-Z])|!=", r"\\ne "),
+    (r"\\(?:varnothing|emptyset)(?![a-zA-Z])|^\\\{\s*\\\}$", r"\\emptyset"),
+    (r"^(?:[A-Za-z]\s*\\in\s*)?\\mathbb\s*\{?R\}?$|^\\R$", r"(-\\infty, \\infty)"),  # x \in \mathbb{R}
     (r"\\lt(?![a-zA-Z])", "<"),
     (r"\\gt(?![a-zA-Z])", ">"),
     (r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree", ""),  # degrees: 90^\circ = 90
     (r"\\?%", ""),  # percent: 25\% = 25
     (r"\s+(?:and|or)\s+", ", "),  # "2 and 3" lists
+    (r",\s*(?=,)", ""),  # "19, 46, \text{ and } 82": the comma before "and" leaves no empty item
     (r"^[A-Za-z]\s*\\in\s*", ""),  # x \in [-2, 7]
     # LaTeX's one-token arguments: \frac12, \frac 34, \frac9{19}, \frac{270}7, \sqrt3
     (r"\\frac\s*([^\s{\\])\s*([^\s{\\])", r"\\frac{\1}{\2}"),
@@ -135,35 +187,35 @@ _REWRITES = [(re.compile(pattern), template) for pattern, template in [  # appli
     (r"\\frac\s*(\{[^{}]*\})\s*([^\s{\\])", r"\\frac\1{\2}"),
     (r"\\sqrt\s*([^\s{\\\[])", r"\\sqrt{\1}"),
 ]]
-_UNIT_RE = re.compile(r"(?<=[\d}])\s+[A-Za-z]{2,}\.?(?:\s*\^\{?\d\}?)?$")  # 5 cents, 15 cm^2, 10 dollars
-_MIXED_RE = re.compile(r"(-?)(\d+)\s*\\frac\{(\d+)\}\{(\d+)\}")  # 1\frac{4}{5} = 9/5
-_THOUSANDS_RE = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")  # only a whole answer: (100,200) is a tuple
+_UNIT_RE = re.compile(r"(?<=[\d}])\s+[^\W\d_]{2,}\.?(?:\s*\^\{?\d\}?)?$")  # 5 cents, 15 cm^2, 64 square feet
+_MIXED_RE = re.compile(r"([-+]?)(\d+)\s*\\frac\{(\d+)\}\{(\d+)\}|([-+]?)(\d+) (\d+)/(\d+)")  # 1\frac{4}{5}, 4 4/9
+_THOUSANDS_RE = re.compile(r"-?[1-9]\d{0,2}(?:(?:,\d{3})+|(?: \d{3})+)(?:\.\d+)?")  # 7,425,000 and 1 000 (not 0,111)
 _BASE_RE = re.compile(r"(\d+)_\{?(\d{1,2})\}?")  # 52_8: the digits are the answer
 _CHOICE_RE = re.compile(r"\(([A-Ea-e])\)")
 
 
 def normalize(answer: str) -> str:
     """One canonical spelling of an answer (LaTeX or plain); structure is kept, values are not computed."""
-    s = answer.strip()
+    s = _DOUBLED_RE.sub(r"\\", answer.strip())
     for old, new in _UNICODE.items():
         s = s.replace(old, new)
     if boxes := _outer_boxes(s):  # a reference may arrive as $\boxed{...}$
         s = boxes[-1][2]
     s = s.replace("\\$", "").replace("$", "").strip()
     s = re.sub(r"^\\[(\[]|\\[)\]]$", "", s)
-    s = re.sub(r",\\!\s*", ",", s).replace("{,}", ",")  # 11,\! 111 and 1{,}000 are one number
+    s = re.sub(r",\\!\s*", ",", s).replace("{,}", ",").replace("{ , }", ",")  # 11,\! 111 and 1{,}000: one number
     s = _SPACING_RE.sub(lambda m: m.group() if m.group() == "\\\\" else " ", s)  # keep matrix row breaks
     s = _TEXT_RE.sub(r" \1 ", _TEXT_UNIT_RE.sub("", s))
     for pattern, template in _REWRITES:
         s = pattern.sub(template, s)
-    s = re.sub(r"\s+", " ", s).strip().rstrip(".").strip()
+    s = re.sub(r"(?<!\.)[.,]$", "", re.sub(r"\s+", " ", s).strip()).strip()  # "1, 2, ..." keeps its ellipsis
     for _ in range(3):
         s = _UNIT_RE.sub("", s)
-    if (m := _MIXED_RE.fullmatch(s)) and int(m[4]) != 0:
-        value = int(m[2]) + Fraction(int(m[3]), int(m[4]))
-        s = f"{m[1]}{value.numerator}/{value.denominator}"
+    if (m := _MIXED_RE.fullmatch(s)) and int(m[4] or m[8]) != 0:
+        value = int(m[2] or m[6]) + Fraction(int(m[3] or m[7]), int(m[4] or m[8]))
+        s = f"{'-' if (m[1] or m[5]) == '-' else ''}{value.numerator}/{value.denominator}"
     if _THOUSANDS_RE.fullmatch(s):
-        s = s.replace(",", "")
+        s = s.replace(",", "").replace(" ", "")
     if (m := _BASE_RE.fullmatch(s)) and all(int(d) < int(m[2]) for d in m[1]):
         s = m[1]
     return m[1].upper() if (m := _CHOICE_RE.fullmatch(s)) else s
@@ -184,14 +236,24 @@ class Node:
 
 _SCAN_RE = re.compile(r"\\[a-zA-Z]+|\\.|\s+|.", re.S)
 _OPENERS, _CLOSERS = {"(", "[", "{", "\\{"}, {")", "]", "}", "\\}"}
-_RELATIONS = {"=", "<", ">", "\\le", "\\ge"}
-_MATRIX_RE = re.compile(r"\\begin\{[pbvBV]?matrix\}(.*)\\end\{[pbvBV]?matrix\}", re.S)
-_VARIABLE_RE = re.compile(r"[A-Za-z](?:_\{?\w+\}?)?(?:\(.*\))?|\\[a-zA-Z]+")  # x, a_1, f(3), \theta
+_RELATIONS = {"=", "<", ">", "\\le", "\\ge", "\\ne"}
+_FLIPPED = {">": "<", "\\ge": "\\le"}  # a > b is b < a
+_MATRIX_RE = re.compile(r"\\begin\{([pbvBV]?matrix|array)\}(?:\{[^{}]*\})?(.*)\\end\{\1\}", re.S)
+_NAME = r"(?:[A-Za-z]{1,3}|\\[a-zA-Z]+)(?:_\{?\w+\}?)?'*(?:\([^()=]*\))?"  # x, AB, a_1, f(3), f'(x), \theta
+# what may label an answer: x = 5, |AB| = 1, \angle ABC = 30, (p, q) = (3, 2), S_{MBCN}:S = 7:32
+_LABEL_RE = re.compile(rf"{_NAME}|\|{_NAME}\||m?\\angle\s*{_NAME}|\(\s*{_NAME}(?:\s*,\s*{_NAME})+\s*\)|"
+                       rf"{_NAME}(?:\s*:\s*{_NAME})+")
+_FUNCTION_NAME_RE = re.compile(r"y|[a-zA-Z]\([a-z]\)")  # y = 2x + 3 and f(x) = 2x + 3 state one function
 
 
-def _names_a_value(lhs: str) -> bool:
-    """The left side of "x = 5", "f(3) = 5" or "17 + 25 = 42": the answer is the right side."""
-    return bool(_VARIABLE_RE.fullmatch(lhs)) or not re.search(r"[A-Za-z]", re.sub(r"\\[a-zA-Z]+", "", lhs))
+def _has_letters(s: str) -> bool:
+    return bool(re.search(r"[A-Za-z]", re.sub(r"\\[a-zA-Z]+", "", s)))
+
+
+def _names_a_value(lhs: str, rhs: str) -> bool:
+    """Whether "lhs = rhs" states the answer rhs: "x = 5", "(p,q) = (3,2)", "17 + 25 = 42" do;
+    "7 = 11a + c" does not (a number equal to an expression is an equation, not a computation)."""
+    return bool(_LABEL_RE.fullmatch(lhs)) or not (_has_letters(lhs) or _has_letters(rhs))
 
 
 def _split_top(s: str, separators: set[str]) -> tuple[list[str], list[str]]:
@@ -223,34 +285,60 @@ def _expand_pm(s: str) -> list[str]:
 
 
 def _list_items(s: str) -> tuple[Node, ...]:
-    """Items of an unordered list; "1 \\pm \\sqrt{5}" contributes both roots."""
-    return tuple(_structure(p) for part in _split_top(s, {","})[0] for p in _expand_pm(part))
+    """Items of an unordered list ("," or ";" between them); "1 \\pm \\sqrt{5}" contributes both roots."""
+    return tuple(_structure(p) for part in _split_top(s, {",", ";"})[0] if part for p in _expand_pm(part))
+
+
+def _before_approx(parts: list[str]) -> str:
+    """"x = 1/3 \\approx 0.33" and "\\sqrt{2} \\approx 1.41" answer the exact value; "x \\approx 0.33" answers 0.33."""
+    first = parts[0]
+    return f"{first} = {parts[-1]}" if _LABEL_RE.fullmatch(first) else first
+
+
+def _chain_interval(parts: list[str], ops: list[str]) -> Node | None:
+    """"-2 \\le x < 7" (or "7 > x \\ge -2") as the interval [-2, 7) when x is a name and the bounds constants."""
+    if all(op in _FLIPPED for op in ops):
+        parts, ops = parts[::-1], [_FLIPPED[op] for op in ops[::-1]]
+    if not all(op in ("<", "\\le") for op in ops) or not _LABEL_RE.fullmatch(parts[1]) \
+            or _has_letters(parts[0] + parts[2]):
+        return None
+    ends = ("(" if ops[0] == "<" else "[") + (")" if ops[1] == "<" else "]")
+    return Node("seq", (_structure(parts[0]), _structure(parts[2])), ends)
 
 
 def _structure(s: str) -> Node:
     s = s.strip()
+    if s[:1] in "([" and _enclosed(s) and _MATRIX_RE.fullmatch(s[1:-1].strip()):
+        s = s[1:-1].strip()  # \left[\begin{array}{cc}...\end{array}\right], (\begin{pmatrix}...\end{pmatrix})
     if m := _MATRIX_RE.fullmatch(s):
-        rows = [row for row in m[1].split("\\\\") if row.strip()]
+        rows = [row for row in m[2].split("\\\\") if row.strip()]
         return Node("matrix", tuple(tuple(_structure(cell) for cell in row.split("&")) for row in rows))
+    if len(parts := _split_top(s, {"\\approx"})[0]) > 1:
+        return _structure(_before_approx(parts))
     if len(unions := _split_top(s, {"\\cup"})[0]) > 1:
         return Node("set", tuple(_structure(part) for part in unions))
-    if s.startswith("\\{") and _enclosed(s):
+    if s[:2] == "\\{" and _enclosed(s):
         return Node("set", _list_items(s[2:-2]))
+    if s[:1] == "{" and _enclosed(s):  # a set written without its backslashes
+        return Node("set", _list_items(s[1:-1]))
     if s[:1] in "([" and s[-1:] in ")]" and _enclosed(s):
         items, commas = _split_top(s[1:-1], {","})
         if commas:  # "(3)" is just a parenthesized number
             return Node("seq", tuple(_structure(item) for item in items), s[0] + s[-1])
-    if _split_top(s, {","})[1]:
+    if re.fullmatch(r"-?\d+,\d+", s):  # "1,22": a list, or 1.22 written with a decimal comma
+        return Node("set", _list_items(s), s.replace(",", "."))
+    if _split_top(s, {",", ";"})[1]:
         return Node("set", _list_items(s))  # MATH: "enter all solutions, separated by commas"
     parts, relations = _split_top(s, _RELATIONS)
     if relations == ["="] * len(relations) and relations:  # chains "x = 2 + 3 = 5" keep their ends
         return Node("rel", (parts[0], parts[-1]), "=")
     if len(relations) == 1:
         (lhs, rhs), op = parts, relations[0]
-        flipped = {">": "<", "\\ge": "\\le"}  # a > b is b < a
-        return Node("rel", (rhs, lhs), flipped[op]) if op in flipped else Node("rel", (lhs, rhs), op)
+        return Node("rel", (rhs, lhs), _FLIPPED[op]) if op in _FLIPPED else Node("rel", (lhs, rhs), op)
+    if len(relations) == 2 and (interval := _chain_interval(parts, relations)):
+        return interval
     if relations:
-        return Node("text", (s,))  # compound inequalities compare as written
+        return Node("text", (s,))  # other compound relations compare as written
     if len(variants := _expand_pm(s)) > 1:
         return Node("set", tuple(Node("expr", (v,)) for v in variants))
     if re.fullmatch(r"[A-Za-z]{2,}(?: [A-Za-z]+)*", s):
@@ -258,13 +346,35 @@ def _structure(s: str) -> Node:
     return Node("expr", (s,))
 
 
+def _as_interval(rel: Node) -> Node | None:
+    """"x \\ge 2" as [2, \\infty), "x < 3" as (-\\infty, 3): a one-sided bound on a name."""
+    (lo, hi), closed = rel.items, rel.ends == "\\le"
+    if rel.ends not in ("<", "\\le"):
+        return None
+    if _LABEL_RE.fullmatch(hi) and not _has_letters(lo):
+        return Node("seq", (_structure(lo), Node("expr", ("\\infty",))), ("[" if closed else "(") + ")")
+    if _LABEL_RE.fullmatch(lo) and not _has_letters(hi):
+        return Node("seq", (Node("expr", ("-\\infty",)), _structure(hi)), "(" + ("]" if closed else ")"))
+    return None
+
+
 def _coerce(a: Node, b: Node) -> Node:
-    """Bridge spellings of one answer: "x = 5" vs "5", a column vector vs a tuple, {5} vs 5."""
-    if a.kind == "rel" and b.kind != "rel" and a.ends == "=" and _names_a_value(a.items[0]):
+    """Bridge spellings of one answer: "x = 5" vs "5", "x \\ge 2" vs [2, \\infty), a column vector vs a
+    tuple, {5} vs 5, "1,22" vs 1.22, {1, 3} written for (1, 3)."""
+    if a.kind == "rel" and b.kind != "rel" and a.ends == "=" and _names_a_value(*a.items):
         return _structure(a.items[1])
+    if a.kind == "rel" and b.kind == "seq" and len(b.items) == 2 and (interval := _as_interval(a)):
+        return interval
+    if a.kind == "rel" and a.ends == "\\ne" and b.kind == "set" and _LABEL_RE.fullmatch(a.items[0]):
+        point, infinity = _structure(a.items[1]), Node("expr", ("\\infty",))  # x \ne 2: (-\infty, 2) \cup (2, \infty)
+        return Node("set", (Node("seq", (Node("expr", ("-\\infty",)), point), "()"), Node("seq", (point, infinity), "()")))
     if a.kind == "matrix" and b.kind == "seq" and (len(a.items) == 1 or all(len(r) == 1 for r in a.items)):
         return Node("seq", tuple(x for row in a.items for x in row), "()")
-    if a.kind == "set" and b.kind != "set" and len(a.items) == 1:
+    if a.kind == "set" and a.ends and b.kind == "expr" and "." in b.items[0] and _DECIMAL_RE.fullmatch(b.items[0]):
+        return Node("expr", (a.ends,))
+    if a.kind == "set" and b.kind == "seq" and b.ends == "()":
+        return Node("seq", a.items, "()")
+    if a.kind == "set" and b.kind != "set" and len(set(a.items)) == 1:
         return a.items[0]
     return a
 
@@ -279,9 +389,12 @@ def _equal(a: Node, b: Node, judge) -> bool:
     if a.kind == "expr":
         return judge.expr(a.items[0], b.items[0])
     if a.kind == "rel":
+        if a.ends == "=" and a.items[0] != b.items[0] and all(_FUNCTION_NAME_RE.fullmatch(_squash(n.items[0]))
+                                                              for n in (a, b)):
+            return _equal(_structure(a.items[1]), _structure(b.items[1]), judge)  # y = 2x vs f(x) = 2x
         return a.ends == b.ends and judge.relation(a.ends, a.items, b.items)
     if a.kind == "set":
-        return _same_multiset(a.items, b.items, judge)
+        return _same_set(a.items, b.items, judge)
     if a.ends != b.ends or len(a.items) != len(b.items):
         return False
     if a.kind == "matrix":
@@ -289,21 +402,16 @@ def _equal(a: Node, b: Node, judge) -> bool:
     return all(_equal(x, y, judge) for x, y in zip(a.items, b.items))
 
 
-def _same_multiset(xs: tuple, ys: tuple, judge) -> bool:
-    if len(xs) != len(ys):
-        return False
-    unused = list(ys)
-    for x in xs:  # greedy matching is exact because equality is transitive
-        hit = next((k for k, y in enumerate(unused) if _equal(x, y, judge)), None)
-        if hit is None:
-            return False
-        del unused[hit]
-    return True
+def _same_set(xs: tuple, ys: tuple, judge) -> bool:
+    """Every element on each side equals one on the other: a repeated element is not another answer."""
+    return all(any(_equal(x, y, judge) for y in ys) for x in xs) and all(any(_equal(x, y, judge) for x in xs)
+                                                                            for y in ys)
 
 
 # ----------------------------------------------------------------------------- leaf comparison
 
-_DECIMAL_RE = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)")
+_DECIMAL_RE = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d{1,4})?")  # 2.5e-3 too
+_POINT_DECIMAL_RE = re.compile(r"[-+]?(\d*)\.(\d+)")
 _FRACTION_RE = re.compile(r"([-+]?)(?:\\frac\{(\d+)\}\{(\d+)\}|(\d+)/(\d+))")
 
 
@@ -322,11 +430,21 @@ def _rational(s: str) -> Fraction | None:
     return None
 
 
-class _FastJudge:
-    """Pure-Python leaf comparison: exact text, then exact rationals. Notes when it cannot decide."""
+def _rounding_tolerance(x: str, y: str) -> Fraction:
+    """How far apart the values of x and y may be, given how they were written. Integers, fractions and
+    short decimals are exact (0); a decimal with MIN_SIGNIFICANT_DIGITS or more may be a rounded value,
+    so half a unit of its last place (0.3333 is 1/3, 0.3334 is not); of two such decimals the coarser counts."""
+    places = []
+    for s in (x, y):
+        if (m := _POINT_DECIMAL_RE.fullmatch(_squash(s))) and len((m[1] + m[2]).lstrip("0")) >= MIN_SIGNIFICANT_DIGITS:
+            places.append(len(m[2]))
+    return Fraction(1, 2 * 10 ** min(places)) if places else Fraction(0)
 
-    def __init__(self, rel_tol: float) -> None:
-        self.rel_tol = Fraction(str(rel_tol))
+
+class _FastJudge:
+    """Pure-Python leaf comparison: exact text, then rationals. Notes when it cannot decide."""
+
+    def __init__(self) -> None:
         self.undecided = False
 
     def fast_expr(self, x: str, y: str) -> bool | None:
@@ -335,7 +453,7 @@ class _FastJudge:
         qx, qy = _rational(x), _rational(y)
         if qx is None or qy is None:
             return None
-        return abs(qx - qy) <= self.rel_tol * max(abs(qx), abs(qy))
+        return abs(qx - qy) <= _rounding_tolerance(x, y)
 
     def expr(self, x: str, y: str) -> bool:
         verdict = self.fast_expr(x, y)
@@ -349,13 +467,14 @@ class _FastJudge:
 
 
 class _SympyJudge(_FastJudge):
-    """Adds sympy: numeric comparison of constants, simplify(a - b) == 0 otherwise. Runs in workers only."""
+    """Adds sympy: exact comparison of rationals, numeric comparison of other constants, simplify(a - b) == 0
+    otherwise. Runs in workers only."""
 
     def __init__(self, rel_tol: float) -> None:
         import sympy
 
-        super().__init__(rel_tol)
-        self.sp = sympy
+        super().__init__()
+        self.sp, self.rel_tol = sympy, rel_tol
 
     def parse(self, s: str):
         if len(s) > MAX_ANSWER_CHARS:
@@ -368,11 +487,42 @@ class _SympyJudge(_FastJudge):
         sp, a, b = self.sp, self.parse(x), self.parse(y)
         if a.has(sp.zoo, sp.nan) or b.has(sp.zoo, sp.nan):  # 1/0 is not an answer, and 1/0 == 2/0 in sympy
             return False
-        if self.rel_tol > 0 and not (a.free_symbols or b.free_symbols):
-            va, vb = sp.N(a, 30), sp.N(b, 30)
-            if va.is_finite and vb.is_finite:  # 1/2004! vs 1/2006! differ by a factor 4e6: not equal
-                return bool(abs(va - vb) <= float(self.rel_tol) * max(abs(va), abs(vb)))
-        return a == b or sp.simplify(a - b) == 0
+        tolerance = sp.Rational(_rounding_tolerance(x, y))
+        if a.is_Rational and b.is_Rational:  # 2006! + 1 vs 2006!: exact values compare exactly
+            return bool(abs(a - b) <= tolerance)
+        if not (a.free_symbols or b.free_symbols):
+            va, vb = sp.N(a, 40), sp.N(b, 40)
+            if va.is_finite and vb.is_finite and (tolerance or self.rel_tol):
+                return bool(abs(va - vb) <= max(tolerance, self.rel_tol * max(abs(va), abs(vb))))
+        if a == b:
+            return True
+        if self.differ_somewhere(a, b):  # most wrong answers end here, before the slow simplify
+            return False
+        return sp.simplify(a - b) == 0 or self.equal_for_positive(a, b)
+
+    def values(self, expr) -> list | None:
+        """expr at two fixed points with positive coordinates, or None where it is not a finite number there."""
+        symbols = sorted(expr.free_symbols, key=str)
+        values = [self.sp.N(expr.subs({s: start + 0.1 * i for i, s in enumerate(symbols)}), 20)
+                  for start in (0.6180339887, 1.2599210498)]
+        return values if all(v.is_number and v.is_finite for v in values) else None
+
+    def differ_somewhere(self, a, b) -> bool:
+        """a and b take clearly different values at a point where both are finite: they are not equal."""
+        va, vb = self.values(a), self.values(b)
+        return va is not None and vb is not None and any(bool(abs(x - y) > 1e-8 * max(1, abs(x), abs(y)))
+                                                         for x, y in zip(va, vb))
+
+    def equal_for_positive(self, a, b) -> bool:
+        """Equality when the letters are positive, the usual reading of an answer's unknowns: sqrt(1/n) is
+        1/sqrt(n) then. |x| would equal x too, so answers with absolute values are not compared this way;
+        nor are those without roots or logarithms, where positivity changes nothing."""
+        sp, symbols = self.sp, a.free_symbols | b.free_symbols
+        if not symbols or a.has(sp.Abs) or b.has(sp.Abs) or not any(
+                e.has(sp.log) or any(not p.exp.is_integer for p in e.atoms(sp.Pow)) for e in (a, b)):
+            return False
+        positive = {s: sp.Symbol(s.name, positive=True) for s in symbols}
+        return sp.simplify(a.subs(positive) - b.subs(positive)) == 0
 
     def relation(self, op: str, a: tuple, b: tuple) -> bool:
         if super().relation(op, a, b):
@@ -381,10 +531,12 @@ class _SympyJudge(_FastJudge):
         zero_a, zero_b = self.sp.simplify(da) == 0, self.sp.simplify(db) == 0
         if zero_a or zero_b:
             return zero_a and zero_b
+        if (values := self.values(da / db)) and bool(abs(values[0] - values[1]) > 1e-8 * max(1, *map(abs, values))):
+            return False  # the ratio is not constant
         ratio = self.sp.simplify(da / db)  # same solution set: lhs - rhs agree up to a constant factor
         if ratio.free_symbols or not ratio.is_finite or ratio.is_zero is not False:
             return False
-        return op == "=" or ratio.is_positive is True  # an inequality may only scale by a positive factor
+        return op in ("=", "\\ne") or ratio.is_positive is True  # an inequality may only scale by a positive factor
 
 
 # ----------------------------------------------------------------------------- LaTeX -> sympy
@@ -396,7 +548,8 @@ _BARE_WORD_RE = re.compile(rf"(?<![\\a-zA-Z])({'|'.join([*_FUNCTIONS, 'sqrt', 'p
 _GREEK = set("alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa lambda mu nu xi rho "
              "sigma tau phi varphi chi psi omega Gamma Delta Theta Lambda Xi Sigma Phi Psi Omega".split())
 _BRACKETS = {"(": ")", "[": "]", "{": "}"}
-_ATOM_STARTS = {*_BRACKETS, *("\\" + name for name in [*_FUNCTIONS, *_GREEK, "frac", "sqrt", "binom", "pi", "infty"])}
+_ATOM_STARTS = {*_BRACKETS, *("\\" + name for name in [*_FUNCTIONS, *_GREEK, "frac", "sqrt", "binom", "pi", "infty",
+                                                        "sum", "prod"])}
 
 
 class _Parser:
@@ -404,9 +557,12 @@ class _Parser:
     as code). Grammar: sum := product (+|- product)*; product := signed ((*|/) signed | implicit power)*;
     signed := (+|-) signed | power; power := atom !* (^ signed)?."""
 
-    def __init__(self, text: str, sp) -> None:
-        self.sp = sp
-        self.tokens = _TOKEN_RE.findall(_BARE_WORD_RE.sub(lambda m: "\\" + m[1], text))
+    def __init__(self, text: str | list[str], sp, bindings: dict | None = None, budget: list | None = None) -> None:
+        self.sp, self.bindings = sp, bindings or {}  # bindings: the value of a summation index
+        self.budget = budget or [MAX_SUM_TERMS]  # terms left to all sums of one answer, nested ones included
+        if isinstance(text, str):
+            text = _TOKEN_RE.findall(_BARE_WORD_RE.sub(lambda m: "\\" + m[1], text))
+        self.tokens = text
         self.pos = 0
 
     def peek(self) -> str | None:
@@ -504,11 +660,47 @@ class _Parser:
             return sp.binomial(n, k)
         if token in ("\\pi", "\\infty"):
             return sp.pi if token == "\\pi" else sp.oo
+        if token in ("\\sum", "\\prod"):
+            return self.big_operator(token)
         if token[1:] in _GREEK:
             return self.symbol(token[1:])
         if token[1:] in _FUNCTIONS:
             return self.function(token[1:])
         raise ValueError(f"unsupported token {token!r}")
+
+    def big_operator(self, token: str):
+        """\\sum_{k=a}^{b} term or \\prod_{k=a}^{b} term with integer bounds: the term is parsed again for
+        each k, so every power and factorial in it passes the same size checks as a plain number."""
+        self.take("_")
+        self.take("{")
+        index = self.take()
+        if not index.isalpha():
+            raise ValueError(f"unsupported summation index {index!r}")
+        self.take("=")
+        low = self.until("}")
+        self.take("^")
+        high = self.group()
+        if not (low.is_Integer and high.is_Integer and 0 <= high - low < self.budget[0]):
+            raise ValueError(f"sum bounds must be integers, at most {MAX_SUM_TERMS} terms in all")
+        self.budget[0] -= int(high - low) + 1
+        start = self.pos
+        self.term()  # finds where the term ends
+        tokens = self.tokens[start : self.pos]
+        terms = [_Parser(tokens, self.sp, {**self.bindings, index: self.sp.Integer(k)}, self.budget).term()
+                 for k in range(int(low), int(high) + 1)]
+        if token == "\\sum":
+            return self.sp.Add(*terms)
+        if sum(max(abs(t.p).bit_length(), t.q.bit_length()) for t in terms if t.is_Rational) > MAX_POWER_BITS:
+            raise ValueError("product too large to evaluate")
+        return self.sp.Mul(*terms)
+
+    def term(self):
+        """A factor and the implicit products that follow it: the argument of \\sin 2x or of \\sum."""
+        value = self.power()
+        while self.starts_atom(self.peek()) and self.peek()[1:] not in _FUNCTIONS and self.peek() not in (
+                "\\sum", "\\prod"):
+            value = value * self.power()
+        return value
 
     def symbol(self, name: str):
         if self.accept("_"):  # a_1, a_{10}
@@ -516,17 +708,14 @@ class _Parser:
             if not subscript.isalnum():
                 raise ValueError(f"unsupported subscript {subscript!r}")
             return self.sp.Symbol(f"{name}_{subscript}")
-        return self.sp.I if name == "i" else self.sp.Symbol(name)
+        if name in self.bindings:
+            return self.bindings[name]
+        return {"i": self.sp.I, "e": self.sp.E}.get(name) or self.sp.Symbol(name)  # i and e are the constants
 
     def function(self, name: str):
         exponent = self.group() if self.accept("^") else None  # \sin^2 x
         base = self.group() if name == "log" and self.accept("_") else None  # \log_2 8
-        if self.peek() == "(":
-            argument = self.atom()
-        else:  # \sin 2x means sin(2x)
-            argument = self.power()
-            while self.starts_atom(self.peek()) and self.peek()[1:] not in _FUNCTIONS:
-                argument = argument * self.power()
+        argument = self.atom() if self.peek() == "(" else self.term()  # \sin 2x means sin(2x)
         value = self.sp.log(argument, base) if base is not None else getattr(self.sp, _FUNCTIONS[name])(argument)
         return value if exponent is None else self.pow(value, exponent)
 
@@ -551,7 +740,7 @@ def _serve() -> None:
         answer, reference, rel_tol, timeout = json.loads(line)
         signal.alarm(math.ceil(timeout) + 2)  # SIGALRM's default action ends us if the parent died mid-job
         try:
-            ok = _equal(_structure(answer), _structure(reference), _SympyJudge(rel_tol))
+            ok = bool(_equal(_structure(answer), _structure(reference), _SympyJudge(rel_tol)))
         except Exception:  # parse errors, RecursionError, MemoryError: a wrong answer, never a crash
             ok = False
         signal.alarm(0)
@@ -624,17 +813,43 @@ atexit.register(_POOL.close)
 
 # ----------------------------------------------------------------------------- public API
 
-def _grade_fast(completion: str, reference: str, rel_tol: float) -> bool | tuple[str, str]:
+def _reference_answer(reference: str) -> str:
+    """A reference is usually a bare answer; from a boxed one or a full solution, its final answer
+    (every box of the last answer list, so "\\boxed{1}, \\boxed{2}" keeps both)."""
+    if _outer_boxes(reference) or _ANSWER_PHRASE_RE.search(reference) or (
+            ("\n" in reference.strip() or len(reference) > 40) and _is_prose(reference)):
+        return extract_answer(reference) or reference
+    return reference
+
+
+def _nesting(s: str) -> int:
+    """How deep brackets nest in s."""
+    depth = deepest = 0
+    for char in s:
+        depth += (char in "([{") - (char in ")]}")
+        deepest = max(deepest, depth)
+    return deepest
+
+
+_PLAIN_NUMBER_RE = re.compile(r"-?(?:\d+(?:\.\d+)?|\.\d+)")
+
+
+def _grade_fast(completion: str, reference: str) -> bool | tuple[str, str]:
     """The verdict where exact text or rationals decide, else the normalized (answer, reference) for sympy."""
     answer = extract_answer(completion)
     if answer is None:
         return False
+    reference = _reference_answer(reference)
+    if _PLAIN_NUMBER_RE.fullmatch(answer) and _PLAIN_NUMBER_RE.fullmatch(reference):  # GSM8K, AIME: skip the rest
+        return bool(_FastJudge().fast_expr(answer, reference))
     if max(len(answer), len(reference)) > MAX_ANSWER_CHARS:  # no real answer is this long
         return answer.strip() == reference.strip()
     a, r = normalize(answer), normalize(reference)
     if not a or not r:
         return False
-    judge = _FastJudge(rel_tol)
+    if max(_nesting(a), _nesting(r)) > MAX_NESTING:  # each level rescans the text: cost grows with depth^2
+        return a == r
+    judge = _FastJudge()
     try:
         ok = _equal(_structure(a), _structure(r), judge)
     except RecursionError:  # brackets nested hundreds deep: not an answer
@@ -661,7 +876,8 @@ def reward(completions: list[str], references: list[str], *, format_weight: floa
            rel_tol: float = REL_TOL) -> list[float]:
     """Per completion: 1.0 if its answer is correct else 0.0, plus format_weight if has_format(...).
     The format term is separate from correctness (a correct answer in the wrong format still earns 1.0),
-    so format_weight = 0 gives the pure verifiable reward. Symbolic checks run in `workers` processes."""
+    so format_weight = 0 gives the pure verifiable reward. Symbolic checks run in `workers` processes;
+    rel_tol only applies to constants that are not both rational (sqrt(2) + sqrt(3) vs sqrt(5 + 2 sqrt(6)))."""
     if len(completions) != len(references):
         raise ValueError(f"completions and references differ in length: {len(completions)} vs {len(references)}")
     if answer_format not in (None, "boxed", "answer"):
@@ -673,9 +889,30 @@ def reward(completions: list[str], references: list[str], *, format_weight: floa
         for i, text in enumerate(texts):
             if not isinstance(text, str):
                 raise ValueError(f"{name}[{i}] is {type(text).__name__}, expected str")
-    correct = [_grade_fast(c, r, rel_tol) for c, r in zip(completions, references)]
+    correct = [_grade_fast(c, r) for c, r in zip(completions, references)]
     if slow := [i for i, verdict in enumerate(correct) if isinstance(verdict, tuple)]:  # only these need sympy
         for i, verdict in zip(slow, _POOL.run([correct[i] for i in slow], workers, timeout, rel_tol)):
             correct[i] = verdict
     return [float(ok) + (format_weight * has_format(c, answer_format) if format_weight else 0.0)
             for ok, c in zip(correct, completions)]
+
+
+# ----------------------------------------------------------------------------- command line
+
+def main(argv: list[str]) -> int:
+    """python reward.py PRED GOLD: the verdict, and both sides as extracted and as normalized, so that a
+    score of 0 can be traced to the step that lost the answer."""
+    if len(argv) != 2:
+        print("usage: python reward.py PRED GOLD\n  PRED: a completion or a bare answer; GOLD: the reference answer\n"
+              "prints the verdict and the extracted and normalized forms of both sides")
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    prediction, gold = argv
+    print(f"verdict: {'correct' if grade(prediction, gold) else 'wrong'}")
+    for side, extracted in (("prediction", extract_answer(prediction)), ("reference", _reference_answer(gold))):
+        normalized = None if extracted is None else normalize(extracted)
+        print(f"{side}:\n  extracted:  {extracted!r}\n  normalized: {normalized!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

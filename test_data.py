@@ -435,7 +435,8 @@ def test_unreadable_files_name_the_file_and_the_format(tmp_path, capsys):
 def test_a_copy_in_another_layout_is_named_with_its_fields(tmp_path, capsys):
     source = write_copy(tmp_path / "mine.parquet", [{"problem": "What is 2 + 2?", "answer": "4"}])
     err = run_cli(["--from", str(source), "--out", "gsm8k", "--data-dir", str(tmp_path)], capsys)
-    assert f"{source}: row 0: not a row of the gsm8k layout (KeyError: 'question'; fields: problem, answer)" in err
+    assert f"{source}: row 0: not a row of the gsm8k layout (KeyError: 'question'; fields: problem, answer); " \
+           "for a file in another layout give --problem-key and --answer-key" in err
     err = run_cli(["--from", str(source), "--problem-key", "prompt.0.content", "--out", "x",
                    "--data-dir", str(tmp_path)], capsys)
     assert f"{source}: row 0: missing field 'prompt.0.content'" in err

@@ -3,6 +3,7 @@
 import json
 import math
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -328,15 +329,147 @@ def test_evaluate_with_adapter_restores_train_mode(tiny_model_dir, tmp_path):
     assert ev.load_run(str(out))["one"].problems[0].completions == adapted.problems[0].completions
 
 
-def test_cli_bad_input(tmp_path, capsys):
-    with pytest.raises(FileNotFoundError, match="--adapter: directory .*nowhere does not exist"):
-        ev.main(["--adapter", str(tmp_path / "nowhere"), "--bench", "arithmetic_test"])
-    with pytest.raises(ValueError, match="unknown dataset 'aime99'; known: .*aime24.*amc23"):
-        ev.main(["--bench", "aime99"])
-    with pytest.raises(SystemExit):
-        ev.main(["--k", "8", "--n", "4"])
-    assert "--k 8 is larger than the --n 4 samples drawn" in capsys.readouterr().err
+def user_error(argv: list[str], capsys) -> str:
+    """ev.main on a command that is a user error: exit status 2 and one line on stderr, no traceback; returns it."""
+    with pytest.raises(SystemExit) as exit_info:
+        ev.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Makes loading a model fail the test: user errors must be found before it."""
+    def load(*args, **kwargs):
+        pytest.fail("a model was loaded before the input was checked")
+
+    monkeypatch.setattr(ev, "from_pretrained", load)
+
+
+def test_cli_bad_input(tmp_path, capsys, no_model):
+    bench = write_jsonl(tmp_path / "one.jsonl", [{"problem": "What is 2 + 2?", "answer": "4"}])
+    out = ["--bench", str(bench), "--out", str(tmp_path / "run.json")]
+    err = user_error(["--adapter", str(tmp_path / "nowhere"), *out], capsys)
+    assert "eval.py: --adapter: directory" in err and "nowhere does not exist" in err
+    assert "unknown dataset 'aime99'; known: " in user_error(["--bench", "aime99"], capsys)
+    assert "--k 8 is larger than the --n 4 samples drawn" in user_error(["--k", "8", "--n", "4"], capsys)
+    for flags, message in [(["--limit", "0"], "--limit 0: must be >= 1"),
+                           (["--limit-seed", "3"], "--limit-seed needs --limit N"),
+                           (["--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
+                           (["--temperature", "nan"], "--temperature nan: must be >= 0"),
+                           (["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
+                           (["--batch-size", "0"], "--batch-size 0: must be >= 1"),
+                           (["--template", "nope"], "--template: template must be one of answer, boxed"),
+                           (["--device", "gpu"], "--device gpu: Expected one of cpu, cuda")]:
+        assert message in user_error([*out, *flags], capsys)
     with pytest.raises(ValueError, match="k=3 must be between 1 and the number of samples drawn per problem n=2"):
         ev.evaluate(None, None, [{"problem": "1 + 1", "answer": "2"}], k=3, n=2, temperature=1.0, max_new_tokens=4)
-    with pytest.raises(FileNotFoundError, match="nothing.json"):
-        ev.main(["--compare", str(tmp_path / "nothing.json"), str(tmp_path / "nothing.json")])
+    assert "nothing.json does not exist" in user_error(["--compare", *[str(tmp_path / "nothing.json")] * 2], capsys)
+    assert not (tmp_path / "run.json").exists()
+
+
+def test_out_is_checked_before_the_model_loads(tmp_path, capsys, no_model):
+    bench = write_jsonl(tmp_path / "one.jsonl", [{"problem": "What is 2 + 2?", "answer": "4"}])
+    err = user_error(["--bench", str(bench), "--out", str(tmp_path)], capsys)
+    assert f"--out {tmp_path}: is a directory" in err
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("mine")
+    err = user_error(["--bench", str(bench), "--out", str(blocker / "sub" / "run.json")], capsys)
+    assert f"--out {blocker / 'sub' / 'run.json'}: cannot write there" in err
+    assert blocker.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["file.txt", "one.jsonl"]
+
+
+def test_limit_takes_the_first_problems_or_a_seeded_sample():
+    problems = [{"problem": f"p{i}", "answer": "1"} for i in range(10)] + [{"id": "x", "problem": "p10", "answer": "2"}]
+    assert [p["id"] for p in ev.limit_problems(problems, 3)] == [0, 1, 2]
+    sample = ev.limit_problems(problems, 4, seed=5)
+    assert sample == ev.limit_problems(problems, 4, seed=5) != ev.limit_problems(problems, 4, seed=6)
+    positions = [int(p["problem"][1:]) for p in sample]
+    assert len(set(positions)) == 4 and positions == sorted(positions)  # benchmark order kept
+    assert [p["id"] for p in sample] == ["x" if i == 10 else i for i in positions]  # ids of the full benchmark
+    assert [p["id"] for p in ev.limit_problems(problems, 50)] == [*range(10), "x"]
+    assert ev.limit_problems(problems, None)[3] == {"id": 3, "problem": "p3", "answer": "1"}
+
+
+def test_limit_and_strict_json_end_to_end(tiny_model_dir, tmp_path):
+    bench = write_jsonl(tmp_path / "tiny3.jsonl", [{"problem": f"What is {i} + 1?", "answer": str(i + 1)}
+                                                    for i in range(3)])
+    out = tmp_path / "run.json"
+    ev.main(eval_args(tiny_model_dir, bench, out, "--limit", "1", "--limit-seed", "4"))
+    text = out.read_text()
+
+    def reject(constant):
+        raise AssertionError(f"{constant} in a JSON file")
+
+    saved = json.loads(text, parse_constant=reject)  # strict: NaN and Infinity are not JSON
+    problems = saved["benchmarks"]["tiny3"]["problems"]
+    expected = ev.limit_problems(ev.load_problems(str(bench)), 1, seed=4)[0]
+    assert [p["id"] for p in problems] == [str(expected["id"])] and problems[0]["reference"] == expected["answer"]
+    assert saved["benchmarks"]["tiny3"]["summary"]["mean@k"]["se"] is None  # one problem: no spread to measure
+    assert saved["average"]["mean@k"]["se"] is None and saved["config"]["limit"] == 1
+    assert math.isnan(ev.load_run(out)["tiny3"].summary["mean@k"].se)
+
+
+def test_late_failure_keeps_the_finished_problems(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    import reward
+
+    bench = write_jsonl(tmp_path / "tiny3.jsonl", [{"problem": f"What is {i} + 1?", "answer": "2"} for i in range(3)])
+    grade, calls = reward.reward, []
+
+    def fail_on_second_batch(error):
+        def grade_or_fail(*args, **kwargs):
+            calls.append(1)
+            if len(calls) % 2 == 0:
+                raise error
+            return grade(*args, **kwargs)
+        return grade_or_fail
+
+    out = tmp_path / "run.json"
+    monkeypatch.setattr(reward, "reward", fail_on_second_batch(RuntimeError("grader crashed")))
+    with pytest.raises(RuntimeError, match="grader crashed"):  # an internal error keeps its traceback
+        ev.main(eval_args(tiny_model_dir, bench, out))
+    partial = tmp_path / "run.partial.json"
+    assert f"the 2 problems finished are in {partial}" in capsys.readouterr().err and not out.exists()
+    kept = ev.load_run(partial)["tiny3"]
+    assert [p.id for p in kept.problems] == ["0", "1"] and json.loads(partial.read_text())["config"]["partial"]
+
+    partial.unlink()
+    monkeypatch.setattr(reward, "reward", fail_on_second_batch(KeyboardInterrupt()))
+    with pytest.raises(SystemExit) as exit_info:
+        ev.main(eval_args(tiny_model_dir, bench, out))
+    assert exit_info.value.code == 130
+    assert f"interrupted; the 2 problems finished are in {partial}" in capsys.readouterr().err
+    assert [p.id for p in ev.load_run(partial)["tiny3"].problems] == ["0", "1"]
+
+
+def test_failing_to_write_out_keeps_the_results_beside_it(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    bench = write_jsonl(tmp_path / "tiny3.jsonl", [{"problem": "What is 1 + 1?", "answer": "2"}] * 3)
+    out, save = tmp_path / "run.json", ev.save_run
+
+    def save_but_not_out(path, *args):
+        if Path(path) == out:
+            raise PermissionError(13, "Permission denied")
+        save(path, *args)
+
+    monkeypatch.setattr(ev, "save_run", save_but_not_out)
+    with pytest.raises(SystemExit) as exit_info:
+        ev.main(eval_args(tiny_model_dir, bench, out))
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert "| tiny3 | 3 |" in captured.out  # the table is printed before the file is written
+    partial = tmp_path / "run.partial.json"
+    assert f"--out {out}: cannot write (Permission denied); the 3 problems finished are in {partial}" in captured.err
+    assert len(ev.load_run(partial)["tiny3"].problems) == 3
+
+
+def test_the_batch_size_bounds_memory_and_changes_no_sample(tiny_model_dir):
+    from weights import from_pretrained, load_tokenizer
+
+    model, tokenizer = from_pretrained(str(tiny_model_dir)), load_tokenizer(str(tiny_model_dir))
+    problems = [{"problem": f"What is {a} + {a}?", "answer": str(2 * a)} for a in range(5)]
+    kwargs = dict(k=3, temperature=1.0, max_new_tokens=6, progress=False, seed=7)
+    whole, split = (ev.evaluate(model, tokenizer, problems, batch_size=size, **kwargs) for size in (5, 2))
+    assert [p.completions for p in split.problems] == [p.completions for p in whole.problems]
+    assert len({c for p in whole.problems for c in p.completions}) > 1, "sampling, not one repeated answer"

@@ -1,16 +1,20 @@
 """Tests for loss.py: every expected value is computed here from the rules' published formulas."""
 
+import dataclasses
 import json
 import math
 import statistics
+
+import numpy as np
 
 import pytest
 import sympy
 import torch
 import torch.nn.functional as F
 
-from loss import (AGGREGATIONS, RULES, LossConfig, calibrate_delta, full_vocab_kl, group_advantages,
-                  policy_loss, ratio_bounds)
+from loss import (AGGREGATIONS, INPUTS, RULES, LossConfig, advantages, calibrate_delta, calibration_report,
+                  full_vocab_kl, group_advantages, main, policy_loss, ratio_bounds, read_token_records,
+                  required_inputs, write_token_records)
 
 f64 = torch.float64
 
@@ -127,6 +131,18 @@ def test_kl_full_interval_is_the_bernoulli_kl_bound_and_dcpo_matches_its_roots()
     torch.testing.assert_close(mu * lo * (1 - lo), torch.full_like(mu, 0.2))
     torch.testing.assert_close(mu * hi * (hi - 1), torch.full_like(mu, 0.28))
     assert ratio_bounds("dcpo", 0.2, 0.001)[0].item() == 0.5 and ratio_bounds("dcpo", 0.2, 0.001)[1].item() == 10
+
+
+@pytest.mark.parametrize("name", [n for n, r in RULES.items() if r.region and r.bounds])
+def test_a_rules_region_and_its_closed_form_bounds_agree(name):
+    mu = torch.tensor([0.9, 0.5, 0.05, 0.001], dtype=f64)
+    cfg, rule = LossConfig(rule=name), RULES[name]
+    lo, hi = rule.bounds(mu, cfg)
+    for edge, side in ((lo, -1), (hi, 1)):
+        finite = (edge > 0) & (edge < math.inf)
+        just_in, just_out = edge * (1 - side * 1e-9), edge * (1 + side * 1e-9)
+        assert rule.region(just_in.log(), mu.log(), cfg)[finite].all()
+        assert not rule.region(just_out.log(), mu.log(), cfg)[finite].any()
 
 
 # ----------------------------------------------------------------------------- the clip operator
@@ -503,3 +519,204 @@ def test_bad_input_raises_value_errors_naming_the_argument():
         ratio_bounds("sapo", 0.1, 0.5)
     with pytest.raises(ValueError, match="group_size"):
         group_advantages([1.0, 0.0, 1.0], 2)
+
+
+# ----------------------------------------------------------------------------- ratio limits
+
+
+def test_ratio_limits_intersect_the_interval_and_the_interval_rule_is_the_limits_alone():
+    mu = torch.tensor([0.5, 0.2, 0.05, 0.005], dtype=f64)
+    lo, hi = ratio_bounds("kl-atomic", None, mu, ratio_limits=(0.5, 10.0))
+    cell_lo, cell_hi = ratio_bounds("kl-atomic", None, mu)
+    torch.testing.assert_close(lo, cell_lo.clamp_min(0.5))
+    torch.testing.assert_close(hi, cell_hi.clamp_max(10))
+    assert hi[:2].lt(10).all() and hi[2:].eq(10).all()  # kl-atomic passes 10 below mu = 0.097
+    lo, hi = ratio_bounds("interval", None, mu)
+    assert (lo == 0).all() and (hi == math.inf).all()
+    lo, hi = ratio_bounds("interval", None, mu, ratio_limits="0.5,10")
+    assert (lo == 0.5).all() and (hi == 10).all()
+    for bad in ("2,1", "0.5", (1.0, 10.0), (-0.1, 2.0)):
+        with pytest.raises(ValueError, match="--ratio-limits"):
+            LossConfig(ratio_limits=bad)
+    with pytest.raises(ValueError, match="--ratio-limits 2,1: "):
+        LossConfig(ratio_limits=[2, 1])
+
+
+def test_interval_rule_with_limits_is_textbook_ppo_with_clip_range_half_to_ten():
+    logp, old_logp, adv, mask = random_tokens(B=8, T=16, seed=12, spread=1.5, min_prob=0.01)
+    cfg = LossConfig(rule="interval", ratio_limits=(0.5, 10.0))
+    _, grad, metrics = grad_of(logp, old_logp, adv, mask, cfg)
+    ppo_logp = logp.detach().clone().requires_grad_()
+    w, a = (ppo_logp - old_logp).exp(), adv[:, None]
+    (-(torch.minimum(w * a, w.clamp(0.5, 10) * a) * mask).sum() / mask.sum()).backward()
+    torch.testing.assert_close(grad, ppo_logp.grad, rtol=1e-12, atol=0)
+    w, a = w.detach(), a.expand_as(w)
+    stopped = mask & (((w < 0.5) & (a < 0)) | ((w > 10) & (a > 0)))
+    assert stopped.any() and (grad[stopped] == 0).all()
+    assert metrics["limit_clip_frac"] == pytest.approx((stopped.sum() / mask.sum()).item())
+    assert metrics["clip_low_frac"] == metrics["clip_high_frac"] == 0  # the region admits everything
+
+
+def test_ratio_limits_and_dual_clip_are_the_two_readings_of_half_to_ten():
+    old_logp = torch.full((1, 6), math.log(0.05), dtype=f64)  # kl-atomic admits [0.012, 86.7] here
+    w = torch.tensor([12.0, 12.0, 0.4, 0.4, 3.0, 1000.0], dtype=f64)
+    adv = torch.tensor([[1.0, -1.0, -1.0, 1.0, 1.0, 1.0]], dtype=f64)
+    mask = torch.ones(1, 6, dtype=torch.bool)
+    logp = old_logp + w.log()[None]
+    a, n = adv[0], 6
+    # limits: stop what is pushed outward past them (w=12 A>0, w=0.4 A<0); the region stops w=1000 A>0
+    _, grad, metrics = grad_of(logp, old_logp, adv, mask, LossConfig(rule="kl-atomic", ratio_limits=(0.5, 10)))
+    kept = torch.tensor([False, True, False, True, True, False])
+    torch.testing.assert_close(grad[0], torch.where(kept, -a * w / n, 0))
+    assert metrics["limit_clip_frac"] == pytest.approx(2 / 6) and metrics["clip_high_frac"] == pytest.approx(1 / 6)
+    assert metrics["mu[0.01-0.1]/limit_frac"] == pytest.approx(2 / 6)
+    assert metrics["mu[0.01-0.1]/clip_frac"] == pytest.approx(1 / 6)  # region clips only
+    # dual clip: stops what is pulled back in past them (w=12 A<0, w=0.4 A>0)
+    _, grad, metrics = grad_of(logp, old_logp, adv, mask, LossConfig(rule="kl-atomic", dual_clip=(0.5, 10)))
+    kept = torch.tensor([True, False, True, False, True, False])
+    torch.testing.assert_close(grad[0], torch.where(kept, -a * w / n, 0))
+    assert metrics["limit_clip_frac"] == pytest.approx(2 / 6) and metrics["clip_high_frac"] == pytest.approx(1 / 6)
+
+
+@pytest.mark.parametrize("rule", ["gspo", "gmpo", "cispo", "sapo", "dcpo", "kl3"])
+def test_ratio_limits_stop_outward_tokens_in_every_rule(rule):
+    logp, old_logp, adv, mask = random_tokens(B=8, T=16, seed=13, spread=1.5, min_prob=0.2)
+    delta = 0.5 if rule == "gspo" else None  # gspo's own interval is far inside the limits
+    cfg = LossConfig(rule=rule, delta=delta, ratio_limits=(0.9, 1.1))
+    _, grad, metrics = grad_of(logp, old_logp, adv, mask, cfg)
+    _, free_grad, _ = grad_of(logp, old_logp, adv, mask, LossConfig(rule=rule, delta=delta))
+    assert metrics["limit_clip_frac"] > 0
+    assert not torch.equal(grad, free_grad)
+    if rule not in ("gspo", "gmpo"):  # token-level: a limit-stopped token has no gradient of its own
+        records = []
+        policy_loss(logp, old_logp, adv, mask, cfg, records=records)
+        assert (grad[mask][torch.as_tensor(records[0]["limit"])] == 0).all()
+
+
+# ----------------------------------------------------------------------------- the config and the rule interface
+
+
+def test_every_field_has_help_and_tuples_round_trip_through_json():
+    for f in dataclasses.fields(LossConfig):
+        assert f.metadata.get("help"), f.name
+    cfg = LossConfig(rule="kl-atomic", ratio_limits=(0.5, 10), dual_clip=(0.5, 10), clip_cov_bounds=(0.0, 2.0))
+    again = LossConfig(**json.loads(json.dumps(dataclasses.asdict(cfg))))
+    assert again == cfg and again.rule == ("kl", "atomic") and again.ratio_limits == (0.5, 10.0)
+    assert LossConfig(dual_clip="3").dual_clip == 3.0 and LossConfig(dual_clip="0.5,10").dual_clip == (0.5, 10.0)
+
+
+def test_advantages_take_their_options_from_the_config():
+    rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+    for adv_std in ("group", "batch", "none"):
+        for leave_one_out in (False, True):
+            cfg = LossConfig(adv_std=adv_std, leave_one_out=leave_one_out)
+            expected = group_advantages(rewards, 4, std=adv_std, leave_one_out=leave_one_out)
+            assert torch.equal(advantages(rewards, 4, cfg), expected)
+    assert not torch.equal(advantages(rewards, 4, LossConfig(leave_one_out=True)), advantages(rewards, 4, LossConfig()))
+    with pytest.raises(ValueError, match="--adv-std"):
+        LossConfig(adv_std="global")
+
+
+def test_sequence_level_rules_default_to_their_aggregation_and_refuse_another():
+    for rule in ("gspo", "gmpo", "sapo"):
+        assert LossConfig(rule=rule).aggregation == "seq-mean-token-mean"
+        assert LossConfig(rule=rule, aggregation="seq-mean-token-mean").aggregation == "seq-mean-token-mean"
+        with pytest.raises(ValueError, match="--aggregation token-mean"):
+            LossConfig(rule=rule, aggregation="token-mean")
+    assert LossConfig(rule="atr").aggregation == "token-mean"
+    assert LossConfig(rule="atr", aggregation="seq-mean-token-sum-norm").aggregation == "seq-mean-token-sum-norm"
+
+
+def test_required_inputs_and_missing_or_unknown_inputs():
+    kl_full_needs = {"old_hidden", "hidden", "lm_head_weight", "temperature"}
+    assert required_inputs(LossConfig()) == frozenset()
+    assert required_inputs(LossConfig(kl_beta=0.1)) == {"ref_logp"}
+    assert required_inputs(LossConfig(rule="kl_full")) == kl_full_needs
+    assert required_inputs(LossConfig(rule="kl_full", kl_beta=0.1)) == kl_full_needs | {"ref_logp"}
+    assert all(name in INPUTS for name in required_inputs(LossConfig(rule="kl_full", kl_beta=0.1)))
+    logp, old_logp, adv, mask = random_tokens()
+    with pytest.raises(ValueError, match="needs the inputs ref_logp"):
+        policy_loss(logp, old_logp, adv, mask, LossConfig(kl_beta=0.1))
+    with pytest.raises(ValueError, match="unknown inputs vocab_kl"):
+        policy_loss(logp, old_logp, adv, mask, LossConfig(), vocab_kl=torch.zeros_like(logp))
+    with pytest.raises(ValueError, match="hidden"):
+        policy_loss(logp, old_logp, adv, mask, LossConfig(rule="kl_full"), old_hidden=torch.zeros(6, 8, 4),
+                    hidden=torch.zeros(6, 7, 4), lm_head_weight=torch.zeros(5, 4), temperature=1.0)
+    loss, _ = policy_loss(logp, old_logp, adv, mask, LossConfig(), ref_logp=old_logp)  # given, not needed: unused
+    assert loss.item() == policy_loss(logp, old_logp, adv, mask, LossConfig())[0].item()
+
+
+# ----------------------------------------------------------------------------- per-token records and calibration
+
+
+def test_records_agree_with_the_metrics_and_round_trip(tmp_path):
+    logp, old_logp, adv, mask = random_tokens(B=8, T=16, seed=14, spread=1.0, min_prob=1e-3)
+    cfg = LossConfig(rule="kl-atomic", ratio_limits=(0.7, 1.5), dual_clip=3.0)
+    records = []
+    for rows in (slice(0, 5), slice(5, 8)):
+        _, metrics = policy_loss(logp[rows], old_logp[rows], adv[rows], mask[rows], cfg, records=records)
+        r = records[-1]
+        assert len(r["mu"]) == mask[rows].sum()
+        assert r["region_low"].mean() == pytest.approx(metrics["clip_low_frac"], abs=1e-12)
+        assert r["region_high"].mean() == pytest.approx(metrics["clip_high_frac"], abs=1e-12)
+        assert r["limit"].mean() == pytest.approx(metrics["limit_clip_frac"], abs=1e-12)
+        assert not (r["region_low"] & r["limit"]).any() and not (r["region_high"] & r["limit"]).any()
+        np.testing.assert_allclose(r["mu"], old_logp[rows][mask[rows]].exp().numpy(), rtol=1e-6)
+        np.testing.assert_allclose(r["w"], (logp - old_logp)[rows][mask[rows]].exp().detach().numpy(), rtol=1e-6)
+    assert all(records[0][k].any() for k in ("region_low", "region_high", "limit"))
+    total = int(mask.sum())
+    write_token_records(tmp_path / "run" / "tokens" / "step-000003.npz", records, n=10 ** 6, seed=0)
+    write_token_records(tmp_path / "run" / "tokens" / "step-000007.npz", records, n=20, seed=0)
+    assert not list((tmp_path / "run" / "tokens").glob("*.tmp"))
+    back = read_token_records(tmp_path / "run")
+    assert len(back["mu"]) == total + 20 and (back["step"] == np.repeat([3, 7], [total, 20])).all()
+    for name in ("mu", "w", "advantage", "region_low", "region_high", "limit"):
+        assert np.array_equal(back[name][:total], np.concatenate([r[name] for r in records])), name
+    assert back["region_low"].dtype == bool and back["mu"].dtype == np.float32
+    write_token_records(tmp_path / "again.npz", records, n=20, seed=0)
+    assert np.array_equal(np.load(tmp_path / "again.npz")["w"], back["w"][total:])  # seeded sample
+    with pytest.raises(FileNotFoundError, match="--log-tokens"):
+        read_token_records(tmp_path / "empty")
+
+
+def synthetic_run(tmp_path, n=5000, seed=15):
+    """A run's records drawn from a loss at atr delta 0.07: old probabilities log-uniform, w log-normal."""
+    g = torch.Generator().manual_seed(seed)
+    old_logp = torch.empty(1, n, dtype=f64).uniform_(math.log(1e-3), math.log(0.95), generator=g)
+    log_w = 0.2 * torch.randn(1, n, dtype=f64, generator=g)
+    adv = torch.randn(1, n, dtype=f64, generator=g)
+    records = []
+    _, metrics = policy_loss(old_logp + log_w, old_logp, adv, torch.ones(1, n, dtype=torch.bool),
+                             LossConfig(rule="atr", delta=0.07), records=records)
+    write_token_records(tmp_path / "tokens" / "step-000001.npz", records, n=n, seed=0)
+    return metrics["clip_low_frac"] + metrics["clip_high_frac"]
+
+
+def test_calibration_recovers_a_known_delta_from_a_run(tmp_path, capsys):
+    rate = synthetic_run(tmp_path)
+    records = read_token_records(tmp_path)
+    mu, w, adv = (torch.as_tensor(records[k], dtype=f64) for k in ("mu", "w", "advantage"))
+    assert calibrate_delta("atr", mu, w, rate, advantages=adv) == pytest.approx(0.07, rel=5e-3)
+    main(["calibrate", str(tmp_path), "--rules", "atr,grpo,kl-atomic,interval", "--target-rate", str(rate)])
+    out = capsys.readouterr().out
+    assert float(out.split("atr: delta ")[1].split()[0]) == pytest.approx(0.07, rel=5e-3)
+    assert "interval: not calibratable" in out and "<0.01" in out
+    lines = out.splitlines()
+    grpo = lines.index(next(line for line in lines if line.startswith("grpo: delta")))
+    assert f"clips {rate:.2%}" in lines[grpo]
+    # grpo at its equal-width delta has atr's log-width at atr's delta (both intervals are constant)
+    lo, hi = ratio_bounds("atr", float(out.split("atr: delta ")[1].split()[0]), 0.5)
+    equal = float(lines[grpo + 3].split(": ")[1])
+    assert math.log((1 + equal) / (1 - equal)) == pytest.approx(torch.log(hi / lo).item(), rel=1e-5)
+
+
+def test_calibration_errors(tmp_path):
+    with pytest.raises(SystemExit):
+        main(["calibrate", str(tmp_path), "--target-rate", "0.02"])  # no records
+    synthetic_run(tmp_path, n=200)
+    with pytest.raises(ValueError, match="needs old_hidden"):
+        calibration_report(read_token_records(tmp_path), ["kl_full"], 0.02)
+    with pytest.raises(ValueError, match="no trust region"):
+        calibration_report(read_token_records(tmp_path), ["sapo"], 0.02)
+    with pytest.raises(ValueError, match="no delta"):
+        calibrate_delta("interval", [0.5], [1.0], 0.1)

@@ -182,7 +182,7 @@ def sampled_step(tiny_model_dir, tmp_path, monkeypatch, *flags):
     cfg, _, _ = train.parse_args(tiny_args(tiny_model_dir, tmp_path, "step", "--prompts-per-step", "4",
                                            "--max-new-tokens", "6", *flags))
     model, tokenizer, _ = train.build(cfg)
-    cfg = train.resolve_automatic(cfg, model)
+    cfg = train.resolve_automatic(cfg, model, tokenizer, [])
     monkeypatch.setattr(train, "stop_ids", lambda config, tok: list(range(0, len(tok), 4)))
     problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
     out = train.sample(model, tokenizer, problems, cfg, step=1)
@@ -195,8 +195,9 @@ def sampled_step(tiny_model_dir, tmp_path, monkeypatch, *flags):
 def test_micro_batches_give_the_update_of_one_batch(tiny_model_dir, tmp_path, monkeypatch, aggregation):
     cfg, out, advantages = sampled_step(tiny_model_dir, tmp_path, monkeypatch, "--aggregation", aggregation)
     updated = []
-    for accum in (1, 4):
-        model, _, optimizer = train.build(cfg)
+    for accum in (1, 4):  # plain SGD: Adam would blow rounding noise in near-zero gradients up to +-lr
+        model, _, _ = train.build(cfg)
+        optimizer = torch.optim.SGD(lora.parameters(model), lr=1.0)
         train.policy_update(model, optimizer, out, advantages, dataclasses.replace(cfg, grad_accum=accum), step=1)
         updated.append({k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad})
     for name, value in updated[0].items():
@@ -221,7 +222,7 @@ def test_a_step_and_an_evaluation_create_every_tensor_on_the_model_device(tiny_m
     cfg, _, _ = train.parse_args(tiny_args(tiny_model_dir, tmp_path, "device", "--updates-per-rollout", "2",
                                            "--kl-beta", "0.1", "--rule", "kl_full", "--recompute-old-logp", "on"))
     model, tokenizer, optimizer = train.build(cfg)
-    cfg = train.resolve_automatic(cfg, model)
+    cfg = train.resolve_automatic(cfg, model, tokenizer, [])
     problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
     eval_sets = train.load_eval_sets(cfg)
     torch.set_default_device("meta")
@@ -239,7 +240,8 @@ def test_old_logp_are_recomputed_automatically_outside_float32(tiny_model_dir, t
     assert train.frozen_inputs(model, out, cfg)["old_logp"] is out.old_logp  # float32: the sampler's are exact
     recomputed = train.frozen_inputs(model.to(torch.bfloat16), out, cfg)["old_logp"]
     assert recomputed is not out.old_logp and recomputed.shape == out.old_logp.shape
-    assert (recomputed[~out.completion_mask] == 0).all() and (recomputed[out.completion_mask] < 0).all()
+    mask = out.completion_mask  # the loss reads these tokens only
+    torch.testing.assert_close(recomputed[mask], out.old_logp[mask], atol=0.2, rtol=0)  # bf16 rounding, no more
     off = train.frozen_inputs(model, out, dataclasses.replace(cfg, recompute_old_logp="off"))
     assert off["old_logp"] is out.old_logp
 

@@ -341,7 +341,7 @@ def train(cfg: Config) -> dict:
     train_set, eval_sets = load_problems(cfg.dataset), load_eval_sets(cfg)
     run_dir = prepare_run_dir(cfg)
     model, tokenizer, optimizer = build(cfg)
-    cfg = resolve_automatic(cfg, model)
+    cfg = resolve_automatic(cfg, model, tokenizer, train_set)
     warn_if_inert(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed start leaves no empty run directory
     metrics_file = run_dir / "metrics.jsonl"
@@ -519,54 +519,59 @@ def build(cfg: Config):
     return model, tokenizer, optimizer
 
 
-def resolve_automatic(cfg: Config, model) -> Config:
+def resolve_automatic(cfg: Config, model, tokenizer, train_set: list[dict]) -> Config:
     """Fill the sizes left at 0: from the memory plan on a GPU; on the CPU one call and one micro-batch."""
     if model.device.type != "cuda":
         return dataclasses.replace(cfg, rollout_batch=cfg.rollout_batch or cfg.prompts_per_step,
                                    grad_accum=cfg.grad_accum or 1, eval_batch=cfg.eval_batch or 16)
-    budget = memory.gpu_memory_bytes(str(model.device), cfg.gpu_memory, free=True)
-    return planned_config(cfg, model.config, budget)
+    longest = max(len(render_prompt(tokenizer, p["problem"], cfg.template, cfg.system_prompt)) for p in train_set)
+    budget = memory.gpu_memory_bytes(str(model.device), cfg.gpu_memory)
+    return planned_config(cfg, model.config, budget, prompt_len=longest)
 
 
-def planned_config(cfg: Config, model_cfg, budget: int) -> Config:
+def planned_config(cfg: Config, model_cfg, budget: int, prompt_len: int = memory.Workload.prompt_len) -> Config:
     """cfg with rollout_batch, grad_accum and eval_batch chosen by the memory plan where they are 0."""
-    work = memory.fit(model_cfg, workload(cfg), budget)
-    rows_per_update = math.ceil(cfg.prompts_per_step * cfg.group_size / cfg.updates_per_rollout)
+    work = memory.fit(model_cfg, workload(cfg, prompt_len), budget)
     return dataclasses.replace(cfg, rollout_batch=cfg.rollout_batch or work.rollout_prompts,
-                               grad_accum=cfg.grad_accum or math.ceil(rows_per_update / work.micro_batch_rows),
+                               grad_accum=cfg.grad_accum or math.ceil(work.minibatch_rows / work.micro_batch_rows),
                                eval_batch=cfg.eval_batch or work.eval_prompts)
 
 
-def workload(cfg: Config) -> memory.Workload:
-    """What one step of this config asks of the GPU, with the explicit sizes fixed and the zeros left to fit."""
-    device, dtype = resolve_device(cfg)
-    rows_per_update = math.ceil(cfg.prompts_per_step * cfg.group_size / cfg.updates_per_rollout)
-    needs = loss.required_inputs(cfg.loss)
+def workload(cfg: Config, prompt_len: int = memory.Workload.prompt_len) -> memory.Workload:
+    """What one step of this config asks of the GPU; sizes left at 0 start at their largest, for fit to lower."""
+    _, dtype = resolve_device(cfg)
+    minibatch_rows = math.ceil(cfg.prompts_per_step * cfg.group_size / cfg.updates_per_rollout)
     return memory.Workload(
         dtype=dtype, lora_rank=cfg.lora_rank, lora_targets=tuple(cfg.lora_targets.split(",")),
-        gradient_checkpointing=cfg.gradient_checkpointing == "on" or (
-            cfg.gradient_checkpointing == "auto" and device.type in ("cuda", "meta")),
-        prompt_len=memory.PROMPT_TOKENS, max_new_tokens=cfg.max_new_tokens, group_size=cfg.group_size,
-        rollout_prompts=cfg.rollout_batch or cfg.prompts_per_step,
-        micro_batch_rows=math.ceil(rows_per_update / cfg.grad_accum) if cfg.grad_accum else rows_per_update,
-        eval_prompts=cfg.eval_batch or 16, eval_k=cfg.eval_k,
-        reference_pass="ref_logp" in needs, fixed={name for name in ("rollout_batch", "grad_accum", "eval_batch")
-                                                  if getattr(cfg, name)})
+        gradient_checkpointing=cfg.gradient_checkpointing != "off", prompt_len=prompt_len,
+        max_new_tokens=cfg.max_new_tokens, group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step,
+        updates_per_rollout=cfg.updates_per_rollout, rollout_prompts=cfg.rollout_batch or cfg.prompts_per_step,
+        micro_batch_rows=math.ceil(minibatch_rows / cfg.grad_accum) if cfg.grad_accum else minibatch_rows,
+        temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+        recompute_old_logp=cfg.recompute_old_logp == "on" or (cfg.recompute_old_logp == "auto"
+                                                             and dtype != torch.float32),
+        ref_logp="ref_logp" in loss.required_inputs(cfg.loss), eval_prompts=cfg.eval_batch or 16,
+        eval_k=cfg.eval_k, eval_temperature=cfg.eval_temperature)
 
 
 def plan(cfg: Config) -> bool:
-    """Print the memory each phase of a step takes on the GPU, without loading weights; True if it fits."""
+    """Print the memory each phase of a step takes on the GPU (a CUDA one, bf16 unless --dtype says
+    otherwise), without loading weights; True if it fits."""
     validate(cfg, need_device=False)
+    if cfg.dtype == "auto":
+        cfg = dataclasses.replace(cfg, dtype="bfloat16")  # the plan is for a GPU, where auto means bf16
     model_cfg = memory.model_config(cfg.model)
     budget = memory.gpu_memory_bytes(None if cfg.device in ("auto", "cpu") else cfg.device, cfg.gpu_memory)
     try:
         chosen = planned_config(cfg, model_cfg, budget)
-    except ValueError as error:  # nothing fits, even at one row: the report says which phase
+    except ValueError as error:  # some phase does not fit even at one row or prompt per call
         print(error)
         chosen = cfg
+    else:
+        print(f"chosen: --rollout-batch {chosen.rollout_batch} --grad-accum {chosen.grad_accum} "
+              f"--eval-batch {chosen.eval_batch}")
     text, fits = memory.report(model_cfg, workload(chosen), budget)
-    print(f"--rollout-batch {chosen.rollout_batch} --grad-accum {chosen.grad_accum} --eval-batch {chosen.eval_batch}")
-    print(text)
+    print(text)  # its last line: plan: peak X GB of Y GB (fits), or (does not fit: ...)
     return fits
 
 
@@ -779,6 +784,7 @@ def make_config(values: dict) -> Config:
     if unknown:
         raise ValueError(f"unknown settings: {', '.join(sorted(unknown))}")
     cfg = Config(**train_values)
+    validate(cfg, need_device=False)  # before LossConfig, whose norm_len follows max_new_tokens
     loss_values.setdefault("norm_len", cfg.max_new_tokens)
     return dataclasses.replace(cfg, loss=loss.LossConfig(**loss_values))
 

@@ -234,6 +234,18 @@ def _unpermute_rope(weight: torch.Tensor, heads: int) -> torch.Tensor:
 EXPORT_MARKER = ".grpo-export"  # present in every directory save_pretrained wrote
 
 
+def check_export_dir(path: str | Path) -> None:
+    """Raise unless save_pretrained may write to path: absent, empty or an earlier export, in a folder
+    that can be written. Cheap, so a trainer calls it before hours of work rather than after."""
+    path = Path(path)
+    if path.exists() and not (path.is_dir() and (not any(path.iterdir()) or (path / EXPORT_MARKER).is_file())):
+        raise ValueError(f"export: {path} exists and is not an earlier export (no {EXPORT_MARKER} file); "
+                         f"refusing to replace it: pass a new or empty directory")
+    parent = next((p for p in path.absolute().parents if p.exists()), Path("/"))
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"export: cannot write {path}: {parent} is not writable")
+
+
 def save_pretrained(model: Transformer, path: str | Path, tokenizer=None) -> None:
     """Write config.json + model.safetensors (and the tokenizer, if given) for transformers'
     AutoModelForCausalLM. LoRA adapters are folded into the saved weights; the model is left unchanged.
@@ -246,9 +258,7 @@ def save_pretrained(model: Transformer, path: str | Path, tokenizer=None) -> Non
     from safetensors.torch import save_file
 
     path = Path(path)
-    if path.exists() and not (path.is_dir() and (not any(path.iterdir()) or (path / EXPORT_MARKER).is_file())):
-        raise ValueError(f"save_pretrained: {path} exists and is not an earlier export (no {EXPORT_MARKER} file); "
-                         f"refusing to replace it: pass a new or empty directory")
+    check_export_dir(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:

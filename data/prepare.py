@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -252,6 +251,10 @@ def competition_row(row: dict) -> dict:
     return {"problem": row[problem_key].strip(), "answer": integer_answer(row[answer_key])}
 
 
+class LayoutError(ValueError):
+    """A row that does not fit the layout it was read as."""
+
+
 LAYOUTS = {"dapo": dapo_row, "gsm8k": gsm8k_row, "math500": math500_row, "aime": competition_row,
            "amc": competition_row}
 
@@ -273,8 +276,8 @@ def convert_rows(rows: Iterable[tuple[str, dict]], layout: str, source: str) -> 
                 problem = to_problem(row)
             except (KeyError, IndexError, TypeError, AttributeError) as e:
                 fields = ", ".join(row) if isinstance(row, dict) else type(row).__name__
-                raise ValueError(f"{where}: not a row of the {layout} layout ({type(e).__name__}: {e}; "
-                                 f"fields: {fields})") from None
+                raise LayoutError(f"{where}: not a row of the {layout} layout ({type(e).__name__}: {e}; "
+                                  f"fields: {fields})") from None
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
             if not problem["problem"] or not problem["answer"]:
@@ -331,7 +334,10 @@ def convert_file(path: str | Path, out: str, *, layout: str | None = None, probl
     if Path(out).name != out or Path(out).suffix in (".json", ".jsonl"):
         raise ValueError(f"--out takes a dataset name such as 'math500' (written as NAME.jsonl), got {out!r}")
     if layout is not None:
-        problems = list(convert_rows(read_rows(path), layout, str(path)))
+        try:
+            problems = list(convert_rows(read_rows(path), layout, str(path)))
+        except LayoutError as error:
+            raise LayoutError(f"{error}; for a file in another layout give --problem-key and --answer-key") from None
     else:
         problems = read_problems(path, problem_key, answer_key)
         for problem in problems:

@@ -1,0 +1,286 @@
+"""
+Pictures of training runs: reward and held-out accuracy, entropy, completion length, clipping, KL and grad norm.
+
+    python plot.py runs/A [runs/B ...] [--out DIR] [--smooth N]
+
+Reads each run directory that train.py wrote (metrics.jsonl: one JSON object a step; summary.json: the held-out
+accuracy before and after training) and writes one PNG per figure, printing each path. Several runs are drawn on
+the same axes, one colour per run, named by their directories: that is how two rules are compared. A metric that no
+run logged is left out, and a figure with nothing to show is not written.
+"""
+
+import argparse
+import json
+import math
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display, no GUI toolkit
+import matplotlib.pyplot as plt  # noqa: E402  (the backend is chosen before pyplot loads)
+import matplotlib.ticker  # noqa: E402
+import numpy as np  # noqa: E402
+
+BUCKET_CLIP = re.compile(r"mu\[(.+)\]/clip_frac")  # loss.py's per-old-probability-bucket clipped fraction
+
+
+@dataclass
+class Panel:
+    title: str
+    keys: tuple[str, ...]  # metrics.jsonl keys drawn on this axis, one line style each
+    ylabel: str = ""
+
+
+# file name -> panels; a panel shows up when any run logged one of its keys
+FIGURES = {
+    "reward": [Panel("training reward and accuracy", ("reward", "accuracy"))],
+    "entropy": [Panel("policy entropy", ("entropy",), "nats / token")],
+    "length": [Panel("completion length", ("completion_length",), "tokens"),
+               Panel("truncated at max_new_tokens", ("truncated",), "fraction of completions")],
+    "clipping": [Panel("clipped below (ratio under its lower bound)", ("clip_low_frac",), "fraction of tokens"),
+                 Panel("clipped above (ratio over its upper bound)", ("clip_high_frac",), "fraction of tokens"),
+                 Panel("limit clip", ("limit_clip_frac",), "fraction of tokens"),
+                 Panel("dual clip", ("dual_clip_frac",), "fraction of tokens")],
+    "kl": [Panel("KL to the sampling policy (k3)", ("approx_kl",)), Panel("KL to the reference", ("ref_kl",))],
+    "grad_norm": [Panel("gradient norm before clipping", ("grad_norm",))],
+}
+LINE_STYLES = ("-", "--", ":", "-.")
+
+
+@dataclass
+class Run:
+    name: str
+    records: list[dict]  # one per step, in step order
+    summary: dict  # summary.json; {} when the run has none yet
+
+    def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """(steps, values) over the steps that logged `key` as a number or null (NaN: a gap in the line)."""
+        points = [(r["step"], math.nan if r[key] is None else r[key]) for r in self.records
+                  if key in r and (r[key] is None or isinstance(r[key], (int, float)))]
+        steps, values = zip(*points) if points else ((), ())
+        return np.array(steps, dtype=float), np.array(values, dtype=float)
+
+
+def load_run(path: Path, name: str) -> Run:
+    """A run directory's metrics (the last record of each step, so a resumed run's repeats count once)."""
+    metrics = path / "metrics.jsonl"
+    if not path.is_dir():
+        raise ValueError(f"{path}: no such run directory")
+    if not metrics.is_file():
+        raise ValueError(f"{path}: no metrics.jsonl in it; expected a run directory written by train.py")
+    by_step = {}
+    for number, line in enumerate(metrics.read_text(encoding="utf-8").split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{metrics}:{number}: invalid JSON ({error.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ValueError(f"{metrics}:{number}: expected a JSON object with an integer \"step\"")
+        by_step[record["step"]] = record
+    summary_file = path / "summary.json"
+    try:
+        summary = json.loads(summary_file.read_text(encoding="utf-8")) if summary_file.is_file() else {}
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{summary_file}: invalid JSON ({error.msg})") from None
+    return Run(name, [by_step[step] for step in sorted(by_step)], summary if isinstance(summary, dict) else {})
+
+
+def trailing_mean(values: np.ndarray, window: int) -> np.ndarray:
+    """Mean of each value and the window - 1 before it, skipping NaN; NaN where the window holds none."""
+    valid = ~np.isnan(values)
+    kernel = np.ones(window)
+    sums = np.convolve(np.where(valid, values, 0.0), kernel)[: len(values)]
+    counts = np.convolve(valid.astype(float), kernel)[: len(values)]
+    return np.divide(sums, counts, out=np.full(len(values), np.nan), where=counts > 0)
+
+
+def draw_line(ax, steps: np.ndarray, values: np.ndarray, color, style: str, label: str, smooth: int) -> None:
+    """One metric of one run; with smoothing the raw values stay visible, faint, behind the trailing mean."""
+    marker = "o" if len(steps) <= 30 else None  # a short run's points would otherwise vanish (one step: no line)
+    if smooth > 1:
+        ax.plot(steps, values, style, color=color, alpha=0.25, linewidth=1)
+        values = trailing_mean(values, smooth)
+    ax.plot(steps, values, style, color=color, marker=marker, markersize=3, linewidth=1.5, label=label)
+
+
+def _label(run: Run, key: str, runs: Sequence[Run], keys: Sequence[str]) -> str:
+    """The run's name when there are several runs, the metric's when the panel has several; "" (no legend) else."""
+    return " ".join(([run.name] if len(runs) > 1 else []) + ([key] if len(keys) > 1 else []))
+
+
+def logged(panel: Panel, runs: Sequence[Run]) -> list[str]:
+    """The panel's keys that at least one run logged."""
+    return [key for key in panel.keys if any(len(run.series(key)[0]) for run in runs)]
+
+
+def draw_panel(ax, panel: Panel, runs: Sequence[Run], colors, smooth: int) -> None:
+    """The panel's metrics for every run: colour tells the run, line style the metric."""
+    keys = logged(panel, runs)
+    for run, color in zip(runs, colors):
+        for key, style in zip(keys, LINE_STYLES):
+            steps, values = run.series(key)
+            if len(steps):
+                draw_line(ax, steps, values, color, style, _label(run, key, runs, keys), smooth)
+    ax.set(title=panel.title, xlabel="step", ylabel=panel.ylabel)
+
+
+def held_out_points(run: Run) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(steps, accuracy, se) of the periodic evaluations, with summary.json's before at step 0 and after at the
+    last step; an unknown se (one problem) is drawn without an error bar."""
+    points = [(0, run.summary["before"])] if isinstance(run.summary.get("before"), dict) else []
+    points += [(r["step"], r["eval"]) for r in run.records if isinstance(r.get("eval"), dict)]
+    if isinstance(run.summary.get("after"), dict) and run.records:
+        points.append((run.records[-1]["step"], run.summary["after"]))
+    points = [(step, e) for step, e in points if isinstance(e.get("accuracy"), (int, float))]
+    steps = np.array([step for step, _ in points], dtype=float)
+    accuracy = np.array([e["accuracy"] for _, e in points], dtype=float)
+    se = np.array([e["se"] if isinstance(e.get("se"), (int, float)) else 0.0 for _, e in points], dtype=float)
+    return steps, accuracy, se
+
+
+def draw_held_out(ax, runs: Sequence[Run], colors) -> None:
+    for run, color in zip(runs, colors):
+        steps, accuracy, se = held_out_points(run)
+        if len(steps):
+            ax.errorbar(steps, accuracy, yerr=se, color=color, marker="o", markersize=4, capsize=3, label=run.name)
+    ax.set(title="held-out accuracy (± se over problems)", xlabel="step", ylabel="Mean@k")
+
+
+def finish_axes(ax) -> None:
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # steps are whole numbers
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+
+
+def write(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def bucket_labels(runs: Sequence[Run]) -> list[str]:
+    """The old-probability bucket labels in the order the runs logged them (loss.py: <0.01 up to >0.9)."""
+    labels = {}
+    for run in runs:
+        for record in run.records:
+            labels.update((m[1], None) for key in record if (m := BUCKET_CLIP.fullmatch(key)))
+    return list(labels)
+
+
+def draw_bucket_table(runs: Sequence[Run]):
+    """The clipped fraction per old-probability bucket (rows) and step (columns), one heat map per run on one
+    colour scale: where a rule clips, and how that moves during training. None when no run logged it."""
+    labels = bucket_labels(runs)
+    tables = []
+    for run in runs:
+        steps = np.array([r["step"] for r in run.records], dtype=float)
+        table = np.array([[np.nan if r.get(f"mu[{label}]/clip_frac") is None else r[f"mu[{label}]/clip_frac"]
+                           for r in run.records] for label in labels], dtype=float)  # [buckets, steps]
+        if labels and len(steps) and not np.isnan(table).all():
+            tables.append((run, steps, table))
+    if not tables:
+        return None
+    top = max(float(np.nanmax(table)) for _, _, table in tables) or 1.0  # all zero: still a readable scale
+    fig, axes = plt.subplots(len(tables), 1, figsize=(9, 0.5 * len(labels) + 2.2 * len(tables)), squeeze=False)
+    for ax, (run, steps, table) in zip(axes[:, 0], tables):
+        middle = (steps[:-1] + steps[1:]) / 2
+        edges = np.concatenate([[steps[0] - 0.5], middle, [steps[-1] + 0.5]])  # a cell per step, gaps allowed
+        mesh = ax.pcolormesh(edges, np.arange(len(labels) + 1), table, vmin=0.0, vmax=top, cmap="viridis")
+        ax.set_yticks(np.arange(len(labels)) + 0.5, labels)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.set(title=f"{run.name}: clipped fraction by old probability", xlabel="step", ylabel="old probability")
+        fig.colorbar(mesh, ax=ax, label="fraction clipped")
+        if len(steps) <= 12:  # few steps: the numbers fit in their cells
+            for row, column in np.ndindex(table.shape):
+                ax.text((edges[column] + edges[column + 1]) / 2, row + 0.5, f"{table[row, column]:.3f}",
+                        ha="center", va="center", fontsize=7, color="white" if table[row, column] < top / 2 else "k")
+    return fig
+
+
+def plot_runs(runs: Sequence[Run], out: Path, smooth: int = 1) -> list[Path]:
+    """Write every figure that has data into `out`, with only the panels that have data; returns the files."""
+    colors = [plt.get_cmap("tab10")(i % 10) for i in range(len(runs))]
+    written = []
+    for name, panels in FIGURES.items():
+        panels = [panel for panel in panels if logged(panel, runs)]
+        held_out = name == "reward" and any(len(held_out_points(run)[0]) for run in runs)
+        if not panels and not held_out:
+            continue
+        count = len(panels) + held_out
+        rows, columns = math.ceil(count / 2), min(count, 2)  # two panels a row keeps the text readable
+        fig, grid = plt.subplots(rows, columns, figsize=(5.5 * columns, 3.8 * rows), squeeze=False)
+        axes = list(grid.flat)
+        for ax in axes[count:]:
+            fig.delaxes(ax)
+        for ax, panel in zip(axes, panels):
+            draw_panel(ax, panel, runs, colors, smooth)
+        if held_out:
+            draw_held_out(axes[count - 1], runs, colors)
+        for ax in axes[:count]:
+            finish_axes(ax)
+        written.append(write(fig, out / f"{name}.png"))
+    if table := draw_bucket_table(runs):
+        written.append(write(table, out / "clip_buckets.png"))
+    return written
+
+
+def run_names(paths: Sequence[Path]) -> list[str]:
+    """Directory names, or the paths as given where two runs share a name."""
+    names = [path.name or str(path) for path in paths]
+    return [name if names.count(name) == 1 else str(path) for name, path in zip(names, paths)]
+
+
+def default_out(paths: Sequence[Path], names: Sequence[str]) -> Path:
+    if len(paths) == 1:
+        return paths[0] / "plots"
+    return paths[0].resolve().parent / ("plots-" + "-vs-".join(Path(name).name for name in names))
+
+
+def fail(message: str):
+    """A user's mistake: one line, exit status 2, no traceback."""
+    print(f"plot.py: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line, not argparse's usage block."""
+        self.exit(2, f"plot.py: {message} (see --help)\n")
+
+
+def main(argv: Sequence[str] | None = None) -> list[Path]:
+    parser = _Parser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories written by train.py (runs/NAME)")
+    parser.add_argument("--out", type=Path, default=None, help="folder for the PNG files (default: RUN/plots for "
+                        "one run, plots-A-vs-B beside the first run for several)")
+    parser.add_argument("--smooth", type=int, default=1, metavar="N", help="draw the trailing mean over N steps, "
+                        "the raw values faint behind it (default: 1, no smoothing)")
+    args = parser.parse_args(argv)
+    if args.smooth < 1:
+        parser.error(f"--smooth {args.smooth}: must be >= 1")
+    names = run_names(args.runs)
+    out = args.out or default_out(args.runs, names)
+    try:
+        runs = [load_run(path, name) for path, name in zip(args.runs, names)]
+    except (ValueError, OSError) as error:
+        fail(str(error))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        fail(f"--out {out}: cannot create the folder ({error.strerror})")
+    written = plot_runs(runs, out, args.smooth)
+    for path in written:
+        print(path)
+    return written
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Tests for plot.py: the figures of short runs are real images, missing metrics are skipped, bad runs are one line."""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import plot
+
+BUCKETS = ("<0.01", "0.01-0.1", "0.1-0.5", "0.5-0.9", ">0.9")
+# the keys a train.py step logs (read from a real 2-step run), without the bucket table
+STEP_KEYS = ("reward", "accuracy", "completion_length", "truncated", "clip_low_frac", "clip_high_frac",
+             "dual_clip_frac", "approx_kl", "ratio_min", "ratio_mean", "ratio_max", "entropy", "grad_norm",
+             "skipped_updates", "step_seconds", "rollout_tokens_per_s", "reward_seconds", "train_tokens_per_s")
+ALL_FIGURES = {"reward.png", "entropy.png", "length.png", "clipping.png", "kl.png", "grad_norm.png",
+               "clip_buckets.png"}
+
+
+def write_run(path: Path, steps: int = 12, seed: int = 0, extra: tuple[str, ...] = (), keys=STEP_KEYS,
+              summary: dict | None = None) -> Path:
+    """A run directory as train.py writes it, with random values under the real metric names."""
+    rng = np.random.default_rng(seed)
+    path.mkdir(parents=True)
+    lines = []
+    for step in range(1, steps + 1):
+        record = {"step": step, **{key: float(rng.random()) for key in (*keys, *extra)}}
+        if "approx_kl" in keys:
+            record.update({f"mu[{b}]/{stat}": float(rng.random()) for b in BUCKETS
+                           for stat in ("share", "adv_sign", "clip_frac")})
+        if step % 4 == 0:
+            record["eval"] = {"accuracy": 0.5 + step / 40, "se": 0.05, "pass@k": 0.9, "problems": 72, "k": 8}
+        lines.append(json.dumps(record))
+    (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    summary = {"before": {"accuracy": 0.5, "se": 0.05}, "after": {"accuracy": 0.8, "se": 0.04}} if summary is None \
+        else summary
+    (path / "summary.json").write_text(json.dumps(summary))
+    return path
+
+
+def check_png(path: Path) -> None:
+    """A non-trivial picture: a PNG of real size with many colours (lines, text, anti-aliasing)."""
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 10_000, path
+    pixels = matplotlib.image.imread(path)  # [H, W, 4]
+    assert pixels.shape[0] >= 300 and pixels.shape[1] >= 500, (path, pixels.shape)
+    assert len(np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0)) > 50, path
+
+
+def test_figures_of_two_runs_overlaid(tmp_path, capsys):
+    grpo = write_run(tmp_path / "grpo", seed=0)
+    atr = write_run(tmp_path / "atr", seed=1, extra=("ref_kl", "limit_clip_frac"))
+    out = tmp_path / "pictures"
+    written = plot.main([str(grpo), str(atr), "--out", str(out), "--smooth", "3"])
+    assert {path.name for path in written} == ALL_FIGURES
+    assert capsys.readouterr().out.split() == [str(path) for path in written]
+    for path in written:
+        check_png(path)
+    # several runs: colours are the runs, named by their directories
+    runs = [plot.load_run(grpo, "grpo"), plot.load_run(atr, "atr")]
+    assert plot._label(runs[0], "reward", runs, ["reward", "accuracy"]) == "grpo reward"
+    assert plot._label(runs[1], "ref_kl", runs, ["ref_kl"]) == "atr"
+    assert plot._label(runs[0], "entropy", runs[:1], ["entropy"]) == ""  # one line: no legend
+
+
+def test_one_run_defaults_to_its_plots_folder_and_skips_missing_metrics(tmp_path, capsys):
+    run = write_run(tmp_path / "bare", keys=("reward",), summary={})  # no eval entries either
+    lines = (tmp_path / "bare" / "metrics.jsonl").read_text().splitlines()
+    (tmp_path / "bare" / "metrics.jsonl").write_text("\n".join(json.dumps({k: v for k, v in json.loads(line).items()
+                                                                           if k != "eval"}) for line in lines))
+    written = plot.main([str(run)])
+    assert written == [run / "plots" / "reward.png"]
+    check_png(written[0])
+
+
+def test_held_out_points_join_summary_and_periodic_evaluations(tmp_path):
+    run = plot.load_run(write_run(tmp_path / "r", steps=8, summary={"before": {"accuracy": 0.4, "se": None},
+                                                                   "after": {"accuracy": 0.9, "se": 0.1}}), "r")
+    steps, accuracy, se = plot.held_out_points(run)
+    assert steps.tolist() == [0, 4, 8, 8]
+    assert accuracy.tolist() == pytest.approx([0.4, 0.6, 0.7, 0.9])
+    assert se.tolist() == pytest.approx([0.0, 0.05, 0.05, 0.1])  # null se (one problem): no error bar
+
+
+def test_a_resumed_run_counts_each_step_once_and_null_is_a_gap(tmp_path):
+    run_dir = tmp_path / "resumed"
+    run_dir.mkdir()
+    rows = [{"step": 1, "reward": 0.1}, {"step": 2, "reward": 0.2}, {"step": 2, "reward": 0.25},
+            {"step": 3, "reward": None, "grad_norm": None}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows) + "\n")
+    run = plot.load_run(run_dir, "resumed")
+    steps, values = run.series("reward")
+    assert steps.tolist() == [1, 2, 3] and values[:2].tolist() == [0.1, 0.25] and math.isnan(values[2])
+    assert run.summary == {}
+
+
+def test_trailing_mean_skips_missing_values():
+    values = np.array([1.0, 3.0, np.nan, 5.0, np.nan, np.nan])
+    smoothed = plot.trailing_mean(values, 2)
+    assert smoothed[:4].tolist() == [1.0, 2.0, 3.0, 5.0] and smoothed[4] == 5.0 and math.isnan(smoothed[5])
+
+
+def user_error(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        plot.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("plot.py: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_bad_run_directories_are_one_line(tmp_path, capsys):
+    good = write_run(tmp_path / "good", steps=2)
+    assert f"{tmp_path / 'nowhere'}: no such run directory" in user_error([str(good), str(tmp_path / "nowhere")],
+                                                                          capsys)
+    (tmp_path / "empty").mkdir()
+    assert "empty: no metrics.jsonl in it" in user_error([str(tmp_path / "empty")], capsys)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n{"step": 2, "rew\n')
+    assert f"{broken / 'metrics.jsonl'}:2: invalid JSON" in user_error([str(broken)], capsys)
+    (broken / "metrics.jsonl").write_text('{"reward": 0.5}\n')
+    assert 'metrics.jsonl:1: expected a JSON object with an integer "step"' in user_error([str(broken)], capsys)
+    assert "--smooth 0: must be >= 1" in user_error([str(good), "--smooth", "0"], capsys)
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("")
+    assert f"--out {blocker / 'plots'}: cannot create the folder" in user_error(
+        [str(good), "--out", str(blocker / "plots")], capsys)
+    assert not (good / "plots").exists()
