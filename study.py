@@ -46,7 +46,7 @@ DEFAULT_ARMS = "grpo,dapo,atr,kl-atomic,limits"
 
 # study flag -> (default, help); each is passed to train.py under the same name
 TRAIN_FLAGS = {
-    "steps": (30, "training steps per run"),
+    "steps": (20, "training steps per run"),
     "dataset": ("two_digit", "training set"),
     "eval_dataset": ("two_digit_test", "held-out set, the same for every arm"),
     "prompts_per_step": (8, "prompts per step"),
