@@ -84,12 +84,13 @@ def run_numbers(metrics: list[dict], summary: dict) -> dict:
 
     Clip rates count every token whose gradient a clip stopped (the region's below and above, plus
     ratio limits or dual clip), averaged over the run's completion tokens; per bucket, over the tokens
-    whose old probability falls in it (a step's bucket rate is weighted by its token count there).
+    whose old probability falls in it. Every step samples the same number of completions, so a step's
+    tokens are proportional to its mean completion length.
     """
     steps = [m for m in metrics if "clip_low_frac" in m]
     if not steps:
         raise ValueError("the run logged no training steps")
-    tokens = np.array([m.get("tokens", 1) for m in steps], dtype=float)
+    tokens = np.array([m["completion_length"] for m in steps], dtype=float)
     clip = np.array([m["clip_low_frac"] + m["clip_high_frac"] + m.get("limit_clip_frac", 0.0) for m in steps])
     by_bucket = {}
     for label in MU_LABELS:

@@ -11,7 +11,7 @@ from loss import MU_LABELS
 
 
 def step(tokens, low, high, limit, bucket_rates, bucket_shares, entropy=1.0):
-    record = {"step": 1, "tokens": tokens, "clip_low_frac": low, "clip_high_frac": high,
+    record = {"step": 1, "completion_length": tokens, "clip_low_frac": low, "clip_high_frac": high,
               "limit_clip_frac": limit, "entropy": entropy}
     for label, rate, share in zip(MU_LABELS, bucket_rates, bucket_shares):
         record |= {f"mu[{label}]/clip_frac": rate, f"mu[{label}]/limit_frac": 0.0, f"mu[{label}]/share": share}
@@ -93,7 +93,8 @@ def test_the_study_task_is_held_out_and_balanced():
     assert all(0 <= int(p["answer"]) <= 108 for p in train + test)
 
 
-def test_a_tiny_study_runs_end_to_end(tiny_model_dir, tmp_path):
+def test_a_tiny_study_runs_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # a tiny model's ops are too small to share among threads
     out = tmp_path / "study"
     argv = ["--model", str(tiny_model_dir), "--steps", "2", "--seeds", "1", "--arms", "grpo,atr", "--out", str(out),
             "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4", "--eval-problems", "3",
