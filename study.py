@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -167,6 +168,34 @@ def run_command(run_dir: Path, arm: str, seed: int, shared: list[str]) -> list[s
                                          "--out-dir", str(run_dir.parent)]
 
 
+def run_train(command: list[str], log: Path) -> None:
+    """One train.py run to its end, its output appended to log.
+
+    Stopping the study (Ctrl-C, which reaches the run as well, or SIGTERM, passed on to it) lets the run
+    finish its step and checkpoint before the study exits: a study restarted at once never races it.
+    """
+    stop = []
+
+    def on_signal(signum, frame):
+        stop.append(signum)
+        if signum == signal.SIGTERM:
+            process.send_signal(signal.SIGTERM)
+
+    with log.open("a") as f:
+        process = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, cwd=HERE)
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = process.wait()  # a handled signal does not interrupt the wait (PEP 475)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    again = "Run the same command again to continue the study."
+    if stop:
+        raise SystemExit(f"study.py: stopped; the run checkpointed (output in {log}). {again}")
+    if code != 0:
+        raise SystemExit(f"study.py: a run failed (exit status {code}); its output is in {log}. {again}")
+
+
 def read_run(run_dir: Path) -> dict:
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return run_numbers(metrics, json.loads((run_dir / "summary.json").read_text()))
@@ -198,10 +227,7 @@ def run_grid(args: argparse.Namespace) -> dict[str, dict[int, dict]]:
         log = args.out / "logs" / f"{run_dir.name}.log"
         print(f"[{i}/{len(plan)}] {run_dir.name} ({time.time() - started:.0f} s into the study): "
               f"{' '.join(command[1:])}", flush=True)
-        with log.open("a") as f:
-            if subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, cwd=HERE).returncode != 0:
-                raise SystemExit(f"study.py: run {run_dir.name} failed; its output is in {log}. "
-                                 f"Run the same command again to continue the study.")
+        run_train(command, log)
     return {arm: {seed: read_run(args.out / "runs" / f"{arm}-s{seed}") for seed in range(args.seeds)}
             for arm in args.arms}
 

@@ -2,6 +2,11 @@
 
 import json
 import math
+import os
+import signal
+import sys
+import threading
+import time
 
 import pytest
 
@@ -68,6 +73,24 @@ def test_runs_resume_from_what_they_left(tmp_path):
     fresh = study.run_command(died, "dapo", 0, ["--steps", "9"])
     assert not died.exists()  # a start that left no checkpoint begins again
     assert fresh[2:] == ["--steps", "9", "--rule", "dapo", "--seed", "0", "--run-name", "dapo-s0", "--out-dir", str(runs)]
+
+
+def test_stopping_the_study_lets_the_run_checkpoint(tmp_path):
+    ready, done = tmp_path / "ready", tmp_path / "done"
+    child = ("import signal, sys, time\n"
+             "def stop(*_):\n    time.sleep(0.3); open(sys.argv[2], 'w').write('checkpointed'); sys.exit(0)\n"
+             "signal.signal(signal.SIGTERM, stop); open(sys.argv[1], 'w').close(); time.sleep(60)")
+
+    def kill_the_study_once_the_run_is_up():
+        while not ready.exists():
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=kill_the_study_once_the_run_is_up, daemon=True).start()
+    with pytest.raises(SystemExit, match="stopped; the run checkpointed"):
+        study.run_train([sys.executable, "-c", child, str(ready), str(done)], tmp_path / "log")
+    assert done.read_text() == "checkpointed"  # the study waited for it
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def test_other_settings_in_the_same_directory_are_refused(tmp_path):
