@@ -19,7 +19,7 @@ $(STAMP): requirements.txt requirements-dev.txt
 train: setup
 	$(PY) train.py $(ARGS)
 
-# Clip rules compared over seeds on a harder task (about 90 min on 2 CPU cores); a killed study resumes.
+# Clip rules compared over seeds on a harder task (about 75 min on 2 CPU cores); a killed study resumes.
 study: setup
 	$(PY) study.py $(ARGS)
 

@@ -1,6 +1,6 @@
 """A laptop-scale replication: do clip rules differ beyond seed noise? Arms x seeds of train.py, one table.
 
-    python study.py                                          # the default grid, about 90 min on 2 CPU cores
+    python study.py                                          # the default grid: 5 arms x 3 seeds, about 75 min on 2 CPU cores
     python study.py --steps 2 --seeds 1 --arms grpo,atr --out runs/study-smoke
     python study.py --seeds 5 -- --lora-rank 8               # flags after -- go to every train.py run
 
@@ -47,16 +47,16 @@ DEFAULT_ARMS = "grpo,dapo,atr,kl-atomic,limits"
 
 # study flag -> (default, help); each is passed to train.py under the same name
 TRAIN_FLAGS = {
-    "steps": (20, "training steps per run"),
+    "steps": (10, "training steps per run"),
     "dataset": ("two_digit", "training set"),
     "eval_dataset": ("two_digit_test", "held-out set, the same for every arm"),
-    "prompts_per_step": (8, "prompts per step"),
+    "prompts_per_step": (4, "prompts per step"),
     "group_size": (8, "completions per prompt"),
     "updates_per_rollout": (4, "optimizer steps per rollout; above 1 the regions can clip"),
     "max_new_tokens": (16, "completion length cap"),
     "lr": (3e-4, "learning rate"),
-    "eval_problems": (96, "held-out problems (the first N of the set, the same for every run)"),
-    "eval_k": (4, "samples per held-out problem"),
+    "eval_problems": (64, "held-out problems (the first N of the set, the same for every run)"),
+    "eval_k": (2, "samples per held-out problem"),
     "eval_every": (0, "also evaluate every N steps (0: before and after only)"),
     "log_tokens": (2000, "per-token records per step, for loss.py calibrate"),
     "checkpoint_every": (5, "checkpoint every N steps, where a killed study resumes"),
