@@ -1,8 +1,8 @@
 """A laptop-scale replication: do clip rules differ beyond seed noise? Arms x seeds of train.py, one table.
 
-    python study.py                                          # the default grid: 5 arms x 3 seeds, about 75 min on 2 CPU cores
+    python study.py                                    # 5 arms x 3 seeds, about 75 min on 2 CPU cores
     python study.py --steps 2 --seeds 1 --arms grpo,atr --out runs/study-smoke
-    python study.py --seeds 5 -- --lora-rank 8               # flags after -- go to every train.py run
+    python study.py --seeds 5 -- --lora-rank 8         # flags after -- go to every train.py run
 
 The papers behind loss.py rank trust regions by a few points of accuracy from one seed each. Here every
 arm (a set of train.py flags: the rule and its size) is trained with the same seeds; seed s gives every
