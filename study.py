@@ -104,7 +104,8 @@ def run_numbers(metrics: list[dict], summary: dict) -> dict:
 
 
 def arm_rows(results: dict[str, dict[int, dict]], baseline: str = "grpo") -> list[dict]:
-    """Per arm: means over seeds with standard errors, and the gap to the baseline arm paired by seed."""
+    """Per arm: means over seeds with standard errors, and gaps to the baseline arm paired by seed
+    (held-out accuracy after training, final entropy, clipped fraction)."""
     rows = []
     for arm, by_seed in results.items():
         seeds = sorted(by_seed)
@@ -114,8 +115,8 @@ def arm_rows(results: dict[str, dict[int, dict]], baseline: str = "grpo") -> lis
                                   if any(not math.isnan(by_seed[s]["clip_by_bucket"][label]) for s in seeds)
                                   else math.nan for label in MU_LABELS}}
         shared = [s for s in seeds if s in results.get(baseline, {})] if arm != baseline else []
-        row["gap"] = paired_gap([by_seed[s]["after"] for s in shared],
-                                [results[baseline][s]["after"] for s in shared]) if shared else None
+        row["gaps"] = {key: paired_gap([by_seed[s][key] for s in shared], [results[baseline][s][key] for s in shared])
+                       for key in ("after", "final_entropy", "clip")} if shared else None
         rows.append(row)
     return rows
 
@@ -126,22 +127,35 @@ def _pct(x: float, se: float | None = None, sign: str = "") -> str:
     return f"{x * 100:{sign}.1f}" + (f" ± {se * 100:.1f}" if se is not None and not math.isnan(se) else "")
 
 
+def _z(z: float) -> str:
+    return "-" if math.isnan(z) else f"{z:+.1f}"
+
+
+def _gap(row: dict, key: str, scale: float, digits: int) -> str:
+    """'gap ± se (z)' to the baseline, '-' for the baseline itself."""
+    if row["gaps"] is None:
+        return "-"
+    gap, se, z = row["gaps"][key]
+    text = f"{gap * scale:+.{digits}f}" + ("" if math.isnan(se) else f" ± {se * scale:.{digits}f}")
+    return text + ("" if math.isnan(z) else f" (z {z:+.1f})")
+
+
 def markdown_table(rows: list[dict], baseline: str = "grpo") -> str:
     """Two markdown tables: held-out accuracy with the paired gap, then the diagnostics."""
     lines = ["| arm | train.py flags | seeds | held-out before % | after % | after - " + baseline + " % | z |",
              "| --- | --- | --: | --: | --: | --: | --: |"]
     for r in rows:
-        gap, se, z = r["gap"] if r["gap"] else (math.nan, math.nan, math.nan)
+        gap, se, z = r["gaps"]["after"] if r["gaps"] else (math.nan, math.nan, math.nan)
         lines.append(f"| {r['arm']} | `{' '.join(ARMS.get(r['arm'], []))}` | {r['seeds']} | {_pct(*r['before'])} "
-                     f"| {_pct(*r['after'])} | {_pct(gap, se, '+')} | {'-' if math.isnan(z) else f'{z:+.1f}'} |")
-    lines += ["", "| arm | final entropy | clipped % | " + " | ".join(f"clipped % at mu {b}" for b in MU_LABELS) + " |",
-              "| --- | --: | --: | " + " | ".join("--:" for _ in MU_LABELS) + " |"]
+                     f"| {_pct(*r['after'])} | {_pct(gap, se, '+')} | {_z(z)} |")
+    lines += ["", f"| arm | final entropy | - {baseline} | clipped % | - {baseline} | "
+              + " | ".join(f"clipped % at mu {b}" for b in MU_LABELS) + " |",
+              "| --- | --: | --: | --: | --: | " + " | ".join("--:" for _ in MU_LABELS) + " |"]
     for r in rows:
         entropy, entropy_se = r["final_entropy"]
         entropy_text = f"{entropy:.3f}" + (f" ± {entropy_se:.3f}" if not math.isnan(entropy_se) else "")
-        clip, clip_se = r["clip"]
-        lines.append(f"| {r['arm']} | {entropy_text} | {_pct(clip, clip_se)} | "
-                     + " | ".join(_pct(r["clip_by_bucket"][b]) for b in MU_LABELS) + " |")
+        lines.append(f"| {r['arm']} | {entropy_text} | {_gap(r, 'final_entropy', 1, 3)} | {_pct(*r['clip'])} "
+                     f"| {_gap(r, 'clip', 100, 1)} | " + " | ".join(_pct(r["clip_by_bucket"][b]) for b in MU_LABELS) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -46,18 +46,21 @@ def test_table_statistics_match_a_hand_computation():
     grpo, atr = study.arm_rows(results)
     # grpo after: mean 0.4, sample sd 0.1, se 0.1 / sqrt(3)
     assert grpo["after"] == pytest.approx((0.4, 0.1 / math.sqrt(3)))
-    assert grpo["gap"] is None
+    assert grpo["gaps"] is None
     # per-seed gaps 0.05, 0.10, 0.00: mean 0.05, sd 0.05, se 0.05 / sqrt(3), z = sqrt(3)
-    assert atr["gap"] == pytest.approx((0.05, 0.05 / math.sqrt(3), math.sqrt(3)))
+    assert atr["gaps"]["after"] == pytest.approx((0.05, 0.05 / math.sqrt(3), math.sqrt(3)))
+    # clip gaps 0, 0, 0.3: mean 0.1, sd sqrt(0.03), se 0.1, z 1
     assert atr["clip"][0] == pytest.approx(0.2)
+    assert atr["gaps"]["clip"] == pytest.approx((0.1, 0.1, 1.0))
     table = study.markdown_table([grpo, atr])
     assert "| atr | `--rule atr --delta 0.07` | 3 | 10.0 ± 0.0 | 45.0 ± 5.0 | +5.0 ± 2.9 | +1.7 |" in table
-    assert "| grpo | 0.500 ± 0.000 | 10.0 ± 0.0 | 10.0 | 10.0 | 10.0 | 10.0 | 10.0 |" in table
+    assert "| grpo | 0.500 ± 0.000 | - | 10.0 ± 0.0 | - | 10.0 | 10.0 | 10.0 | 10.0 | 10.0 |" in table
+    assert "| atr | 0.500 ± 0.000 | +0.000 ± 0.000 | 20.0 ± 10.0 | +10.0 ± 10.0 (z +1.0) | 20.0 |" in table
 
 
 def test_one_seed_has_no_error_bar():
     rows = study.arm_rows({"grpo": {0: numbers(0.3)}, "dapo": {0: numbers(0.4)}})
-    assert math.isnan(rows[0]["after"][1]) and math.isnan(rows[1]["gap"][1]) and math.isnan(rows[1]["gap"][2])
+    assert math.isnan(rows[0]["after"][1]) and math.isnan(rows[1]["gaps"]["after"][1])
     assert "| dapo | `--rule dapo` | 1 | 10.0 | 40.0 | +10.0 | - |" in study.markdown_table(rows)
 
 
