@@ -154,8 +154,9 @@ def markdown_table(rows: list[dict], baseline: str = "grpo") -> str:
     for r in rows:
         entropy, entropy_se = r["final_entropy"]
         entropy_text = f"{entropy:.3f}" + (f" ± {entropy_se:.3f}" if not math.isnan(entropy_se) else "")
+        buckets = " | ".join(_pct(r["clip_by_bucket"][b]) for b in MU_LABELS)
         lines.append(f"| {r['arm']} | {entropy_text} | {_gap(r, 'final_entropy', 1, 3)} | {_pct(*r['clip'])} "
-                     f"| {_gap(r, 'clip', 100, 1)} | " + " | ".join(_pct(r["clip_by_bucket"][b]) for b in MU_LABELS) + " |")
+                     f"| {_gap(r, 'clip', 100, 1)} | {buckets} |")
     return "\n".join(lines) + "\n"
 
 

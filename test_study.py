@@ -75,7 +75,8 @@ def test_runs_resume_from_what_they_left(tmp_path):
     assert study.run_command(checkpointed, "atr", 0, ["--steps", "9"])[2:] == ["--resume", str(checkpointed)]
     fresh = study.run_command(died, "dapo", 0, ["--steps", "9"])
     assert not died.exists()  # a start that left no checkpoint begins again
-    assert fresh[2:] == ["--steps", "9", "--rule", "dapo", "--seed", "0", "--run-name", "dapo-s0", "--out-dir", str(runs)]
+    assert fresh[2:] == ["--steps", "9", "--rule", "dapo", "--seed", "0", "--run-name", "dapo-s0",
+                         "--out-dir", str(runs)]
 
 
 def test_stopping_the_study_lets_the_run_checkpoint(tmp_path):
