@@ -213,7 +213,7 @@ class KVCache:
             new[:, :, :, P:P + T] = own[:, owners, :, :, members].movedim(0, 1)  # indexed dim comes first
         out.valid = self.valid.new_zeros(R, P + T + room)
         out.valid[:, :P] = self.valid[rows, :P]
-        out.valid[:, P:P + T] = self.valid[rows, P:self.length].unflatten(1, (T, G))[torch.arange(R), :, members]
+        out.valid[:, P:P + T] = self.valid[rows, P:self.length].unflatten(1, (T, G))[torch.arange(R, device=rows.device), :, members]
         out.next_pos = self.next_pos[rows]
         out.length = P + T
         out.slot = torch.full_like(self.slot, out.length)
@@ -400,22 +400,25 @@ class Transformer(nn.Module):
         return h
 
     def decode_step(self, tokens: torch.Tensor, alive: torch.Tensor, cache: KVCache,
-                    whole_cache: bool = True) -> torch.Tensor:
+                    span: int | None = None) -> torch.Tensor:
         """Logits [rows, V] for one token per row (tokens [rows] long, alive [rows] bool), written at each
-        row's next slot of the KVCache layout.
+        row's next slot of the KVCache layout: the one-token twin of model(tokens[:, None], alive[:, None], cache).
 
-        The fixed-shape twin of model(tokens[:, None], alive[:, None], cache): with whole_cache it
-        attends over every cache slot (unwritten ones are invalid) and reads no Python number that
-        changes between steps, so one CUDA-graph capture serves every step. Eager callers pass
-        whole_cache=False to attend over the filled slots only, and write through a slice, which is
-        cheaper than a tensor index. It does not move the cache forward; call cache.advance(alive)
+        With span=None it attends over exactly the filled slots and writes through a slice, the cheapest
+        eager step. With a span (at least cache.length + cache.group, the slots filled once this step is
+        written) it attends over the cache's first `span` slots, unwritten ones masked, and reads no
+        Python number that changes between steps, so one CUDA-graph capture per (cache, span) serves
+        every step that span covers. It does not move the cache forward; call cache.advance(alive)
         after it, which also makes a repeated call harmless.
         """
         G = cache.group
-        if whole_cache:
-            span, slots = cache.max_len, cache.slot + torch.arange(G, device=tokens.device)
-        else:
+        if span is None:
             span, slots = cache.length + G, slice(cache.length, cache.length + G)
+        elif not cache.length + G <= span <= cache.max_len:
+            raise ValueError(f"span={span} must cover the {cache.length + G} slots filled after this step and fit "
+                             f"the cache ({cache.max_len})")
+        else:
+            slots = cache.slot + torch.arange(G, device=tokens.device)
         mask = cache.mark_new_slots(alive[:, None], span)
         h = self._run_blocks(tokens[:, None], cache.next_pos[:, None], cache, mask, slots)
         return self.lm_head(h[:, 0])
@@ -445,6 +448,9 @@ class Transformer(nn.Module):
         length: prompt tokens need no log-prob). It runs chunk_tokens positions at a time and, under
         autograd, each chunk is recomputed in the backward pass, so peak memory holds one
         [chunk, V] fp32 block rather than [B, T, V]. Returns (logp, entropy or None).
+
+        The entropy is a metric, never differentiated: it is computed without autograd, so no chunk's
+        [chunk, V] blocks outlive the chunk (with a graph, each would stay alive until the backward).
         """
         h = h[:, start - 1:-1]  # the states that predict tokens start..T-1
         B, T, H = h.shape
@@ -467,7 +473,9 @@ class Transformer(nn.Module):
         logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
         if not with_entropy:
             return logp, logp.new_zeros(0)
-        return logp, -(logp_all.exp() * logp_all).sum(-1)
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+        return logp, entropy
 
 
 def _leading_pads(pad_mask: torch.Tensor) -> torch.Tensor:

@@ -3,12 +3,23 @@
 Sampling takes most of a GRPO step's wall clock, so this file is built for speed while staying plain:
 - each distinct prompt is prefilled once (one left-padded batch) and its cache shared by its G samples:
   the prompt's keys are stored once and attention reads them once for all G rows (KVCache.fork);
-- every decode step feeds one token per row through Transformer.decode_step, whose shapes never change,
-  so on CUDA it is captured once in a CUDA graph and replayed without Python or launch overhead;
-- on CPU the same step runs eagerly, and rows that finished are dropped from the batch as they pile up
-  (the rows kept then take their own copy of their prompt's keys);
-- a token is drawn by inverse-CDF sampling (one uniform number per row) instead of torch.multinomial,
-  which draws one random number per vocabulary entry and costs as much as a third of a CPU step.
+- a token is drawn by inverse-CDF sampling from one uniform number per row instead of
+  torch.multinomial, which draws one random number per vocabulary entry and costs as much as a third
+  of a CPU step. The uniform is a hash of (seed, prompt index, sample index, token position), so a
+  row's sample never depends on which other rows share its batch: splitting the prompts into calls
+  (max_rows, or one call per process with first_prompt), or dropping finished rows, changes nothing;
+- rows that finished leave the batch as they pile up (the rows kept take their own copy of their
+  prompt's keys), so the long tail of GRPO's completion lengths does not pay for the short rows.
+
+Two decode loops share all of the above and give the same samples:
+- eager (the CPU default): each step attends over exactly the filled cache slots, and a quarter of
+  the rows finishing triggers a compaction to the rows still running;
+- fixed shapes (always on CUDA; `fixed_shapes=True` runs it on any device, which is how the CPU
+  tests check it): the step's shapes come from a few buckets, so a CUDA graph captured once per
+  (rows bucket, span bucket) replays every step of that shape without Python or launch overhead.
+  Attention reads the smallest power-of-two span of cache slots that covers what is filled (at most
+  about twice what it needs), and when the running rows fit in half the batch they are compacted into
+  the power-of-two row count that holds them, padded with dead rows.
 
 old_logp is log_softmax(logits / temperature) of the sampled token under the *full* tempered
 distribution: exactly what model.token_logprobs(..., temperature=temperature) recomputes during
@@ -20,15 +31,18 @@ The sampler runs in the model's dtype: load the model in bf16 on a GPU.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 import model as modeling
 
 PAD_ID = 0  # fills left padding and finished rows; any id works because those slots are masked out
+CUDA_GRAPHS = ("auto", "on", "off")
 
 
 @dataclass
@@ -47,29 +61,47 @@ class Rollout:
 
 def generate(model: modeling.Transformer, prompts: list[list[int]], *, samples_per_prompt: int, max_new_tokens: int,
              temperature: float, top_p: float = 1.0, top_k: int = 0, stop_ids: list[int], seed: int,
-             tokenizer=None) -> Rollout:
+             tokenizer=None, max_rows: int | None = None, first_prompt: int = 0, fixed_shapes: bool = False,
+             cuda_graphs: str = "auto") -> Rollout:
     """Sample samples_per_prompt completions for each prompt (token-id lists of any lengths).
 
-    Rows stop independently at any of stop_ids or after max_new_tokens. The same seed gives the same
-    samples on the same device.
+    Rows stop independently at any of stop_ids or after max_new_tokens. A row's sample depends only
+    on the weights, the seed, its prompt's index in the step (first_prompt + its index in prompts),
+    its sample index and the device: max_rows (sample at most that many rows = prompts x G per call,
+    whole prompts only, to bound the KV cache) gives the result of one call, padding layout included.
+    fixed_shapes runs the decode loop that CUDA uses on any device; cuda_graphs says whether CUDA
+    replays it from graphs ("on"), does not ("off"), or tries and falls back to eager with a warning
+    ("auto").
     """
-    _check_args(model, prompts, samples_per_prompt, max_new_tokens, temperature, top_p, top_k)
-    G = samples_per_prompt
+    _check_args(model, prompts, samples_per_prompt, max_new_tokens, temperature, top_p, top_k, max_rows,
+                first_prompt, cuda_graphs)
+    G, P = samples_per_prompt, max(len(p) for p in prompts)
+    per_call = len(prompts) if max_rows is None else max_rows // G
+    draw = partial(_sample, temperature=temperature, top_p=top_p, top_k=top_k)
+    stop = torch.tensor(stop_ids, dtype=torch.long, device=model.device)
+    parts = []  # per call: prompt ids [B, P], prompt mask [B, P], completion ids, old_logp, completion mask [B*G, C]
     try:
         with torch.inference_mode():
-            prompt_ids, prompt_mask, completion_ids, old_logp, completion_mask = _sample_rows(
-                model, prompts, G, max_new_tokens, temperature, top_p, top_k, stop_ids, seed)
+            for lo in range(0, len(prompts), per_call):
+                chunk = prompts[lo:lo + per_call]
+                keys = _row_keys(seed, first_prompt + lo, len(chunk), G, model.device)
+                parts.append(_sample_rows(model, chunk, P, G, max_new_tokens, partial(draw, keys=keys), stop,
+                                          _decode_step(model, fixed_shapes, cuda_graphs)))
     except torch.OutOfMemoryError as err:
         raise torch.OutOfMemoryError(
-            f"out of memory sampling {len(prompts)} prompts x {G} samples x {max_new_tokens} new tokens: "
-            f"lower samples_per_prompt, max_new_tokens or the number of prompts per call") from err
+            f"out of memory sampling {min(per_call, len(prompts))} prompts x {G} samples x {max_new_tokens} new "
+            f"tokens in one call: lower max_rows, samples_per_prompt or max_new_tokens") from err
 
-    # Outside inference mode, so the results can enter the loss's autograd graph (clone() makes
-    # ordinary tensors of inference tensors; ops on them, like cat, return ordinary tensors too).
-    completion_ids, old_logp, completion_mask = completion_ids.clone(), old_logp.clone(), completion_mask.clone()
+    # Outside inference mode, so the results can enter the loss's autograd graph (ops on inference
+    # tensors, like cat and pad, return ordinary tensors). Shorter calls are right-padded to the longest.
+    C = max(part[2].shape[1] for part in parts)
+    prompt_ids, prompt_mask = (torch.cat([part[i] for part in parts]) for i in (0, 1))
+    completion_ids, old_logp, completion_mask = (
+        torch.cat([F.pad(part[i], (0, C - part[i].shape[1]), value=fill) for part in parts])
+        for i, fill in ((2, PAD_ID), (3, 0.0), (4, False)))
     lengths = completion_mask.sum(1)  # [N], >= 1: every row samples at least one token
     last_token = completion_ids.gather(1, (lengths - 1)[:, None])[:, 0]
-    finished = torch.isin(last_token, torch.tensor(stop_ids, dtype=torch.long, device=last_token.device))
+    finished = torch.isin(last_token, stop)
     completions = [row[:n] for row, n in zip(completion_ids.tolist(), lengths.tolist())]
     return Rollout(
         completions=completions,
@@ -80,12 +112,13 @@ def generate(model: modeling.Transformer, prompts: list[list[int]], *, samples_p
         truncated=~finished,
         input_ids=torch.cat([prompt_ids.repeat_interleave(G, dim=0), completion_ids], dim=1),
         pad_mask=torch.cat([prompt_mask.repeat_interleave(G, dim=0), completion_mask], dim=1),
-        prompt_len=prompt_ids.shape[1],
+        prompt_len=P,
         texts=tokenizer.batch_decode(completions, skip_special_tokens=True) if tokenizer is not None else None,
     )
 
 
-def _check_args(model, prompts, samples_per_prompt, max_new_tokens, temperature, top_p, top_k) -> None:
+def _check_args(model, prompts, samples_per_prompt, max_new_tokens, temperature, top_p, top_k, max_rows,
+                first_prompt, cuda_graphs) -> None:
     if not prompts:
         raise ValueError("prompts: empty list, nothing to sample")
     context, vocab = model.config.max_position_embeddings, model.config.vocab_size
@@ -110,12 +143,19 @@ def _check_args(model, prompts, samples_per_prompt, max_new_tokens, temperature,
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    if max_rows is not None and max_rows < samples_per_prompt:
+        raise ValueError(f"max_rows={max_rows} holds no whole prompt of samples_per_prompt={samples_per_prompt} rows")
+    if first_prompt < 0:
+        raise ValueError(f"first_prompt must be >= 0, got {first_prompt}")
+    if cuda_graphs not in CUDA_GRAPHS:
+        raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPHS)}, got {cuda_graphs!r}")
+    if cuda_graphs == "on" and model.device.type != "cuda":
+        raise ValueError(f"cuda_graphs='on' needs the model on a CUDA device; it is on {model.device}")
 
 
-def _sample_rows(model, prompts, G, max_new_tokens, temperature, top_p, top_k, stop_ids, seed):
-    """Prefill, then decode; returns the left-padded prompts [B, P] with their mask, and [N, C] results."""
+def _sample_rows(model, prompts, P, G, max_new_tokens, draw, stop, step):
+    """Prefill, then decode; returns the prompts left-padded to P [B, P] with their mask, and [N, C] results."""
     device = model.device
-    P = max(len(p) for p in prompts)
     prompt_ids = torch.tensor([[PAD_ID] * (P - len(p)) + p for p in prompts], device=device)  # [B, P]
     prompt_mask = torch.tensor([[False] * (P - len(p)) + [True] * len(p) for p in prompts], device=device)
 
@@ -123,33 +163,25 @@ def _sample_rows(model, prompts, G, max_new_tokens, temperature, top_p, top_k, s
     cache = model.new_cache(len(prompts), P + G * max_new_tokens)
     last_hidden = model.hidden(prompt_ids, prompt_mask, cache)[:, -1]  # left padding: last slot is real
     logits = model.lm_head(last_hidden).repeat_interleave(G, dim=0)  # [N, V]
-    cache = cache.fork(G)
-
-    generator = torch.Generator(device).manual_seed(seed)
-    sample = partial(_sample, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator)
-    stop = torch.tensor(stop_ids, dtype=torch.long, device=device)
-    on_gpu = device.type == "cuda"
-    step = _graphed_decode_step(model, cache) if on_gpu else _eager_decode_step(model)
-    return prompt_ids, prompt_mask, *_decode(step, cache, logits, sample, stop, max_new_tokens, compact=not on_gpu)
+    return prompt_ids, prompt_mask, *_decode(step, cache.fork(G), logits, draw, stop, max_new_tokens)
 
 
-def _decode(step: Callable, cache: modeling.KVCache, logits: torch.Tensor, sample: Callable, stop: torch.Tensor,
-            max_new_tokens: int, compact: bool):
+def _decode(step, cache: modeling.KVCache, logits: torch.Tensor, draw: Callable, stop: torch.Tensor,
+            max_new_tokens: int):
     """The token loop. Returns completion ids, old_logp and mask, each [N, C] with C <= max_new_tokens.
 
-    `rows` maps the rows the cache still holds to their place in the output. With compact=True, once a
-    quarter of the held rows have finished, they are dropped from the cache (one copy of it) so later
-    steps do not compute them; otherwise (the CUDA graph needs fixed shapes) a finished row keeps being
-    fed a masked pad token.
+    `rows` maps the rows the cache holds to their place in the output; a padding row (fixed shapes)
+    maps to the extra output row N, which is dropped at the end. The step decides when finished rows
+    are compacted away (step.rows_to_keep).
     """
     N, device = logits.shape[0], logits.device
-    completion_ids = torch.full((N, max_new_tokens), PAD_ID, dtype=torch.long, device=device)
-    old_logp = torch.zeros(N, max_new_tokens, device=device)
-    completion_mask = torch.zeros(N, max_new_tokens, dtype=torch.bool, device=device)
+    completion_ids = torch.full((N + 1, max_new_tokens), PAD_ID, dtype=torch.long, device=device)
+    old_logp = torch.zeros(N + 1, max_new_tokens, device=device)
+    completion_mask = torch.zeros(N + 1, max_new_tokens, dtype=torch.bool, device=device)
     rows = torch.arange(N, device=device)
     done = torch.zeros(N, dtype=torch.bool, device=device)  # over the held rows
     for t in range(max_new_tokens):
-        tokens, logp = sample(logits)
+        tokens, logp = draw(logits, rows=rows, position=t)
         alive = ~done
         tokens = tokens.masked_fill(done, PAD_ID)
         completion_ids[rows, t] = tokens
@@ -159,18 +191,60 @@ def _decode(step: Callable, cache: modeling.KVCache, logits: torch.Tensor, sampl
         n_done = int(done.sum())  # the one host sync per step
         if n_done == len(rows) or t + 1 == max_new_tokens:
             break
-        if compact and n_done >= max(1, len(rows) // 4):
-            keep = ~done
-            rows, cache, tokens, done = rows[keep], cache.select(keep), tokens[keep], done[keep]
-        tokens = tokens.masked_fill(done, PAD_ID)
-        logits = step(tokens, ~done, cache)
-        cache.advance(~done)
+        keep = step.rows_to_keep(done, n_done)
+        if keep is not None:
+            rows = torch.where(keep.padding, N, rows[keep.rows])
+            cache, tokens, done = cache.select(keep.rows), tokens[keep.rows], done[keep.rows] | keep.padding
+        alive = ~done
+        logits = step(tokens.masked_fill(done, PAD_ID), alive, cache)
+        cache.advance(alive)
     C = t + 1
-    return completion_ids[:, :C], old_logp[:, :C], completion_mask[:, :C]
+    return completion_ids[:N, :C], old_logp[:N, :C], completion_mask[:N, :C]
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator: torch.Generator):
-    """One token per row from logits [R, V]; returns tokens [R] and their full-distribution logp [R]."""
+# ----------------------------------------------------------------------------- random streams
+
+MASK32 = 0xFFFFFFFF
+
+
+def _mul32(h, c: int):
+    """h * c mod 2^32 for h in [0, 2^32) (int or int64 tensor), with no product over 2^48: no overflow."""
+    return ((h & 0xFFFF) * c + ((((h >> 16) * c) & 0xFFFF) << 16)) & MASK32
+
+
+def _mix32(h):
+    """MurmurHash3's finalizer: a bijection of 32-bit integers in which every input bit flips about
+    half of the output bits. Works on Python ints and on int64 tensors of any device, in a graph too."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _row_keys(seed: int, first_prompt: int, prompts: int, G: int, device) -> torch.Tensor:
+    """[N + 1] int64 hash of (seed, prompt index in the step, sample index) for each row, prompt-major;
+    the extra last key serves padding rows."""
+    seed_key = _mix32(_mix32(seed & MASK32) ^ ((seed >> 32) & MASK32))
+    prompt = torch.arange(first_prompt, first_prompt + prompts, device=device).repeat_interleave(G)
+    sample = torch.arange(G, device=device).repeat(prompts)
+    keys = _mix32(_mix32(seed_key ^ (prompt & MASK32)) ^ sample)
+    return torch.cat([keys, keys.new_zeros(1)])
+
+
+def _uniform(keys: torch.Tensor, position) -> torch.Tensor:
+    """One uniform in (0, 1] per key for this token position, [R, 1] fp32: 24 hashed bits, exact in fp32."""
+    h = _mix32(keys ^ position)
+    return (((h >> 8) + 1).float() * 2.0 ** -24)[:, None]
+
+
+# ----------------------------------------------------------------------------- drawing a token
+
+
+def _sample(logits: torch.Tensor, *, keys: torch.Tensor, rows: torch.Tensor, position: int, temperature: float,
+            top_p: float, top_k: int):
+    """One token per row from logits [R, V] for the output rows `rows` [R] at a token position;
+    returns tokens [R] and their full-distribution logp [R]."""
     logits = logits.float()
     if temperature == 0:
         tokens = logits.argmax(-1)
@@ -178,7 +252,7 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, 
     logp = torch.log_softmax(logits if temperature == 1 else logits / temperature, dim=-1)  # [R, V]
     cdf = _restrict(logp, top_p, top_k).exp().cumsum(-1)  # [R, V], unnormalized
     # u in (0, 1]: the first index whose cdf reaches u * total always has a nonzero probability.
-    u = 1.0 - torch.rand(logits.shape[0], 1, generator=generator, device=logits.device)
+    u = _uniform(keys[rows], position)
     tokens = torch.searchsorted(cdf, u * cdf[:, -1:])[:, 0]
     return tokens, logp.gather(1, tokens[:, None])[:, 0]
 
@@ -201,35 +275,104 @@ def _restrict(logp: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
     return torch.full_like(logp, float("-inf")).scatter(1, index, candidates)
 
 
-def _eager_decode_step(model: modeling.Transformer) -> Callable:
-    """model.decode_step attending over the filled cache slots only: shapes may change on the CPU."""
-    return lambda tokens, alive, cache: model.decode_step(tokens, alive, cache, whole_cache=False)
+# ----------------------------------------------------------------------------- decode steps
 
 
-def _graphed_decode_step(model: modeling.Transformer, cache: modeling.KVCache) -> Callable:
-    """model.decode_step on `cache`, captured once in a CUDA graph; calling it copies the inputs in and replays.
+@dataclass
+class Keep:
+    rows: torch.Tensor  # [R] long: the held rows to copy into the compacted cache, in order
+    padding: torch.Tensor  # [R] bool: copies that only fill the row bucket (dead from now on)
 
-    The capture runs on dummy tokens: decode_step only writes the current slot and does not advance
-    the cache, and the first real replay overwrites that slot.
+
+def _decode_step(model: modeling.Transformer, fixed_shapes: bool, cuda_graphs: str):
+    on_cuda = model.device.type == "cuda"
+    if not (fixed_shapes or on_cuda):
+        return EagerStep(model)
+    return FixedShapeStep(model, graphs=on_cuda and cuda_graphs != "off", required=cuda_graphs == "on")
+
+
+class EagerStep:
+    """model.decode_step over exactly the filled slots; once a quarter of the held rows have finished,
+    they are dropped (the copy costs about one step, and is repaid within a few)."""
+
+    def __init__(self, model: modeling.Transformer):
+        self.model = model
+
+    def __call__(self, tokens, alive, cache):
+        return self.model.decode_step(tokens, alive, cache)
+
+    @staticmethod
+    def rows_to_keep(done: torch.Tensor, n_done: int) -> Keep | None:
+        if n_done < max(1, len(done) // 4):
+            return None
+        running = (~done).nonzero()[:, 0]
+        return Keep(running, torch.zeros_like(running, dtype=torch.bool))
+
+
+def bucket(n: int) -> int:
+    """The smallest power of two >= n: the row counts and attention spans of fixed-shape steps."""
+    return 1 << (n - 1).bit_length()
+
+
+class FixedShapeStep:
+    """model.decode_step with shapes from buckets: rows are a power of two (after the first compaction)
+    and attention reads the first bucket(filled slots) cache slots. With graphs, each (cache, span) is
+    captured on first use into a CUDA graph and replayed for every later step of that shape; a cache
+    replaced by compaction takes its graphs with it. All graphs share one memory pool (they never run
+    at once).
     """
-    N, device = cache.valid.shape[0], cache.valid.device
-    tokens = torch.full((N,), PAD_ID, dtype=torch.long, device=device)
-    alive = torch.ones(N, dtype=torch.bool, device=device)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):  # warm-up outside the graph: kernel choice and workspace allocation
-        for _ in range(3):
-            model.decode_step(tokens, alive, cache)
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        logits = model.decode_step(tokens, alive, cache)
 
-    def step(new_tokens: torch.Tensor, new_alive: torch.Tensor, _cache: modeling.KVCache) -> torch.Tensor:
-        # _cache is the captured cache: rows are never dropped on this path, so it does not change.
-        tokens.copy_(new_tokens)
-        alive.copy_(new_alive)
+    def __init__(self, model: modeling.Transformer, graphs: bool, required: bool):
+        self.model, self.graphs, self.required = model, graphs, required
+        self.cache, self.captured = None, {}  # span -> (tokens, alive, logits, graph) for self.cache
+        self.pool = None
+
+    def __call__(self, tokens, alive, cache):
+        span = min(cache.max_len, bucket(cache.length + cache.group))  # covers the slot this step writes
+        if not self.graphs:
+            return self.model.decode_step(tokens, alive, cache, span=span)
+        if cache is not self.cache:
+            self.cache, self.captured = cache, {}
+        if span not in self.captured:
+            try:
+                self.captured[span] = self._capture(tokens, alive, cache, span)
+            except Exception as err:  # noqa: BLE001 - "auto" falls back on any capture failure but memory
+                if self.required or isinstance(err, torch.OutOfMemoryError):
+                    raise
+                warnings.warn(f"CUDA graph capture failed, decoding without graphs: {err!r}", stacklevel=2)
+                self.graphs, self.cache, self.captured = False, None, {}
+                return self.model.decode_step(tokens, alive, cache, span=span)
+        static_tokens, static_alive, logits, graph = self.captured[span]
+        static_tokens.copy_(tokens)
+        static_alive.copy_(alive)
         graph.replay()
         return logits  # overwritten by the next replay; the sampler reads it first
 
-    return step
+    def _capture(self, tokens, alive, cache, span):
+        """Capture decode_step on copies of this step's inputs. Warm-up runs and the capture compute this
+        very step (decode_step writes the current slot and does not advance), so running it again is harmless."""
+        device = tokens.device
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        static_tokens, static_alive = tokens.clone(), alive.clone()
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up outside the graph: kernel choice and workspace allocation
+            for _ in range(2):
+                self.model.decode_step(static_tokens, static_alive, cache, span=span)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.model.decode_step(static_tokens, static_alive, cache, span=span)
+        return static_tokens, static_alive, logits, graph
+
+    @staticmethod
+    def rows_to_keep(done: torch.Tensor, n_done: int) -> Keep | None:
+        """Compact once the running rows fit in a row bucket of at most half the held rows."""
+        running_count = len(done) - n_done
+        rows = bucket(running_count)
+        if 2 * rows > len(done):
+            return None
+        running = (~done).nonzero()[:, 0]
+        padding = torch.arange(rows, device=done.device) >= running_count
+        return Keep(torch.cat([running, running[:1].expand(rows - running_count)]), padding)

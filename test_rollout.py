@@ -1,9 +1,17 @@
 """Tests for rollout.py on tiny random checkpoints: parity with transformers' greedy generate,
-old_logp against a fresh forward pass, seeding, top-k/top-p sets, per-row stopping, bad input."""
+old_logp against a fresh forward pass, seeding and per-row random streams, the fixed-shape (CUDA)
+loop against the eager one, split calls, top-k/top-p sets, per-row stopping, bad input, and a CPU
+dry run of bench/gpu_check.py."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import model as modeling
 import rollout
 from conftest import make_tiny_checkpoint
 from weights import load_checkpoint_dir
@@ -59,15 +67,70 @@ def test_greedy_matches_transformers(model_and_hf):
     assert out.finished.tolist() == [e[-1] in stop_ids for e in expected for _ in range(2)]
 
 
-def test_fixed_shape_loop_matches_compacting_loop(model, monkeypatch):
-    # The CUDA-graph path keeps finished rows in the batch (fed masked pads); run that loop on CPU too.
-    out = sample(model, temperature=0.0, stop_ids=[7, 21, 99])
-    assert out.finished.any() and not out.finished.all(), "test setup: some rows should stop, some not"
-    decode = rollout._decode
-    monkeypatch.setattr(rollout, "_decode", lambda *args, compact: decode(*args, compact=False))
-    fixed = sample(model, temperature=0.0, stop_ids=[7, 21, 99])
-    assert fixed.completions == out.completions
-    torch.testing.assert_close(fixed.old_logp, out.old_logp, rtol=0, atol=1e-5)
+MANY_STOPS = list(range(3, 60))  # about a fifth of the tiny vocabulary: sampled rows end at scattered steps
+
+
+def count_compactions(monkeypatch) -> list:
+    calls = []
+    select = modeling.KVCache.select
+    monkeypatch.setattr(modeling.KVCache, "select", lambda cache, rows: calls.append(len(rows)) or select(cache, rows))
+    return calls
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_fixed_shape_loop_matches_the_eager_loop(model, monkeypatch, temperature):
+    stop_ids = MANY_STOPS
+    if temperature == 0:  # greedy rows of a prompt are alike: stop prompts 0 and 1 early, prompt 2 late
+        greedy = sample(model, samples_per_prompt=1, temperature=0.0).completion_ids
+        stop_ids = [greedy[0, 4].item(), greedy[1, 9].item()]
+    eager = sample(model, samples_per_prompt=4, temperature=temperature, stop_ids=stop_ids)
+    lengths = eager.completion_mask.sum(1)
+    assert lengths.min() < 12 and lengths.max() > 16, "test setup: rows should end at scattered steps"
+    compactions = count_compactions(monkeypatch)
+    fixed = sample(model, samples_per_prompt=4, temperature=temperature, stop_ids=stop_ids, fixed_shapes=True)
+    assert compactions and all(rows & (rows - 1) == 0 for rows in compactions), "row buckets are powers of two"
+    assert fixed.completions == eager.completions
+    torch.testing.assert_close(fixed.old_logp, eager.old_logp, rtol=0, atol=1e-5)
+
+
+def test_compaction_does_not_change_the_samples(model, monkeypatch):
+    compacted = sample(model, samples_per_prompt=4, stop_ids=MANY_STOPS)
+    monkeypatch.setattr(rollout.EagerStep, "rows_to_keep", staticmethod(lambda done, n_done: None))
+    compactions = count_compactions(monkeypatch)
+    whole = sample(model, samples_per_prompt=4, stop_ids=MANY_STOPS)
+    assert not compactions
+    assert whole.completions == compacted.completions
+    torch.testing.assert_close(whole.old_logp, compacted.old_logp, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("fixed_shapes", [False, True])
+def test_split_calls_give_the_samples_of_one_call(model, fixed_shapes):
+    kwargs = dict(samples_per_prompt=2, stop_ids=MANY_STOPS, seed=5, fixed_shapes=fixed_shapes)
+    whole = sample(model, **kwargs)
+    for max_rows in (2, 5):  # one prompt per call; two prompts (4 rows, whole prompts only) then one
+        split = sample(model, max_rows=max_rows, **kwargs)
+        for field in ("completion_ids", "completion_mask", "input_ids", "pad_mask", "finished"):
+            assert torch.equal(getattr(split, field), getattr(whole, field)), (max_rows, field)
+        torch.testing.assert_close(split.old_logp, whole.old_logp, rtol=0, atol=1e-5)  # batch shape rounding
+        assert split.prompt_len == whole.prompt_len and split.completions == whole.completions
+    # A process that draws the last two prompts of the step samples what the one call did for them.
+    tail = sample(model, prompts=PROMPTS[1:], first_prompt=1, **kwargs)
+    assert tail.completions == whole.completions[2:]
+
+
+def test_seed_and_prompt_index_pick_the_stream(model):
+    first = sample(model, seed=3)
+    assert sample(model, seed=3, first_prompt=1).completions != first.completions
+    assert sample(model, prompts=PROMPTS[:1] * 2).completions[:3] != sample(model, prompts=PROMPTS[:1] * 2).completions[3:]
+
+
+def test_uniforms_are_uniform_and_independent_of_the_device_dtype_path():
+    keys = rollout._row_keys(seed=2**40 + 7, first_prompt=3, prompts=64, G=16, device="cpu")
+    u = torch.cat([rollout._uniform(keys[:-1], t) for t in range(8)])[:, 0]
+    assert u.min() > 0 and u.max() <= 1 and len(u.unique()) > 0.99 * len(u)
+    assert abs(u.mean().item() - 0.5) < 0.01 and abs((u < 0.1).float().mean().item() - 0.1) < 0.01
+    # the tensor hash equals the same arithmetic on Python integers (no int64 overflow anywhere)
+    assert rollout._mix32(torch.tensor([0, 1, 2**32 - 1])).tolist() == [rollout._mix32(x) for x in (0, 1, 2**32 - 1)]
 
 
 def test_decode_step_matches_growing_cache(model):
@@ -80,10 +143,53 @@ def test_decode_step_matches_growing_cache(model):
         for token, alive in [([3, 4], [True, True]), ([0, 5], [False, True]), ([6, 7], [True, True])]:
             token, alive = torch.tensor(token), torch.tensor(alive)
             expected = model(token[:, None], alive[:, None], cache=growing)[:, 0]
-            logits = model.decode_step(token, alive, fixed)
+            logits = model.decode_step(token, alive, fixed, span=min(fixed.max_len, rollout.bucket(fixed.length + 1)))
             fixed.advance(alive)
             torch.testing.assert_close(logits[alive], expected[alive], rtol=0, atol=1e-5)
             assert not logits.isnan().any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_replay_matches_the_eager_fixed_shape_loop(tiny_model_dir):
+    gpu = load_checkpoint_dir(tiny_model_dir, device="cuda")
+    for temperature in (0.0, 1.0):
+        kwargs = dict(samples_per_prompt=4, temperature=temperature, stop_ids=MANY_STOPS, fixed_shapes=True)
+        graphed, eager = sample(gpu, cuda_graphs="on", **kwargs), sample(gpu, cuda_graphs="off", **kwargs)
+        assert graphed.completions == eager.completions
+        torch.testing.assert_close(graphed.old_logp, eager.old_logp, rtol=0, atol=1e-5)
+
+
+def test_a_failed_capture_warns_and_decodes_eagerly_unless_graphs_are_required(model, monkeypatch):
+    expected = sample(model, samples_per_prompt=4, stop_ids=MANY_STOPS, fixed_shapes=True)
+
+    def failing_capture(*args):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(rollout.FixedShapeStep, "_capture", failing_capture)
+    for required in (False, True):
+        monkeypatch.setattr(rollout, "_decode_step", lambda model, *_: rollout.FixedShapeStep(model, True, required))
+        if required:
+            with pytest.raises(RuntimeError, match="stream is capturing"):
+                sample(model, samples_per_prompt=4, stop_ids=MANY_STOPS)
+        else:
+            with pytest.warns(UserWarning, match="decoding without graphs") as caught:
+                out = sample(model, samples_per_prompt=4, stop_ids=MANY_STOPS)
+            assert len(caught) == 1 and out.completions == expected.completions
+
+
+def test_no_tensor_is_made_off_the_models_device(model):
+    # Under a meta default device, a tensor created without device= lands on meta, and mixing it with
+    # the CPU model's tensors raises, as a CPU tensor mixed with CUDA ones does.
+    expected = sample(model, samples_per_prompt=4, stop_ids=MANY_STOPS)
+    previous = torch.get_default_device()
+    torch.set_default_device("meta")
+    try:
+        runs = [sample(model, samples_per_prompt=4, stop_ids=MANY_STOPS, **extra)
+                for extra in ({}, {"fixed_shapes": True}, {"max_rows": 4})]
+    finally:
+        torch.set_default_device(previous)
+    for out in runs:
+        assert out.completions == expected.completions and out.input_ids.device.type == "cpu"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA-graph decode step needs a CUDA device")
@@ -198,6 +304,10 @@ def test_results_can_enter_autograd(model):
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=-1), "top_k"),
+    (dict(max_rows=2), "max_rows"),
+    (dict(first_prompt=-1), "first_prompt"),
+    (dict(cuda_graphs="maybe"), "cuda_graphs"),
+    (dict(cuda_graphs="on"), "cuda_graphs='on' needs the model on a CUDA device"),
 ])
 def test_bad_input_names_the_argument(model, overrides, argument):
     with pytest.raises(ValueError, match=argument):
@@ -211,3 +321,21 @@ def test_out_of_memory_names_the_knobs(model, monkeypatch):
     monkeypatch.setattr(model, "new_cache", no_memory)
     with pytest.raises(torch.OutOfMemoryError, match="samples_per_prompt.*max_new_tokens"):
         sample(model)
+
+
+def test_gpu_check_dry_run(tmp_path):
+    """bench/gpu_check.py end to end on a tiny Qwen3 on the CPU, so the script is not what breaks on a GPU."""
+    run = subprocess.run([sys.executable, "bench/gpu_check.py", "--device", "cpu", "--tiny", "--out", str(tmp_path)],
+                         cwd=Path(__file__).parent, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["ok"] and report["models"]["Qwen3-tiny"]["parity"]["ok"]
+    assert all(row["status"] == "ok" for row in report["rows"])
+    timed = {(row["side"], row["phase"]) for row in report["rows"] if row["tokens_per_s"]}
+    for side in ("ours", "transformers"):
+        for cap in (8, 16):
+            assert {phase for s, phase in timed if s == side and f"cap {cap}," in phase} >= {
+                f"rollout 2x2 rows, cap {cap}, forced"}, (side, cap)
+            assert any(s == side and f"cap {cap}, long tail" in phase for s, phase in timed), (side, cap)
+    assert {side for side, phase in timed if phase.startswith("train")} == {"ours", "transformers + peft"}
+    assert "peak GiB" in run.stdout and "ok:" in run.stdout

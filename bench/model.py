@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import lora  # noqa: E402
 import model as modeling  # noqa: E402
 import weights  # noqa: E402
-from qwen3_shapes import QWEN3, QWEN3_COMMON  # noqa: E402
+from qwen3_shapes import QWEN3, QWEN3_COMMON, QWEN3_TINY  # noqa: E402
 
 RANK, ALPHA = 32, 64
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -58,7 +58,8 @@ def build_hf(model_name: str, device: str):
         return AutoModelForCausalLM.from_pretrained(weights.resolve_checkpoint(None), dtype=torch.float32)
     torch.manual_seed(0)
     with torch.device(device):
-        return AutoModelForCausalLM.from_config(Qwen3Config(**QWEN3[model_name], **QWEN3_COMMON), dtype=torch.bfloat16)
+        config = Qwen3Config(**{**QWEN3_COMMON, **{**QWEN3, **QWEN3_TINY}[model_name]})
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
 
 
 def ours_from_hf(hf_model) -> modeling.Transformer:
@@ -225,7 +226,7 @@ def check_on_meta(models: list[str]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda", "meta"], default="cpu")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per side; the best one counts")
     parser.add_argument("--models", nargs="+", choices=list(QWEN3), default=list(QWEN3),

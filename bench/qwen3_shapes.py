@@ -9,3 +9,9 @@ QWEN3 = {
 }
 QWEN3_COMMON = dict(model_type="qwen3", vocab_size=151936, num_key_value_heads=8, head_dim=128,
                     rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=40960)
+
+# A Qwen3 small enough for a CPU dry run of the GPU scripts (bench/gpu_check.py --tiny); it overrides QWEN3_COMMON.
+QWEN3_TINY = {
+    "Qwen3-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True),
+}

@@ -4,15 +4,24 @@ CPU (default): SmolLM2-135M-Instruct, 8 chat prompts x 4 samples, 64 new tokens,
 GPU (--device cuda): Qwen3-1.7B and Qwen3-8B shapes with random bf16 weights, 32 prompts x 8 samples,
 128-token prompts, 256 new tokens, temperature 1, against plain generate and against generate with a
 static cache and torch.compile. --device meta only builds the GPU models, a check that runs anywhere.
-No stop tokens on either side, so every row runs to full length and both produce the same token count.
+
+Two length modes, the same on both sides, so both produce the same token count:
+- forced (default): no stop tokens, every row runs to max_new_tokens;
+- --long-tail: row i stops at a length drawn from a seeded log-normal capped at max_new_tokens
+  (median cap/6, sigma 0.9: most rows end early, a few run to the cap), the shape of GRPO's completion
+  lengths. A rare stop token (the last id) is forced at that length, so finished rows leave ours
+  (compaction) and stay padded in transformers'.
+--fixed-shapes runs our CUDA decode loop (span and row buckets) on the CPU.
 
     .venv/bin/python bench/rollout.py [--device cpu|cuda|meta] [--repeats 2] [--threads N] [--dtype bfloat16]
-                                      [--models Qwen3-1.7B Qwen3-8B]
+                                      [--models Qwen3-1.7B Qwen3-8B] [--long-tail] [--fixed-shapes]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import sys
 import time
 from pathlib import Path
@@ -24,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import model as modeling  # noqa: E402
 import rollout  # noqa: E402
 import weights  # noqa: E402
-from qwen3_shapes import QWEN3, QWEN3_COMMON  # noqa: E402
+from qwen3_shapes import QWEN3, QWEN3_COMMON, QWEN3_TINY  # noqa: E402
 
 QUESTIONS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -71,19 +80,72 @@ def left_padded(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Te
     return ids, mask
 
 
-def hf_generate(hf_model, prompts, samples: int, new_tokens: int, pad_id: int, **extra) -> torch.Tensor:
+def long_tail_lengths(rows: int, cap: int, seed: int = 0) -> list[int]:
+    """Completion lengths for `rows` rows: log-normal with median cap/6 and sigma 0.9, in [1, cap]."""
+    g = torch.Generator().manual_seed(seed)
+    drawn = torch.randn(rows, generator=g).mul(0.9).add(math.log(cap / 6)).exp()
+    return drawn.round().clamp(1, cap).long().tolist()
+
+
+@contextlib.contextmanager
+def forced_lengths(lengths: list[int] | None, stop_id: int):
+    """Within the block, rollout.generate's row i draws stop_id as its lengths[i]-th token (all its work
+    before that is done as usual). Rows are the output rows of one generate call."""
+    if lengths is None:
+        yield
+        return
+    draw = rollout._sample
+    stop_at = torch.tensor(lengths + [0])  # the extra entry serves padding rows, which never stop
+
+    def forcing_draw(logits, *, rows, position, **kwargs):
+        tokens, logp = draw(logits, rows=rows, position=position, **kwargs)
+        return tokens.masked_fill(stop_at.to(rows.device)[rows] == position + 1, stop_id), logp
+
+    rollout._sample = forcing_draw
+    try:
+        yield
+    finally:
+        rollout._sample = draw
+
+
+def hf_stop_processor(lengths: list[int], prompt_len: int, stop_id: int):
+    """A transformers logits processor that makes row i emit stop_id as its lengths[i]-th new token."""
+    def force(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        stop_now = torch.tensor(lengths, device=scores.device) == input_ids.shape[1] - prompt_len + 1
+        forced = torch.full_like(scores, float("-inf"))
+        forced[:, stop_id] = 0
+        return torch.where(stop_now[:, None], forced, scores)
+    return force
+
+
+def hf_generate(hf_model, prompts, samples: int, new_tokens: int, pad_id: int, lengths: list[int] | None = None,
+                **extra) -> torch.Tensor:
+    """transformers' sampling; rows run to new_tokens, or stop at `lengths` (one per row, prompt-major)."""
+    from transformers import LogitsProcessorList
+
     ids, mask = left_padded(prompts, pad_id, hf_model.device)
+    if lengths is None:
+        stopping = dict(min_new_tokens=new_tokens)
+    else:
+        stop_id = hf_model.config.vocab_size - 1  # a rare token: the model itself seldom ends a row early
+        force = hf_stop_processor(lengths, ids.shape[1], stop_id)
+        stopping = dict(eos_token_id=stop_id, logits_processor=LogitsProcessorList([force]))
     out = hf_model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                            num_return_sequences=samples, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                            pad_token_id=pad_id, **extra)
-    assert out.shape == (len(prompts) * samples, ids.shape[1] + new_tokens), out.shape
+                            num_return_sequences=samples, max_new_tokens=new_tokens, pad_token_id=pad_id,
+                            **stopping, **extra)
+    assert out.shape[0] == len(prompts) * samples and out.shape[1] <= ids.shape[1] + new_tokens, out.shape
     return out
 
 
-def ours_generate(model, prompts, samples: int, new_tokens: int) -> rollout.Rollout:
-    out = rollout.generate(model, prompts, samples_per_prompt=samples, max_new_tokens=new_tokens,
-                           temperature=1.0, stop_ids=[], seed=0)
-    assert out.completion_mask.all() and out.completion_ids.shape == (len(prompts) * samples, new_tokens)
+def ours_generate(model, prompts, samples: int, new_tokens: int, lengths: list[int] | None = None,
+                  **extra) -> rollout.Rollout:
+    """rollout.generate; rows run to new_tokens, or stop at `lengths` (one per row, prompt-major)."""
+    stop_id = model.config.vocab_size - 1  # a rare token: the model itself seldom ends a row early
+    with forced_lengths(lengths, stop_id):
+        out = rollout.generate(model, prompts, samples_per_prompt=samples, max_new_tokens=new_tokens,
+                               temperature=1.0, stop_ids=[] if lengths is None else [stop_id], seed=0, **extra)
+    expected = [new_tokens] * len(out.completions) if lengths is None else lengths
+    assert all(n <= cap for n, cap in zip(out.completion_mask.sum(1).tolist(), expected))
     return out
 
 
@@ -100,7 +162,7 @@ def compare(runs: dict, tokens: int, device: torch.device, repeats: int) -> None
         print(f"{name:<34} {seconds:>8.2f} {rate:>10.0f} {ours / rate:>7.2f}x")
 
 
-def bench_cpu(repeats: int, dtype: torch.dtype) -> None:
+def bench_cpu(repeats: int, dtype: torch.dtype, long_tail: bool, fixed_shapes: bool) -> None:
     from transformers import AutoModelForCausalLM
 
     prompts_n, samples, new_tokens = 8, 4, 64
@@ -112,15 +174,19 @@ def bench_cpu(repeats: int, dtype: torch.dtype) -> None:
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval()
     pad_id = tokenizer.pad_token_id or 0
     device = torch.device("cpu")
+    lengths = long_tail_lengths(prompts_n * samples, new_tokens) if long_tail else None
+    mode = "forced length" if lengths is None else f"long tail (mean {sum(lengths) / len(lengths):.1f})"
     print(f"CPU, {torch.get_num_threads()} threads: SmolLM2-135M-Instruct {dtype}, {prompts_n} prompts "
           f"({min(map(len, prompts))}-{max(map(len, prompts))} tokens) x {samples} samples, "
-          f"{new_tokens} new tokens, temperature 1")
+          f"{new_tokens} new tokens, {mode}, temperature 1{', fixed shapes' if fixed_shapes else ''}")
     ours_generate(ours, prompts, samples, 4)  # warm-up: first-call allocations
     hf_generate(hf, prompts, samples, 4, pad_id)
-    compare({"rollout.generate": lambda: ours_generate(ours, prompts, samples, new_tokens),
-             "transformers generate": lambda: hf_generate(hf, prompts, samples, new_tokens, pad_id),
-             "decode matrix products alone": lambda: decode_matmuls(ours, prompts_n * samples, new_tokens - 1)},
-            prompts_n * samples * new_tokens, device, repeats)
+    runs = {"rollout.generate": lambda: ours_generate(ours, prompts, samples, new_tokens, lengths,
+                                                      fixed_shapes=fixed_shapes),
+            "transformers generate": lambda: hf_generate(hf, prompts, samples, new_tokens, pad_id, lengths)}
+    if lengths is None:
+        runs["decode matrix products alone"] = lambda: decode_matmuls(ours, prompts_n * samples, new_tokens - 1)
+    compare(runs, prompts_n * samples * new_tokens if lengths is None else sum(lengths), device, repeats)
 
 
 @torch.inference_mode()
@@ -138,32 +204,35 @@ def decode_matmuls(model, rows: int, steps: int) -> None:
 def build_qwen3(name: str, device: str):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    config = Qwen3Config(**QWEN3[name], **QWEN3_COMMON)
+    config = Qwen3Config(**{**QWEN3_COMMON, **{**QWEN3, **QWEN3_TINY}[name]})
     with torch.device(device):
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     return hf, ours_from_hf(hf)
 
 
-def bench_gpu(repeats: int, models: list[str]) -> None:
+def bench_gpu(repeats: int, models: list[str], long_tail: bool) -> None:
     from transformers import CompileConfig
 
     prompts_n, samples, prompt_len, new_tokens = 32, 8, 128, 256
+    lengths = long_tail_lengths(prompts_n * samples, new_tokens) if long_tail else None
     device = torch.device("cuda")
     for name in models:
         torch.manual_seed(0)
         hf, ours = build_qwen3(name, "cuda")
         prompts = torch.randint(1000, 100000, (prompts_n, prompt_len)).tolist()
         print(f"\n{torch.cuda.get_device_name()}: {name} random bf16 weights, {prompts_n} prompts x {samples} "
-              f"samples, {prompt_len}-token prompts, {new_tokens} new tokens, temperature 1")
+              f"samples, {prompt_len}-token prompts, {new_tokens} new tokens, "
+              f"{'forced length' if lengths is None else 'long tail'}, temperature 1")
         runs = {
-            "rollout.generate": lambda: ours_generate(ours, prompts, samples, new_tokens),
-            "transformers generate": lambda: hf_generate(hf, prompts, samples, new_tokens, 0),
+            "rollout.generate": lambda: ours_generate(ours, prompts, samples, new_tokens, lengths),
+            "transformers generate": lambda: hf_generate(hf, prompts, samples, new_tokens, 0, lengths),
             "transformers static cache+compile": lambda: hf_generate(
-                hf, prompts, samples, new_tokens, 0, cache_implementation="static", compile_config=CompileConfig()),
+                hf, prompts, samples, new_tokens, 0, lengths, cache_implementation="static",
+                compile_config=CompileConfig()),
         }
-        for fn in runs.values():  # warm-up: CUDA graph capture, torch.compile
+        for fn in runs.values():  # warm-up: CUDA and cuBLAS set-up, torch.compile
             fn()
-        compare(runs, prompts_n * samples * new_tokens, device, repeats)
+        compare(runs, prompts_n * samples * new_tokens if lengths is None else sum(lengths), device, repeats)
         del hf, ours, runs
         torch._dynamo.reset()  # drop the compiled graphs and their CUDA-graph memory before the next model
         torch.cuda.empty_cache()
@@ -179,7 +248,7 @@ def build_on_meta(models: list[str]) -> None:
         ours.hidden(torch.zeros(4, 128, dtype=torch.long, device=meta), None, prompt_cache)
         cache = prompt_cache.fork(4)
         logits = ours.decode_step(torch.zeros(16, dtype=torch.long, device=meta),
-                                  torch.ones(16, dtype=torch.bool, device=meta), cache)
+                                  torch.ones(16, dtype=torch.bool, device=meta), cache, span=rollout.bucket(128 + 4))
         assert logits.shape == (16, ours.config.vocab_size)
         params = sum(p.numel() for p in ours.parameters())
         print(f"{name}: built on meta, {params / 1e9:.2f}B {ours.dtype} parameters, {ours.config.num_layers} "
@@ -187,22 +256,24 @@ def build_on_meta(models: list[str]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda", "meta"], default="cpu")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per sampler; the best one counts")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="CPU weights")
     parser.add_argument("--models", nargs="+", choices=list(QWEN3), default=list(QWEN3),
                         help="GPU and meta: which Qwen3 shapes (one at a time fits a short device session)")
+    parser.add_argument("--long-tail", action="store_true", help="rows stop at seeded log-normal lengths")
+    parser.add_argument("--fixed-shapes", action="store_true", help="CPU: run our CUDA decode loop")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device == "cuda":
-        bench_gpu(args.repeats, args.models)
+        bench_gpu(args.repeats, args.models, args.long_tail)
     elif args.device == "meta":
         build_on_meta(args.models)
     else:
-        bench_cpu(args.repeats, getattr(torch, args.dtype))
+        bench_cpu(args.repeats, getattr(torch, args.dtype), args.long_tail, args.fixed_shapes)
 
 
 if __name__ == "__main__":
