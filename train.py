@@ -4,6 +4,7 @@
     python train.py --preset atr-grpo-qwen3-1.7b     # a paper's run (needs the model and data/prepare.py)
     python train.py --preset atr-grpo-qwen3-1.7b --plan   # its memory, phase by phase, without loading it
     python train.py --resume runs/NAME               # continue a run from its last checkpoint
+    torchrun --nproc-per-node 8 train.py --preset gppo-qwen3-8b   # data parallel over 8 GPUs (README)
 
 The file reads in the order a run executes: the config, then one step (prompts -> G completions each
 -> rewards -> group-normalized advantages -> optimizer steps over mini-batches of the rollout), then
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -27,10 +29,12 @@ import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 import eval as evaluation
@@ -103,6 +107,8 @@ class Config:
     gpu_memory: float | None = opt(None, "GPU memory budget in GB for --plan and the automatic batch sizes; "
                                          "empty = the GPU's (80 without one)")
     resume: str | None = opt(None, "run directory to continue from its last checkpoint")
+    dist_timeout: float = opt(1800.0, "under torchrun, seconds a process waits for the others (say, while rank 0 "
+                                      "writes a checkpoint) before it fails: a process died or hangs")
     export: str | None = opt(None, "after training, write merged HF weights to this new or empty directory")
     preset: str | None = opt(None, "a named setup from PRESETS; explicit flags override it")
 
@@ -142,28 +148,43 @@ PRESETS = {
 # ----------------------------------------------------------------------------- one step
 
 
-def train_step(model, optimizer, tokenizer, problems: list[dict], cfg: Config, step: int) -> tuple[dict, list]:
-    """One GRPO step on `problems`; returns its metrics line and the per-token records (empty unless logged)."""
+def train_step(model, optimizer, tokenizer, problems: list[dict], cfg: Config, step: int,
+               world: World | None = None) -> tuple[dict, list]:
+    """One GRPO step on `problems`; returns its metrics line and the per-token records (empty unless logged).
+
+    With several processes (world), `problems` is the whole step's, the same on every rank, and each rank
+    samples and trains on its slice of whole prompts; the metrics and records are the whole step's.
+    """
+    world = world or SOLO
     watch = Stopwatch()
-    out = sample(model, tokenizer, problems, cfg, step)
+    mine = world.prompts(len(problems))
+    out = sample(model, tokenizer, problems[mine], cfg, step, first_prompt=mine.start)
     watch.lap("rollout")
-    rewards, correct = score(out, problems, cfg)
+    rewards, correct = score(out, problems[mine], cfg)
     watch.lap("reward")
-    advantages = loss.advantages(rewards, cfg.group_size, cfg.loss)  # [N]
-    records = [] if cfg.log_tokens else None
-    update = policy_update(model, optimizer, out, advantages, cfg, step, records)
-    watch.lap("update")
     lengths = out.completion_mask.sum(1).float()
-    return {"step": step, "reward": float(rewards.mean()), "accuracy": float(correct.mean()),
-            "completion_length": float(lengths.mean()), "truncated": float(out.truncated.float().mean()),
-            **update, "step_seconds": watch.total, "reward_seconds": watch.laps["reward"],
-            "rollout_tokens_per_s": float(lengths.sum()) / watch.laps["rollout"],
+    rows = world.cat(torch.stack([rewards, correct, lengths, out.truncated.float()], 1))  # [N of the step, 4]
+    # from the whole step's rewards: one process's advantages, whatever they normalize over
+    my_rows = slice(mine.start * cfg.group_size, mine.stop * cfg.group_size)
+    advantages = loss.advantages(rows[:, 0], cfg.group_size, cfg.loss)[my_rows]  # [N of this rank]
+    records = [] if cfg.log_tokens else None
+    update = policy_update(model, optimizer, out, advantages, cfg, step, records, world)
+    watch.lap("update")
+    seconds = torch.tensor([watch.laps["rollout"], watch.laps["update"]], dtype=torch.float64, device="cpu")
+    tokens = torch.tensor([lengths.sum().item(), out.pad_mask.sum().item()], dtype=torch.float64, device="cpu")
+    slowest, tokens = world.max(seconds), world.sum(tokens)
+    records = [] if records is None else sum(world.gather(records), [])
+    reward_mean, accuracy, completion_length, truncated = rows.mean(0).tolist()
+    return {"step": step, "reward": reward_mean, "accuracy": accuracy, "completion_length": completion_length,
+            "truncated": truncated, **update, "step_seconds": watch.total, "reward_seconds": watch.laps["reward"],
+            "rollout_tokens_per_s": float(tokens[0] / slowest[0]),
             # every row is trained on once per mini-batch pass, prompt included
-            "train_tokens_per_s": int(out.pad_mask.sum()) / watch.laps["update"]}, records or []
+            "train_tokens_per_s": float(tokens[1] / slowest[1])}, records
 
 
-def sample(model, tokenizer, problems: list[dict], cfg: Config, step: int) -> rollout.Rollout:
-    """G completions for each problem, with the sampling policy's log-probs, in calls of rollout_batch prompts."""
+def sample(model, tokenizer, problems: list[dict], cfg: Config, step: int, first_prompt: int = 0) -> rollout.Rollout:
+    """G completions for each problem, with the sampling policy's log-probs, in calls of rollout_batch prompts.
+    first_prompt is the index of problems[0] in the step: a prompt's samples depend on it, not on the process."""
     prompts = [render_prompt(tokenizer, p["problem"], cfg.template, cfg.system_prompt) for p in problems]
     model.eval()  # no LoRA dropout while sampling: the old log-probs must be the sampling policy's
     with oom_hint("the rollout", f"lower --rollout-batch (now {cfg.rollout_batch} prompts per call)"):
@@ -172,7 +193,7 @@ def sample(model, tokenizer, problems: list[dict], cfg: Config, step: int) -> ro
                                 temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                 stop_ids=stop_ids(model.config, tokenizer), seed=cfg.seed * 1_000_003 + step,
                                 tokenizer=tokenizer, max_rows=cfg.rollout_batch * cfg.group_size or None,
-                                cuda_graphs=cfg.cuda_graphs)
+                                first_prompt=first_prompt, cuda_graphs=cfg.cuda_graphs)
 
 
 def score(out: rollout.Rollout, problems: list[dict], cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,26 +206,42 @@ def score(out: rollout.Rollout, problems: list[dict], cfg: Config) -> tuple[torc
 
 
 def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tensor, cfg: Config, step: int,
-                  records: list | None = None) -> dict:
+                  records: list | None = None, world: World | None = None) -> dict:
     """updates_per_rollout optimizer steps over shuffled mini-batches of the rollout's rows, each the sum of
     grad_accum micro-batches. Metrics: token-weighted means over micro-batches; *_min / *_max are extremes;
-    start_ratio_min / _max are the first mini-batch's, before this step's first update (the numerical floor)."""
+    start_ratio_min / _max are the first mini-batch's, before this step's first update (the numerical floor).
+
+    With several processes, `out` holds this rank's rows of the step, which are rows world.rank * N ..
+    of the step's. The shuffle is of the whole step's rows, the same on every rank, and each rank trains
+    on its own rows of each mini-batch: the mini-batches are one process's, and with the normalizers
+    summed over the ranks and the gradients too, so is every update.
+    """
+    world = world or SOLO
     inputs = frozen_inputs(model, out, cfg)  # what the loss needs of the policy before it moves
     advantages = advantages.to(out.old_logp.device)
-    order = torch.randperm(len(advantages), generator=torch.Generator().manual_seed(cfg.seed + step), device="cpu")
+    N, first = len(advantages), world.rank * len(advantages)
+    order = torch.randperm(N * world.size, generator=torch.Generator().manual_seed(cfg.seed + step), device="cpu")
+    minibatches = order.chunk(cfg.updates_per_rollout)
+    mine = [(m[(m >= first) & (m < first + N)] - first).to(advantages.device) for m in minibatches]
+    # the normalizers of each optimizer step: its tokens and sequences on all ranks
+    num_tokens = world.sum(torch.stack([out.completion_mask[rows].sum() for rows in mine]))
     model.train()
     per_update, grad_norms = [], []
-    for minibatch in order.to(advantages.device).chunk(cfg.updates_per_rollout):
-        totals = {"num_tokens": out.completion_mask[minibatch].sum(), "num_seqs": len(minibatch)}  # of the whole step
+    for minibatch, step_rows, step_tokens in zip(mine, minibatches, num_tokens):
+        totals = {"num_tokens": step_tokens, "num_seqs": len(step_rows)}
         losses, metrics = [], []
-        for rows in minibatch.chunk(cfg.grad_accum):
+        for rows in minibatch.chunk(cfg.grad_accum) if len(minibatch) else ():  # a rank may hold none of them
             with oom_hint(f"a training micro-batch of {len(rows)} rows", f"raise --grad-accum (now {cfg.grad_accum})"):
                 value, micro_metrics = micro_batch_loss(model, out, advantages, inputs, rows, cfg, totals, records)
                 value.backward()
             losses.append(value.detach())
             metrics.append(micro_metrics)
-        grad_norms.append(optimizer_step(model, optimizer, torch.stack(losses).sum(), cfg, step))
+        local_loss = torch.stack(losses).sum() if losses else torch.zeros((), device=advantages.device)
+        total_loss = sum_gradients(model, world, local_loss)
+        grad_norms.append(optimizer_step(model, optimizer, total_loss, cfg, step))
         per_update.append(metrics)
+    # every rank's micro-batches, update by update
+    per_update = [sum(updates, []) for updates in zip(*world.gather(per_update))]
     summary, start = merge_metrics(sum(per_update, [])), merge_metrics(per_update[0])
     applied = [norm for norm in grad_norms if norm is not None]
     summary.update(start_ratio_min=start["ratio_min"], start_ratio_max=start["ratio_max"],
@@ -296,13 +333,21 @@ def completion_states(h: torch.Tensor, start: int) -> torch.Tensor:
 
 
 def merge_metrics(metrics: list[dict]) -> dict:
-    """One step's metrics from its micro-batches': *_min and *_max are extremes, the rest token-weighted means."""
-    tokens = [m["tokens"] for m in metrics]
+    """One step's metrics from its micro-batches': *_min and *_max are extremes, the rest token-weighted means.
+
+    A bucket's mean (mu[BUCKET]/adv_sign, ...) is weighted by the bucket's tokens (tokens x its share), so
+    the merged value is the whole step's whichever way its rows were split into micro-batches or ranks.
+    """
+    tokens = np.array([m["tokens"] for m in metrics], dtype=np.float64)
     merged = {}
     for key in metrics[0]:
-        values = [m[key] for m in metrics]
-        merged[key] = (min(values) if key.endswith("_min") else max(values) if key.endswith("_max")
-                       else float(np.average(values, weights=tokens)))
+        values = np.array([m[key] for m in metrics], dtype=np.float64)
+        if key.endswith("_min") or key.endswith("_max"):
+            merged[key] = float(values.min() if key.endswith("_min") else values.max())
+            continue
+        bucket = key.split("/")[0] + "/share"
+        weights = tokens * [m[bucket] for m in metrics] if key.startswith("mu[") and key != bucket else tokens
+        merged[key] = float(values @ weights / weights.sum()) if weights.sum() else 0.0
     del merged["tokens"]
     return merged
 
@@ -335,60 +380,85 @@ class Stopwatch:
 # ----------------------------------------------------------------------------- the run
 
 
-def train(cfg: Config) -> dict:
-    """Run (or resume) training; returns the final state with the before/after evaluations."""
+def train(cfg: Config, world: World | None = None) -> dict:
+    """Run (or resume) training; returns the final state with the before/after evaluations.
+
+    With several processes every rank runs this loop in step; rank 0 alone writes files (metrics,
+    checkpoints, exports), and the other ranks wait for it at a barrier before they go on.
+    """
+    world = world or SOLO
+    writer = world.rank == 0
     validate(cfg)
     train_set, eval_sets = load_problems(cfg.dataset), load_eval_sets(cfg)
     run_dir = prepare_run_dir(cfg)
+    check_same_settings(world, cfg)  # also the point no rank passes before every rank checked its run directory
     model, tokenizer, optimizer = build(cfg)
-    cfg = resolve_automatic(cfg, model)
-    warn_if_inert(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed start leaves no empty run directory
+    cfg = resolve_sizes(cfg, model, world)
+    if writer:
+        warn_if_inert(cfg)
+        run_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed start leaves no empty run directory
     metrics_file = run_dir / "metrics.jsonl"
+
+    def save(state: dict) -> None:
+        if writer:
+            save_checkpoint(run_dir, model, optimizer, state)
+        world.barrier("waiting for rank 0 to write a checkpoint")
+
     if cfg.resume:
-        state = load_checkpoint(run_dir, model, optimizer)
-        truncate_metrics(metrics_file, state["step"])
-        print(f"resumed {run_dir} at step {state['step']}", file=sys.stderr)
+        state = load_checkpoint(run_dir, model, optimizer)  # every rank: the same checkpoint, whatever the world size
+        world.barrier("loading the checkpoint")  # before rank 0 may write the next one
+        if writer:
+            truncate_metrics(metrics_file, state["step"])
+            print(f"resumed {run_dir} at step {state['step']}", file=sys.stderr)
     else:
-        write_json(run_dir / "config.json", flat_config(cfg))
-        metrics_file.unlink(missing_ok=True)
         state = {"step": 0, "data_position": 0, "before": None, "best": None}
-        save_checkpoint(run_dir, model, optimizer, state)  # a run stopped before its first step can resume
-        print(f"run directory: {run_dir}", file=sys.stderr)
+        if writer:
+            write_json(run_dir / "config.json", flat_config(cfg))
+            metrics_file.unlink(missing_ok=True)
+            print(f"run directory: {run_dir}", file=sys.stderr)
+        save(state)  # a run stopped before its first step can resume
     with StopRequest() as stop:
         if state["before"] is None:
             with stop.immediate():
-                state["before"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, "eval before")
-        bar = tqdm(range(state["step"], cfg.steps), desc="train", unit="step", initial=state["step"], total=cfg.steps)
+                state["before"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, "eval before", world)
+        bar = tqdm(range(state["step"], cfg.steps), desc="train", unit="step", initial=state["step"], total=cfg.steps,
+                   disable=not writer)
         for _ in bar:
             step = state["step"] + 1
             problems = batch_of(train_set, state["data_position"], cfg.prompts_per_step, cfg.seed)
-            record, records = train_step(model, optimizer, tokenizer, problems, cfg, step)
+            record, records = train_step(model, optimizer, tokenizer, problems, cfg, step, world)
             state.update(step=step, data_position=state["data_position"] + cfg.prompts_per_step)
-            if records:
+            if records and writer:
                 loss.write_token_records(run_dir / "tokens" / f"step-{step:06d}.npz", records, cfg.log_tokens,
                                          seed=cfg.seed * 1_000_003 + step)
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 with stop.immediate():
-                    record["eval"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, f"eval step {step}")
-                keep_best(run_dir, model, state, record["eval"])
-            with metrics_file.open("a") as f:
-                f.write(to_json(record) + "\n")
+                    record["eval"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, f"eval step {step}", world)
+                keep_best(run_dir, model, state, record["eval"], writer)
+            if writer:
+                with metrics_file.open("a") as f:
+                    f.write(to_json(record) + "\n")
             bar.set_postfix(reward=f"{record['reward']:.2f}", acc=f"{record['accuracy']:.2f}")
-            if step % cfg.checkpoint_every == 0 or stop.requested:
-                save_checkpoint(run_dir, model, optimizer, state)
-            if stop.requested:
-                print(f"stopped at step {step}; continue with: python train.py --resume {run_dir}", file=sys.stderr)
+            # every rank stops after the same step, whichever of them the signal reached first
+            stopping = bool(world.max(torch.tensor(float(stop.requested), device="cpu")))
+            if step % cfg.checkpoint_every == 0 or stopping:
+                save(state)
+            if stopping:
+                if writer:
+                    print(f"stopped at step {step}; continue with: python train.py --resume {run_dir}",
+                          file=sys.stderr)
                 return state
         with stop.immediate():
-            state["after"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, "eval after")
-    keep_best(run_dir, model, state, state["after"])
-    save_checkpoint(run_dir, model, optimizer, state)
-    write_json(run_dir / "summary.json", {k: state[k] for k in ("before", "after", "best")})
-    if cfg.export:
-        weights.save_pretrained(model, cfg.export, tokenizer=tokenizer)
-        print(f"exported merged weights to {cfg.export}", file=sys.stderr)
-    print(f"run directory: {run_dir}", file=sys.stderr)
+            state["after"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, "eval after", world)
+    keep_best(run_dir, model, state, state["after"], writer)
+    save(state)
+    if writer:
+        write_json(run_dir / "summary.json", {k: state[k] for k in ("before", "after", "best")})
+        if cfg.export:
+            weights.save_pretrained(model, cfg.export, tokenizer=tokenizer)
+            print(f"exported merged weights to {cfg.export}", file=sys.stderr)
+        print(f"run directory: {run_dir}", file=sys.stderr)
+    world.barrier("waiting for rank 0 to write the summary and the export")
     return state
 
 
@@ -416,17 +486,31 @@ def load_eval_sets(cfg: Config) -> dict[str, list[dict]]:
     return {name: problems[:cfg.eval_problems] if cfg.eval_problems else problems for name, problems in sets.items()}
 
 
-def evaluate_held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: Config, desc: str) -> dict:
-    """Mean@k and Pass@k on each held-out set; with several sets, accuracy is their unweighted mean."""
+def evaluate_held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: Config, desc: str,
+                      world: World | None = None) -> dict:
+    """Mean@k and Pass@k on each held-out set; with several sets, accuracy is their unweighted mean.
+
+    With several processes each rank evaluates a run of whole eval batches (seeded by their first
+    index, as in one process, so the samples are one process's) and the per-problem results are gathered.
+    """
+    world = world or SOLO
     results = {}
     for name, problems in eval_sets.items():
-        with oom_hint(f"evaluation on {name}", f"lower --eval-batch (now {cfg.eval_batch} prompts per call)"):
-            result = evaluation.evaluate(model, tokenizer, problems, k=cfg.eval_k, temperature=cfg.eval_temperature,
-                                         top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, template=cfg.template,
-                                         system=cfg.system_prompt, batch_size=cfg.eval_batch, seed=cfg.seed,
-                                         desc=f"{desc} {name}" if len(eval_sets) > 1 else desc)
-        mean = result.summary["mean@k"]
-        results[name] = {"accuracy": mean.mean, "se": mean.se, "pass@k": result.summary["pass@k"].mean,
+        batches = math.ceil(len(problems) / cfg.eval_batch)
+        lo, hi = (min(len(problems), cfg.eval_batch * (batches * r // world.size))
+                  for r in (world.rank, world.rank + 1))
+        mine = []
+        if hi > lo:
+            with oom_hint(f"evaluation on {name}", f"lower --eval-batch (now {cfg.eval_batch} prompts per call)"):
+                mine = evaluation.evaluate(model, tokenizer, problems[lo:hi], k=cfg.eval_k,
+                                           temperature=cfg.eval_temperature, top_p=cfg.top_p,
+                                           max_new_tokens=cfg.max_new_tokens, template=cfg.template,
+                                           system=cfg.system_prompt, batch_size=cfg.eval_batch, seed=cfg.seed + lo,
+                                           desc=f"{desc} {name}" if len(eval_sets) > 1 else desc,
+                                           progress=world.rank == 0).problems
+        summary = evaluation.summarize(sum(world.gather(mine), []), cfg.eval_k, seed=cfg.seed)
+        mean = summary["mean@k"]
+        results[name] = {"accuracy": mean.mean, "se": mean.se, "pass@k": summary["pass@k"].mean,
                          "problems": len(problems), "k": cfg.eval_k}
     if len(results) == 1:
         return next(iter(results.values()))
@@ -437,11 +521,14 @@ def evaluate_held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: C
             "problems": sum(p["problems"] for p in parts), "k": cfg.eval_k, "sets": results}
 
 
-def keep_best(run_dir: Path, model, state: dict, result: dict) -> None:
-    """Keep the adapter with the best held-out accuracy in run_dir/best (the papers report best and last)."""
+def keep_best(run_dir: Path, model, state: dict, result: dict, write: bool = True) -> None:
+    """Keep the adapter with the best held-out accuracy in run_dir/best (the papers report best and last);
+    every rank updates its state, and the writer (rank 0) the folder."""
     if state["best"] is not None and result["accuracy"] <= state["best"]["accuracy"]:
         return
     state["best"] = {**result, "step": state["step"]}
+    if not write:
+        return
     tmp = run_dir / ".best.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     lora.save(model, tmp)
@@ -491,6 +578,153 @@ class _Flag:
 
     def __exit__(self, *exc):
         setattr(self.owner, self.name, False)
+
+
+# ----------------------------------------------------------------------------- several processes
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in a torchrun job, and the few collectives a step needs.
+
+    Data parallel: of a step's prompts, rank r of n samples, grades and trains on the r-th slice, whole
+    prompts with all G completions. One process alone is rank 0 of 1, and every collective returns its
+    input: the single-GPU run is the same code. Collectives are blocking, so a rank that died or hangs
+    turns into an error here after --dist-timeout seconds, naming what was being waited for.
+    """
+    rank: int = 0
+    size: int = 1
+    device: torch.device = torch.device("cpu")  # where collectives run: the GPU for nccl, the CPU for gloo
+    timeout: float = 0.0
+
+    def prompts(self, count: int) -> slice:
+        """This rank's prompts of a step of `count` (a multiple of size)."""
+        share = count // self.size
+        return slice(self.rank * share, (self.rank + 1) * share)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return self._reduce(x, dist.ReduceOp.SUM, "a sum")
+
+    def min(self, x: torch.Tensor) -> torch.Tensor:
+        return self._reduce(x, dist.ReduceOp.MIN, "a minimum")
+
+    def max(self, x: torch.Tensor) -> torch.Tensor:
+        return self._reduce(x, dist.ReduceOp.MAX, "a maximum")
+
+    def cat(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x (same shape on all), concatenated in rank order along dim 0."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x, device=self.device) for _ in range(self.size)]
+        with self._waiting("gathering a tensor"):
+            dist.all_gather(parts, x.to(self.device))
+        return torch.cat(parts).to(x.device)
+
+    def gather(self, value) -> list:
+        """Every rank's value (any picklable object), in rank order."""
+        if self.size == 1:
+            return [value]
+        values = [None] * self.size
+        with self._waiting("gathering results"):
+            dist.all_gather_object(values, value)
+        return values
+
+    def barrier(self, what: str) -> None:
+        if self.size > 1:
+            with self._waiting(what):
+                dist.barrier()
+
+    def _reduce(self, x: torch.Tensor, op, what: str) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        y = x.to(self.device, copy=True)
+        with self._waiting(what):
+            dist.all_reduce(y, op)
+        return y.to(x.device)
+
+    @contextmanager
+    def _waiting(self, what: str):
+        try:
+            yield
+        except RuntimeError as error:  # torch.distributed's errors, timeouts included, are RuntimeErrors
+            raise RuntimeError(
+                f"rank {self.rank} of {self.size}: {what} across processes failed; another process died or "
+                f"hangs (its own error is in its log; a process waits --dist-timeout {self.timeout:g} s): "
+                f"{error}") from error
+
+
+SOLO = World()
+
+
+@contextmanager
+def joined(cfg: Config):
+    """The World this process belongs to: torchrun's (RANK, WORLD_SIZE and LOCAL_RANK in the environment),
+    or one process alone. nccl joins the GPUs, one per process (its LOCAL_RANK); gloo joins CPU processes."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size == 1:
+        yield SOLO
+        return
+    if cfg.prompts_per_step % size:
+        raise ValueError(f"--prompts-per-step {cfg.prompts_per_step} does not split over {size} processes: each "
+                         "samples whole prompts (a prompt's G completions share one process, so its advantages "
+                         f"are computed there); use a multiple of {size}")
+    if cfg.device.startswith("cuda:"):
+        raise ValueError(f"--device {cfg.device}: under torchrun each process takes the GPU of its LOCAL_RANK; "
+                         "use --device auto or cuda")
+    device = resolve_device(cfg)[0]
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # "cuda" now means this process's GPU
+        device = torch.device("cuda", torch.cuda.current_device())
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")  # a timeout raises here instead of aborting
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=cfg.dist_timeout))
+    try:
+        yield World(dist.get_rank(), size, device, cfg.dist_timeout)
+    finally:
+        dist.destroy_process_group()
+
+
+def check_same_settings(world: World, cfg: Config) -> None:
+    """Every process must run the same settings (one launch command on every node); a difference is named."""
+    settings = flat_config(cfg)
+    digest = hashlib.sha256(to_json(settings).encode()).hexdigest()
+    if len(set(world.gather(digest))) == 1:
+        return
+    for rank, theirs in enumerate(world.gather(settings)):
+        differ = sorted(name for name in settings if theirs.get(name) != settings[name])
+        if differ:
+            shown = ", ".join(f"{name}={theirs.get(name)!r} (here {settings[name]!r})" for name in differ)
+            raise ValueError(f"rank {rank} runs other settings than rank {world.rank}: {shown}; launch every "
+                             "process with the same command")
+
+
+def resolve_sizes(cfg: Config, model, world: World) -> Config:
+    """resolve_automatic for one rank's share of a step (its prompts), the same on every rank: where the
+    sizes come from the memory plan, the most cautious rank's (GPUs may have different free memory)."""
+    share = resolve_automatic(dataclasses.replace(cfg, prompts_per_step=cfg.prompts_per_step // world.size), model)
+    rollout_batch, eval_batch, negated_accum = world.min(  # the smallest calls, the most micro-batches
+        torch.tensor([share.rollout_batch, share.eval_batch, -share.grad_accum], device="cpu")).tolist()
+    return dataclasses.replace(share, prompts_per_step=cfg.prompts_per_step, rollout_batch=rollout_batch,
+                               eval_batch=eval_batch, grad_accum=-negated_accum)
+
+
+def sum_gradients(model, world: World, loss_sum: torch.Tensor) -> torch.Tensor:
+    """Sum the adapters' gradients over the ranks, in one all-reduce of one flat buffer; returns the
+    optimizer step's whole loss (the ranks' sum), so every rank takes the same skip decision.
+
+    Each rank's loss is already its share of the whole step's (the normalizers are global), so the
+    sum, not the mean, is the gradient of one process on the whole batch. A plain all-reduce rather
+    than DistributedDataParallel: only the adapters train, their gradients are small (a 1.7B model's
+    rank-32 adapters are ~70 MB in fp32), the loss reaches the model through model.hidden and the
+    frozen passes rather than one forward(), and a rank may hold no rows of a mini-batch at all.
+    """
+    if world.size == 1:
+        return loss_sum
+    params = list(lora.parameters(model))
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]  # no rows here: zeros
+    flat = world.sum(torch.cat([*(g.flatten() for g in grads), loss_sum.detach().to(grads[0]).reshape(1)]))
+    for p, g in zip(params, flat[:-1].split([g.numel() for g in grads])):
+        p.grad = g.view_as(p)
+    return flat[-1]
 
 
 # ----------------------------------------------------------------------------- building the model
@@ -719,6 +953,7 @@ def validate(cfg: Config, need_device: bool = True) -> None:
          "--steps, --eval-every and --eval-problems must be >= 0 and --eval-k >= 1"),
         (cfg.eval_temperature >= 0, f"--eval-temperature {cfg.eval_temperature}: must be >= 0 (0 = greedy)"),
         (cfg.log_tokens >= 0, f"--log-tokens {cfg.log_tokens}: must be >= 0"),
+        (cfg.dist_timeout > 0, f"--dist-timeout {cfg.dist_timeout}: must be > 0 seconds"),
         (cfg.gpu_memory is None or cfg.gpu_memory > 0, f"--gpu-memory {cfg.gpu_memory}: must be > 0 GB"),
         (0 <= cfg.format_weight < 1, f"--format-weight {cfg.format_weight}: must be in [0, 1), below a correct "
                                      "answer's reward"),
@@ -844,7 +1079,8 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(0 if plan(cfg) else 1)
         if cfg.resume:
             cfg = _resumed_config(cfg, given)
-        state = train(cfg)
+        with joined(cfg) as world:
+            state = train(cfg, world)
     except USER_ERRORS as error:
         if _inside_training(error):
             raise
@@ -853,7 +1089,7 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("\ninterrupted; the last checkpoint is kept (python train.py --resume RUN continues it)", file=sys.stderr)
         sys.exit(130)
-    if "after" in state:
+    if "after" in state and world.rank == 0:
         before, after, best = state["before"], state["after"], state["best"]
         print(f"best held-out accuracy {100 * best['accuracy']:.1f}% at step {best['step']}")
         print(f"held-out accuracy: before {100 * before['accuracy']:.1f}% -> after {100 * after['accuracy']:.1f}% "
