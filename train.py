@@ -843,6 +843,7 @@ USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryErro
 def main(argv: list[str] | None = None) -> None:
     """Settings, data and paths are checked before anything loads; a mistake there prints one line and
     exits with status 2. A Ctrl-C exits with 130 and says how to continue."""
+    warnings.formatwarning = lambda message, category, *_, **__: f"warning: {message}\n"  # no source line
     try:
         cfg, given, show_plan = parse_args(argv)
         if show_plan:
