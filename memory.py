@@ -543,7 +543,7 @@ def _largest(need, most: int, usable: int) -> int:
 def _no_fit(phase: str, need: int, usable: int, budget: int, hint: str, floor: bool = False) -> str:
     at = " even at 1 row / prompt per call" if floor else ""
     return (f"memory plan: {phase} needs {need / GB:.1f} GB{at}, more than the {usable / GB:.1f} GB usable "
-            f"of {budget / GB:.0f} GB; {hint}")
+            f"of {budget / GB:.1f} GB; {hint}")
 
 
 def report(model_cfg: ModelConfig, work: Workload, budget_bytes: int) -> tuple[str, bool]:

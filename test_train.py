@@ -426,3 +426,11 @@ def test_a_run_is_never_silently_restarted_or_overwritten(tiny_model_dir, tmp_pa
     (tmp_path / "early" / "config.json").write_text(json.dumps({}))
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         run_training(["--resume", str(tmp_path / "early")])
+
+
+def test_a_plan_that_does_not_fit_says_which_phase_and_exits_1():
+    proc = subprocess.run([sys.executable, "train.py", "--plan", "--gpu-memory", "1.5"],
+                          cwd=Path(train.__file__).parent, capture_output=True, text=True)
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last.startswith("plan: peak") and "of 1.5 GB (does not fit: " in last, proc.stdout
+    assert "--grad-accum" in last or "--lora-rank" in last
