@@ -208,9 +208,10 @@ class KVCache:
         layers, _, kv_heads, _, head_dim = self.k.shape
         out.k, out.v = (self.k.new_zeros(layers, R, kv_heads, P + T + room, head_dim) for _ in range(2))
         for new, old in ((out.k, self.k), (out.v, self.v)):
-            new[:, :, :, :P] = old[:, owners, :, :P]
-            own = old[:, :, :, P:self.length].unflatten(3, (T, G))  # [layers, groups, kv, T, G, D]
-            new[:, :, :, P:P + T] = own[:, owners, :, :, members].movedim(0, 1)  # indexed dim comes first
+            for layer in range(layers):  # a layer at a time: the gathers' temporaries stay one layer big
+                new[layer, :, :, :P] = old[layer, owners, :, :P]
+                own = old[layer, :, :, P:self.length].unflatten(2, (T, G))  # [groups, kv, T, G, D]
+                new[layer, :, :, P:P + T] = own[owners, :, :, members]  # [R, kv, T, D]
         out.valid = self.valid.new_zeros(R, P + T + room)
         out.valid[:, :P] = self.valid[rows, :P]
         out.valid[:, P:P + T] = self.valid[rows, P:self.length].unflatten(1, (T, G))[torch.arange(R, device=rows.device), :, members]

@@ -376,3 +376,67 @@ class FixedShapeStep:
         running = (~done).nonzero()[:, 0]
         padding = torch.arange(rows, device=done.device) >= running_count
         return Keep(torch.cat([running, running[:1].expand(rows - running_count)]), padding)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Talk to a model: sample completions for a prompt, as training poses it, and grade them if asked.
+
+        python rollout.py --adapter runs/NAME/best --template equation "What is 7 + 6?" --answer 13
+        echo "What is 7 + 6?" | python rollout.py --samples 4
+    """
+    import argparse
+    import sys
+    from pathlib import Path
+
+    import lora
+    import reward
+    import weights
+    from data import TEMPLATES, render_prompt, stop_ids
+
+    parser = argparse.ArgumentParser(prog="rollout.py", description=main.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("prompt", nargs="*", help="the problem; read from stdin when not given")
+    parser.add_argument("--model", default=None, help="model directory or hub id (default: the offline SmolLM2)")
+    parser.add_argument("--adapter", default=None, help="a LoRA adapter directory, e.g. runs/NAME/best")
+    parser.add_argument("--template", default="equation", help=f"one of {', '.join(TEMPLATES)} (default: equation)")
+    parser.add_argument("--system", default="You are a helpful assistant.", help="system message, as train.py's")
+    parser.add_argument("--samples", type=int, default=4, help="completions to draw (default: 4)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="(default: 64)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default: 1.0)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="(default: 1.0)")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off (default: 0)")
+    parser.add_argument("--seed", type=int, default=0, help="(default: 0)")
+    parser.add_argument("--answer", default=None, help="reference answer: grade each completion against it")
+    args = parser.parse_args(argv)
+    problem = " ".join(args.prompt) or sys.stdin.read().strip()
+    if not problem:
+        parser.error("no prompt: give it as an argument or on stdin")
+    if args.template not in TEMPLATES and "{problem}" not in args.template:
+        parser.error(f"--template {args.template!r}: expected one of {', '.join(TEMPLATES)} or a string with {{problem}}")
+    if args.adapter is not None and not Path(args.adapter).is_dir():
+        parser.error(f"--adapter {args.adapter}: no such directory")
+    model = weights.from_pretrained(args.model)
+    tokenizer = weights.load_tokenizer(args.model)
+    if args.adapter is not None:
+        lora.load(model, args.adapter)
+    prompt = render_prompt(tokenizer, problem, args.template, args.system)
+    try:
+        out = generate(model, [prompt], samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                       stop_ids=stop_ids(model.config, tokenizer), seed=args.seed, tokenizer=tokenizer)
+    except ValueError as error:
+        parser.error(str(error))
+    grades = reward.reward(out.texts, [args.answer] * len(out.texts)) if args.answer is not None else None
+    for i, text in enumerate(out.texts):
+        verdict = "" if grades is None else f" [{'correct' if grades[i] == 1.0 else 'wrong'}: " \
+                                            f"{reward.extract_answer(text)!r}]"
+        print(f"--- sample {i + 1}{' (truncated)' if out.truncated[i] else ''}{verdict}\n{text or '(empty)'}")
+    if grades is not None:
+        print(f"--- {int(sum(grades))} of {len(grades)} correct")
+
+
+if __name__ == "__main__":
+    main()

@@ -78,7 +78,7 @@ def one_step(model_dir, out_dir, flags, world) -> dict:
     cfg, _, _ = train.parse_args(tiny_args(model_dir, out_dir, "step", *STEP_FLAGS, *flags))
     model, tokenizer, _ = train.build(cfg)
     model.to(torch.float64)  # the adapters too
-    cfg = train.resolve_sizes(cfg, model, world)
+    cfg = train.resolve_sizes(cfg, model, tokenizer, [], world)
     optimizer = RecordingSGD(train.lora.parameters(model))
     problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
     record, _ = train.train_step(model, optimizer, tokenizer, problems, cfg, 1, world)

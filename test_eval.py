@@ -462,3 +462,14 @@ def test_failing_to_write_out_keeps_the_results_beside_it(tiny_model_dir, tmp_pa
     partial = tmp_path / "run.partial.json"
     assert f"--out {out}: cannot write (Permission denied); the 3 problems finished are in {partial}" in captured.err
     assert len(ev.load_run(partial)["tiny3"].problems) == 3
+
+
+def test_the_batch_size_bounds_memory_and_changes_no_sample(tiny_model_dir):
+    from weights import from_pretrained, load_tokenizer
+
+    model, tokenizer = from_pretrained(str(tiny_model_dir)), load_tokenizer(str(tiny_model_dir))
+    problems = [{"problem": f"What is {a} + {a}?", "answer": str(2 * a)} for a in range(5)]
+    kwargs = dict(k=3, temperature=1.0, max_new_tokens=6, progress=False, seed=7)
+    whole, split = (ev.evaluate(model, tokenizer, problems, batch_size=size, **kwargs) for size in (5, 2))
+    assert [p.completions for p in split.problems] == [p.completions for p in whole.problems]
+    assert len({c for p in whole.problems for c in p.completions}) > 1, "sampling, not one repeated answer"

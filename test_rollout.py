@@ -339,3 +339,15 @@ def test_gpu_check_dry_run(tmp_path):
             assert any(s == side and f"cap {cap}, long tail" in phase for s, phase in timed), (side, cap)
     assert {side for side, phase in timed if phase.startswith("train")} == {"ours", "transformers + peft"}
     assert "peak GiB" in run.stdout and "ok:" in run.stdout
+
+
+def test_the_command_line_samples_a_prompt_and_grades_it(tiny_model_dir):
+    args = [sys.executable, "rollout.py", "--model", str(tiny_model_dir), "--samples", "3", "--max-new-tokens", "5",
+            "--answer", "4", "--template", "plain"]
+    proc = subprocess.run([*args, "What is 2 + 2?"], cwd=Path(__file__).parent, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("--- sample") == 3 and proc.stdout.rstrip().endswith("of 3 correct")
+    piped = subprocess.run(args, input="What is 2 + 2?\n", cwd=Path(__file__).parent, capture_output=True, text=True)
+    assert piped.stdout == proc.stdout, "stdin gives the same prompt"
+    bad = subprocess.run([*args, "--adapter", "nowhere", "x"], cwd=Path(__file__).parent, capture_output=True, text=True)
+    assert bad.returncode == 2 and "--adapter nowhere" in bad.stderr

@@ -182,7 +182,7 @@ def sampled_step(tiny_model_dir, tmp_path, monkeypatch, *flags):
     cfg, _, _ = train.parse_args(tiny_args(tiny_model_dir, tmp_path, "step", "--prompts-per-step", "4",
                                            "--max-new-tokens", "6", *flags))
     model, tokenizer, _ = train.build(cfg)
-    cfg = train.resolve_automatic(cfg, model)
+    cfg = train.resolve_automatic(cfg, model, tokenizer, [])
     monkeypatch.setattr(train, "stop_ids", lambda config, tok: list(range(0, len(tok), 4)))
     problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
     out = train.sample(model, tokenizer, problems, cfg, step=1)
@@ -222,7 +222,7 @@ def test_a_step_and_an_evaluation_create_every_tensor_on_the_model_device(tiny_m
     cfg, _, _ = train.parse_args(tiny_args(tiny_model_dir, tmp_path, "device", "--updates-per-rollout", "2",
                                            "--kl-beta", "0.1", "--rule", "kl_full", "--recompute-old-logp", "on"))
     model, tokenizer, optimizer = train.build(cfg)
-    cfg = train.resolve_automatic(cfg, model)
+    cfg = train.resolve_automatic(cfg, model, tokenizer, [])
     problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
     eval_sets = train.load_eval_sets(cfg)
     torch.set_default_device("meta")
@@ -426,3 +426,11 @@ def test_a_run_is_never_silently_restarted_or_overwritten(tiny_model_dir, tmp_pa
     (tmp_path / "early" / "config.json").write_text(json.dumps({}))
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         run_training(["--resume", str(tmp_path / "early")])
+
+
+def test_a_plan_that_does_not_fit_says_which_phase_and_exits_1():
+    proc = subprocess.run([sys.executable, "train.py", "--plan", "--gpu-memory", "1.5"],
+                          cwd=Path(train.__file__).parent, capture_output=True, text=True)
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last.startswith("plan: peak") and "of 1.5 GB (does not fit: " in last, proc.stdout
+    assert "--grad-accum" in last or "--lora-rank" in last

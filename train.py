@@ -87,7 +87,8 @@ class Config:
     weight_decay: float = opt(0.0, "AdamW weight decay")
     grad_clip: float = opt(1.0, "max gradient norm")
     updates_per_rollout: int = opt(1, "optimizer steps (mini-batches) per rollout batch")
-    grad_accum: int = opt(0, "micro-batches per optimizer step; 0 = from the memory plan on a GPU, 1 on the CPU")
+    grad_accum: int = opt(0, "micro-batches per optimizer step (per process, on average, under torchrun); 0 = from "
+                             "the memory plan on a GPU, 1 on the CPU")
     recompute_old_logp: str = opt("auto", "recompute old log-probs with the training pass before updating "
                                           "(auto: unless float32, where the sampler's are exact)", ("auto", "on", "off"))
     loss: loss.LossConfig = field(default_factory=loss.LossConfig)  # its fields are flags too: --rule, --delta, ...
@@ -229,8 +230,10 @@ def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tens
     per_update, grad_norms = [], []
     for minibatch, step_rows, step_tokens in zip(mine, minibatches, num_tokens):
         totals = {"num_tokens": step_tokens, "num_seqs": len(step_rows)}
+        # micro-batches of the size one rank's average share needs: a larger share takes more of them
+        micro_rows = math.ceil(len(step_rows) / world.size / cfg.grad_accum)
         losses, metrics = [], []
-        for rows in minibatch.chunk(cfg.grad_accum) if len(minibatch) else ():  # a rank may hold none of them
+        for rows in minibatch.split(micro_rows) if len(minibatch) else ():  # a rank may hold none of its rows
             with oom_hint(f"a training micro-batch of {len(rows)} rows", f"raise --grad-accum (now {cfg.grad_accum})"):
                 value, micro_metrics = micro_batch_loss(model, out, advantages, inputs, rows, cfg, totals, records)
                 value.backward()
@@ -393,7 +396,7 @@ def train(cfg: Config, world: World | None = None) -> dict:
     run_dir = prepare_run_dir(cfg)
     check_same_settings(world, cfg)  # also the point no rank passes before every rank checked its run directory
     model, tokenizer, optimizer = build(cfg)
-    cfg = resolve_sizes(cfg, model, world)
+    cfg = resolve_sizes(cfg, model, tokenizer, train_set, world)
     if writer:
         warn_if_inert(cfg)
         run_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed start leaves no empty run directory
@@ -490,23 +493,21 @@ def evaluate_held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: C
                       world: World | None = None) -> dict:
     """Mean@k and Pass@k on each held-out set; with several sets, accuracy is their unweighted mean.
 
-    With several processes each rank evaluates a run of whole eval batches (seeded by their first
-    index, as in one process, so the samples are one process's) and the per-problem results are gathered.
+    With several processes each rank evaluates a slice of each set (with the samples one process draws
+    for those problems) and the per-problem results are gathered.
     """
     world = world or SOLO
     results = {}
     for name, problems in eval_sets.items():
-        batches = math.ceil(len(problems) / cfg.eval_batch)
-        lo, hi = (min(len(problems), cfg.eval_batch * (batches * r // world.size))
-                  for r in (world.rank, world.rank + 1))
+        lo, hi = (len(problems) * r // world.size for r in (world.rank, world.rank + 1))
         mine = []
         if hi > lo:
             with oom_hint(f"evaluation on {name}", f"lower --eval-batch (now {cfg.eval_batch} prompts per call)"):
                 mine = evaluation.evaluate(model, tokenizer, problems[lo:hi], k=cfg.eval_k,
                                            temperature=cfg.eval_temperature, top_p=cfg.top_p,
                                            max_new_tokens=cfg.max_new_tokens, template=cfg.template,
-                                           system=cfg.system_prompt, batch_size=cfg.eval_batch, seed=cfg.seed + lo,
-                                           desc=f"{desc} {name}" if len(eval_sets) > 1 else desc,
+                                           system=cfg.system_prompt, batch_size=cfg.eval_batch, seed=cfg.seed,
+                                           first_problem=lo, desc=f"{desc} {name}" if len(eval_sets) > 1 else desc,
                                            progress=world.rank == 0).problems
         summary = evaluation.summarize(sum(world.gather(mine), []), cfg.eval_k, seed=cfg.seed)
         mean = summary["mean@k"]
@@ -697,10 +698,11 @@ def check_same_settings(world: World, cfg: Config) -> None:
                              "process with the same command")
 
 
-def resolve_sizes(cfg: Config, model, world: World) -> Config:
+def resolve_sizes(cfg: Config, model, tokenizer, train_set: list[dict], world: World) -> Config:
     """resolve_automatic for one rank's share of a step (its prompts), the same on every rank: where the
-    sizes come from the memory plan, the most cautious rank's (GPUs may have different free memory)."""
-    share = resolve_automatic(dataclasses.replace(cfg, prompts_per_step=cfg.prompts_per_step // world.size), model)
+    sizes come from the memory plan, the most cautious rank's (GPUs may differ in memory)."""
+    share = dataclasses.replace(cfg, prompts_per_step=cfg.prompts_per_step // world.size)
+    share = resolve_automatic(share, model, tokenizer, train_set)
     rollout_batch, eval_batch, negated_accum = world.min(  # the smallest calls, the most micro-batches
         torch.tensor([share.rollout_batch, share.eval_batch, -share.grad_accum], device="cpu")).tolist()
     return dataclasses.replace(share, prompts_per_step=cfg.prompts_per_step, rollout_batch=rollout_batch,
@@ -753,54 +755,59 @@ def build(cfg: Config):
     return model, tokenizer, optimizer
 
 
-def resolve_automatic(cfg: Config, model) -> Config:
+def resolve_automatic(cfg: Config, model, tokenizer, train_set: list[dict]) -> Config:
     """Fill the sizes left at 0: from the memory plan on a GPU; on the CPU one call and one micro-batch."""
     if model.device.type != "cuda":
         return dataclasses.replace(cfg, rollout_batch=cfg.rollout_batch or cfg.prompts_per_step,
                                    grad_accum=cfg.grad_accum or 1, eval_batch=cfg.eval_batch or 16)
-    budget = memory.gpu_memory_bytes(str(model.device), cfg.gpu_memory, free=True)
-    return planned_config(cfg, model.config, budget)
+    longest = max(len(render_prompt(tokenizer, p["problem"], cfg.template, cfg.system_prompt)) for p in train_set)
+    budget = memory.gpu_memory_bytes(str(model.device), cfg.gpu_memory)
+    return planned_config(cfg, model.config, budget, prompt_len=longest)
 
 
-def planned_config(cfg: Config, model_cfg, budget: int) -> Config:
+def planned_config(cfg: Config, model_cfg, budget: int, prompt_len: int = memory.Workload.prompt_len) -> Config:
     """cfg with rollout_batch, grad_accum and eval_batch chosen by the memory plan where they are 0."""
-    work = memory.fit(model_cfg, workload(cfg), budget)
-    rows_per_update = math.ceil(cfg.prompts_per_step * cfg.group_size / cfg.updates_per_rollout)
+    work = memory.fit(model_cfg, workload(cfg, prompt_len), budget)
     return dataclasses.replace(cfg, rollout_batch=cfg.rollout_batch or work.rollout_prompts,
-                               grad_accum=cfg.grad_accum or math.ceil(rows_per_update / work.micro_batch_rows),
+                               grad_accum=cfg.grad_accum or math.ceil(work.minibatch_rows / work.micro_batch_rows),
                                eval_batch=cfg.eval_batch or work.eval_prompts)
 
 
-def workload(cfg: Config) -> memory.Workload:
-    """What one step of this config asks of the GPU, with the explicit sizes fixed and the zeros left to fit."""
-    device, dtype = resolve_device(cfg)
-    rows_per_update = math.ceil(cfg.prompts_per_step * cfg.group_size / cfg.updates_per_rollout)
-    needs = loss.required_inputs(cfg.loss)
+def workload(cfg: Config, prompt_len: int = memory.Workload.prompt_len) -> memory.Workload:
+    """What one step of this config asks of the GPU; sizes left at 0 start at their largest, for fit to lower."""
+    _, dtype = resolve_device(cfg)
+    minibatch_rows = math.ceil(cfg.prompts_per_step * cfg.group_size / cfg.updates_per_rollout)
     return memory.Workload(
         dtype=dtype, lora_rank=cfg.lora_rank, lora_targets=tuple(cfg.lora_targets.split(",")),
-        gradient_checkpointing=cfg.gradient_checkpointing == "on" or (
-            cfg.gradient_checkpointing == "auto" and device.type in ("cuda", "meta")),
-        prompt_len=memory.PROMPT_TOKENS, max_new_tokens=cfg.max_new_tokens, group_size=cfg.group_size,
-        rollout_prompts=cfg.rollout_batch or cfg.prompts_per_step,
-        micro_batch_rows=math.ceil(rows_per_update / cfg.grad_accum) if cfg.grad_accum else rows_per_update,
-        eval_prompts=cfg.eval_batch or 16, eval_k=cfg.eval_k,
-        reference_pass="ref_logp" in needs, fixed={name for name in ("rollout_batch", "grad_accum", "eval_batch")
-                                                  if getattr(cfg, name)})
+        gradient_checkpointing=cfg.gradient_checkpointing != "off", prompt_len=prompt_len,
+        max_new_tokens=cfg.max_new_tokens, group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step,
+        updates_per_rollout=cfg.updates_per_rollout, rollout_prompts=cfg.rollout_batch or cfg.prompts_per_step,
+        micro_batch_rows=math.ceil(minibatch_rows / cfg.grad_accum) if cfg.grad_accum else minibatch_rows,
+        temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+        recompute_old_logp=cfg.recompute_old_logp == "on" or (cfg.recompute_old_logp == "auto"
+                                                             and dtype != torch.float32),
+        ref_logp="ref_logp" in loss.required_inputs(cfg.loss), eval_prompts=cfg.eval_batch or 16,
+        eval_k=cfg.eval_k, eval_temperature=cfg.eval_temperature)
 
 
 def plan(cfg: Config) -> bool:
-    """Print the memory each phase of a step takes on the GPU, without loading weights; True if it fits."""
+    """Print the memory each phase of a step takes on the GPU (a CUDA one, bf16 unless --dtype says
+    otherwise), without loading weights; True if it fits."""
     validate(cfg, need_device=False)
+    if cfg.dtype == "auto":
+        cfg = dataclasses.replace(cfg, dtype="bfloat16")  # the plan is for a GPU, where auto means bf16
     model_cfg = memory.model_config(cfg.model)
     budget = memory.gpu_memory_bytes(None if cfg.device in ("auto", "cpu") else cfg.device, cfg.gpu_memory)
     try:
         chosen = planned_config(cfg, model_cfg, budget)
-    except ValueError as error:  # nothing fits, even at one row: the report says which phase
+    except ValueError as error:  # some phase does not fit even at one row or prompt per call
         print(error)
         chosen = cfg
+    else:
+        print(f"chosen: --rollout-batch {chosen.rollout_batch} --grad-accum {chosen.grad_accum} "
+              f"--eval-batch {chosen.eval_batch}")
     text, fits = memory.report(model_cfg, workload(chosen), budget)
-    print(f"--rollout-batch {chosen.rollout_batch} --grad-accum {chosen.grad_accum} --eval-batch {chosen.eval_batch}")
-    print(text)
+    print(text)  # its last line: plan: peak X GB of Y GB (fits), or (does not fit: ...)
     return fits
 
 
@@ -1073,6 +1080,7 @@ USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryErro
 def main(argv: list[str] | None = None) -> None:
     """Settings, data and paths are checked before anything loads; a mistake there prints one line and
     exits with status 2. A Ctrl-C exits with 130 and says how to continue."""
+    warnings.formatwarning = lambda message, category, *_, **__: f"warning: {message}\n"  # no source line
     try:
         cfg, given, show_plan = parse_args(argv)
         if show_plan:

@@ -1,0 +1,588 @@
+"""How much GPU memory a GRPO run needs, phase by phase, counted by running the real code on the meta device.
+
+A hand formula for activation memory drifts from the code the day someone adds a cast or a mask. Here
+every phase calls the same functions the trainer and the sampler call (model.hidden, hidden_logprobs,
+backward, AdamW, new_cache / fork / select, rollout._row_keys, rollout._sample, and FixedShapeStep's
+step and compaction rule), on meta tensors: shapes and dtypes are real, no data exists, so a plan of
+Qwen3-8B takes seconds of CPU time, without a GPU or its weights.
+`LiveBytes`, a dispatch mode, sees every tensor an operator returns and counts the bytes of each new
+storage until it is freed; its peak is the phase's own peak. Blocks are identical, so each figure is
+counted on models of 2 and 3 blocks and extended to the real depth (exactly: test_memory checks it), and
+test_memory holds the counts within 15% of the same tracker on real CPU runs of a small model.
+
+Phases, each peak = weights + LoRA state + step data + the phase's own peak:
+- weights: the model in the run's dtype (resident throughout);
+- lora: adapters, their gradients and AdamW's two moments (fp32), plus the optimizer step's temporaries;
+- train: one micro-batch's forward and backward (model.hidden + model.hidden_logprobs + a loss);
+- frozen: the no-grad passes that recompute old log-probs or the reference policy's, one micro-batch;
+- rollout: one sampler call on CUDA's fixed-shape path: KV cache, prefill and fork, the widest decode
+  step and its sampling draw, and the first compaction (a second cache built while the first is alive);
+- eval: the same for an evaluation call (its prompts x eval_k samples).
+Step data are the rollout results kept for training ([N, P + C] ids and masks, [N, C] log-probs).
+
+Where the meta run differs from the code it stands for:
+- scaled_dot_product_attention, whose allocations happen inside a CUDA kernel, is replaced by a stand-in
+  that allocates what FlashAttention-2 does (output, log-sum-exp; in backward its fp32 accumulator and
+  the per-query-head dk, dv of grouped-query attention), not the [T, T] math fallback meta would take.
+- loss.policy_loss asks data-dependent questions (is the mask empty? metrics via .tolist()) that meta
+  tensors cannot answer, so the train phase uses `_surrogate_loss`, the same tensor work on [rows, C]
+  (log ratio, ratio, float64 region test, clip choice, masked sum). It is O(rows x C), tiny next to
+  the activations. model.hidden's padding-layout check (torch.equal) is answered "valid" on meta.
+- the rollout runs the steps that decide its peak instead of max_new_tokens steps: the cache is moved
+  (`advance`) to the last step, whose span bucket covers the whole cache, and the first compaction
+  (rows finishing one at a time, FixedShapeStep.rows_to_keep) is taken there, where cache.select
+  copies the most tokens. A captured graph keeps its step's temporaries reserved, so they are
+  counted on top of the draw and the compaction.
+- the CUDA caching allocator rounds blocks and fragments, and the CUDA context, cuBLAS workspaces and
+  kernel-internal buffers are invisible to a dispatch mode: `fit` keeps SLACK of the budget and
+  RESERVED bytes free for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import lora
+import rollout
+from model import KVCache, ModelConfig, Transformer
+
+GB = 10**9  # decimal, as GPUs are sold: "40 GB" and "80 GB" cards hold a little more than this
+DEFAULT_GPU_BYTES = 80 * GB
+SLACK = 0.10  # share of the budget kept for allocator rounding and fragmentation
+RESERVED = 1 * GB  # CUDA context, cuBLAS and attention workspaces: memory no dispatch mode sees
+
+# The published config.json facts of the presets' models, so planning works offline.
+_QWEN3 = dict(model_type="qwen3", vocab_size=151936, num_kv_heads=8, head_dim=128, rope_theta=1e6,
+              rms_norm_eps=1e-6, qk_norm=True, bos_token_id=151643, eos_token_id=151645)
+KNOWN_CONFIGS: dict[str, ModelConfig] = {
+    "Qwen/Qwen3-1.7B": ModelConfig(**_QWEN3, hidden_size=2048, intermediate_size=6144, num_layers=28,
+                                   num_heads=16, max_position_embeddings=40960, tie_word_embeddings=True),
+    "Qwen/Qwen3-8B": ModelConfig(**_QWEN3, hidden_size=4096, intermediate_size=12288, num_layers=36,
+                                 num_heads=32, max_position_embeddings=40960, tie_word_embeddings=False),
+    "Qwen/Qwen3-8B-Base": ModelConfig(**{**_QWEN3, "eos_token_id": 151643}, hidden_size=4096,
+                                      intermediate_size=12288, num_layers=36, num_heads=32,
+                                      max_position_embeddings=32768, tie_word_embeddings=False),
+}
+
+# What lowers each phase's memory, for the messages of report and fit.
+PHASE_FLAGS = {
+    "weights": "use a smaller model or --dtype bfloat16",
+    "lora": "lower --lora-rank or --lora-targets",
+    "train": "raise --grad-accum (fewer rows per micro-batch)",
+    "frozen": "raise --grad-accum (fewer rows per micro-batch)",
+    "rollout": "lower --rollout-batch (prompts per sampler call)",
+    "eval": "lower --eval-batch (prompts per evaluation call)",
+}
+# What still lowers a phase that does not fit with one row / prompt per call.
+PHASE_FLOOR_FLAGS = {
+    "train": "lower --max-new-tokens or turn --gradient-checkpointing on",
+    "frozen": "lower --max-new-tokens",
+    "rollout": "lower --group-size or --max-new-tokens",
+    "eval": "lower --eval-k or --max-new-tokens",
+}
+
+
+def model_config(name_or_dir: str | None) -> ModelConfig:
+    """The architecture of a model directory (its config.json), of a known hub id (offline), or of the
+    default SmolLM2-135M-Instruct (None)."""
+    if name_or_dir is None:
+        return ModelConfig()
+    config_file = Path(name_or_dir).expanduser() / "config.json"
+    if config_file.is_file():
+        return ModelConfig.from_hf(json.loads(config_file.read_text()))
+    if name_or_dir in KNOWN_CONFIGS:
+        return KNOWN_CONFIGS[name_or_dir]
+    raise ValueError(f"model {name_or_dir!r}: no config.json there and not a known id; pass the model "
+                     f"directory, or one of: {', '.join(KNOWN_CONFIGS)}")
+
+
+@dataclass
+class Workload:
+    """What one training step does, in the sizes that decide memory. Field names follow train.py's flags."""
+
+    dtype: torch.dtype = torch.bfloat16
+    lora_rank: int = 16
+    lora_targets: tuple[str, ...] = lora.DEFAULT_TARGETS
+    gradient_checkpointing: bool = True
+    prompt_len: int = 512  # tokens of the longest prompt: the sampler left-pads every prompt to it
+    max_new_tokens: int = 1024
+    group_size: int = 8
+    prompts_per_step: int = 8
+    updates_per_rollout: int = 1  # mini-batches per step
+    rollout_prompts: int = 8  # prompts per sampler call
+    micro_batch_rows: int = 64  # rows per training micro-batch (and per frozen pass)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    with_entropy: bool = True  # hidden_logprobs(..., with_entropy=True), as train.py logs the entropy
+    recompute_old_logp: bool = False
+    ref_logp: bool = False  # kl_beta > 0: a reference pass through the frozen base
+    eval_prompts: int = 16  # prompts per evaluation call
+    eval_k: int = 8
+    eval_temperature: float = 1.0
+
+    def __post_init__(self):
+        for name in ("lora_rank", "prompt_len", "max_new_tokens", "group_size", "prompts_per_step",
+                     "updates_per_rollout", "rollout_prompts", "micro_batch_rows", "eval_prompts", "eval_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Workload.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def step_rows(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    @property
+    def minibatch_rows(self) -> int:
+        return -(-self.step_rows // self.updates_per_rollout)  # the largest chunk torch.chunk makes
+
+
+# ----------------------------------------------------------------------------- counting
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensor storages that operators created while this mode was active and that are
+    still alive (`live`), and the most there ever were (`peak`).
+
+    A storage counts once however many views share it; it stops counting when Python frees it (a
+    weakref callback). Storages created before the mode (weights, the LoRA state) are not counted.
+    On the meta device, torch.equal, which has no meta kernel, answers True.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._alive: dict[int, weakref.ref] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = list(_tensors((args, kwargs.values())))
+        if func is torch.ops.aten.equal.default and inputs[0].is_meta:
+            return True
+        out = func(*args, **kwargs)
+        seen = {id(t.untyped_storage()) for t in inputs}  # in-place ops and views return these
+        for t in _tensors(out):
+            storage = t.untyped_storage()
+            if id(storage) not in seen and id(storage) not in self._alive:
+                self._count(storage)
+        return out
+
+    def _count(self, storage) -> None:
+        key, size = id(storage), storage.nbytes()
+        self._alive[key] = weakref.ref(storage, lambda _, key=key, size=size: self._free(key, size))
+        self.live += size
+        self.peak = max(self.peak, self.live)
+
+    def _free(self, key: int, size: int) -> None:
+        if self._alive.pop(key, None) is not None:
+            self.live -= size
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+
+def _tensors(x):
+    """The tensors in an operator's arguments or results (nested tuples and lists, as foreach ops take)."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (tuple, list, type({}.values()))):
+        for item in x:
+            yield from _tensors(item)
+
+
+class _FlashAttentionOnMeta(torch.autograd.Function):
+    """What FlashAttention-2 allocates on CUDA, on meta tensors: forward, the output and a fp32
+    log-sum-exp per query; backward, the three gradients, its fp32 dq accumulator and row sums and,
+    when there are fewer kv heads than query heads, dk and dv per query head before they are summed.
+    (Memory-efficient attention, which the cached passes with a mask take, allocates no more.)"""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        B, H, T, D = q.shape
+        out = q.new_empty(B, T, H, D).transpose(1, 2)  # the kernel writes [B, T, H, D]
+        ctx.save_for_backward(q, k, v, out, q.new_empty(B, H, T, dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, _, _ = ctx.saved_tensors
+        B, H, T, D = q.shape
+        workspace = [q.new_empty(B, T, H, D, dtype=torch.float32), q.new_empty(B, H, T, dtype=torch.float32)]
+        if k.shape[1] != H:
+            workspace += [q.new_empty(B, k.shape[2], H, D), q.new_empty(B, k.shape[2], H, D)]
+        del workspace
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@contextmanager
+def flash_attention_on_meta():
+    """While active, F.scaled_dot_product_attention on meta tensors allocates what the fused CUDA kernels
+    do (_FlashAttentionOnMeta); meta tensors would otherwise take the math fallback and materialize
+    [B, heads, T, T] scores. A module attribute, not a mode, so gradient checkpointing's recomputation
+    in backward sees it too."""
+    original = F.scaled_dot_product_attention
+
+    def flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if not q.is_meta:
+            return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                            enable_gqa=enable_gqa)
+        return _FlashAttentionOnMeta.apply(q, k, v)
+
+    F.scaled_dot_product_attention = flash
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind tensors (tied weights count once)."""
+    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def meta_model(cfg: ModelConfig, work: Workload) -> Transformer:
+    """The model with LoRA adapters on the meta device, in the run's dtype: no memory, real shapes."""
+    with torch.device("meta"):
+        model = Transformer(cfg).to(work.dtype)
+    lora.inject(model, work.lora_rank, 2.0 * work.lora_rank, targets=work.lora_targets)
+    model.gradient_checkpointing = work.gradient_checkpointing
+    return model
+
+
+# ----------------------------------------------------------------------------- phases
+# Each returns the bytes the phase allocates at its peak above what existed before it. They run the
+# same calls on any device, so a test runs them on CPU tensors of a small model to check the meta plan.
+
+
+def lora_state_phase(model: Transformer) -> tuple[int, int]:
+    """(resident, peak) bytes of the adapters, their gradients and AdamW's state around one optimizer step.
+
+    AdamW runs with foreach=True, its default on CUDA, whose temporaries span all the adapters at once.
+    """
+    params = list(lora.parameters(model))
+    with LiveBytes() as tracker:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer = torch.optim.AdamW(params, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    adapters = storage_bytes(params)
+    return adapters + tracker.live, adapters + tracker.peak
+
+
+def rollout_results(rows: int, prompt_len: int, new_tokens: int, device) -> list[torch.Tensor]:
+    """The tensors of a rollout.Rollout of `rows` rows: what a step keeps from sampling for training."""
+    T = prompt_len + new_tokens
+    return [torch.zeros(rows, new_tokens, dtype=torch.long, device=device),  # completion_ids
+            torch.zeros(rows, new_tokens, device=device),  # old_logp
+            torch.zeros(rows, new_tokens, dtype=torch.bool, device=device),  # completion_mask
+            torch.zeros(rows, T, dtype=torch.long, device=device),  # input_ids
+            torch.zeros(rows, T, dtype=torch.bool, device=device),  # pad_mask
+            torch.zeros(rows, dtype=torch.bool, device=device),  # finished
+            torch.zeros(rows, dtype=torch.bool, device=device)]  # truncated
+
+
+def _surrogate_loss(logp, old_logp, advantages, mask):
+    """loss.policy_loss's tensor work (grpo rule, token-mean) without its data-dependent checks and metrics."""
+    log_ratio = torch.where(mask, logp - old_logp, 0).clamp(-20, 20)
+    inside = log_ratio.detach().double().abs() <= 0.2
+    adv = advantages[:, None].expand_as(logp)
+    w = log_ratio.exp()
+    stopped = ~inside & (adv * (w.detach() - 1) > 0)
+    objective = adv * torch.where(stopped, w.detach(), w)
+    return -torch.where(mask, objective, 0).sum() / mask.numel()
+
+
+def train_phase(model: Transformer, rows: int, work: Workload) -> int:
+    """One training micro-batch: forward, loss and backward into existing adapter gradients."""
+    device, P, C = model.device, work.prompt_len, work.max_new_tokens
+    for p in lora.parameters(model):  # accumulation adds into the gradients a previous micro-batch left
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    model.train()
+    with LiveBytes() as tracker:
+        ids = torch.zeros(rows, P + C, dtype=torch.long, device=device)
+        pad = torch.ones(rows, P + C, dtype=torch.bool, device=device)
+        old_logp = torch.zeros(rows, C, device=device)
+        mask = torch.ones(rows, C, dtype=torch.bool, device=device)
+        advantages = torch.ones(rows, device=device)
+        h = model.hidden(ids, pad)
+        logp, entropy = model.hidden_logprobs(h, ids, start=P, temperature=work.temperature,
+                                              with_entropy=work.with_entropy)
+        _surrogate_loss(logp, old_logp, advantages, mask).backward()
+        del h, logp, entropy
+    return tracker.peak
+
+
+def frozen_phase(model: Transformer, rows: int, work: Workload) -> int:
+    """One micro-batch of the no-grad passes (old log-probs, reference log-probs), as train.py runs them."""
+    device, T = model.device, work.prompt_len + work.max_new_tokens
+    model.eval()
+    with LiveBytes() as tracker, torch.no_grad():
+        ids = torch.zeros(rows, T, dtype=torch.long, device=device)
+        pad = torch.ones(rows, T, dtype=torch.bool, device=device)
+        kept = [model.token_logprobs(ids, pad, temperature=work.temperature)[0][:, work.prompt_len:]
+                for _ in range(work.recompute_old_logp + work.ref_logp)]
+        del kept
+    return tracker.peak
+
+
+def sampling_phase(model: Transformer, prompts: int, samples: int, work: Workload, temperature: float) -> int:
+    """One sampler call as rollout.generate makes it on CUDA (FixedShapeStep), at its worst moments:
+    - prefill: the cache of the prompts, their prefill, the fork into G rows and the output buffers;
+    - the widest decode step (the last one, whose span bucket covers the whole cache) and the draw after it;
+    - the first compaction at the last step it can happen: cache.select copies the kept rows into a
+      second cache while the first is alive, each row with room for all its tokens.
+    A CUDA graph keeps its step's temporaries reserved, so they count on top of the draw and the compaction.
+    """
+    device, P, C, G = model.device, work.prompt_len, work.max_new_tokens, samples
+    N = prompts * G
+    draw = partial(rollout._sample, temperature=temperature, top_p=work.top_p, top_k=work.top_k)
+    step = rollout.FixedShapeStep(model, graphs=False, required=False)
+    model.eval()
+    with LiveBytes() as tracker, torch.inference_mode():
+        prompt_ids = torch.zeros(prompts, P, dtype=torch.long, device=device)
+        prompt_mask = torch.ones(prompts, P, dtype=torch.bool, device=device)
+        cache = model.new_cache(prompts, P + G * C)
+        logits = model.lm_head(model.hidden(prompt_ids, prompt_mask, cache)[:, -1]).repeat_interleave(G, dim=0)
+        cache = cache.fork(G)
+        outputs = rollout_results(N + 1, 0, C, device)[:3]  # _decode's completion ids, old_logp and mask
+        keys, rows = rollout._row_keys(0, 0, prompts, G, device), torch.arange(N, device=device)
+        tokens, _ = draw(logits, keys=keys, rows=rows, position=0)
+        prefill_peak = tracker.peak
+
+        alive = torch.ones(N, dtype=torch.bool, device=device)
+        last = max(0, C - 2)  # the last position whose draw is followed by a compaction check and a step
+        advance(cache, alive, last)
+        tracker.reset_peak()
+        logits = step(tokens, alive, cache)
+        step_temporaries = tracker.peak - tracker.live  # freed on return, but a graph keeps them reserved
+        tracker.reset_peak()
+        draw(logits, keys=keys, rows=rows, position=last)
+        draw_peak = tracker.peak
+
+        tracker.reset_peak()
+        kept = cache.select(_first_compaction(N).to(device))
+        compaction_peak = tracker.peak
+        del kept, outputs
+    return max(prefill_peak, max(draw_peak, compaction_peak) + step_temporaries)
+
+
+def advance(cache: KVCache, alive: torch.Tensor, steps: int) -> None:
+    """cache.advance(alive) `steps` times at once (a loop of thousands of meta steps takes a second)."""
+    cache.next_pos += alive * steps
+    cache.slot += cache.group * steps
+    cache.length += cache.group * steps
+
+
+def _first_compaction(rows: int) -> torch.Tensor:
+    """The rows FixedShapeStep keeps at its first compaction of `rows` rows, finishing one at a time: the
+    largest compacted cache a call builds (later ones start from a smaller cache and are smaller)."""
+    for n_done in range(1, rows):
+        done = torch.arange(rows) < n_done
+        keep = rollout.FixedShapeStep.rows_to_keep(done, n_done)
+        if keep is not None:
+            return keep.rows
+    return torch.arange(rows)[:0]  # one row never compacts
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def measure(model_cfg: ModelConfig, work: Workload) -> dict[str, int]:
+    """Peak bytes of each phase (weights, lora, train, frozen, rollout, eval), counted on the meta device."""
+    planner = Planner.of(model_cfg, work)
+    return {name: planner.peak(name, size) for name, size in phase_sizes(work).items()}
+
+
+def phase_sizes(work: Workload) -> dict[str, int]:
+    """The size each phase runs at: rows per micro-batch, or prompts per sampler call."""
+    return {"weights": 0, "lora": 0, "train": work.micro_batch_rows, "frozen": work.micro_batch_rows,
+            "rollout": work.rollout_prompts, "eval": work.eval_prompts}
+
+
+class Planner:
+    """Phase peaks of one model and workload, measured on meta models of 2 and 3 blocks and extended
+    linearly to the real depth: every block allocates the same (the first is left out of the slope, as
+    its input needs no gradient). It saves running 36 identical blocks for every figure fit asks for;
+    test_memory checks the extension against a full-depth count. The sizes fit chooses are passed to
+    measure, so the workload's own are ignored."""
+
+    _recent: dict[str, Planner] = {}  # Planner.of's: report after fit measures nothing twice
+
+    def __init__(self, model_cfg: ModelConfig, work: Workload):
+        self.work, self.layers = work, model_cfg.num_layers
+        depths = (self.layers,) if self.layers <= 3 else (2, 3)
+        self.runs = [_MetaRun(meta_model(dataclasses.replace(model_cfg, num_layers=d), work), work) for d in depths]
+        self._memo: dict[tuple[str, int], tuple[int, int]] = {}
+
+    @classmethod
+    def of(cls, model_cfg: ModelConfig, work: Workload) -> Planner:
+        """The planner of a recent call with the same model and workload (sizes aside), or a new one."""
+        key = repr((model_cfg, dataclasses.replace(work, micro_batch_rows=1, rollout_prompts=1, eval_prompts=1)))
+        if key not in cls._recent:
+            if len(cls._recent) >= 4:
+                cls._recent.clear()
+            cls._recent[key] = cls(model_cfg, work)
+        return cls._recent[key]
+
+    def measure(self, name: str, size: int = 0) -> tuple[int, int]:
+        """(resident, own) bytes of phase `name` at `size` (rows per micro-batch, or prompts per call)."""
+        if (name, size) not in self._memo:
+            values = [run.measure(name, size) for run in self.runs]
+            if len(values) > 1:
+                (r2, o2), (r3, o3) = values
+                values = [(r2 + (self.layers - 2) * (r3 - r2), o2 + (self.layers - 2) * (o3 - o2))]
+            self._memo[name, size] = values[0]
+        return self._memo[name, size]
+
+    def peak(self, name: str, size: int = 0) -> int:
+        """Peak bytes of phase `name` at `size`: what it holds when it starts plus its own peak."""
+        return sum(self.measure(name, size))
+
+
+class _MetaRun:
+    """One meta model with its adapters' gradients and optimizer state in place."""
+
+    def __init__(self, model: Transformer, work: Workload):
+        self.model, self.work = model, work
+        self.weights = storage_bytes([t for name, t in model.state_dict(keep_vars=True).items()
+                                      if ".lora_" not in name])
+        self.lora, self.lora_peak = lora_state_phase(model)
+
+    def step_data(self, rows: int) -> int:
+        """Rollout results of `rows` rows, plus the frozen passes' [rows, C] fp32 outputs."""
+        w, device = self.work, self.model.device
+        with LiveBytes() as tracker:
+            kept = rollout_results(rows, w.prompt_len, w.max_new_tokens, device)
+            frozen_outputs = w.recompute_old_logp + w.ref_logp
+            kept += [torch.zeros(rows, w.max_new_tokens, device=device) for _ in range(frozen_outputs)]
+        del kept
+        return tracker.peak
+
+    def measure(self, name: str, size: int) -> tuple[int, int]:
+        """(resident, own) bytes of a phase: what is held when it starts, and its own peak above that."""
+        w, model, resident = self.work, self.model, self.weights + self.lora
+        with flash_attention_on_meta():
+            if name == "weights":
+                return 0, self.weights
+            if name == "lora":
+                return self.weights, self.lora_peak
+            if name == "train":
+                return resident + self.step_data(w.step_rows), train_phase(model, size, w)
+            if name == "frozen":
+                if not (w.recompute_old_logp or w.ref_logp):
+                    return 0, 0
+                return resident + self.step_data(w.step_rows), frozen_phase(model, size, w)
+            if name == "rollout":  # the results of the step's earlier sampler calls are kept
+                earlier = max(0, w.prompts_per_step - size) * w.group_size
+                return resident + self.step_data(earlier), sampling_phase(model, size, w.group_size, w, w.temperature)
+            if name == "eval":
+                return resident, sampling_phase(model, size, w.eval_k, w, w.eval_temperature)
+        raise ValueError(f"unknown phase {name!r}")
+
+
+def usable_bytes(budget_bytes: int) -> int:
+    """What the plan may fill of a GPU: the budget less SLACK of it and RESERVED."""
+    return int(budget_bytes * (1 - SLACK)) - RESERVED
+
+
+def fit(model_cfg: ModelConfig, work: Workload, budget_bytes: int) -> Workload:
+    """The workload with the largest micro_batch_rows, rollout_prompts and eval_prompts, each at most
+    its given value (and the step's sizes), whose every phase fits usable_bytes(budget_bytes).
+
+    Raises ValueError naming the phase that does not fit even at one row or prompt, and what lowers it.
+    """
+    usable = usable_bytes(budget_bytes)
+    planner = Planner.of(model_cfg, work)
+    for name in ("weights", "lora"):
+        if planner.peak(name) > usable:
+            raise ValueError(_no_fit(name, planner.peak(name), usable, budget_bytes, PHASE_FLAGS[name]))
+    limits = {"micro_batch_rows": (("train", "frozen"), min(work.micro_batch_rows, work.minibatch_rows)),
+              "rollout_prompts": (("rollout",), min(work.rollout_prompts, work.prompts_per_step)),
+              "eval_prompts": (("eval",), work.eval_prompts)}
+    chosen = {}
+    for field, (phases, most) in limits.items():
+        worst = max(phases, key=lambda p: planner.peak(p, 1))
+        if planner.peak(worst, 1) > usable:
+            raise ValueError(_no_fit(worst, planner.peak(worst, 1), usable, budget_bytes, PHASE_FLOOR_FLAGS[worst],
+                                     floor=True))
+        chosen[field] = _largest(lambda size: max(planner.peak(p, size) for p in phases), most, usable)
+    return dataclasses.replace(work, **chosen)
+
+
+def _largest(need, most: int, usable: int) -> int:
+    """The largest size in [1, most] with need(size) <= usable, given that need(1) fits and need grows
+    with size. Memory is close to affine in the size, so after a first probe at 8 each next size comes
+    from the line through the nearest sizes known to fit and not to fit: four or five measurements."""
+    lo, bad = 1, most + 1  # need(lo) fits; no size from bad on does (most + 1: none known yet)
+    size = min(most, 8)  # past the small sizes where a constant term (one logits chunk) dominates
+    while lo + 1 < bad:
+        if need(size) <= usable:
+            lo = size
+        else:
+            bad = size
+        x0, x1 = (lo, bad) if bad <= most else (1, lo)
+        slope = (need(x1) - need(x0)) / (x1 - x0)
+        guess = x0 + int((usable - need(x0)) / slope) if slope > 0 else most
+        size = min(max(guess, lo + 1), bad - 1)
+    return lo
+
+
+def _no_fit(phase: str, need: int, usable: int, budget: int, hint: str, floor: bool = False) -> str:
+    at = " even at 1 row / prompt per call" if floor else ""
+    return (f"memory plan: {phase} needs {need / GB:.1f} GB{at}, more than the {usable / GB:.1f} GB usable "
+            f"of {budget / GB:.1f} GB; {hint}")
+
+
+def report(model_cfg: ModelConfig, work: Workload, budget_bytes: int) -> tuple[str, bool]:
+    """A table of the phases (own peak, peak with what is resident, what they hold), ending
+    `plan: peak X GB of Y GB (fits)` or `... (does not fit: PHASE needs Z GB; what lowers it)`.
+    Returns (text, fits); fits means every phase's peak is within usable_bytes(budget_bytes)."""
+    start = time.perf_counter()
+    planner = Planner.of(model_cfg, work)
+    w, usable = work, usable_bytes(budget_bytes)
+    measured = {name: planner.measure(name, size) for name, size in phase_sizes(work).items()}
+    holds = {
+        "weights": f"{model_cfg.num_layers} layers x {model_cfg.hidden_size} in {str(w.dtype).removeprefix('torch.')}",
+        "lora": f"r{w.lora_rank} on {len(w.lora_targets)} targets: fp32 adapters, gradients, AdamW moments",
+        "train": f"{w.micro_batch_rows} rows x {w.prompt_len + w.max_new_tokens} tokens, checkpointing "
+                 f"{'on' if w.gradient_checkpointing else 'off'}, step data",
+        "frozen": "no-grad log-prob passes" if measured["frozen"][1] else "none needed",
+        "rollout": f"{w.rollout_prompts} prompts x {w.group_size} samples x {w.max_new_tokens} new tokens per call",
+        "eval": f"{w.eval_prompts} prompts x {w.eval_k} samples x {w.max_new_tokens} new tokens per call",
+    }
+    lines = [f"{'phase':<9}{'own GB':>8}{'peak GB':>9}  holds"]
+    lines += [f"{name:<9}{own / GB:>8.2f}{(held + own) / GB:>9.2f}  {holds[name]}"
+              for name, (held, own) in measured.items()]
+    lines.append(f"usable: {usable / GB:.1f} GB of {budget_bytes / GB:.1f} GB, after {SLACK:.0%} allocator slack and "
+                 f"{RESERVED / GB:.0f} GB for the CUDA context (planned in {time.perf_counter() - start:.1f} s)")
+    worst = max(measured, key=lambda name: sum(measured[name]))
+    peak = sum(measured[worst])
+    fits = peak <= usable
+    verdict = "fits" if fits else f"does not fit: {worst} needs {peak / GB:.1f} GB; {PHASE_FLAGS[worst]}"
+    lines.append(f"plan: peak {peak / GB:.1f} GB of {budget_bytes / GB:.1f} GB ({verdict})")
+    return "\n".join(lines), fits
+
+
+def gpu_memory_bytes(device: str | None, given_gb: float | None) -> int:
+    """The memory budget: given_gb (--gpu-memory) when given, else the GPU's total memory, else 80 GB."""
+    if given_gb is not None:
+        if given_gb <= 0:
+            raise ValueError(f"--gpu-memory must be > 0 GB, got {given_gb}")
+        return int(given_gb * GB)
+    target = torch.device(device) if device not in (None, "auto") else torch.device("cuda")
+    if target.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(target).total_memory
+    return DEFAULT_GPU_BYTES
