@@ -261,9 +261,9 @@ def micro_batch_loss(model, out: rollout.Rollout, advantages: torch.Tensor, inpu
     logp, entropy = model.hidden_logprobs(h, ids, start=start, temperature=cfg.temperature, with_entropy=True)
     mask = out.completion_mask[rows, :c]  # [rows, c], like every per-token tensor below
     given = {name: value[rows, :c] for name, value in inputs.items()}
-    live = {"hidden": lambda: completion_states(h, start), "lm_head_weight": lambda: model.lm_head.weight,
-            "temperature": lambda: cfg.temperature}
-    given |= {name: live[name]() for name in loss.required_inputs(cfg.loss) & live.keys()}
+    live = {"hidden": completion_states(h, start), "lm_head_weight": model.lm_head.weight,
+            "temperature": cfg.temperature}  # what a rule may ask of the policy being trained
+    given |= {name: value for name, value in live.items() if name in loss.required_inputs(cfg.loss)}
     value, metrics = loss.policy_loss(logp, given.pop("old_logp"), advantages[rows], mask, cfg.loss,
                                       **totals, records=records, **given)
     metrics["entropy"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
