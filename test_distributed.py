@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+import distributed
 import train
 
 TIMING_KEYS = {"step_seconds", "rollout_tokens_per_s", "reward_seconds", "train_tokens_per_s"}
@@ -92,7 +93,7 @@ def step_worker(rank, size, port, model_dir, out_dir, result_file):
     join_as(rank, size, port)
     patch(setattr)
     cfg, _, _ = train.parse_args(tiny_args(model_dir, out_dir, "step"))
-    with train.joined(cfg) as world:
+    with distributed.joined(train.resolve_device(cfg)[0], cfg.dist_timeout) as world:
         results = {name: one_step(model_dir, out_dir, flags, world) for name, flags in STEP_CASES.items()}
     if rank == 0:
         torch.save(results, result_file)
@@ -110,14 +111,14 @@ def test_two_ranks_take_the_step_of_one_process(two_rank_steps, tiny_model_dir, 
     """Two mini-batches of two micro-batches each: the global shuffle splits each mini-batch unevenly over
     the ranks, and the second update starts from moved weights."""
     patch(monkeypatch.setattr)
-    single, distributed = one_step(tiny_model_dir, tmp_path, STEP_CASES[case], train.SOLO), two_rank_steps[case]
-    assert len(distributed["grads"]) == len(single["grads"]) == 2
-    for got, expected in zip(distributed["grads"], single["grads"]):
+    single, ranks = one_step(tiny_model_dir, tmp_path, STEP_CASES[case], distributed.SOLO), two_rank_steps[case]
+    assert len(ranks["grads"]) == len(single["grads"]) == 2
+    for got, expected in zip(ranks["grads"], single["grads"]):
         assert expected.abs().max() > 1e-3  # a real gradient
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-9)
-    assert distributed["record"].keys() == single["record"].keys()
+    assert ranks["record"].keys() == single["record"].keys()
     for key, expected in single["record"].items():
-        assert distributed["record"][key] == pytest.approx(expected, rel=1e-5, abs=1e-8), key
+        assert ranks["record"][key] == pytest.approx(expected, rel=1e-5, abs=1e-8), key
     assert single["record"]["ratio_max"] > 1 + 1e-6, "the second update saw moved weights"
 
 
@@ -167,9 +168,9 @@ def test_a_batch_that_does_not_split_into_whole_prompts_fails_before_loading(tin
 def mismatch_worker(rank, size, port, model_dir, out_dir):
     join_as(rank, size, port)
     cfg, _, _ = train.parse_args(tiny_args(model_dir, out_dir, "mismatch", "--lr", str(0.001 * (rank + 1))))
-    with train.joined(cfg) as world:
+    with distributed.joined(train.resolve_device(cfg)[0], cfg.dist_timeout) as world:
         try:
-            train.check_same_settings(world, cfg)
+            distributed.check_same_settings(world, train.flat_config(cfg))
         except ValueError as error:
             Path(out_dir, f"rank{rank}.txt").write_text(str(error))
 
@@ -184,7 +185,7 @@ def test_ranks_with_different_settings_name_the_difference(tiny_model_dir, tmp_p
 def dying_worker(rank, size, port, model_dir, out_dir):
     join_as(rank, size, port)
     cfg, _, _ = train.parse_args(tiny_args(model_dir, out_dir, "dies", "--dist-timeout", "10"))
-    with train.joined(cfg) as world:
+    with distributed.joined(train.resolve_device(cfg)[0], cfg.dist_timeout) as world:
         world.barrier("starting")
         if rank == 1:
             os._exit(1)  # dies without a word, as a process killed for memory does

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -29,14 +28,13 @@ import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
+import distributed
 import eval as evaluation
 import lora
 import loss
@@ -150,13 +148,13 @@ PRESETS = {
 
 
 def train_step(model, optimizer, tokenizer, problems: list[dict], cfg: Config, step: int,
-               world: World | None = None) -> tuple[dict, list]:
+               world: distributed.World | None = None) -> tuple[dict, list]:
     """One GRPO step on `problems`; returns its metrics line and the per-token records (empty unless logged).
 
     With several processes (world), `problems` is the whole step's, the same on every rank, and each rank
     samples and trains on its slice of whole prompts; the metrics and records are the whole step's.
     """
-    world = world or SOLO
+    world = world or distributed.SOLO
     watch = Stopwatch()
     mine = world.prompts(len(problems))
     out = sample(model, tokenizer, problems[mine], cfg, step, first_prompt=mine.start)
@@ -207,7 +205,7 @@ def score(out: rollout.Rollout, problems: list[dict], cfg: Config) -> tuple[torc
 
 
 def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tensor, cfg: Config, step: int,
-                  records: list | None = None, world: World | None = None) -> dict:
+                  records: list | None = None, world: distributed.World | None = None) -> dict:
     """updates_per_rollout optimizer steps over shuffled mini-batches of the rollout's rows, each the sum of
     grad_accum micro-batches. Metrics: token-weighted means over micro-batches; *_min / *_max are extremes;
     start_ratio_min / _max are the first mini-batch's, before this step's first update (the numerical floor).
@@ -217,7 +215,7 @@ def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tens
     on its own rows of each mini-batch: the mini-batches are one process's, and with the normalizers
     summed over the ranks and the gradients too, so is every update.
     """
-    world = world or SOLO
+    world = world or distributed.SOLO
     inputs = frozen_inputs(model, out, cfg)  # what the loss needs of the policy before it moves
     advantages = advantages.to(out.old_logp.device)
     N, first = len(advantages), world.rank * len(advantages)
@@ -240,7 +238,7 @@ def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tens
             losses.append(value.detach())
             metrics.append(micro_metrics)
         local_loss = torch.stack(losses).sum() if losses else torch.zeros((), device=advantages.device)
-        total_loss = sum_gradients(model, world, local_loss)
+        total_loss = distributed.sum_gradients(list(lora.parameters(model)), world, local_loss)
         grad_norms.append(optimizer_step(model, optimizer, total_loss, cfg, step))
         per_update.append(metrics)
     # every rank's micro-batches, update by update
@@ -383,18 +381,18 @@ class Stopwatch:
 # ----------------------------------------------------------------------------- the run
 
 
-def train(cfg: Config, world: World | None = None) -> dict:
+def train(cfg: Config, world: distributed.World | None = None) -> dict:
     """Run (or resume) training; returns the final state with the before/after evaluations.
 
     With several processes every rank runs this loop in step; rank 0 alone writes files (metrics,
     checkpoints, exports), and the other ranks wait for it at a barrier before they go on.
     """
-    world = world or SOLO
+    world = world or distributed.SOLO
     writer = world.rank == 0
     validate(cfg)
     train_set, eval_sets = load_problems(cfg.dataset), load_eval_sets(cfg)
     run_dir = prepare_run_dir(cfg)
-    check_same_settings(world, cfg)  # also the point no rank passes before every rank checked its run directory
+    distributed.check_same_settings(world, flat_config(cfg))  # also the point no rank passes before every rank checked its run directory
     model, tokenizer, optimizer = build(cfg)
     cfg = resolve_sizes(cfg, model, tokenizer, train_set, world)
     if writer:
@@ -490,13 +488,13 @@ def load_eval_sets(cfg: Config) -> dict[str, list[dict]]:
 
 
 def evaluate_held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: Config, desc: str,
-                      world: World | None = None) -> dict:
+                      world: distributed.World | None = None) -> dict:
     """Mean@k and Pass@k on each held-out set; with several sets, accuracy is their unweighted mean.
 
     With several processes each rank evaluates a slice of each set (with the samples one process draws
     for those problems) and the per-problem results are gathered.
     """
-    world = world or SOLO
+    world = world or distributed.SOLO
     results = {}
     for name, problems in eval_sets.items():
         lo, hi = (len(problems) * r // world.size for r in (world.rank, world.rank + 1))
@@ -584,121 +582,7 @@ class _Flag:
 # ----------------------------------------------------------------------------- several processes
 
 
-@dataclass(frozen=True)
-class World:
-    """This process's place in a torchrun job, and the few collectives a step needs.
-
-    Data parallel: of a step's prompts, rank r of n samples, grades and trains on the r-th slice, whole
-    prompts with all G completions. One process alone is rank 0 of 1, and every collective returns its
-    input: the single-GPU run is the same code. Collectives are blocking, so a rank that died or hangs
-    turns into an error here after --dist-timeout seconds, naming what was being waited for.
-    """
-    rank: int = 0
-    size: int = 1
-    device: torch.device = torch.device("cpu")  # where collectives run: the GPU for nccl, the CPU for gloo
-    timeout: float = 0.0
-
-    def prompts(self, count: int) -> slice:
-        """This rank's prompts of a step of `count` (a multiple of size)."""
-        share = count // self.size
-        return slice(self.rank * share, (self.rank + 1) * share)
-
-    def sum(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduce(x, dist.ReduceOp.SUM, "a sum")
-
-    def min(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduce(x, dist.ReduceOp.MIN, "a minimum")
-
-    def max(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduce(x, dist.ReduceOp.MAX, "a maximum")
-
-    def cat(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's x (same shape on all), concatenated in rank order along dim 0."""
-        if self.size == 1:
-            return x
-        parts = [torch.empty_like(x, device=self.device) for _ in range(self.size)]
-        with self._waiting("gathering a tensor"):
-            dist.all_gather(parts, x.to(self.device))
-        return torch.cat(parts).to(x.device)
-
-    def gather(self, value) -> list:
-        """Every rank's value (any picklable object), in rank order."""
-        if self.size == 1:
-            return [value]
-        values = [None] * self.size
-        with self._waiting("gathering results"):
-            dist.all_gather_object(values, value)
-        return values
-
-    def barrier(self, what: str) -> None:
-        if self.size > 1:
-            with self._waiting(what):
-                dist.barrier()
-
-    def _reduce(self, x: torch.Tensor, op, what: str) -> torch.Tensor:
-        if self.size == 1:
-            return x
-        y = x.to(self.device, copy=True)
-        with self._waiting(what):
-            dist.all_reduce(y, op)
-        return y.to(x.device)
-
-    @contextmanager
-    def _waiting(self, what: str):
-        try:
-            yield
-        except RuntimeError as error:  # torch.distributed's errors, timeouts included, are RuntimeErrors
-            raise RuntimeError(
-                f"rank {self.rank} of {self.size}: {what} across processes failed; another process died or "
-                f"hangs (its own error is in its log; a process waits --dist-timeout {self.timeout:g} s): "
-                f"{error}") from error
-
-
-SOLO = World()
-
-
-@contextmanager
-def joined(cfg: Config):
-    """The World this process belongs to: torchrun's (RANK, WORLD_SIZE and LOCAL_RANK in the environment),
-    or one process alone. nccl joins the GPUs, one per process (its LOCAL_RANK); gloo joins CPU processes."""
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size == 1:
-        yield SOLO
-        return
-    if cfg.prompts_per_step % size:
-        raise ValueError(f"--prompts-per-step {cfg.prompts_per_step} does not split over {size} processes: each "
-                         "samples whole prompts (a prompt's G completions share one process, so its advantages "
-                         f"are computed there); use a multiple of {size}")
-    if cfg.device.startswith("cuda:"):
-        raise ValueError(f"--device {cfg.device}: under torchrun each process takes the GPU of its LOCAL_RANK; "
-                         "use --device auto or cuda")
-    device = resolve_device(cfg)[0]
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # "cuda" now means this process's GPU
-        device = torch.device("cuda", torch.cuda.current_device())
-        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")  # a timeout raises here instead of aborting
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=cfg.dist_timeout))
-    try:
-        yield World(dist.get_rank(), size, device, cfg.dist_timeout)
-    finally:
-        dist.destroy_process_group()
-
-
-def check_same_settings(world: World, cfg: Config) -> None:
-    """Every process must run the same settings (one launch command on every node); a difference is named."""
-    settings = flat_config(cfg)
-    digest = hashlib.sha256(to_json(settings).encode()).hexdigest()
-    if len(set(world.gather(digest))) == 1:
-        return
-    for rank, theirs in enumerate(world.gather(settings)):
-        differ = sorted(name for name in settings if theirs.get(name) != settings[name])
-        if differ:
-            shown = ", ".join(f"{name}={theirs.get(name)!r} (here {settings[name]!r})" for name in differ)
-            raise ValueError(f"rank {rank} runs other settings than rank {world.rank}: {shown}; launch every "
-                             "process with the same command")
-
-
-def resolve_sizes(cfg: Config, model, tokenizer, train_set: list[dict], world: World) -> Config:
+def resolve_sizes(cfg: Config, model, tokenizer, train_set: list[dict], world: distributed.World) -> Config:
     """resolve_automatic for one rank's share of a step (its prompts), the same on every rank: where the
     sizes come from the memory plan, the most cautious rank's (GPUs may differ in memory)."""
     share = dataclasses.replace(cfg, prompts_per_step=cfg.prompts_per_step // world.size)
@@ -707,26 +591,6 @@ def resolve_sizes(cfg: Config, model, tokenizer, train_set: list[dict], world: W
         torch.tensor([share.rollout_batch, share.eval_batch, -share.grad_accum], device="cpu")).tolist()
     return dataclasses.replace(share, prompts_per_step=cfg.prompts_per_step, rollout_batch=rollout_batch,
                                eval_batch=eval_batch, grad_accum=-negated_accum)
-
-
-def sum_gradients(model, world: World, loss_sum: torch.Tensor) -> torch.Tensor:
-    """Sum the adapters' gradients over the ranks, in one all-reduce of one flat buffer; returns the
-    optimizer step's whole loss (the ranks' sum), so every rank takes the same skip decision.
-
-    Each rank's loss is already its share of the whole step's (the normalizers are global), so the
-    sum, not the mean, is the gradient of one process on the whole batch. A plain all-reduce rather
-    than DistributedDataParallel: only the adapters train, their gradients are small (Qwen3-8B's
-    rank-32 adapters: 87M parameters, 350 MB in fp32), the loss reaches the model through model.hidden and the
-    frozen passes rather than one forward(), and a rank may hold no rows of a mini-batch at all.
-    """
-    if world.size == 1:
-        return loss_sum
-    params = list(lora.parameters(model))
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]  # no rows here: zeros
-    flat = world.sum(torch.cat([*(g.flatten() for g in grads), loss_sum.detach().to(grads[0]).reshape(1)]))
-    for p, g in zip(params, flat[:-1].split([g.numel() for g in grads])):
-        p.grad = g.view_as(p)
-    return flat[-1]
 
 
 # ----------------------------------------------------------------------------- building the model
@@ -929,12 +793,18 @@ def prepare_run_dir(cfg: Config) -> Path:
 def validate(cfg: Config, need_device: bool = True) -> None:
     """Every setting that would fail after the model loads fails here, naming the flag and what it accepts."""
     rows = cfg.prompts_per_step * cfg.group_size
-    device = cfg.device
+    device, processes = cfg.device, distributed.world_size()
     for ok, message in (
         (device in ("auto", "cpu", "meta") or device.startswith("cuda"),
          f"--device {device!r}: expected cpu, cuda, cuda:N or auto"),
         (not need_device or not device.startswith("cuda") or torch.cuda.is_available(),
          f"--device {device}: no CUDA GPU is visible to torch on this machine; use --device cpu"),
+        (cfg.prompts_per_step % processes == 0,
+         f"--prompts-per-step {cfg.prompts_per_step} does not split over {processes} processes: each samples whole "
+         "prompts (a prompt's G completions share one process, where its advantages are computed); use a multiple "
+         f"of {processes}"),
+        (processes == 1 or not device.startswith("cuda:"),
+         f"--device {device}: under torchrun each process takes the GPU of its LOCAL_RANK; use --device auto or cuda"),
         (cfg.group_size >= 2, f"--group-size {cfg.group_size}: GRPO compares at least 2 samples per prompt"),
         (cfg.prompts_per_step >= 1, f"--prompts-per-step {cfg.prompts_per_step}: must be >= 1"),
         (cfg.max_new_tokens >= 1, f"--max-new-tokens {cfg.max_new_tokens}: must be >= 1"),
@@ -1087,7 +957,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(0 if plan(cfg) else 1)
         if cfg.resume:
             cfg = _resumed_config(cfg, given)
-        with joined(cfg) as world:
+        with distributed.joined(resolve_device(cfg)[0], cfg.dist_timeout) as world:
             state = train(cfg, world)
     except USER_ERRORS as error:
         if _inside_training(error):
