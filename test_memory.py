@@ -31,12 +31,7 @@ GPPO = memory.Workload(lora_rank=32, prompt_len=512, max_new_tokens=8192, group_
                        with_entropy=False, eval_temperature=0.6)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -759,15 +759,7 @@ def truncate_metrics(path: Path, last_step: int) -> None:
 
 def to_json(value) -> str:
     """Strict JSON: NaN and infinities (an undefined standard error, say) become null."""
-    def clean(v):
-        if isinstance(v, float) and not math.isfinite(v):
-            return None
-        if isinstance(v, dict):
-            return {k: clean(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [clean(x) for x in v]
-        return v
-    return json.dumps(clean(value), allow_nan=False)
+    return json.dumps(evaluation.strict_json(value), allow_nan=False)
 
 
 def write_json(path: Path, value) -> None:
