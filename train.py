@@ -88,7 +88,8 @@ class Config:
     grad_accum: int = opt(0, "micro-batches per optimizer step (per process, on average, under torchrun); 0 = from "
                              "the memory plan on a GPU, 1 on the CPU")
     recompute_old_logp: str = opt("auto", "recompute old log-probs with the training pass before updating "
-                                          "(auto: unless float32, where the sampler's are exact)", ("auto", "on", "off"))
+                                          "(auto: unless float32, where the sampler's are exact)",
+                                  ("auto", "on", "off"))
     loss: loss.LossConfig = field(default_factory=loss.LossConfig)  # its fields are flags too: --rule, --delta, ...
     # evaluation
     eval_every: int = opt(0, "evaluate every N steps (0 = only before and after training)")
@@ -392,7 +393,8 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
     validate(cfg)
     train_set, eval_sets = load_problems(cfg.dataset), load_eval_sets(cfg)
     run_dir = prepare_run_dir(cfg)
-    distributed.check_same_settings(world, flat_config(cfg))  # also the point no rank passes before every rank checked its run directory
+    # also the point no rank passes before every rank has checked its run directory
+    distributed.check_same_settings(world, flat_config(cfg))
     model, tokenizer, optimizer = build(cfg)
     cfg = resolve_sizes(cfg, model, tokenizer, train_set, world)
     if writer:
@@ -405,19 +407,7 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
             save_checkpoint(run_dir, model, optimizer, state)
         world.barrier("waiting for rank 0 to write a checkpoint")
 
-    if cfg.resume:
-        state = load_checkpoint(run_dir, model, optimizer)  # every rank: the same checkpoint, whatever the world size
-        world.barrier("loading the checkpoint")  # before rank 0 may write the next one
-        if writer:
-            truncate_metrics(metrics_file, state["step"])
-            print(f"resumed {run_dir} at step {state['step']}", file=sys.stderr)
-    else:
-        state = {"step": 0, "data_position": 0, "before": None, "best": None}
-        if writer:
-            write_json(run_dir / "config.json", flat_config(cfg))
-            metrics_file.unlink(missing_ok=True)
-            print(f"run directory: {run_dir}", file=sys.stderr)
-        save(state)  # a run stopped before its first step can resume
+    state = open_run(cfg, run_dir, model, optimizer, world, save)
     with StopRequest() as stop:
         if state["before"] is None:
             with stop.immediate():
@@ -460,6 +450,27 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
             print(f"exported merged weights to {cfg.export}", file=sys.stderr)
         print(f"run directory: {run_dir}", file=sys.stderr)
     world.barrier("waiting for rank 0 to write the summary and the export")
+    return state
+
+
+def open_run(cfg: Config, run_dir: Path, model, optimizer, world: distributed.World, save) -> dict:
+    """The state a run starts from: a resumed run's checkpoint (the same on every rank, whatever the
+    world size), or step 0 of a new run, checkpointed at once so a run stopped before its first step
+    can resume."""
+    writer = world.rank == 0
+    if cfg.resume:
+        state = load_checkpoint(run_dir, model, optimizer)
+        world.barrier("loading the checkpoint")  # before rank 0 may write the next one
+        if writer:
+            truncate_metrics(run_dir / "metrics.jsonl", state["step"])
+            print(f"resumed {run_dir} at step {state['step']}", file=sys.stderr)
+        return state
+    state = {"step": 0, "data_position": 0, "before": None, "best": None}
+    if writer:
+        write_json(run_dir / "config.json", flat_config(cfg))
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        print(f"run directory: {run_dir}", file=sys.stderr)
+    save(state)
     return state
 
 
@@ -816,7 +827,8 @@ def validate(cfg: Config, need_device: bool = True) -> None:
         (0 <= cfg.grad_accum <= max(1, rows // cfg.updates_per_rollout),
          f"--grad-accum {cfg.grad_accum}: must be between 0 (automatic) and the {rows // cfg.updates_per_rollout} "
          "rows of a mini-batch"),
-        (cfg.rollout_batch >= 0 and cfg.eval_batch >= 0, "--rollout-batch and --eval-batch must be >= 0 (0 = automatic)"),
+        (cfg.rollout_batch >= 0 and cfg.eval_batch >= 0,
+         "--rollout-batch and --eval-batch must be >= 0 (0 = automatic)"),
         (cfg.checkpoint_every >= 1, f"--checkpoint-every {cfg.checkpoint_every}: must be >= 1"),
         (cfg.steps >= 0 and cfg.eval_every >= 0 and cfg.eval_problems >= 0 and cfg.eval_k >= 1,
          "--steps, --eval-every and --eval-problems must be >= 0 and --eval-k >= 1"),
