@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test bench clean
+.PHONY: setup train study test bench clean
 
 setup: $(STAMP)
 
@@ -18,6 +18,10 @@ $(STAMP): requirements.txt requirements-dev.txt
 
 train: setup
 	$(PY) train.py $(ARGS)
+
+# Clip rules compared over seeds on a harder task (about 75 min on 2 CPU cores); a killed study resumes.
+study: setup
+	$(PY) study.py $(ARGS)
 
 # The loss is the heart of the project: its tests run first.
 test: setup

@@ -10,11 +10,14 @@ dataset files, templates.py turns a problem into chat-formatted token ids and na
 
 from pathlib import Path
 
-from .arithmetic import DEFAULT_KINDS, KINDS, arithmetic_problems
+from .arithmetic import DEFAULT_KINDS, KINDS, TWO_DIGIT_KINDS, arithmetic_problems
 from .prepare import DATA_DIR, FORMATS, HUB, read_problems
 from .templates import TEMPLATES, render_prompt, stop_ids, user_message
 
-GENERATED = {"arithmetic": "train", "arithmetic_test": "test"}  # name -> split, made on the fly
+GENERATED = {  # name -> (split, kinds), made on the fly
+    "arithmetic": ("train", DEFAULT_KINDS), "arithmetic_test": ("test", DEFAULT_KINDS),
+    "two_digit": ("train", TWO_DIGIT_KINDS), "two_digit_test": ("test", TWO_DIGIT_KINDS),
+}
 
 
 def load_problems(
@@ -28,8 +31,8 @@ def load_problems(
 
     Names: the Hub datasets of prepare.py (files data_dir/NAME.jsonl that it writes), any other
     NAME.jsonl in data_dir (e.g. written by `prepare.py --from FILE --out NAME`), and
-    arithmetic / arithmetic_test (the demo's train and held-out splits of the default kinds,
-    generated, no file needed).
+    arithmetic / arithmetic_test (the demo's train and held-out splits of the default kinds) and
+    two_digit / two_digit_test (study.py's harder task), generated, no file needed.
     Malformed records are a ValueError naming file and line (see prepare.read_problems); keys may be
     dotted to reach nested fields ("reward_model.ground_truth").
     """
@@ -37,7 +40,7 @@ def load_problems(
     if name.endswith(tuple(FORMATS)):  # a path, not a name
         return read_problems(name, problem_key, answer_key)
     if name in GENERATED:
-        return arithmetic_problems(GENERATED[name])
+        return arithmetic_problems(*GENERATED[name])
     path = Path(data_dir) / f"{name}.jsonl"
     if path.is_file():
         return read_problems(path, problem_key, answer_key)

@@ -2,7 +2,8 @@
 
 A 135M instruct model answers single-digit sums and times tables correctly only some of the time,
 which is the regime where GRPO has something to learn: groups with mixed rewards. Two-digit sums
-are the hard kind it almost never gets right.
+are the hard kind it almost never gets right. A two-digit number plus or minus a one-digit one
+(add21, sub21) sits in between: about 10% right at first, the harder task of study.py.
 
 Every problem belongs to the "train" or the "test" split by a hash of the problem itself, so the
 held-out set is fixed whatever the seed, the kinds or the number of problems asked for, and no
@@ -25,8 +26,11 @@ KINDS: dict[str, tuple[str, list[tuple[int, int]]]] = {
     "sub1": ("-", [(a + b, b) for a in range(10) for b in range(10)]),  # answers 0..9
     "times": ("×", [(a, b) for a in range(1, 10) for b in range(1, 10)]),
     "add2": ("+", [(a, b) for a in range(10, 100) for b in range(10, 100)]),
+    "add21": ("+", [(a, b) for a in range(10, 100) for b in range(1, 10)]),  # two-digit plus one-digit
+    "sub21": ("-", [(a, b) for a in range(10, 100) for b in range(1, 10)]),  # two-digit minus one-digit
 }
 DEFAULT_KINDS = ("add1", "sub1", "times")
+TWO_DIGIT_KINDS = ("add21", "sub21")  # the study's task: the 135M model starts near 10%
 TEST_PERCENT = 20  # share of each kind's problems held out
 
 
