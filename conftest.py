@@ -69,3 +69,34 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"third-party data not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+FAMILIES = {  # name -> (family, config overrides): every architectural switch the loader reads
+    "llama": ("llama", {}),
+    "llama-bias-tied": ("llama", {"attention_bias": True, "tie_word_embeddings": True}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "qwen3-tied": ("qwen3", {"tie_word_embeddings": True}),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def checkpoint(request, tmp_path_factory) -> Path:
+    family, overrides = FAMILIES[request.param]
+    return make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), family, **overrides)
+
+
+def hf_model(path):
+    """The transformers model of a checkpoint directory: the reference our decoder is compared with."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from a second thread, and on a busy machine each op's thread sync costs more."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -416,13 +416,14 @@ def comparison_table(gaps: Mapping[str, Mapping[str, Gap]], label_a: str, label_
 def evaluate(model, tokenizer, problems: Sequence[Mapping], *, k: int, n: int | None = None, temperature: float,
              top_p: float = 1.0, max_new_tokens: int, template: str = "boxed", system: str | None = None,
              batch_size: int = 8, seed: int = 0, desc: str = "eval", progress: bool = True,
-             finished: list[ProblemResult] | None = None) -> Evaluation:
+             finished: list[ProblemResult] | None = None, first_problem: int = 0) -> Evaluation:
     """Sample n (default k) completions for each problem {"problem", "answer", optional "id"}, grade them, and
     summarize Mean@k, Pass@k, Maj@k, completion length and truncation rate with their error bars.
 
     template and system (None: the chat template's default system message) pose each problem as in training.
     batch_size prompts are sampled together (batch_size * n rows, a bound on memory); a problem's samples depend
-    on the seed and its index, not on batch_size. A problem without "id" is named by its index.
+    on the seed and its index, not on batch_size. A problem without "id" is named by its index. first_problem
+    is the index of problems[0] in its set: a slice of a set (a process's share) gets the whole set's samples.
     finished, an empty list, receives each problem's result as its batch is graded: a caller keeps the work done
     when a later batch fails or is interrupted.
     """
@@ -443,7 +444,8 @@ def evaluate(model, tokenizer, problems: Sequence[Mapping], *, k: int, n: int | 
             batch = problems[start:start + batch_size]
             out = rollout.generate(model, [render_prompt(tokenizer, p["problem"], template, system) for p in batch],
                                    samples_per_prompt=n, max_new_tokens=max_new_tokens, temperature=temperature,
-                                   top_p=top_p, stop_ids=stops, seed=seed, first_prompt=start, tokenizer=tokenizer)
+                                   top_p=top_p, stop_ids=stops, seed=seed, first_prompt=first_problem + start,
+                                   tokenizer=tokenizer)
             references = [p["answer"] for p in batch for _ in range(n)]  # rows are prompt-major
             correct = [score == 1.0 for score in reward.reward(out.texts, references)]
             # Maj@k votes on the normalized spelling, so "\dfrac12" and "\frac{1}{2}" count as one answer
@@ -452,7 +454,7 @@ def evaluate(model, tokenizer, problems: Sequence[Mapping], *, k: int, n: int | 
             lengths, truncated = out.completion_mask.sum(1).tolist(), out.truncated.tolist()
             for i, p in enumerate(batch):
                 rows = slice(i * n, (i + 1) * n)
-                results.append(ProblemResult(str(p.get("id", start + i)), p["answer"], out.texts[rows],
+                results.append(ProblemResult(str(p.get("id", first_problem + start + i)), p["answer"], out.texts[rows],
                                              answers[rows], correct[rows], lengths[rows], truncated[rows]))
             bar.update(len(batch))
     finally:

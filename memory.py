@@ -2,8 +2,9 @@
 
 A hand formula for activation memory drifts from the code the day someone adds a cast or a mask. Here
 every phase calls the same functions the trainer and the sampler call (model.hidden, hidden_logprobs,
-backward, AdamW, new_cache / fork / decode_step, rollout._sample), on meta tensors: shapes and dtypes
-are real, no data exists, so a plan of Qwen3-8B takes seconds of CPU time, without a GPU or its weights.
+backward, AdamW, new_cache / fork / select, rollout._row_keys, rollout._sample, and FixedShapeStep's
+step and compaction rule), on meta tensors: shapes and dtypes are real, no data exists, so a plan of
+Qwen3-8B takes seconds of CPU time, without a GPU or its weights.
 `LiveBytes`, a dispatch mode, sees every tensor an operator returns and counts the bytes of each new
 storage until it is freed; its peak is the phase's own peak. Blocks are identical, so each figure is
 counted on models of 2 and 3 blocks and extended to the real depth (exactly: test_memory checks it), and
@@ -14,7 +15,8 @@ Phases, each peak = weights + LoRA state + step data + the phase's own peak:
 - lora: adapters, their gradients and AdamW's two moments (fp32), plus the optimizer step's temporaries;
 - train: one micro-batch's forward and backward (model.hidden + model.hidden_logprobs + a loss);
 - frozen: the no-grad passes that recompute old log-probs or the reference policy's, one micro-batch;
-- rollout: one sampler call: KV cache, prefill, one decode step and one sampling draw;
+- rollout: one sampler call on CUDA's fixed-shape path: KV cache, prefill and fork, the widest decode
+  step and its sampling draw, and the first compaction (a second cache built while the first is alive);
 - eval: the same for an evaluation call (its prompts x eval_k samples).
 Step data are the rollout results kept for training ([N, P + C] ids and masks, [N, C] log-probs).
 
@@ -26,9 +28,11 @@ Where the meta run differs from the code it stands for:
   tensors cannot answer, so the train phase uses `_surrogate_loss`, the same tensor work on [rows, C]
   (log ratio, ratio, float64 region test, clip choice, masked sum). It is O(rows x C), tiny next to
   the activations. model.hidden's padding-layout check (torch.equal) is answered "valid" on meta.
-- the rollout runs one decode step at the widest span (the CUDA-graph path attends over every cache
-  slot) instead of max_new_tokens steps; a captured graph keeps the step's temporaries reserved, so
-  they are counted on top of the sampling draw that follows.
+- the rollout runs the steps that decide its peak instead of max_new_tokens steps: the cache is moved
+  (`advance`) to the last step, whose span bucket covers the whole cache, and the first compaction
+  (rows finishing one at a time, FixedShapeStep.rows_to_keep) is taken there, where cache.select
+  copies the most tokens. A captured graph keeps its step's temporaries reserved, so they are
+  counted on top of the draw and the compaction.
 - the CUDA caching allocator rounds blocks and fragments, and the CUDA context, cuBLAS workspaces and
   kernel-internal buffers are invisible to a dispatch mode: `fit` keeps SLACK of the budget and
   RESERVED bytes free for them.
@@ -42,6 +46,7 @@ import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -50,7 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import lora
 import rollout
-from model import ModelConfig, Transformer
+from model import KVCache, ModelConfig, Transformer
 
 GB = 10**9  # decimal, as GPUs are sold: "40 GB" and "80 GB" cards hold a little more than this
 DEFAULT_GPU_BYTES = 80 * GB
@@ -334,14 +339,17 @@ def frozen_phase(model: Transformer, rows: int, work: Workload) -> int:
 
 
 def sampling_phase(model: Transformer, prompts: int, samples: int, work: Workload, temperature: float) -> int:
-    """One sampler call as rollout._sample_rows makes it on CUDA: cache, prefill, fork, output buffers,
-    then a sampling draw, one decode step over the whole cache, and the next draw.
-
-    A CUDA graph keeps the decode step's temporaries reserved, so the draw after it adds to them.
+    """One sampler call as rollout.generate makes it on CUDA (FixedShapeStep), at its worst moments:
+    - prefill: the cache of the prompts, their prefill, the fork into G rows and the output buffers;
+    - the widest decode step (the last one, whose span bucket covers the whole cache) and the draw after it;
+    - the first compaction at the last step it can happen: cache.select copies the kept rows into a
+      second cache while the first is alive, each row with room for all its tokens.
+    A CUDA graph keeps its step's temporaries reserved, so they count on top of the draw and the compaction.
     """
     device, P, C, G = model.device, work.prompt_len, work.max_new_tokens, samples
     N = prompts * G
-    generator = torch.Generator("cpu" if device.type == "meta" else device)
+    draw = partial(rollout._sample, temperature=temperature, top_p=work.top_p, top_k=work.top_k)
+    step = rollout.FixedShapeStep(model, graphs=False, required=False)
     model.eval()
     with LiveBytes() as tracker, torch.inference_mode():
         prompt_ids = torch.zeros(prompts, P, dtype=torch.long, device=device)
@@ -349,17 +357,44 @@ def sampling_phase(model: Transformer, prompts: int, samples: int, work: Workloa
         cache = model.new_cache(prompts, P + G * C)
         logits = model.lm_head(model.hidden(prompt_ids, prompt_mask, cache)[:, -1]).repeat_interleave(G, dim=0)
         cache = cache.fork(G)
-        outputs = rollout_results(N, 0, C, device)[:3]  # completion ids, old_logp and mask: [N, C]
-        tokens, _ = rollout._sample(logits, temperature, work.top_p, work.top_k, generator)
-        alive = torch.ones(N, dtype=torch.bool, device=device)
+        outputs = rollout_results(N + 1, 0, C, device)[:3]  # _decode's completion ids, old_logp and mask
+        keys, rows = rollout._row_keys(0, 0, prompts, G, device), torch.arange(N, device=device)
+        tokens, _ = draw(logits, keys=keys, rows=rows, position=0)
         prefill_peak = tracker.peak
+
+        alive = torch.ones(N, dtype=torch.bool, device=device)
+        last = max(0, C - 2)  # the last position whose draw is followed by a compaction check and a step
+        advance(cache, alive, last)
         tracker.reset_peak()
-        logits = model.decode_step(tokens, alive, cache)
+        logits = step(tokens, alive, cache)
         step_temporaries = tracker.peak - tracker.live  # freed on return, but a graph keeps them reserved
         tracker.reset_peak()
-        rollout._sample(logits, temperature, work.top_p, work.top_k, generator)
-        del outputs
-    return max(prefill_peak, tracker.peak + step_temporaries)
+        draw(logits, keys=keys, rows=rows, position=last)
+        draw_peak = tracker.peak
+
+        tracker.reset_peak()
+        kept = cache.select(_first_compaction(N).to(device))
+        compaction_peak = tracker.peak
+        del kept, outputs
+    return max(prefill_peak, max(draw_peak, compaction_peak) + step_temporaries)
+
+
+def advance(cache: KVCache, alive: torch.Tensor, steps: int) -> None:
+    """cache.advance(alive) `steps` times at once (a loop of thousands of meta steps takes a second)."""
+    cache.next_pos += alive * steps
+    cache.slot += cache.group * steps
+    cache.length += cache.group * steps
+
+
+def _first_compaction(rows: int) -> torch.Tensor:
+    """The rows FixedShapeStep keeps at its first compaction of `rows` rows, finishing one at a time: the
+    largest compacted cache a call builds (later ones start from a smaller cache and are smaller)."""
+    for n_done in range(1, rows):
+        done = torch.arange(rows) < n_done
+        keep = rollout.FixedShapeStep.rows_to_keep(done, n_done)
+        if keep is not None:
+            return keep.rows
+    return torch.arange(rows)[:0]  # one row never compacts
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -508,7 +543,7 @@ def _largest(need, most: int, usable: int) -> int:
 def _no_fit(phase: str, need: int, usable: int, budget: int, hint: str, floor: bool = False) -> str:
     at = " even at 1 row / prompt per call" if floor else ""
     return (f"memory plan: {phase} needs {need / GB:.1f} GB{at}, more than the {usable / GB:.1f} GB usable "
-            f"of {budget / GB:.0f} GB; {hint}")
+            f"of {budget / GB:.1f} GB; {hint}")
 
 
 def report(model_cfg: ModelConfig, work: Workload, budget_bytes: int) -> tuple[str, bool]:

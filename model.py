@@ -147,10 +147,12 @@ class KVCache:
 
     Rows come in groups of `group` that share the first `shared` slots (a prompt, stored once) and
     then interleave their own tokens time-major: the t-th own token of member g of a group sits at
-    slot shared + t * group + g, so the slots filled so far are always one contiguous range. A cache
-    from new_cache has groups of one row: a plain per-row cache. fork(G) turns a filled cache of B
-    prompts into B groups of G rows without copying anything, and attention then reads each group's
-    slots once for all G rows' queries, in one kernel call per layer.
+    slot shared + t * group + g, so the slots filled so far are always one prefix of the cache, and
+    attention over the first `span` slots covers every row (decode_step). A cache from new_cache has
+    groups of one row: a plain per-row cache. fork(G) turns a filled cache of B prompts into B groups
+    of G rows without copying anything, and attention then reads each group's slots once for all G
+    rows' queries, in one kernel call per layer; select copies rows out into groups of one again.
+    mark_new_slots is the one place that turns this layout into a step's slots and mask.
 
     `valid` [rows, max_len] marks the slots each row sees (its group's real prompt tokens and its own
     tokens); `next_pos` [rows] is each row's next RoPE position. `length` slots are filled; `slot` is
@@ -208,9 +210,10 @@ class KVCache:
         layers, _, kv_heads, _, head_dim = self.k.shape
         out.k, out.v = (self.k.new_zeros(layers, R, kv_heads, P + T + room, head_dim) for _ in range(2))
         for new, old in ((out.k, self.k), (out.v, self.v)):
-            new[:, :, :, :P] = old[:, owners, :, :P]
-            own = old[:, :, :, P:self.length].unflatten(3, (T, G))  # [layers, groups, kv, T, G, D]
-            new[:, :, :, P:P + T] = own[:, owners, :, :, members].movedim(0, 1)  # indexed dim comes first
+            for layer in range(layers):  # a layer at a time: the gathers' temporaries stay one layer big
+                new[layer, :, :, :P] = old[layer, owners, :, :P]
+                own = old[layer, :, :, P:self.length].unflatten(2, (T, G))  # [groups, kv, T, G, D]
+                new[layer, :, :, P:P + T] = own[owners, :, :, members]  # [R, kv, T, D]
         out.valid = self.valid.new_zeros(R, P + T + room)
         out.valid[:, :P] = self.valid[rows, :P]
         out.valid[:, P:P + T] = self.valid[rows, P:self.length].unflatten(1, (T, G))[torch.arange(R, device=rows.device), :, members]

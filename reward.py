@@ -880,8 +880,8 @@ def reward(completions: list[str], references: list[str], *, format_weight: floa
     rel_tol only applies to constants that are not both rational (sqrt(2) + sqrt(3) vs sqrt(5 + 2 sqrt(6)))."""
     if len(completions) != len(references):
         raise ValueError(f"completions and references differ in length: {len(completions)} vs {len(references)}")
-    if answer_format not in (None, "boxed", "answer"):
-        raise ValueError(f"answer_format must be None, 'boxed' or 'answer', got {answer_format!r}")
+    if answer_format is not None and answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"answer_format must be None or one of {ANSWER_FORMATS}, got {answer_format!r}")
     if workers < 1 or timeout <= 0 or rel_tol < 0 or format_weight < 0:
         raise ValueError(f"need workers >= 1, timeout > 0, rel_tol >= 0, format_weight >= 0; got "
                          f"workers={workers}, timeout={timeout}, rel_tol={rel_tol}, format_weight={format_weight}")

@@ -186,7 +186,6 @@ def test_dual_clip_stops_negative_advantage_tokens_above_c():
     adv = torch.tensor([[-1.0, -1.0, 1.0, -1.0]], dtype=f64)
     mask = torch.ones(1, 4, dtype=torch.bool)
     _, grad, metrics = grad_of(logp, old_logp, adv, mask, LossConfig(rule="grpo", dual_clip=3.0))
-    w = torch.tensor([4.0, 2.0, 4.0, 0.5], dtype=f64)
     # w=4, A<0: dual-clipped. w=2, A<0: outside but pulled back in, kept. w=4, A>0 and w=0.5, A<0: pushed out.
     expected = torch.tensor([0.0, -(-1.0) * 2.0 / 4, 0.0, 0.0], dtype=f64)
     assert torch.equal(grad[0] == 0, expected == 0)

@@ -4,6 +4,7 @@ and the errors when nothing fits."""
 
 import dataclasses
 import re
+from functools import partial
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import lora
 import loss
 import memory
 import rollout
+import train
 from model import ModelConfig, Transformer
 
 SMALL = ModelConfig(vocab_size=4096, hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4,
@@ -29,12 +31,7 @@ GPPO = memory.Workload(lora_rank=32, prompt_len=512, max_new_tokens=8192, group_
                        with_entropy=False, eval_temperature=0.6)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -82,16 +79,42 @@ def test_plan_matches_a_real_cpu_training_micro_batch(small_model, checkpointing
     assert abs(planned - tracker.peak) / tracker.peak < 0.15, (planned, tracker.peak)
 
 
-def test_plan_matches_a_real_cpu_rollout(small_model):
-    """The planned sampler call against rollout.generate's. No stop id, so no row finishes: the CPU path
-    then keeps every row, as the CUDA path always does."""
-    planned = memory.Planner(SMALL, SMALL_WORK).measure("rollout", 2)[1]
-    small_model.eval()
+def test_plan_matches_a_real_cpu_rollout():
+    """The planned sampler call against rollout.generate's fixed-shape path (CUDA's, run eagerly) at its
+    worst moment: half the rows stop at the last step that can compact, so the cache of the 4 rows kept
+    is built while the cache of all 8 is alive. The stop ids are the tokens those rows draw there (a
+    row's draws do not depend on the other rows), chosen among tokens no row drew earlier. Untied
+    embeddings, as the tied small model keeps repeating its last token."""
+    cfg = dataclasses.replace(SMALL, tie_word_embeddings=False)
+    planned = memory.Planner(cfg, SMALL_WORK).measure("rollout", 2)[1]
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    prompts = [list(range(1, 33)), list(range(5, 25))]
+    sample = partial(rollout.generate, model, prompts, samples_per_prompt=4, max_new_tokens=C,
+                     temperature=1.0, seed=0, fixed_shapes=True)
     with memory.LiveBytes() as tracker:
-        out = rollout.generate(small_model, [list(range(1, 33)), list(range(5, 25))], samples_per_prompt=4,
-                               max_new_tokens=C, temperature=1.0, stop_ids=[], seed=0)
-    assert out.completion_ids.shape == (8, C)
+        free_run = sample(stop_ids=[])
+    assert free_run.completion_ids.shape == (8, C) and tracker.peak < planned
+
+    last = C - 2
+    earlier = set(free_run.completion_ids[:, :last].flatten().tolist())
+    stops = [token for token in free_run.completion_ids[:, last].tolist() if token not in earlier][:4]
+    with memory.LiveBytes() as tracker:
+        out = sample(stop_ids=stops)
+    assert (out.completion_mask.sum(1) == last + 1).sum() >= 4  # these rows stopped there: a compaction
     assert abs(planned - tracker.peak) / tracker.peak < 0.15, (planned, tracker.peak)
+
+
+def test_advance_many_steps_is_cache_advance_repeated(small_model):
+    caches = [small_model.new_cache(2, 40).fork(3) for _ in range(2)]
+    alive = torch.tensor([True, False, True, True, True, False])
+    for _ in range(5):
+        caches[0].advance(alive)
+    memory.advance(caches[1], alive, 5)
+    assert vars(caches[0]).keys() == vars(caches[1]).keys()
+    for name, value in vars(caches[0]).items():
+        other = vars(caches[1])[name]
+        assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, name
 
 
 def test_two_and_three_blocks_extend_exactly_to_the_full_depth():
@@ -108,29 +131,35 @@ def test_qwen3_1_7b_weights_and_kv_cache():
     H, I, L, V = 2048, 6144, 28, 151936
     params = V * H + L * (2 * H * 16 * 128 + 2 * H * 8 * 128 + 3 * H * I + 2 * H + 2 * 128) + H  # tied head
     assert planner.peak("weights") == 2 * params  # bfloat16
-    cache = 2 * L * 8 * 128 * 2 * (ATR.prompt_len + 8 * 4096)  # k and v per prompt, bfloat16
+    slot = 2 * L * 8 * 128 * 2  # k and v of one cache slot, bfloat16
+    P, C, G = ATR.prompt_len, ATR.max_new_tokens, ATR.group_size
+    full = 8 * (P + G * C) * slot  # 8 prompts, each prompt stored once and 8 rows of own tokens
+    # the first compaction keeps 32 rows, each with its own copy of the prompt and room for every token,
+    # while cache.select gathers one layer's [rows, kv, C - 2, D] block of own keys or values at a time
+    compacted, gathered = 32 * (P + C) * slot, 32 * (C - 2) * slot // (2 * L)
     held, own = planner.measure("rollout", 8)
-    assert 8 * cache <= own < 1.05 * 8 * cache  # the cache dominates a sampler call
+    assert full + compacted + gathered <= own < 1.05 * (full + compacted + gathered)  # the caches dominate
 
 
-def test_atr_preset_fits_a_40_gb_gpu():
-    cfg = memory.model_config("Qwen/Qwen3-1.7B")
-    chosen = memory.fit(cfg, ATR, 40 * memory.GB)
-    # 8 prompts x 8 x 4096 tokens of cache (31 GB) next to 4 GB of weights and LoRA state: one call per step
-    assert (chosen.rollout_prompts, chosen.eval_prompts) == (8, 8)
-    assert 16 <= chosen.micro_batch_rows < 64
-    text, fits = memory.report(cfg, chosen, 40 * memory.GB)
-    assert fits and text.splitlines()[-1].startswith("plan: peak ") and text.endswith("of 40.0 GB (fits)")
-
-
-def test_gppo_preset_fits_an_80_gb_gpu():
-    cfg = memory.model_config("Qwen/Qwen3-8B")
-    chosen = memory.fit(cfg, GPPO, 80 * memory.GB)
-    # a prompt's 8 x 8192 tokens of cache take 9.7 GB: five of them fit next to 18 GB of weights and LoRA state
-    assert (chosen.rollout_prompts, chosen.eval_prompts) == (5, 5)
-    assert 4 <= chosen.micro_batch_rows < 32
-    text, fits = memory.report(cfg, chosen, 80 * memory.GB)
-    assert fits, text
+@pytest.mark.parametrize("preset, gpu_gb, chosen", [
+    # 5 prompts x 8 x 4096 tokens of cache (19 GB) and the first compaction's second cache (8.5 GB)
+    # next to 4 GB of weights and LoRA state
+    ("atr-grpo-qwen3-1.7b", 40, dict(rollout_batch=5, grad_accum=2, eval_batch=5)),
+    # 3 prompts x 8 x 8192 tokens of cache (29 GB) and the first compaction's 8-row cache (10 GB)
+    # next to 18 GB of weights and LoRA state
+    ("gppo-qwen3-8b", 80, dict(rollout_batch=3, grad_accum=12, eval_batch=3)),
+])
+def test_preset_plans_fit(preset, gpu_gb, chosen, capsys):
+    cfg, _, _ = train.parse_args(["--preset", preset, "--plan", "--gpu-memory", str(gpu_gb)])
+    assert train.plan(cfg)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "chosen: " + " ".join(f"--{name.replace('_', '-')} {value}" for name, value in chosen.items())
+    assert re.fullmatch(rf"plan: peak \d+\.\d GB of {gpu_gb}\.0 GB \(fits\)", lines[-1])
+    table = {line.split()[0]: line.split() for line in lines[2:8]}
+    assert list(table) == ["weights", "lora", "train", "frozen", "rollout", "eval"]
+    assert table["rollout"][3:6] == [str(chosen["rollout_batch"]), "prompts", "x"]
+    usable = memory.usable_bytes(gpu_gb * memory.GB) / memory.GB
+    assert all(0 < float(row[2]) <= usable for row in table.values())
 
 
 def test_fit_takes_the_largest_sizes_that_fit():
@@ -163,8 +192,8 @@ def test_fit_names_the_phase_that_cannot_fit():
 def test_report_says_what_does_not_fit():
     work = dataclasses.replace(ATR, micro_batch_rows=16, eval_prompts=16)
     text, fits = memory.report(memory.model_config("Qwen/Qwen3-1.7B"), work, 40 * memory.GB)
-    assert not fits  # 16 prompts x 8 x 4096 tokens of cache: 61 GB
-    assert re.fullmatch(r"plan: peak 6[56]\.\d GB of 40\.0 GB \(does not fit: eval needs 6[56]\.\d GB; "
+    assert not fits  # 16 prompts x 8 x 4096 tokens of cache (61 GB), then its first compaction (34 GB)
+    assert re.fullmatch(r"plan: peak 99\.\d GB of 40\.0 GB \(does not fit: eval needs 99\.\d GB; "
                         r"lower --eval-batch \(prompts per evaluation call\)\)", text.splitlines()[-1])
 
 

