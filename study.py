@@ -8,7 +8,7 @@ The papers behind loss.py rank trust regions by a few points of accuracy from on
 arm (a set of train.py flags: the rule and its size) is trained with the same seeds; seed s gives every
 arm the same prompts in the same order and the same held-out problems, so an arm's gap to grpo is
 paired seed by seed and its standard error comes from the spread over seeds. The default task, two-digit
-plus or minus one-digit numbers, starts the 135M model near 10%, and four optimizer steps per rollout
+plus or minus one-digit numbers, starts the 135M model near 6%, and four optimizer steps per rollout
 move the policy away from the one that sampled, so the regions actually clip (the table shows how much).
 
 Each (arm, seed) is one train.py subprocess writing OUT/runs/ARM-sSEED (metrics.jsonl, summary.json and
