@@ -175,15 +175,22 @@ def bucket_labels(runs: Sequence[Run]) -> list[str]:
     return list(labels)
 
 
+def bucket_clipped(record: dict, label: str) -> float:
+    """A step's clipped fraction in one old-probability bucket, region and limits together; NaN if not logged."""
+    region, limit = record.get(f"mu[{label}]/clip_frac"), record.get(f"mu[{label}]/limit_frac")
+    return np.nan if region is None else region + (limit or 0.0)
+
+
 def draw_bucket_table(runs: Sequence[Run]):
     """The clipped fraction per old-probability bucket (rows) and step (columns), one heat map per run on one
-    colour scale: where a rule clips, and how that moves during training. None when no run logged it."""
+    colour scale: where a rule clips, and how that moves during training. A token counts when the rule's
+    region or the outer limits / dual clip stopped it (loss.py logs the two apart, and they never overlap),
+    so a limits-only arm is not drawn empty. None when no run logged it."""
     labels = bucket_labels(runs)
     tables = []
     for run in runs:
         steps = np.array([r["step"] for r in run.records], dtype=float)
-        table = np.array([[np.nan if r.get(f"mu[{label}]/clip_frac") is None else r[f"mu[{label}]/clip_frac"]
-                           for r in run.records] for label in labels], dtype=float)  # [buckets, steps]
+        table = np.array([[bucket_clipped(r, label) for r in run.records] for label in labels])  # [buckets, steps]
         if labels and len(steps) and not np.isnan(table).all():
             tables.append((run, steps, table))
     if not tables:
@@ -196,7 +203,7 @@ def draw_bucket_table(runs: Sequence[Run]):
         mesh = ax.pcolormesh(edges, np.arange(len(labels) + 1), table, vmin=0.0, vmax=top, cmap="viridis")
         ax.set_yticks(np.arange(len(labels)) + 0.5, labels)
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-        ax.set(title=f"{run.name}: clipped fraction by old probability", xlabel="step", ylabel="old probability")
+        ax.set(title=f"{run.name}: clipped fraction (region or limits) by old probability", xlabel="step", ylabel="old probability")
         fig.colorbar(mesh, ax=ax, label="fraction clipped")
         if len(steps) <= 12:  # few steps: the numbers fit in their cells
             for row, column in np.ndindex(table.shape):

@@ -130,3 +130,9 @@ def test_bad_run_directories_are_one_line(tmp_path, capsys):
     assert f"--out {blocker / 'plots'}: cannot create the folder" in user_error(
         [str(good), "--out", str(blocker / "plots")], capsys)
     assert not (good / "plots").exists()
+
+
+def test_the_bucket_table_counts_region_and_limit_clips_together():
+    record = {"mu[<0.01]/clip_frac": 0.25, "mu[<0.01]/limit_frac": 0.5, "mu[>0.9]/clip_frac": 0.125}
+    assert plot.bucket_clipped(record, "<0.01") == 0.75 and plot.bucket_clipped(record, ">0.9") == 0.125
+    assert math.isnan(plot.bucket_clipped(record, "0.1-0.5"))
