@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from eval import strict_json
 from loss import MU_LABELS  # the old-probability buckets of the metrics
 
 HERE = Path(__file__).resolve().parent
@@ -255,16 +256,6 @@ def plot(out: Path, arms: list[str], seeds: int) -> None:
                        check=True, cwd=HERE, stdout=subprocess.DEVNULL)
 
 
-def _nan_to_none(x):
-    if isinstance(x, float) and math.isnan(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _nan_to_none(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_nan_to_none(v) for v in x]
-    return x
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="study.py", description=__doc__.split("\n")[0],
                                      epilog="Flags after -- are passed to every train.py run.")
@@ -297,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     results = run_grid(args)
     table = markdown_table(arm_rows(results))
     (args.out / "table.md").write_text(table)
-    (args.out / "results.json").write_text(json.dumps(_nan_to_none(results), indent=1) + "\n")
+    (args.out / "results.json").write_text(json.dumps(strict_json(results), indent=1, allow_nan=False) + "\n")
     plot(args.out, args.arms, args.seeds)
     print(table + f"\n{args.out}: table.md, results.json, figures/, runs/ ({time.time() - started:.0f} s)")
 
