@@ -216,7 +216,8 @@ class KVCache:
                 new[layer, :, :, P:P + T] = own[owners, :, :, members]  # [R, kv, T, D]
         out.valid = self.valid.new_zeros(R, P + T + room)
         out.valid[:, :P] = self.valid[rows, :P]
-        out.valid[:, P:P + T] = self.valid[rows, P:self.length].unflatten(1, (T, G))[torch.arange(R, device=rows.device), :, members]
+        own_valid = self.valid[rows, P:self.length].unflatten(1, (T, G))  # [R, T, G]
+        out.valid[:, P:P + T] = own_valid[torch.arange(R, device=rows.device), :, members]
         out.next_pos = self.next_pos[rows]
         out.length = P + T
         out.slot = torch.full_like(self.slot, out.length)

@@ -203,7 +203,8 @@ def draw_bucket_table(runs: Sequence[Run]):
         mesh = ax.pcolormesh(edges, np.arange(len(labels) + 1), table, vmin=0.0, vmax=top, cmap="viridis")
         ax.set_yticks(np.arange(len(labels)) + 0.5, labels)
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-        ax.set(title=f"{run.name}: clipped fraction (region or limits) by old probability", xlabel="step", ylabel="old probability")
+        ax.set(title=f"{run.name}: clipped fraction (region or limits) by old probability", xlabel="step",
+               ylabel="old probability")
         fig.colorbar(mesh, ax=ax, label="fraction clipped")
         if len(steps) <= 12:  # few steps: the numbers fit in their cells
             for row, column in np.ndindex(table.shape):

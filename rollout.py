@@ -415,7 +415,8 @@ def main(argv: list[str] | None = None) -> None:
     if not problem:
         parser.error("no prompt: give it as an argument or on stdin")
     if args.template not in TEMPLATES and "{problem}" not in args.template:
-        parser.error(f"--template {args.template!r}: expected one of {', '.join(TEMPLATES)} or a string with {{problem}}")
+        parser.error(f"--template {args.template!r}: expected one of {', '.join(TEMPLATES)} "
+                     "or a string with {problem}")
     if args.adapter is not None and not Path(args.adapter).is_dir():
         parser.error(f"--adapter {args.adapter}: no such directory")
     model = weights.from_pretrained(args.model)

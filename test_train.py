@@ -249,7 +249,8 @@ def test_old_logp_are_recomputed_automatically_outside_float32(tiny_model_dir, t
 def test_the_first_minibatch_logs_the_numerical_floor_of_the_ratio(tiny_model_dir, tmp_path):
     run_training(tiny_args(tiny_model_dir, tmp_path, "floor", "--steps", "1", "--updates-per-rollout", "2"))
     line = metric_lines(tmp_path / "floor")[0]
-    assert line["start_ratio_min"] == pytest.approx(1, abs=1e-5) and line["start_ratio_max"] == pytest.approx(1, abs=1e-5)
+    assert line["start_ratio_min"] == pytest.approx(1, abs=1e-5)
+    assert line["start_ratio_max"] == pytest.approx(1, abs=1e-5)
     assert line["ratio_max"] > line["start_ratio_max"] or line["ratio_min"] < line["start_ratio_min"]
 
 
