@@ -55,7 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import lora
 import rollout
-from model import KVCache, ModelConfig, Transformer
+from model import ModelConfig, Transformer
 
 GB = 10**9  # decimal, as GPUs are sold: "40 GB" and "80 GB" cards hold a little more than this
 DEFAULT_GPU_BYTES = 80 * GB
@@ -364,7 +364,7 @@ def sampling_phase(model: Transformer, prompts: int, samples: int, work: Workloa
 
         alive = torch.ones(N, dtype=torch.bool, device=device)
         last = max(0, C - 2)  # the last position whose draw is followed by a compaction check and a step
-        advance(cache, alive, last)
+        cache.advance(alive, last)
         tracker.reset_peak()
         logits = step(tokens, alive, cache)
         step_temporaries = tracker.peak - tracker.live  # freed on return, but a graph keeps them reserved
@@ -377,13 +377,6 @@ def sampling_phase(model: Transformer, prompts: int, samples: int, work: Workloa
         compaction_peak = tracker.peak
         del kept, outputs
     return max(prefill_peak, max(draw_peak, compaction_peak) + step_temporaries)
-
-
-def advance(cache: KVCache, alive: torch.Tensor, steps: int) -> None:
-    """cache.advance(alive) `steps` times at once (a loop of thousands of meta steps takes a second)."""
-    cache.next_pos += alive * steps
-    cache.slot += cache.group * steps
-    cache.length += cache.group * steps
 
 
 def _first_compaction(rows: int) -> torch.Tensor:

@@ -238,11 +238,12 @@ class KVCache:
         slots = torch.arange(span, device=device)
         return ((slots <= own[..., None]) & self.valid[:, None, :span]) | (slots == own[..., None])
 
-    def advance(self, alive: torch.Tensor) -> None:
-        """Move past one Transformer.decode_step; rows where alive [rows] is False keep their position."""
-        self.next_pos += alive
-        self.slot += self.group
-        self.length += self.group
+    def advance(self, alive: torch.Tensor, steps: int = 1) -> None:
+        """Move past `steps` Transformer.decode_step calls; rows where alive [rows] is False keep their
+        position. (Several at once is how the memory planner skips to the last step.)"""
+        self.next_pos += alive * steps
+        self.slot += self.group * steps
+        self.length += self.group * steps
 
 
 def attention_bias(mask: torch.Tensor, group: int, heads_per_kv: int, dtype: torch.dtype) -> torch.Tensor:

@@ -105,12 +105,12 @@ def test_plan_matches_a_real_cpu_rollout():
     assert abs(planned - tracker.peak) / tracker.peak < 0.15, (planned, tracker.peak)
 
 
-def test_advance_many_steps_is_cache_advance_repeated(small_model):
+def test_advancing_many_steps_at_once_is_advance_repeated(small_model):
     caches = [small_model.new_cache(2, 40).fork(3) for _ in range(2)]
     alive = torch.tensor([True, False, True, True, True, False])
     for _ in range(5):
         caches[0].advance(alive)
-    memory.advance(caches[1], alive, 5)
+    caches[1].advance(alive, 5)
     assert vars(caches[0]).keys() == vars(caches[1]).keys()
     for name, value in vars(caches[0]).items():
         other = vars(caches[1])[name]
