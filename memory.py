@@ -354,9 +354,7 @@ def sampling_phase(model: Transformer, prompts: int, samples: int, work: Workloa
     with LiveBytes() as tracker, torch.inference_mode():
         prompt_ids = torch.zeros(prompts, P, dtype=torch.long, device=device)
         prompt_mask = torch.ones(prompts, P, dtype=torch.bool, device=device)
-        cache = model.new_cache(prompts, P + G * C)
-        logits = model.lm_head(model.hidden(prompt_ids, prompt_mask, cache)[:, -1]).repeat_interleave(G, dim=0)
-        cache = cache.fork(G)
+        cache, logits = rollout.prefill(model, prompt_ids, prompt_mask, G, C)
         outputs = rollout_results(N + 1, 0, C, device)[:3]  # _decode's completion ids, old_logp and mask
         keys, rows = rollout._row_keys(0, 0, prompts, G, device), torch.arange(N, device=device)
         tokens, _ = draw(logits, keys=keys, rows=rows, position=0)

@@ -159,11 +159,16 @@ def _sample_rows(model, prompts, P, G, max_new_tokens, draw, stop, step):
     prompt_ids = torch.tensor([[PAD_ID] * (P - len(p)) + p for p in prompts], device=device)  # [B, P]
     prompt_mask = torch.tensor([[False] * (P - len(p)) + [True] * len(p) for p in prompts], device=device)
 
-    # Prefill the B distinct prompts once; only the last position's logits are needed.
-    cache = model.new_cache(len(prompts), P + G * max_new_tokens)
+    cache, logits = prefill(model, prompt_ids, prompt_mask, G, max_new_tokens)
+    return prompt_ids, prompt_mask, *_decode(step, cache, logits, draw, stop, max_new_tokens)
+
+
+def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, G: int, max_new_tokens: int):
+    """The B distinct prompts [B, P] prefilled once into a cache with room for G x max_new_tokens more
+    tokens each, forked into G rows per prompt; returns (cache, the first logits [B * G, V])."""
+    cache = model.new_cache(len(prompt_ids), prompt_ids.shape[1] + G * max_new_tokens)
     last_hidden = model.hidden(prompt_ids, prompt_mask, cache)[:, -1]  # left padding: last slot is real
-    logits = model.lm_head(last_hidden).repeat_interleave(G, dim=0)  # [N, V]
-    return prompt_ids, prompt_mask, *_decode(step, cache.fork(G), logits, draw, stop, max_new_tokens)
+    return cache.fork(G), model.lm_head(last_hidden).repeat_interleave(G, dim=0)
 
 
 def _decode(step, cache: modeling.KVCache, logits: torch.Tensor, draw: Callable, stop: torch.Tensor,
