@@ -416,7 +416,7 @@ def comparison_table(gaps: Mapping[str, Mapping[str, Gap]], label_a: str, label_
 def evaluate(model, tokenizer, problems: Sequence[Mapping], *, k: int, n: int | None = None, temperature: float,
              top_p: float = 1.0, max_new_tokens: int, template: str = "boxed", system: str | None = None,
              batch_size: int = 8, seed: int = 0, desc: str = "eval", progress: bool = True,
-             finished: list[ProblemResult] | None = None, first_problem: int = 0) -> Evaluation:
+             finished: list[ProblemResult] | None = None, first_problem: int = 0, pool=None) -> Evaluation:
     """Sample n (default k) completions for each problem {"problem", "answer", optional "id"}, grade them, and
     summarize Mean@k, Pass@k, Maj@k, completion length and truncation rate with their error bars.
 
@@ -425,7 +425,7 @@ def evaluate(model, tokenizer, problems: Sequence[Mapping], *, k: int, n: int | 
     on the seed and its index, not on batch_size. A problem without "id" is named by its index. first_problem
     is the index of problems[0] in its set: a slice of a set (a process's share) gets the whole set's samples.
     finished, an empty list, receives each problem's result as its batch is graded: a caller keeps the work done
-    when a later batch fails or is interrupted.
+    when a later batch fails or is interrupted. pool (a rollout.Pool) holds the sampler's KV cache across calls.
     """
     n = k if n is None else n
     if not 1 <= k <= n:
@@ -445,7 +445,7 @@ def evaluate(model, tokenizer, problems: Sequence[Mapping], *, k: int, n: int | 
             out = rollout.generate(model, [render_prompt(tokenizer, p["problem"], template, system) for p in batch],
                                    samples_per_prompt=n, max_new_tokens=max_new_tokens, temperature=temperature,
                                    top_p=top_p, stop_ids=stops, seed=seed, first_prompt=first_problem + start,
-                                   tokenizer=tokenizer)
+                                   tokenizer=tokenizer, pool=pool)
             references = [p["answer"] for p in batch for _ in range(n)]  # rows are prompt-major
             correct = [score == 1.0 for score in reward.reward(out.texts, references)]
             # Maj@k votes on the normalized spelling, so "\dfrac12" and "\frac{1}{2}" count as one answer

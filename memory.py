@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 import weakref
 from contextlib import contextmanager
@@ -55,12 +56,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import lora
 import rollout
-from model import ModelConfig, Transformer
+from model import KVPool, ModelConfig, Transformer
 
 GB = 10**9  # decimal, as GPUs are sold: "40 GB" and "80 GB" cards hold a little more than this
 DEFAULT_GPU_BYTES = 80 * GB
 SLACK = 0.10  # share of the budget kept for allocator rounding and fragmentation
 RESERVED = 1 * GB  # CUDA context, cuBLAS and attention workspaces: memory no dispatch mode sees
+TRAIN_TOKENS = 8192  # automatic training micro-batches hold at least this many tokens (or one row)
+ROWS_CAP = 1024  # the most rows in flight fit considers
+PASSES_TOLERANCE = 0.02  # fit keeps the fewest prompts in flight within this share of the fewest decode passes
+PREFILL_TOKENS = rollout.PREFILL_TOKENS
 
 # The published config.json facts of the presets' models, so planning works offline.
 _QWEN3 = dict(model_type="qwen3", vocab_size=151936, num_kv_heads=8, head_dim=128, rope_theta=1e6,
@@ -79,17 +84,18 @@ KNOWN_CONFIGS: dict[str, ModelConfig] = {
 PHASE_FLAGS = {
     "weights": "use a smaller model or --dtype bfloat16",
     "lora": "lower --lora-rank or --lora-targets",
+    "pool": "the pool takes what the other phases leave",
     "train": "raise --grad-accum (fewer rows per micro-batch)",
     "frozen": "raise --grad-accum (fewer rows per micro-batch)",
-    "rollout": "lower --rollout-batch (prompts per sampler call)",
-    "eval": "lower --eval-batch (prompts per evaluation call)",
+    "rollout": "lower --rollout-batch (prompts in flight in the sampler)",
+    "eval": "lower --eval-batch (prompts in flight in an evaluation call)",
 }
 # What still lowers a phase that does not fit with one row / prompt per call.
 PHASE_FLOOR_FLAGS = {
-    "train": "lower --max-new-tokens or turn --gradient-checkpointing on",
-    "frozen": "lower --max-new-tokens",
-    "rollout": "lower --group-size or --max-new-tokens",
-    "eval": "lower --eval-k or --max-new-tokens",
+    "train": "raise --grad-accum or turn --gradient-checkpointing on",
+    "frozen": "raise --grad-accum",
+    "rollout": "lower --rollout-batch or --group-size",
+    "eval": "lower --eval-batch or --eval-k",
 }
 
 
@@ -116,19 +122,22 @@ class Workload:
     lora_targets: tuple[str, ...] = lora.DEFAULT_TARGETS
     gradient_checkpointing: bool = True
     prompt_len: int = 512  # tokens of the longest prompt: the sampler left-pads every prompt to it
+    eval_prompt_len: int = 0  # tokens of the longest evaluation prompt; 0 = prompt_len
     max_new_tokens: int = 1024
     group_size: int = 8
     prompts_per_step: int = 8
     updates_per_rollout: int = 1  # mini-batches per step
-    rollout_prompts: int = 8  # prompts per sampler call
+    rollout_prompts: int = 8  # prompts in flight in the sampler (their rows bound its batch)
     micro_batch_rows: int = 64  # rows per training micro-batch (and per frozen pass)
+    pool_blocks: int = 0  # blocks of the sampler's KV pool (block 0 included); 0 = none chosen yet
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     with_entropy: bool = True  # hidden_logprobs(..., with_entropy=True), as train.py logs the entropy
     recompute_old_logp: bool = False
     ref_logp: bool = False  # kl_beta > 0: a reference pass through the frozen base
-    eval_prompts: int = 16  # prompts per evaluation call
+    old_hidden: bool = False  # the rule needs the sampling policy's hidden states [N, C, hidden] (kl_full)
+    eval_prompts: int = 16  # prompts in flight in an evaluation call
     eval_k: int = 8
     eval_temperature: float = 1.0
 
@@ -137,6 +146,10 @@ class Workload:
                      "updates_per_rollout", "rollout_prompts", "micro_batch_rows", "eval_prompts", "eval_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Workload.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def eval_len(self) -> int:
+        return self.eval_prompt_len or self.prompt_len
 
     @property
     def step_rows(self) -> int:
@@ -333,73 +346,100 @@ def frozen_phase(model: Transformer, rows: int, work: Workload) -> int:
         ids = torch.zeros(rows, T, dtype=torch.long, device=device)
         pad = torch.ones(rows, T, dtype=torch.bool, device=device)
         kept = [model.token_logprobs(ids, pad, temperature=work.temperature)[0][:, work.prompt_len:]
-                for _ in range(work.recompute_old_logp + work.ref_logp)]
+                for _ in range(work.recompute_old_logp + work.ref_logp + work.old_hidden)]
         del kept
     return tracker.peak
 
 
-def sampling_phase(model: Transformer, prompts: int, samples: int, work: Workload, temperature: float) -> int:
-    """One sampler call as rollout.generate makes it on CUDA (FixedShapeStep), at its worst moments:
-    - prefill: the cache of the prompts, their prefill, the fork into G rows and the output buffers;
-    - the widest decode step (the last one, whose span bucket covers the whole cache) and the draw after it;
-    - the first compaction at the last step it can happen: cache.select copies the kept rows into a
-      second cache while the first is alive, each row with room for all its tokens.
-    A CUDA graph keeps its step's temporaries reserved, so they count on top of the draw and the compaction.
+def sampling_phase(model: Transformer, work: Workload, prompts_in_flight: int, eval: bool = False,
+                   graphs: bool = True) -> int:
+    """One sampler call as rollout.generate makes it on CUDA (rollout._Loop, fixed shapes), beside the resident
+    pool, at its widest moments:
+    - the call's [N + 1, C] outputs and the results it returns for its N rows, throughout;
+    - a prefill pass of as many prompts as PREFILL_TOKENS and the rows in flight allow, and its first draw;
+    - the widest decode step (the rows in flight in their bucket, attending over a full row's span) and
+      the draw after it. With graphs (CUDA's default), the static logits of the two largest row buckets
+      are held too, and a captured graph keeps its step's temporaries reserved, so they count on top of
+      the draw.
     """
-    device, P, C, G = model.device, work.prompt_len, work.max_new_tokens, samples
-    N = prompts * G
-    draw = partial(rollout._sample, temperature=temperature, top_p=work.top_p, top_k=work.top_k)
-    step = rollout.FixedShapeStep(model, graphs=False, required=False)
+    device, C = model.device, work.max_new_tokens
+    G, P = (work.eval_k, work.eval_len) if eval else (work.group_size, work.prompt_len)
+    temperature = work.eval_temperature if eval else work.temperature
+    call_prompts = work.eval_prompts if eval else work.prompts_per_step
+    rows = min(prompts_in_flight, call_prompts) * G
+    pool = rollout.Pool(model, 2, max_len=P + C)  # the resident pool is counted apart: blocks x block bytes
+    draw = partial(rollout._sample, keys=rollout._row_keys(0, 0, call_prompts, G, device), temperature=temperature,
+                   top_p=work.top_p, top_k=work.top_k)
+    stop = torch.zeros(1, dtype=torch.long, device=device)
     model.eval()
     with LiveBytes() as tracker, torch.inference_mode():
-        prompt_ids = torch.zeros(prompts, P, dtype=torch.long, device=device)
-        prompt_mask = torch.ones(prompts, P, dtype=torch.bool, device=device)
-        cache, logits = rollout.prefill(model, prompt_ids, prompt_mask, G, C)
-        outputs = rollout_results(N + 1, 0, C, device)[:3]  # _decode's completion ids, old_logp and mask
-        keys, rows = rollout._row_keys(0, 0, prompts, G, device), torch.arange(N, device=device)
-        tokens, _ = draw(logits, keys=keys, rows=rows, position=0)
+        loop = rollout._Loop(model, pool, [[0] * P] * call_prompts, G, C, draw, stop, rows, True, "off")
+        results = rollout_results(call_prompts * G, P, C, device)
+        groups = [rollout.Group(i, P, list(range(G))) for i in range(max(1, min(rows // G, PREFILL_TOKENS // P)))]
+        for group in groups:
+            group.rows = [rollout.Row(group, member, P, 1, [1] * -(-P // pool.block_size)) for member in range(G)]
+        loop._prefill(groups, [row for group in groups for row in group.rows])
         prefill_peak = tracker.peak
 
-        alive = torch.ones(N, dtype=torch.bool, device=device)
-        last = max(0, C - 2)  # the last position whose draw is followed by a compaction check and a step
-        cache.advance(alive, last)
+        R = rollout.bucket(rows)
+        static_logits = [torch.empty(r, model.config.vocab_size, dtype=model.dtype, device=device)
+                         for r in ({R, max(1, R // 2)} if graphs else ())]
+        zeros = torch.zeros(R, dtype=torch.long, device=device)
+        batch = rollout._Batch(zeros, zeros.bool(), zeros, zeros, zeros,
+                               torch.zeros(R, pool.table_width, dtype=torch.int32, device=device))
         tracker.reset_peak()
-        logits = step(tokens, alive, cache)
-        step_temporaries = tracker.peak - tracker.live  # freed on return, but a graph keeps them reserved
+        logits = loop._decode(batch, loop._span(P + C))
+        # freed on return, but a graph keeps them reserved
+        step_temporaries = tracker.peak - tracker.live if graphs else 0
         tracker.reset_peak()
-        draw(logits, keys=keys, rows=rows, position=last)
+        draw(logits, rows=batch.out_row, position=batch.position)
         draw_peak = tracker.peak
-
-        tracker.reset_peak()
-        kept = cache.select(_first_compaction(N).to(device))
-        compaction_peak = tracker.peak
-        del kept, outputs
-    return max(prefill_peak, max(draw_peak, compaction_peak) + step_temporaries)
+        del loop, results, static_logits, logits
+    return max(prefill_peak, draw_peak + step_temporaries)
 
 
-def _first_compaction(rows: int) -> torch.Tensor:
-    """The rows FixedShapeStep keeps at its first compaction of `rows` rows, finishing one at a time: the
-    largest compacted cache a call builds (later ones start from a smaller cache and are smaller)."""
-    for n_done in range(1, rows):
-        done = torch.arange(rows) < n_done
-        keep = rollout.FixedShapeStep.rows_to_keep(done, n_done)
-        if keep is not None:
-            return keep.rows
-    return torch.arange(rows)[:0]  # one row never compacts
+def long_tail_lengths(rows: int, cap: int, seed: int = 0) -> list[int]:
+    """The stated length model of the plan and of bench/rollout.py --long-tail: completion lengths of `rows` rows,
+    log-normal with median cap/6 and sigma 0.9, in [1, cap] (most rows end early, a few run to the cap)."""
+    g = torch.Generator().manual_seed(seed)
+    drawn = torch.randn(rows, generator=g).mul(0.9).add(math.log(cap / 6)).exp()
+    return drawn.round().clamp(1, cap).long().tolist()
+
+
+def simulate_rollout(prompt_lens: list[int], G: int, lengths: list[int], blocks: int, block_size: int,
+                     max_rows: int, new_tokens: int, chunk: int = rollout.SYNC_EVERY) -> rollout.SamplerStats:
+    """What a generate call with a pool of `blocks` blocks does when row i (prompt-major) ends after lengths[i]
+    tokens: rollout.Scheduler's decisions, in the order the sampler's loop takes them, with no model."""
+    sched = rollout.Scheduler(blocks - 1, block_size, chunk, max_rows, G, new_tokens)
+    for i, prompt_len in enumerate(prompt_lens):
+        sched.add(rollout.Group(i, prompt_len, list(range(G))))
+    stats = rollout.SamplerStats()
+    while True:
+        sched.finish([row for row in sched.running if row.position >= lengths[row.out_row(G)]])
+        preempted, admitted = sched.sync()
+        stats.preempted += len(preempted)
+        stats.prefills += len(rollout.prefill_batches(admitted))
+        if not sched.running:
+            return stats
+        steps = sched.chunk_steps()
+        stats.decode_steps += steps
+        stats.row_steps += steps * len(sched.running)
+        stats.rows_max = max(stats.rows_max, len(sched.running))
+        sched.advance(steps)
 
 
 # ----------------------------------------------------------------------------- the plan
 
 
 def measure(model_cfg: ModelConfig, work: Workload) -> dict[str, int]:
-    """Peak bytes of each phase (weights, lora, train, frozen, rollout, eval), counted on the meta device."""
+    """Peak bytes of each phase (weights, lora, pool, train, frozen, rollout, eval), counted on the meta device."""
     planner = Planner.of(model_cfg, work)
-    return {name: planner.peak(name, size) for name, size in phase_sizes(work).items()}
+    return {name: planner.peak(name, size, work.pool_blocks) for name, size in phase_sizes(work).items()}
 
 
 def phase_sizes(work: Workload) -> dict[str, int]:
-    """The size each phase runs at: rows per micro-batch, or prompts per sampler call."""
-    return {"weights": 0, "lora": 0, "train": work.micro_batch_rows, "frozen": work.micro_batch_rows,
+    """The size each phase runs at: rows per micro-batch, or prompts in flight in the sampler."""
+    return {"weights": 0, "lora": 0, "pool": 0, "train": work.micro_batch_rows, "frozen": work.micro_batch_rows,
             "rollout": work.rollout_prompts, "eval": work.eval_prompts}
 
 
@@ -408,7 +448,7 @@ class Planner:
     linearly to the real depth: every block allocates the same (the first is left out of the slope, as
     its input needs no gradient). It saves running 36 identical blocks for every figure fit asks for;
     test_memory checks the extension against a full-depth count. The sizes fit chooses are passed to
-    measure, so the workload's own are ignored."""
+    measure, so the workload's own are ignored; the pool's bytes are blocks x block_bytes, exactly."""
 
     _recent: dict[str, Planner] = {}  # Planner.of's: report after fit measures nothing twice
 
@@ -416,12 +456,15 @@ class Planner:
         self.work, self.layers = work, model_cfg.num_layers
         depths = (self.layers,) if self.layers <= 3 else (2, 3)
         self.runs = [_MetaRun(meta_model(dataclasses.replace(model_cfg, num_layers=d), work), work) for d in depths]
+        self.block_size = self.runs[0].block_size
+        self.block_bytes = KVPool.block_bytes(model_cfg, self.block_size, work.dtype)
         self._memo: dict[tuple[str, int], tuple[int, int]] = {}
 
     @classmethod
     def of(cls, model_cfg: ModelConfig, work: Workload) -> Planner:
         """The planner of a recent call with the same model and workload (sizes aside), or a new one."""
-        key = repr((model_cfg, dataclasses.replace(work, micro_batch_rows=1, rollout_prompts=1, eval_prompts=1)))
+        key = repr((model_cfg, dataclasses.replace(work, micro_batch_rows=1, rollout_prompts=1, eval_prompts=1,
+                                                   pool_blocks=0)))
         if key not in cls._recent:
             if len(cls._recent) >= 4:
                 cls._recent.clear()
@@ -429,7 +472,7 @@ class Planner:
         return cls._recent[key]
 
     def measure(self, name: str, size: int = 0) -> tuple[int, int]:
-        """(resident, own) bytes of phase `name` at `size` (rows per micro-batch, or prompts per call)."""
+        """(resident, own) bytes of phase `name` at `size`, the pool left out of resident."""
         if (name, size) not in self._memo:
             values = [run.measure(name, size) for run in self.runs]
             if len(values) > 1:
@@ -438,9 +481,23 @@ class Planner:
             self._memo[name, size] = values[0]
         return self._memo[name, size]
 
-    def peak(self, name: str, size: int = 0) -> int:
+    def held_and_own(self, name: str, size: int, pool_blocks: int) -> tuple[int, int]:
+        """(resident, own) bytes of phase `name` with a pool of pool_blocks blocks, allocated after the LoRA state."""
+        if name == "pool":
+            return self.measure("lora")[0] + self.measure("lora")[1], pool_blocks * self.block_bytes
+        held, own = self.measure(name, size)
+        return held + (pool_blocks * self.block_bytes if name not in ("weights", "lora") else 0), own
+
+    def peak(self, name: str, size: int = 0, pool_blocks: int = 0) -> int:
         """Peak bytes of phase `name` at `size`: what it holds when it starts plus its own peak."""
-        return sum(self.measure(name, size))
+        return sum(self.held_and_own(name, size, pool_blocks))
+
+    def floor_blocks(self, work: Workload) -> int:
+        """The smallest pool that samples: one group of the longest prompt at full length, training's and
+        evaluation's (Pool.check_fits refuses a call otherwise)."""
+        C = work.max_new_tokens
+        return 1 + max(rollout.group_blocks(work.prompt_len, work.group_size, C, self.block_size),
+                       rollout.group_blocks(work.eval_len, work.eval_k, C, self.block_size))
 
 
 class _MetaRun:
@@ -451,19 +508,24 @@ class _MetaRun:
         self.weights = storage_bytes([t for name, t in model.state_dict(keep_vars=True).items()
                                       if ".lora_" not in name])
         self.lora, self.lora_peak = lora_state_phase(model)
+        self.block_size = rollout.Pool(model, 2).block_size
 
     def step_data(self, rows: int) -> int:
-        """Rollout results of `rows` rows, plus the frozen passes' [rows, C] fp32 outputs."""
+        """Rollout results of `rows` rows, plus the frozen passes' [rows, C] fp32 outputs and, for a rule that
+        needs them, the sampling policy's hidden states [rows, C, hidden] (old_hidden)."""
         w, device = self.work, self.model.device
         with LiveBytes() as tracker:
             kept = rollout_results(rows, w.prompt_len, w.max_new_tokens, device)
             frozen_outputs = w.recompute_old_logp + w.ref_logp
             kept += [torch.zeros(rows, w.max_new_tokens, device=device) for _ in range(frozen_outputs)]
+            if w.old_hidden:
+                kept.append(torch.zeros(rows, w.max_new_tokens, self.model.config.hidden_size, dtype=w.dtype,
+                                        device=device))
         del kept
         return tracker.peak
 
     def measure(self, name: str, size: int) -> tuple[int, int]:
-        """(resident, own) bytes of a phase: what is held when it starts, and its own peak above that."""
+        """(resident, own) bytes of a phase, the pool left out: what is held when it starts, and its own peak."""
         w, model, resident = self.work, self.model, self.weights + self.lora
         with flash_attention_on_meta():
             if name == "weights":
@@ -473,14 +535,13 @@ class _MetaRun:
             if name == "train":
                 return resident + self.step_data(w.step_rows), train_phase(model, size, w)
             if name == "frozen":
-                if not (w.recompute_old_logp or w.ref_logp):
+                if not (w.recompute_old_logp or w.ref_logp or w.old_hidden):
                     return 0, 0
                 return resident + self.step_data(w.step_rows), frozen_phase(model, size, w)
-            if name == "rollout":  # the results of the step's earlier sampler calls are kept
-                earlier = max(0, w.prompts_per_step - size) * w.group_size
-                return resident + self.step_data(earlier), sampling_phase(model, size, w.group_size, w, w.temperature)
+            if name == "rollout":
+                return resident, sampling_phase(model, w, size)
             if name == "eval":
-                return resident, sampling_phase(model, size, w.eval_k, w, w.eval_temperature)
+                return resident, sampling_phase(model, w, size, eval=True)
         raise ValueError(f"unknown phase {name!r}")
 
 
@@ -489,46 +550,70 @@ def usable_bytes(budget_bytes: int) -> int:
     return int(budget_bytes * (1 - SLACK)) - RESERVED
 
 
-def fit(model_cfg: ModelConfig, work: Workload, budget_bytes: int) -> Workload:
-    """The workload with the largest micro_batch_rows, rollout_prompts and eval_prompts, each at most
-    its given value (and the step's sizes), whose every phase fits usable_bytes(budget_bytes).
+FREE_SIZES = ("micro_batch_rows", "rollout_prompts", "eval_prompts")
 
-    Raises ValueError naming the phase that does not fit even at one row or prompt, and what lowers it.
+
+def fit(model_cfg: ModelConfig, work: Workload, budget_bytes: int, free: tuple[str, ...] = FREE_SIZES) -> Workload:
+    """The workload with its `free` sizes chosen and the sampler's pool sized, every phase within
+    usable_bytes(budget_bytes). The pool is resident, so it gets what the largest other phase leaves:
+    - micro_batch_rows: the fewest rows holding TRAIN_TOKENS tokens (at least one row): products of that
+      many rows keep a GPU's matrix units busy, so training speed hardly grows past it, while the
+      sampler's grows with every row its pool holds;
+    - rollout_prompts (prompts in flight): of the powers of two up to the step's prompts (and the step's
+      own count), the fewest whose pool samples the step within PASSES_TOLERANCE of the fewest decode
+      passes for the length model (simulate_rollout): more rows in flight than that only add preemptions
+      and sampling memory; eval_prompts then holds as many rows;
+    - pool_blocks: all that is left.
+    Sizes not in `free` are kept as given. Raises ValueError naming what lowers memory when no pool of
+    one full-length group fits.
     """
-    usable = usable_bytes(budget_bytes)
-    planner = Planner.of(model_cfg, work)
+    usable, planner = usable_bytes(budget_bytes), Planner.of(model_cfg, work)
     for name in ("weights", "lora"):
         if planner.peak(name) > usable:
             raise ValueError(_no_fit(name, planner.peak(name), usable, budget_bytes, PHASE_FLAGS[name]))
-    limits = {"micro_batch_rows": (("train", "frozen"), min(work.micro_batch_rows, work.minibatch_rows)),
-              "rollout_prompts": (("rollout",), min(work.rollout_prompts, work.prompts_per_step)),
-              "eval_prompts": (("eval",), work.eval_prompts)}
-    chosen = {}
-    for field, (phases, most) in limits.items():
-        worst = max(phases, key=lambda p: planner.peak(p, 1))
-        if planner.peak(worst, 1) > usable:
-            raise ValueError(_no_fit(worst, planner.peak(worst, 1), usable, budget_bytes, PHASE_FLOOR_FLAGS[worst],
-                                     floor=True))
-        chosen[field] = _largest(lambda size: max(planner.peak(p, size) for p in phases), most, usable)
-    return dataclasses.replace(work, **chosen)
+    T = work.prompt_len + work.max_new_tokens
+    micro = work.micro_batch_rows
+    if "micro_batch_rows" in free:
+        micro = min(work.minibatch_rows, max(1, -(-TRAIN_TOKENS // T)))
+    if "rollout_prompts" in free:
+        most = min(work.prompts_per_step, max(1, ROWS_CAP // work.group_size))
+        candidates = sorted({*(1 << k for k in range(most.bit_length()) if 1 << k <= most), most})
+    else:
+        candidates = [work.rollout_prompts]
+    floor, trials = planner.floor_blocks(work), []
+    while not trials:
+        for prompts in candidates:
+            eval_prompts = work.eval_prompts
+            if "eval_prompts" in free:
+                eval_prompts = max(1, prompts * work.group_size // work.eval_k)
+            trial = dataclasses.replace(work, micro_batch_rows=micro, rollout_prompts=prompts, eval_prompts=eval_prompts)
+            largest = max(("train", "frozen", "rollout", "eval"),
+                          key=lambda name: planner.peak(name, phase_sizes(trial)[name]))
+            blocks = (usable - planner.peak(largest, phase_sizes(trial)[largest])) // planner.block_bytes
+            if blocks < floor:
+                break  # more prompts in flight only need more memory
+            trial = dataclasses.replace(trial, pool_blocks=blocks)
+            trials.append((rollout_estimate(planner, trial).decode_steps, trial))
+        if not trials:
+            if "micro_batch_rows" in free and micro > 1:
+                micro = max(1, micro // 2)
+                continue
+            trial = dataclasses.replace(work, micro_batch_rows=micro, rollout_prompts=candidates[0])
+            need = planner.peak(largest, phase_sizes(trial)[largest]) + floor * planner.block_bytes
+            raise ValueError(_no_fit(f"{largest} with the smallest pool ({floor} blocks: one group of "
+                                     f"{work.group_size} rows at full length)", need, usable, budget_bytes,
+                                     f"{PHASE_FLOOR_FLAGS[largest]}, or lower --max-new-tokens"))
+    fewest = min(passes for passes, _ in trials)
+    return next(trial for passes, trial in trials if passes <= (1 + PASSES_TOLERANCE) * fewest)
 
 
-def _largest(need, most: int, usable: int) -> int:
-    """The largest size in [1, most] with need(size) <= usable, given that need(1) fits and need grows
-    with size. Memory is close to affine in the size, so after a first probe at 8 each next size comes
-    from the line through the nearest sizes known to fit and not to fit: four or five measurements."""
-    lo, bad = 1, most + 1  # need(lo) fits; no size from bad on does (most + 1: none known yet)
-    size = min(most, 8)  # past the small sizes where a constant term (one logits chunk) dominates
-    while lo + 1 < bad:
-        if need(size) <= usable:
-            lo = size
-        else:
-            bad = size
-        x0, x1 = (lo, bad) if bad <= most else (1, lo)
-        slope = (need(x1) - need(x0)) / (x1 - x0)
-        guess = x0 + int((usable - need(x0)) / slope) if slope > 0 else most
-        size = min(max(guess, lo + 1), bad - 1)
-    return lo
+def rollout_estimate(planner: Planner, work: Workload) -> rollout.SamplerStats:
+    """simulate_rollout of one step with the plan's pool: the step's prompts, each as long as the longest,
+    and completion lengths from long_tail_lengths."""
+    rows = work.step_rows
+    lengths = long_tail_lengths(rows, work.max_new_tokens)
+    return simulate_rollout([work.prompt_len] * work.prompts_per_step, work.group_size, lengths, work.pool_blocks,
+                            planner.block_size, work.rollout_prompts * work.group_size, work.max_new_tokens)
 
 
 def _no_fit(phase: str, need: int, usable: int, budget: int, hint: str, floor: bool = False) -> str:
@@ -538,25 +623,36 @@ def _no_fit(phase: str, need: int, usable: int, budget: int, hint: str, floor: b
 
 
 def report(model_cfg: ModelConfig, work: Workload, budget_bytes: int) -> tuple[str, bool]:
-    """A table of the phases (own peak, peak with what is resident, what they hold), ending
-    `plan: peak X GB of Y GB (fits)` or `... (does not fit: PHASE needs Z GB; what lowers it)`.
-    Returns (text, fits); fits means every phase's peak is within usable_bytes(budget_bytes)."""
+    """A table of the phases (own peak, peak with what is resident, what they hold), the sampler's estimate
+    for the length model, ending `plan: peak X GB of Y GB (fits)` or `... (does not fit: PHASE needs Z GB;
+    what lowers it)`. Returns (text, fits); fits means every phase's peak is within usable_bytes(budget_bytes).
+    A workload without a pool (pool_blocks 0) is shown with the smallest one that samples."""
     start = time.perf_counter()
     planner = Planner.of(model_cfg, work)
     w, usable = work, usable_bytes(budget_bytes)
-    measured = {name: planner.measure(name, size) for name, size in phase_sizes(work).items()}
+    if not w.pool_blocks:
+        w = dataclasses.replace(w, pool_blocks=planner.floor_blocks(w))
+    measured = {name: planner.held_and_own(name, size, w.pool_blocks) for name, size in phase_sizes(w).items()}
+    slots = (w.pool_blocks - 1) * planner.block_size
     holds = {
         "weights": f"{model_cfg.num_layers} layers x {model_cfg.hidden_size} in {str(w.dtype).removeprefix('torch.')}",
         "lora": f"r{w.lora_rank} on {len(w.lora_targets)} targets: fp32 adapters, gradients, AdamW moments",
+        "pool": f"KV cache: {w.pool_blocks - 1:,} blocks of {planner.block_size} slots ({slots:,} tokens), kept",
         "train": f"{w.micro_batch_rows} rows x {w.prompt_len + w.max_new_tokens} tokens, checkpointing "
-                 f"{'on' if w.gradient_checkpointing else 'off'}, step data",
+                 f"{'on' if w.gradient_checkpointing else 'off'}, step data{' with old_hidden' * w.old_hidden}",
         "frozen": "no-grad log-prob passes" if measured["frozen"][1] else "none needed",
-        "rollout": f"{w.rollout_prompts} prompts x {w.group_size} samples x {w.max_new_tokens} new tokens per call",
-        "eval": f"{w.eval_prompts} prompts x {w.eval_k} samples x {w.max_new_tokens} new tokens per call",
+        "rollout": f"up to {w.rollout_prompts} prompts x {w.group_size} samples in flight, {w.prompt_len}-token "
+                   f"prompts, {w.max_new_tokens} new tokens",
+        "eval": f"up to {w.eval_prompts} prompts x {w.eval_k} samples in flight, {w.eval_len}-token prompts",
     }
     lines = [f"{'phase':<9}{'own GB':>8}{'peak GB':>9}  holds"]
     lines += [f"{name:<9}{own / GB:>8.2f}{(held + own) / GB:>9.2f}  {holds[name]}"
               for name, (held, own) in measured.items()]
+    estimate = rollout_estimate(planner, w)
+    lines.append(f"rollout estimate, lengths log-normal (median {w.max_new_tokens // 6}, sigma 0.9, capped at "
+                 f"{w.max_new_tokens}) for the step's {w.step_rows} rows: rows in flight max {estimate.rows_max}, "
+                 f"mean {estimate.rows_mean:.0f}; {estimate.decode_steps:,} decode passes, {estimate.prefills} "
+                 f"prefills, {estimate.preempted} groups preempted")
     lines.append(f"usable: {usable / GB:.1f} GB of {budget_bytes / GB:.1f} GB, after {SLACK:.0%} allocator slack and "
                  f"{RESERVED / GB:.0f} GB for the CUDA context (planned in {time.perf_counter() - start:.1f} s)")
     worst = max(measured, key=lambda name: sum(measured[name]))

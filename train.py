@@ -30,19 +30,24 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-import torch
-from tqdm import tqdm
+# Before torch starts CUDA: the caching allocator grows and shrinks segments in place instead of carving
+# fixed ones, so the KV pool, the training activations and AdamW's state do not fragment the GPU's memory.
+if not (os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")):
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
-import distributed
-import eval as evaluation
-import lora
-import loss
-import memory
-import reward
-import rollout
-import weights
-from data import load_problems, render_prompt, stop_ids
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import distributed  # noqa: E402
+import eval as evaluation  # noqa: E402
+import lora  # noqa: E402
+import loss  # noqa: E402
+import memory  # noqa: E402
+import reward  # noqa: E402
+import rollout  # noqa: E402
+import weights  # noqa: E402
+from data import load_problems, render_prompt, stop_ids  # noqa: E402
 
 
 def opt(default, help: str, choices: tuple[str, ...] | None = None):
@@ -75,7 +80,10 @@ class Config:
     temperature: float = opt(1.0, "sampling temperature (also used for the training log-probs)")
     top_p: float = opt(1.0, "nucleus sampling mass")
     top_k: int = opt(0, "top-k sampling; 0 = off")
-    rollout_batch: int = opt(0, "prompts per sampler call; 0 = from the memory plan on a GPU, all on the CPU")
+    rollout_batch: int = opt(0, "prompts in flight in the sampler (their rows bound its batch); 0 = from the memory "
+                                "plan on a GPU, all of a step's on the CPU")
+    kv_blocks: int = opt(0, "blocks of the sampler's KV cache pool, kept for the whole run; 0 = from the memory plan "
+                            "on a GPU, enough for every row at full length on the CPU")
     cuda_graphs: str = opt("auto", "replay the decode step from CUDA graphs (auto: on, eager if capture fails)",
                            ("auto", "on", "off"))
     format_weight: float = opt(0.0, "reward in [0, 1) for an answer in the template's format, added to correctness")
@@ -96,7 +104,8 @@ class Config:
     eval_problems: int = opt(0, "held-out problems used per set (0 = all)")
     eval_k: int = opt(8, "samples per held-out problem")
     eval_temperature: float = opt(1.0, "sampling temperature at evaluation")
-    eval_batch: int = opt(0, "held-out prompts per sampler call; 0 = from the memory plan on a GPU, 16 on the CPU")
+    eval_batch: int = opt(0, "held-out prompts per sampler call (all in flight); 0 = from the memory plan on a GPU, "
+                             "16 on the CPU")
     # run
     run_name: str | None = opt(None, "folder under out_dir; empty = a timestamp")
     out_dir: str = opt("runs", "where runs are written")
@@ -149,7 +158,7 @@ PRESETS = {
 
 
 def train_step(model, optimizer, tokenizer, problems: list[dict], cfg: Config, step: int,
-               world: distributed.World | None = None) -> tuple[dict, list]:
+               world: distributed.World | None = None, pool: rollout.Pool | None = None) -> tuple[dict, list]:
     """One GRPO step on `problems`; returns its metrics line and the per-token records (empty unless logged).
 
     With several processes (world), `problems` is the whole step's, the same on every rank, and each rank
@@ -158,7 +167,7 @@ def train_step(model, optimizer, tokenizer, problems: list[dict], cfg: Config, s
     world = world or distributed.SOLO
     watch = Stopwatch()
     mine = world.prompts(len(problems))
-    out = sample(model, tokenizer, problems[mine], cfg, step, first_prompt=mine.start)
+    out = sample(model, tokenizer, problems[mine], cfg, step, first_prompt=mine.start, pool=pool)
     watch.lap("rollout")
     rewards, correct = score(out, problems[mine], cfg)
     watch.lap("reward")
@@ -182,18 +191,21 @@ def train_step(model, optimizer, tokenizer, problems: list[dict], cfg: Config, s
             "train_tokens_per_s": float(tokens[1] / slowest[1])}, records
 
 
-def sample(model, tokenizer, problems: list[dict], cfg: Config, step: int, first_prompt: int = 0) -> rollout.Rollout:
-    """G completions for each problem, with the sampling policy's log-probs, in calls of rollout_batch prompts.
-    first_prompt is the index of problems[0] in the step: a prompt's samples depend on it, not on the process."""
+def sample(model, tokenizer, problems: list[dict], cfg: Config, step: int, first_prompt: int = 0,
+           pool: rollout.Pool | None = None) -> rollout.Rollout:
+    """G completions for each problem, with the sampling policy's log-probs: one sampler call, at most
+    rollout_batch prompts in flight, over the run's KV pool. first_prompt is the index of problems[0] in
+    the step: a prompt's samples depend on it, not on the process."""
     prompts = [render_prompt(tokenizer, p["problem"], cfg.template, cfg.system_prompt) for p in problems]
     model.eval()  # no LoRA dropout while sampling: the old log-probs must be the sampling policy's
-    with oom_hint("the rollout", f"lower --rollout-batch (now {cfg.rollout_batch} prompts per call)"):
+    with oom_hint("the rollout", f"lower --rollout-batch (now {cfg.rollout_batch} prompts in flight) or --kv-blocks "
+                                 f"(now {cfg.kv_blocks})"):
         return rollout.generate(model, prompts, samples_per_prompt=cfg.group_size,
                                 max_new_tokens=cfg.max_new_tokens,
                                 temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                 stop_ids=stop_ids(model.config, tokenizer), seed=cfg.seed * 1_000_003 + step,
                                 tokenizer=tokenizer, max_rows=cfg.rollout_batch * cfg.group_size or None,
-                                first_prompt=first_prompt, cuda_graphs=cfg.cuda_graphs)
+                                first_prompt=first_prompt, cuda_graphs=cfg.cuda_graphs, pool=pool)
 
 
 def score(out: rollout.Rollout, problems: list[dict], cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -396,7 +408,8 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
     # also the point no rank passes before every rank has checked its run directory
     distributed.check_same_settings(world, flat_config(cfg))
     model, tokenizer, optimizer = build(cfg)
-    cfg = resolve_sizes(cfg, model, tokenizer, train_set, world)
+    cfg = resolve_sizes(cfg, model, tokenizer, train_set, world, eval_sets)
+    pool = sampler_pool(cfg, model, tokenizer, train_set, eval_sets)
     if writer:
         warn_if_inert(cfg)
         run_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed start leaves no empty run directory
@@ -411,20 +424,21 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
     with StopRequest() as stop:
         if state["before"] is None:
             with stop.immediate():
-                state["before"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, "eval before", world)
+                state["before"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, "eval before", world, pool)
         bar = tqdm(range(state["step"], cfg.steps), desc="train", unit="step", initial=state["step"], total=cfg.steps,
                    disable=not writer)
         for _ in bar:
             step = state["step"] + 1
             problems = batch_of(train_set, state["data_position"], cfg.prompts_per_step, cfg.seed)
-            record, records = train_step(model, optimizer, tokenizer, problems, cfg, step, world)
+            record, records = train_step(model, optimizer, tokenizer, problems, cfg, step, world, pool)
             state.update(step=step, data_position=state["data_position"] + cfg.prompts_per_step)
             if records and writer:
                 loss.write_token_records(run_dir / "tokens" / f"step-{step:06d}.npz", records, cfg.log_tokens,
                                          seed=cfg.seed * 1_000_003 + step)
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 with stop.immediate():
-                    record["eval"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, f"eval step {step}", world)
+                    record["eval"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, f"eval step {step}", world,
+                                                       pool)
                 keep_best(run_dir, model, state, record["eval"], writer)
             if writer:
                 with metrics_file.open("a") as f:
@@ -440,7 +454,7 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
                           file=sys.stderr)
                 return state
         with stop.immediate():
-            state["after"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, "eval after", world)
+            state["after"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, "eval after", world, pool)
     keep_best(run_dir, model, state, state["after"], writer)
     save(state)
     if writer:
@@ -499,7 +513,7 @@ def load_eval_sets(cfg: Config) -> dict[str, list[dict]]:
 
 
 def evaluate_held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: Config, desc: str,
-                      world: distributed.World | None = None) -> dict:
+                      world: distributed.World | None = None, pool: rollout.Pool | None = None) -> dict:
     """Mean@k and Pass@k on each held-out set; with several sets, accuracy is their unweighted mean.
 
     With several processes each rank evaluates a slice of each set (with the samples one process draws
@@ -517,7 +531,7 @@ def evaluate_held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: C
                                            max_new_tokens=cfg.max_new_tokens, template=cfg.template,
                                            system=cfg.system_prompt, batch_size=cfg.eval_batch, seed=cfg.seed,
                                            first_problem=lo, desc=f"{desc} {name}" if len(eval_sets) > 1 else desc,
-                                           progress=world.rank == 0).problems
+                                           progress=world.rank == 0, pool=pool).problems
         summary = evaluation.summarize(sum(world.gather(mine), []), cfg.eval_k, seed=cfg.seed)
         mean = summary["mean@k"]
         results[name] = {"accuracy": mean.mean, "se": mean.se, "pass@k": summary["pass@k"].mean,
@@ -593,15 +607,16 @@ class _Flag:
 # ----------------------------------------------------------------------------- several processes
 
 
-def resolve_sizes(cfg: Config, model, tokenizer, train_set: list[dict], world: distributed.World) -> Config:
+def resolve_sizes(cfg: Config, model, tokenizer, train_set: list[dict], world: distributed.World,
+                  eval_sets: dict[str, list[dict]] | None = None) -> Config:
     """resolve_automatic for one rank's share of a step (its prompts), the same on every rank: where the
     sizes come from the memory plan, the most cautious rank's (GPUs may differ in memory)."""
     share = dataclasses.replace(cfg, prompts_per_step=cfg.prompts_per_step // world.size)
-    share = resolve_automatic(share, model, tokenizer, train_set)
-    rollout_batch, eval_batch, negated_accum = world.min(  # the smallest calls, the most micro-batches
-        torch.tensor([share.rollout_batch, share.eval_batch, -share.grad_accum], device="cpu")).tolist()
+    share = resolve_automatic(share, model, tokenizer, train_set, eval_sets)
+    rollout_batch, eval_batch, kv_blocks, negated_accum = world.min(  # the smallest calls, the most micro-batches
+        torch.tensor([share.rollout_batch, share.eval_batch, share.kv_blocks, -share.grad_accum], device="cpu")).tolist()
     return dataclasses.replace(share, prompts_per_step=cfg.prompts_per_step, rollout_batch=rollout_batch,
-                               eval_batch=eval_batch, grad_accum=-negated_accum)
+                               eval_batch=eval_batch, kv_blocks=kv_blocks, grad_accum=-negated_accum)
 
 
 # ----------------------------------------------------------------------------- building the model
@@ -630,38 +645,69 @@ def build(cfg: Config):
     return model, tokenizer, optimizer
 
 
-def resolve_automatic(cfg: Config, model, tokenizer, train_set: list[dict]) -> Config:
-    """Fill the sizes left at 0: from the memory plan on a GPU; on the CPU one call and one micro-batch."""
+def prompt_lengths(cfg: Config, tokenizer, train_set: list[dict],
+                   eval_sets: dict[str, list[dict]] | None = None) -> tuple[int, int]:
+    """Tokens of the longest training prompt and of the longest evaluation prompt (the training one without
+    evaluation sets), as the sampler sees them."""
+    def longest(problems):
+        return max((len(render_prompt(tokenizer, p["problem"], cfg.template, cfg.system_prompt)) for p in problems),
+                   default=1)
+    train_len = longest(train_set)
+    return train_len, max((longest(problems) for problems in (eval_sets or {}).values()), default=train_len)
+
+
+def resolve_automatic(cfg: Config, model, tokenizer, train_set: list[dict],
+                      eval_sets: dict[str, list[dict]] | None = None) -> Config:
+    """Fill the sizes left at 0: from the memory plan on a GPU; on the CPU all of a step's prompts in flight, one
+    micro-batch, 16 evaluation prompts per call and a pool that holds every row at full length."""
+    prompt_len, eval_len = prompt_lengths(cfg, tokenizer, train_set, eval_sets)
     if model.device.type != "cuda":
-        return dataclasses.replace(cfg, rollout_batch=cfg.rollout_batch or cfg.prompts_per_step,
-                                   grad_accum=cfg.grad_accum or 1, eval_batch=cfg.eval_batch or 16)
-    longest = max(len(render_prompt(tokenizer, p["problem"], cfg.template, cfg.system_prompt)) for p in train_set)
+        cfg = dataclasses.replace(cfg, rollout_batch=cfg.rollout_batch or cfg.prompts_per_step,
+                                  grad_accum=cfg.grad_accum or 1, eval_batch=cfg.eval_batch or 16)
+        if not cfg.kv_blocks:
+            block = rollout.default_block_size(model)
+            need = max(cfg.rollout_batch * rollout.group_blocks(prompt_len, cfg.group_size, cfg.max_new_tokens, block),
+                       cfg.eval_batch * rollout.group_blocks(eval_len, cfg.eval_k, cfg.max_new_tokens, block))
+            cfg = dataclasses.replace(cfg, kv_blocks=1 + need)
+        return cfg
     budget = memory.gpu_memory_bytes(str(model.device), cfg.gpu_memory)
-    return planned_config(cfg, model.config, budget, prompt_len=longest)
+    return planned_config(cfg, model.config, budget, prompt_len=prompt_len, eval_prompt_len=eval_len)
 
 
-def planned_config(cfg: Config, model_cfg, budget: int, prompt_len: int = memory.Workload.prompt_len) -> Config:
-    """cfg with rollout_batch, grad_accum and eval_batch chosen by the memory plan where they are 0."""
-    work = memory.fit(model_cfg, workload(cfg, prompt_len), budget)
+def sampler_pool(cfg: Config, model, tokenizer, train_set: list[dict], eval_sets: dict[str, list[dict]]) -> rollout.Pool:
+    """The run's KV pool: allocated once, before the first step, and reused by every rollout and evaluation."""
+    prompt_len, eval_len = prompt_lengths(cfg, tokenizer, train_set, eval_sets)
+    with oom_hint("the sampler's KV pool", f"lower --kv-blocks (now {cfg.kv_blocks})"):
+        return rollout.Pool(model, cfg.kv_blocks, max_len=max(prompt_len, eval_len) + cfg.max_new_tokens)
+
+
+def planned_config(cfg: Config, model_cfg, budget: int, prompt_len: int = memory.Workload.prompt_len,
+                   eval_prompt_len: int = 0) -> Config:
+    """cfg with rollout_batch, grad_accum, eval_batch and kv_blocks chosen by the memory plan where they are 0."""
+    free = tuple(size for size, flag in (("micro_batch_rows", cfg.grad_accum), ("rollout_prompts", cfg.rollout_batch),
+                                         ("eval_prompts", cfg.eval_batch)) if not flag)
+    work = memory.fit(model_cfg, workload(cfg, prompt_len, eval_prompt_len), budget, free)
     return dataclasses.replace(cfg, rollout_batch=cfg.rollout_batch or work.rollout_prompts,
                                grad_accum=cfg.grad_accum or math.ceil(work.minibatch_rows / work.micro_batch_rows),
-                               eval_batch=cfg.eval_batch or work.eval_prompts)
+                               eval_batch=cfg.eval_batch or work.eval_prompts, kv_blocks=cfg.kv_blocks or work.pool_blocks)
 
 
-def workload(cfg: Config, prompt_len: int = memory.Workload.prompt_len) -> memory.Workload:
-    """What one step of this config asks of the GPU; sizes left at 0 start at their largest, for fit to lower."""
+def workload(cfg: Config, prompt_len: int = memory.Workload.prompt_len, eval_prompt_len: int = 0) -> memory.Workload:
+    """What one step of this config asks of the GPU; sizes left at 0 start at their largest, for fit to choose."""
     _, dtype = resolve_device(cfg)
     minibatch_rows = math.ceil(cfg.prompts_per_step * cfg.group_size / cfg.updates_per_rollout)
+    needs = loss.required_inputs(cfg.loss)
     return memory.Workload(
         dtype=dtype, lora_rank=cfg.lora_rank, lora_targets=tuple(cfg.lora_targets.split(",")),
         gradient_checkpointing=cfg.gradient_checkpointing != "off", prompt_len=prompt_len,
-        max_new_tokens=cfg.max_new_tokens, group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step,
-        updates_per_rollout=cfg.updates_per_rollout, rollout_prompts=cfg.rollout_batch or cfg.prompts_per_step,
+        eval_prompt_len=eval_prompt_len, max_new_tokens=cfg.max_new_tokens, group_size=cfg.group_size,
+        prompts_per_step=cfg.prompts_per_step, updates_per_rollout=cfg.updates_per_rollout,
+        rollout_prompts=cfg.rollout_batch or cfg.prompts_per_step,
         micro_batch_rows=math.ceil(minibatch_rows / cfg.grad_accum) if cfg.grad_accum else minibatch_rows,
-        temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+        pool_blocks=cfg.kv_blocks, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
         recompute_old_logp=cfg.recompute_old_logp == "on" or (cfg.recompute_old_logp == "auto"
                                                              and dtype != torch.float32),
-        ref_logp="ref_logp" in loss.required_inputs(cfg.loss), eval_prompts=cfg.eval_batch or 16,
+        ref_logp="ref_logp" in needs, old_hidden="old_hidden" in needs, eval_prompts=cfg.eval_batch or 16,
         eval_k=cfg.eval_k, eval_temperature=cfg.eval_temperature)
 
 
@@ -680,7 +726,7 @@ def plan(cfg: Config) -> bool:
         chosen = cfg
     else:
         print(f"chosen: --rollout-batch {chosen.rollout_batch} --grad-accum {chosen.grad_accum} "
-              f"--eval-batch {chosen.eval_batch}")
+              f"--eval-batch {chosen.eval_batch} --kv-blocks {chosen.kv_blocks}")
     text, fits = memory.report(model_cfg, workload(chosen), budget)
     print(text)  # its last line: plan: peak X GB of Y GB (fits), or (does not fit: ...)
     return fits
@@ -827,8 +873,9 @@ def validate(cfg: Config, need_device: bool = True) -> None:
         (0 <= cfg.grad_accum <= max(1, rows // cfg.updates_per_rollout),
          f"--grad-accum {cfg.grad_accum}: must be between 0 (automatic) and the {rows // cfg.updates_per_rollout} "
          "rows of a mini-batch"),
-        (cfg.rollout_batch >= 0 and cfg.eval_batch >= 0,
-         "--rollout-batch and --eval-batch must be >= 0 (0 = automatic)"),
+        (cfg.rollout_batch >= 0 and cfg.eval_batch >= 0 and cfg.kv_blocks >= 0,
+         "--rollout-batch, --eval-batch and --kv-blocks must be >= 0 (0 = automatic)"),
+        (cfg.kv_blocks != 1, "--kv-blocks 1: block 0 is reserved, so a pool needs at least 2"),
         (cfg.checkpoint_every >= 1, f"--checkpoint-every {cfg.checkpoint_every}: must be >= 1"),
         (cfg.steps >= 0 and cfg.eval_every >= 0 and cfg.eval_problems >= 0 and cfg.eval_k >= 1,
          "--steps, --eval-every and --eval-problems must be >= 0 and --eval-k >= 1"),
