@@ -586,7 +586,8 @@ def fit(model_cfg: ModelConfig, work: Workload, budget_bytes: int, free: tuple[s
             eval_prompts = work.eval_prompts
             if "eval_prompts" in free:
                 eval_prompts = max(1, prompts * work.group_size // work.eval_k)
-            trial = dataclasses.replace(work, micro_batch_rows=micro, rollout_prompts=prompts, eval_prompts=eval_prompts)
+            trial = dataclasses.replace(work, micro_batch_rows=micro, rollout_prompts=prompts,
+                                        eval_prompts=eval_prompts)
             largest = max(("train", "frozen", "rollout", "eval"),
                           key=lambda name: planner.peak(name, phase_sizes(trial)[name]))
             blocks = (usable - planner.peak(largest, phase_sizes(trial)[largest])) // planner.block_bytes
@@ -652,7 +653,7 @@ def report(model_cfg: ModelConfig, work: Workload, budget_bytes: int) -> tuple[s
     lines.append(f"rollout estimate, lengths log-normal (median {w.max_new_tokens // 6}, sigma 0.9, capped at "
                  f"{w.max_new_tokens}) for the step's {w.step_rows} rows: rows in flight max {estimate.rows_max}, "
                  f"mean {estimate.rows_mean:.0f}; {estimate.decode_steps:,} decode passes, {estimate.prefills} "
-                 f"prefills, {estimate.preempted} groups preempted")
+                 f"prefill passes, {estimate.preempted} groups preempted")
     lines.append(f"usable: {usable / GB:.1f} GB of {budget_bytes / GB:.1f} GB, after {SLACK:.0%} allocator slack and "
                  f"{RESERVED / GB:.0f} GB for the CUDA context (planned in {time.perf_counter() - start:.1f} s)")
     worst = max(measured, key=lambda name: sum(measured[name]))

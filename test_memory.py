@@ -5,7 +5,6 @@ batching and the errors when nothing fits."""
 
 import dataclasses
 import re
-from functools import partial
 
 import pytest
 import torch
@@ -137,9 +136,9 @@ def long_tail_passes_before(work: memory.Workload, prompts_per_call: int) -> int
     # the whole step in flight at once, in a pool of 927 blocks (27 GB) beside 2-row micro-batches; its
     # passes are the longest row's (4,095), against 4 calls of 5 prompts before
     ("atr-grpo-qwen3-1.7b", 40, dict(rollout_batch=16, grad_accum=16, eval_batch=16, kv_blocks=928), 5, 128, 3),
-    # up to 32 prompts x 8 in flight over 1,261 blocks (48 GB) beside 1-row micro-batches, against 43 calls
+    # up to 64 prompts x 8 in flight over 1,261 blocks (48 GB) beside 1-row micro-batches, against 43 calls
     # of 3 prompts before
-    ("gppo-qwen3-8b", 80, dict(rollout_batch=32, grad_accum=128, eval_batch=32, kv_blocks=1262), 3, 150, 5),
+    ("gppo-qwen3-8b", 80, dict(rollout_batch=64, grad_accum=128, eval_batch=64, kv_blocks=1262), 3, 150, 5),
 ])
 def test_preset_plans_fit(preset, gpu_gb, chosen, before_calls, rows_at_least, fewer_passes, capsys):
     cfg, _, _ = train.parse_args(["--preset", preset, "--plan", "--gpu-memory", str(gpu_gb)])
@@ -165,8 +164,8 @@ def test_the_plan_counts_old_hidden_and_the_evaluation_prompts():
     grown = with_hidden.peak("train", 4) - planner.peak("train", 4)
     assert grown >= ATR.step_rows * ATR.max_new_tokens * 2048 * 2
     rule = train.parse_args(["--preset", "atr-grpo-qwen3-1.7b", "--rule", "kl_full"])[0]
-    assert train.workload(rule).old_hidden and not train.workload(train.parse_args(["--preset",
-                                                                                    "atr-grpo-qwen3-1.7b"])[0]).old_hidden
+    plain = train.parse_args(["--preset", "atr-grpo-qwen3-1.7b"])[0]
+    assert train.workload(rule).old_hidden and not train.workload(plain).old_hidden
     longer_eval = dataclasses.replace(ATR, eval_prompt_len=1500)
     assert memory.Planner(cfg, longer_eval).floor_blocks(longer_eval) > planner.floor_blocks(ATR)
     assert memory.Planner(cfg, longer_eval).peak("eval", 30) > planner.peak("eval", 30)

@@ -239,15 +239,15 @@ def test_lora_adds_at_most_a_quarter_to_the_operators_of_a_decode_step():
     counts = []
     for adapted in (False, True):
         with torch.device("meta"):
-            model = modeling.Transformer(cfg).to(torch.bfloat16)
+            meta_model = modeling.Transformer(cfg).to(torch.bfloat16)
         if adapted:
-            lora.inject(model, 32, 64.0)
+            lora.inject(meta_model, 32, 64.0)
         pool = modeling.KVPool(cfg, 8, 256, torch.bfloat16, "meta", "flash")
         rows = modeling.PagedRows(pool, torch.zeros(16, 4, dtype=torch.int32, device="meta"),
                                   torch.zeros(16, dtype=torch.long, device="meta"))
-        decode = modeling.DecodeWeights(model)
+        decode = modeling.DecodeWeights(meta_model)
         with torch.inference_mode(), CountOperators() as counter:
-            model.decode_step(torch.zeros(16, dtype=torch.long, device="meta"), rows, 1024, decode)
+            meta_model.decode_step(torch.zeros(16, dtype=torch.long, device="meta"), rows, 1024, decode)
         counts.append(counter.count)
     assert counts[1] <= 1.25 * counts[0], counts
     assert counts[1] - counts[0] == cfg.num_layers * (7 + 4)  # one addmm per projection, one A per input
@@ -475,21 +475,36 @@ def test_out_of_memory_names_the_knobs(model, monkeypatch):
 
 
 def test_gpu_check_dry_run(tmp_path):
-    """bench/gpu_check.py end to end on a tiny Qwen3 on the CPU, so the script is not what breaks on a GPU."""
-    run = subprocess.run([sys.executable, "bench/gpu_check.py", "--device", "cpu", "--tiny", "--out", str(tmp_path)],
-                         cwd=Path(__file__).parent, capture_output=True, text=True, timeout=600)
+    """bench/gpu_check.py end to end on a tiny Qwen3 on the CPU, so the script is not what breaks on a GPU: the
+    branches the GPU run takes (graphs, through their stand-in; the anchor's compile warm-up; LoRA adapters),
+    the JSON written after every row, and, in a second run, the budget cut."""
+    script = [sys.executable, "bench/gpu_check.py", "--device", "cpu", "--tiny"]
+    run = subprocess.run([*script, "--out", str(tmp_path / "full")], cwd=Path(__file__).parent, capture_output=True,
+                         text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert report["ok"] and report["models"]["Qwen3-tiny"]["parity"]["ok"]
+    report = json.loads((tmp_path / "full" / "gpu_check.json").read_text())
+    assert report["ok"] and report["skipped"] == 0 and report["models"]["Qwen3-tiny"]["parity"]["ok"]
+    assert report["models"]["Qwen3-tiny"]["parity"]["t=0"]["captures"] > 0, "the graphs' stand-in captured"
     assert all(row["status"] == "ok" for row in report["rows"])
+    phases = {(row["side"], row["phase"]) for row in report["rows"]}
     timed = {(row["side"], row["phase"]) for row in report["rows"] if row["tokens_per_s"]}
-    for side in ("ours", "transformers"):
-        for cap in (8, 16):
-            assert {phase for s, phase in timed if s == side and f"cap {cap}," in phase} >= {
-                f"rollout 2x2 rows, cap {cap}, forced"}, (side, cap)
+    for cap in (8, 16):
+        assert ("ours", f"rollout 2x2 rows, cap {cap}, warm-up (graph captures)") in phases
+        assert ("transformers", f"rollout 2x2 rows, cap {cap}, warm-up (compile)") in phases
+        for side in ("ours", "transformers"):
+            assert (side, f"rollout 2x2 rows, cap {cap}, forced") in timed, (side, cap)
             assert any(s == side and f"cap {cap}, long tail" in phase for s, phase in timed), (side, cap)
+    assert all(row["planned_peak_bytes"] for row in report["rows"]
+               if row["side"] == "ours" and "forced" in row["phase"])
     assert {side for side, phase in timed if phase.startswith("train")} == {"ours", "transformers + peft"}
-    assert "peak GiB" in run.stdout and "ok:" in run.stdout
+    assert "peak GiB" in run.stdout and "ok (0 runs skipped" in run.stdout
+
+    cut = subprocess.run([*script, "--out", str(tmp_path / "cut"), "--budget-s", "0.01"], cwd=Path(__file__).parent,
+                         capture_output=True, text=True, timeout=600)
+    assert cut.returncode == 0, cut.stdout[-2000:] + cut.stderr[-2000:]
+    report = json.loads((tmp_path / "cut" / "gpu_check.json").read_text())
+    statuses = [row["status"] for row in report["rows"]]
+    assert statuses[0] == "ok" and all(s.startswith("skipped: budget") for s in statuses[1:]) and len(statuses) > 5
 
 
 def test_the_command_line_samples_a_prompt_and_grades_it(tiny_model_dir):

@@ -613,8 +613,9 @@ def resolve_sizes(cfg: Config, model, tokenizer, train_set: list[dict], world: d
     sizes come from the memory plan, the most cautious rank's (GPUs may differ in memory)."""
     share = dataclasses.replace(cfg, prompts_per_step=cfg.prompts_per_step // world.size)
     share = resolve_automatic(share, model, tokenizer, train_set, eval_sets)
-    rollout_batch, eval_batch, kv_blocks, negated_accum = world.min(  # the smallest calls, the most micro-batches
-        torch.tensor([share.rollout_batch, share.eval_batch, share.kv_blocks, -share.grad_accum], device="cpu")).tolist()
+    sizes = [share.rollout_batch, share.eval_batch, share.kv_blocks, -share.grad_accum]
+    # the fewest rows in flight, the smallest pool, the most micro-batches
+    rollout_batch, eval_batch, kv_blocks, negated_accum = world.min(torch.tensor(sizes, device="cpu")).tolist()
     return dataclasses.replace(share, prompts_per_step=cfg.prompts_per_step, rollout_batch=rollout_batch,
                                eval_batch=eval_batch, kv_blocks=kv_blocks, grad_accum=-negated_accum)
 
@@ -674,7 +675,8 @@ def resolve_automatic(cfg: Config, model, tokenizer, train_set: list[dict],
     return planned_config(cfg, model.config, budget, prompt_len=prompt_len, eval_prompt_len=eval_len)
 
 
-def sampler_pool(cfg: Config, model, tokenizer, train_set: list[dict], eval_sets: dict[str, list[dict]]) -> rollout.Pool:
+def sampler_pool(cfg: Config, model, tokenizer, train_set: list[dict],
+                 eval_sets: dict[str, list[dict]]) -> rollout.Pool:
     """The run's KV pool: allocated once, before the first step, and reused by every rollout and evaluation."""
     prompt_len, eval_len = prompt_lengths(cfg, tokenizer, train_set, eval_sets)
     with oom_hint("the sampler's KV pool", f"lower --kv-blocks (now {cfg.kv_blocks})"):
@@ -689,7 +691,8 @@ def planned_config(cfg: Config, model_cfg, budget: int, prompt_len: int = memory
     work = memory.fit(model_cfg, workload(cfg, prompt_len, eval_prompt_len), budget, free)
     return dataclasses.replace(cfg, rollout_batch=cfg.rollout_batch or work.rollout_prompts,
                                grad_accum=cfg.grad_accum or math.ceil(work.minibatch_rows / work.micro_batch_rows),
-                               eval_batch=cfg.eval_batch or work.eval_prompts, kv_blocks=cfg.kv_blocks or work.pool_blocks)
+                               eval_batch=cfg.eval_batch or work.eval_prompts,
+                               kv_blocks=cfg.kv_blocks or work.pool_blocks)
 
 
 def workload(cfg: Config, prompt_len: int = memory.Workload.prompt_len, eval_prompt_len: int = 0) -> memory.Workload:
