@@ -2,37 +2,44 @@
 
 A hand formula for activation memory drifts from the code the day someone adds a cast or a mask. Here
 every phase calls the same functions the trainer and the sampler call (model.hidden, hidden_logprobs,
-backward, AdamW, new_cache / fork / select, rollout._row_keys, rollout._sample, and FixedShapeStep's
-step and compaction rule), on meta tensors: shapes and dtypes are real, no data exists, so a plan of
-Qwen3-8B takes seconds of CPU time, without a GPU or its weights.
+backward, AdamW, rollout.Pool, the sampler loop's prefill, decode step and draw), on meta tensors:
+shapes and dtypes are real, no data exists, so a plan of Qwen3-8B takes seconds of CPU time, without a
+GPU or its weights.
 `LiveBytes`, a dispatch mode, sees every tensor an operator returns and counts the bytes of each new
 storage until it is freed; its peak is the phase's own peak. Blocks are identical, so each figure is
 counted on models of 2 and 3 blocks and extended to the real depth (exactly: test_memory checks it), and
 test_memory holds the counts within 15% of the same tracker on real CPU runs of a small model.
 
-Phases, each peak = weights + LoRA state + step data + the phase's own peak:
+Phases, each peak = what is resident when it runs + the phase's own peak:
 - weights: the model in the run's dtype (resident throughout);
 - lora: adapters, their gradients and AdamW's two moments (fp32), plus the optimizer step's temporaries;
-- train: one micro-batch's forward and backward (model.hidden + model.hidden_logprobs + a loss);
-- frozen: the no-grad passes that recompute old log-probs or the reference policy's, one micro-batch;
-- rollout: one sampler call on CUDA's fixed-shape path: KV cache, prefill and fork, the widest decode
-  step and its sampling draw, and the first compaction (a second cache built while the first is alive);
-- eval: the same for an evaluation call (its prompts x eval_k samples).
-Step data are the rollout results kept for training ([N, P + C] ids and masks, [N, C] log-probs).
+- pool: the sampler's KV pool, allocated once after them and resident throughout (blocks x block bytes);
+- train: one micro-batch's forward and backward (model.hidden + model.hidden_logprobs + a loss), beside
+  the step data;
+- frozen: the no-grad passes that recompute old log-probs, the reference policy's or old_hidden, one
+  micro-batch, beside the step data;
+- rollout: one sampler call on CUDA's fixed-shape path (sampling_phase): its outputs and results, a
+  prefill pass, the widest decode step and its draw, the graphs' static logits;
+- eval: the same for an evaluation call (its prompts x eval_k samples, the longest evaluation prompt).
+Step data are the rollout results kept for training ([N, P + C] ids and masks, [N, C] log-probs, and
+[N, C, hidden] old_hidden for a rule that needs it).
+
+fit sizes the free ones (micro-batch rows, prompts in flight, the pool) and estimates the sampler's
+rows in flight and decode passes for a stated length model (long_tail_lengths) by running the
+sampler's own scheduler on the host (simulate_rollout; test_rollout checks it against real calls).
 
 Where the meta run differs from the code it stands for:
 - scaled_dot_product_attention, whose allocations happen inside a CUDA kernel, is replaced by a stand-in
   that allocates what FlashAttention-2 does (output, log-sum-exp; in backward its fp32 accumulator and
   the per-query-head dk, dv of grouped-query attention), not the [T, T] math fallback meta would take.
+  The sampler's paged attention (torch.nn.attention.varlen) has a meta implementation of its own.
 - loss.policy_loss asks data-dependent questions (is the mask empty? metrics via .tolist()) that meta
   tensors cannot answer, so the train phase uses `_surrogate_loss`, the same tensor work on [rows, C]
   (log ratio, ratio, float64 region test, clip choice, masked sum). It is O(rows x C), tiny next to
   the activations. model.hidden's padding-layout check (torch.equal) is answered "valid" on meta.
-- the rollout runs the steps that decide its peak instead of max_new_tokens steps: the cache is moved
-  (`advance`) to the last step, whose span bucket covers the whole cache, and the first compaction
-  (rows finishing one at a time, FixedShapeStep.rows_to_keep) is taken there, where cache.select
-  copies the most tokens. A captured graph keeps its step's temporaries reserved, so they are
-  counted on top of the draw and the compaction.
+- the rollout runs the steps that decide its peak instead of a whole call: a prefill pass of as many
+  prompts as one holds, and the decode step at the rows in flight over a full row's span. A captured
+  graph keeps its step's temporaries reserved, so they are counted on top of the draw.
 - the CUDA caching allocator rounds blocks and fragments, and the CUDA context, cuBLAS workspaces and
   kernel-internal buffers are invisible to a dispatch mode: `fit` keeps SLACK of the budget and
   RESERVED bytes free for them.
@@ -410,7 +417,7 @@ def simulate_rollout(prompt_lens: list[int], G: int, lengths: list[int], blocks:
                      max_rows: int, new_tokens: int, chunk: int = rollout.SYNC_EVERY) -> rollout.SamplerStats:
     """What a generate call with a pool of `blocks` blocks does when row i (prompt-major) ends after lengths[i]
     tokens: rollout.Scheduler's decisions, in the order the sampler's loop takes them, with no model."""
-    sched = rollout.Scheduler(blocks - 1, block_size, chunk, max_rows, G, new_tokens)
+    sched = rollout.Scheduler(blocks - 1, block_size, chunk, max_rows, new_tokens)
     for i, prompt_len in enumerate(prompt_lens):
         sched.add(rollout.Group(i, prompt_len, list(range(G))))
     stats = rollout.SamplerStats()

@@ -359,10 +359,9 @@ class Scheduler:
     much again as each has written) preempted none but took 25% more passes.
     """
 
-    def __init__(self, blocks: int, block_size: int, chunk: int, max_rows: int, G: int, new_tokens: int):
-        self.free = list(range(blocks, 0, -1))  # block ids 1..blocks; block 0 is reserved
-        self.blocks = blocks
-        self.block_size, self.chunk, self.max_rows, self.G, self.new_tokens = block_size, chunk, max_rows, G, new_tokens
+    def __init__(self, blocks: int, block_size: int, chunk: int, max_rows: int, new_tokens: int):
+        self.blocks, self.free = blocks, list(range(blocks, 0, -1))  # block ids 1..blocks; block 0 is reserved
+        self.block_size, self.chunk, self.max_rows, self.new_tokens = block_size, chunk, max_rows, new_tokens
         self.waiting: deque[Group] = deque()
         self.admitted: list[Group] = []  # in admission order
         self.preemptions = 0
@@ -375,9 +374,9 @@ class Scheduler:
         """The rows in flight, in a stable order: admission order, then sample index."""
         return [row for group in self.admitted for row in group.rows]
 
-    def _blocks(self, row_len: int, slots: int) -> int:
-        """Blocks covering `slots` slots of a row whose prompt has row_len tokens (capped at its full length)."""
-        return -(-min(slots, row_len + self.new_tokens - 1) // self.block_size)
+    def _blocks(self, prompt_len: int, slots: int) -> int:
+        """Blocks covering `slots` slots of a row of a prompt_len-token prompt (capped at its full length)."""
+        return -(-min(slots, prompt_len + self.new_tokens - 1) // self.block_size)
 
     def _take(self, n: int) -> list[int]:
         taken, self.free = self.free[len(self.free) - n:], self.free[:len(self.free) - n]
@@ -504,7 +503,7 @@ class _Loop:
         self.ids = torch.full((self.N + 1, C), PAD_ID, dtype=torch.long, device=device)
         self.logp = torch.zeros(self.N + 1, C, device=device)
         self.mask = torch.zeros(self.N + 1, C, dtype=torch.bool, device=device)
-        self.sched = Scheduler(pool.kv.blocks - 1, pool.block_size, SYNC_EVERY if fixed else 1, max_rows, G, C)
+        self.sched = Scheduler(pool.kv.blocks - 1, pool.block_size, SYNC_EVERY if fixed else 1, max_rows, C)
         for i, prompt in enumerate(prompts):
             self.sched.add(Group(i, len(prompt), list(range(G))))
         graphs_possible = device.type == "cuda" or pool.graph_class is not CudaGraph

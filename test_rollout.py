@@ -4,6 +4,7 @@ loop against the eager one, small pools that preempt, split calls, graphs (a sta
 calls, host syncs and operator counts, top-k/top-p sets, per-row stopping, bad input, and a CPU dry
 run of bench/gpu_check.py."""
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -174,6 +175,44 @@ def test_graphs_are_captured_once_per_shape_and_reused_across_calls(model):
         assert out.completions == expected.completions
         torch.testing.assert_close(out.old_logp, expected.old_logp, rtol=0, atol=1e-5)
     assert other_seed.completions == sample(model, cuda_graphs="off", seed=1, **kwargs).completions
+
+
+def test_cuda_graph_capture_neither_synchronizes_nor_empties_the_cache(monkeypatch):
+    """CudaGraph.capture with torch.cuda's streams and graphs replaced by recorders: two warm-ups on a side
+    stream, then capture_begin into the shared memory pool, the step, capture_end; torch.cuda.synchronize and
+    torch.cuda.empty_cache, which the torch.cuda.graph context manager calls, are never called."""
+    events = []
+
+    class Recorder:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def wait_stream(self, other):
+            events.append("wait")
+
+        def capture_begin(self, pool=None):
+            events.append(("capture_begin", pool))
+
+        def capture_end(self):
+            events.append("capture_end")
+
+        def replay(self):
+            events.append("replay")
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a capture must not synchronize or empty the allocator's cache")
+
+    monkeypatch.setattr(torch.cuda, "Stream", Recorder)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Recorder)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args: Recorder())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", forbidden)
+    monkeypatch.setattr(torch.cuda, "empty_cache", forbidden)
+    graph = rollout.CudaGraph()
+    graph.capture(lambda: events.append("step"), "pool handle")
+    graph.replay()
+    assert events == ["wait", "step", "step", ("capture_begin", "pool handle"), "step", "capture_end", "wait",
+                      "replay"]
 
 
 def test_new_adapters_rebuild_the_decode_weights_and_drop_the_graphs(tiny_model_dir):

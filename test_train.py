@@ -361,6 +361,7 @@ def test_a_resumed_run_refuses_settings_that_name_another_run(tiny_model_dir, tm
     (["--format-weight", "1", "--template", "boxed"], "--format-weight"),
     (["--rule", "nope"], "rule"), (["--dual-clip", "0.5,x"], "--dual-clip"),
     (["--ratio-limits", "2,1"], "ratio.limits"), (["--aggregation", "token-mean", "--rule", "gspo"], "--aggregation"),
+    (["--kv-blocks", "1"], "--kv-blocks"), (["--kv-blocks", "-2"], "--kv-blocks"),
 ])
 def test_each_bad_flag_fails_in_one_line_before_the_model_loads(tmp_path, capsys, flags, message):
     """The model path does not exist: an error about the flag proves the check came first."""
@@ -435,3 +436,14 @@ def test_a_plan_that_does_not_fit_says_which_phase_and_exits_1():
     last = proc.stdout.strip().splitlines()[-1]
     assert proc.returncode == 1 and last.startswith("plan: peak") and "of 1.5 GB (does not fit: " in last, proc.stdout
     assert "--grad-accum" in last or "--lora-rank" in last
+
+
+def test_one_kv_pool_serves_every_rollout_and_evaluation(tiny_model_dir, tmp_path, monkeypatch):
+    """The run allocates the sampler's pool once, before its first evaluation, and every sampler call of
+    its steps and evaluations uses it."""
+    pools, used = [], []
+    make, generate = train.rollout.Pool.__init__, train.rollout.generate
+    monkeypatch.setattr(train.rollout.Pool, "__init__", lambda pool, *a, **k: pools.append(pool) or make(pool, *a, **k))
+    monkeypatch.setattr(train.rollout, "generate", lambda *a, **k: used.append(k["pool"]) or generate(*a, **k))
+    run_training(tiny_args(tiny_model_dir, tmp_path, "pool", "--steps", "2"))
+    assert len(pools) == 1 and len(used) >= 4 and all(pool is pools[0] for pool in used)
