@@ -186,7 +186,7 @@ def sampled_step(tiny_model_dir, tmp_path, monkeypatch, *flags):
     monkeypatch.setattr(train, "stop_ids", lambda config, tok: list(range(0, len(tok), 4)))
     problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
     out = train.sample(model, tokenizer, problems, cfg, step=1)
-    rewards, _ = train.score(out, problems, cfg)
+    rewards, _, _ = train.score(out, problems, cfg)
     assert out.completion_mask.sum(1).unique().numel() > 1
     return cfg, out, train.loss.advantages(rewards, cfg.group_size, cfg.loss)
 
@@ -254,13 +254,15 @@ def test_the_first_minibatch_logs_the_numerical_floor_of_the_ratio(tiny_model_di
     assert line["ratio_max"] > line["start_ratio_max"] or line["ratio_min"] < line["start_ratio_min"]
 
 
-def test_the_inert_trust_region_is_announced_exactly_when_it_is_inert():
-    cfg, _, _ = config.parse_args([])
+def test_the_inert_trust_region_is_announced_when_a_chosen_rule_cannot_act():
     with pytest.warns(UserWarning, match="every clip rule gives the same update"):
-        train.warn_if_inert(cfg)
+        train.warn_if_inert(config.parse_args(["--rule", "atr"])[0])
+    with pytest.warns(UserWarning, match="every clip rule gives the same update"):
+        train.warn_if_inert(config.parse_args(["--delta", "0.3"])[0])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        train.warn_if_inert(dataclasses.replace(cfg, updates_per_rollout=2))
+        train.warn_if_inert(config.parse_args([])[0])  # the default command says nothing about its own defaults
+        train.warn_if_inert(config.parse_args(["--rule", "atr", "--updates-per-rollout", "2"])[0])
 
 
 def test_token_records_are_written_every_step(tiny_model_dir, tmp_path):
