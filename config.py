@@ -205,7 +205,8 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     Returns the config, the names of the fields given explicitly (by flag or file: they win over a resumed
     run's) and whether --plan was asked. --print-config prints the resolved settings as TOML and exits.
     """
-    parser = OneLineErrors(prog="train.py", description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrors(prog="train.py", description=description,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan", action="store_true", help="print the GPU memory of each phase and exit "
                                                             "(0: fits, 1: does not); loads no weights")
     parser.add_argument("--config", metavar="FILE.toml", help="settings from a TOML file (keys are the flags' "

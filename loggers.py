@@ -210,4 +210,4 @@ class _Trackio:
 
     def close(self) -> None:
         with contextlib.redirect_stdout(io.StringIO()):
-            self.run.finish()
+            self.trackio.finish()  # also forgets the run, so trackio's exit hook does not finish it again

@@ -92,9 +92,9 @@ def _values(result, count: int) -> list[float | None]:
     try:
         values = list(result)
     except TypeError:
-        raise _BadResult(None, f"returned {type(result).__name__}, not a list of numbers") from None
+        raise _BadResult(f"returned {type(result).__name__}, not a list of numbers") from None
     if len(values) != count:
-        raise _BadResult(None, f"returned {len(values)} values for {count} completions")
+        raise _BadResult(f"returned {len(values)} values for {count} completions")
     numbers = []
     for row, value in enumerate(values):
         if value is None:
@@ -103,17 +103,23 @@ def _values(result, count: int) -> list[float | None]:
         try:
             number = float(value)
         except (TypeError, ValueError):
-            raise _BadResult(row, f"returned {value!r}, not a number") from None
+            raise _BadResult(f"returned {value!r}", row, "not a number") from None
         if isinstance(value, (str, bytes)) or not math.isfinite(number):
-            raise _BadResult(row, f"returned {value!r}, not a finite number")
+            raise _BadResult(f"returned {value!r}", row, "not a finite number")
         numbers.append(number)
     return numbers
 
 
 class _BadResult(Exception):
-    def __init__(self, row: int | None, message: str):
-        super().__init__(message)
-        self.row = row
+    """What a function returned that is not one number per completion: what, at which row (None: the whole
+    result), and why that is wrong."""
+
+    def __init__(self, what: str, row: int | None = None, why: str = ""):
+        super().__init__(what)
+        self.what, self.row, self.why = what, row, why
+
+    def reply(self) -> tuple:
+        return ("bad", self.what, self.row, self.why)
 
 
 # ----------------------------------------------------------------------------- the worker process
@@ -136,20 +142,22 @@ def _read_exactly(stream, size: int) -> bytes | None:
 
 
 def _serve() -> None:
-    """Worker loop: one pickled job (spec, kwargs, count) in, ("ok", values) / ("bad", row, message) /
-    ("raised", message) out."""
+    """Worker loop: one pickled job (spec, kwargs, count, working directory) in; ("ok", values),
+    ("bad", what, row, why) or ("raised", message) out."""
     jobs, replies = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # a print inside a reward function cannot corrupt the protocol
     functions: dict[str, Callable] = {}
     _send(replies, ("ready",))
     while (header := _read_exactly(jobs, 8)) is not None:
-        spec, kwargs, count = pickle.loads(_read_exactly(jobs, struct.unpack("<Q", header)[0]))
+        spec, kwargs, count, cwd = pickle.loads(_read_exactly(jobs, struct.unpack("<Q", header)[0]))
         try:
+            if os.getcwd() != cwd:  # the trainer's, for relative paths and modules beside it
+                os.chdir(cwd)
             if spec not in functions:
                 functions[spec] = load(spec)
             reply = ("ok", _values(functions[spec](**kwargs), count))
         except _BadResult as bad:
-            reply = ("bad", bad.row, str(bad))
+            reply = bad.reply()
         except BaseException as error:  # the function's own failure, reported to the trainer
             reply = ("raised", f"{type(error).__name__}: {error}")
         _send(replies, reply)
@@ -173,12 +181,12 @@ class _Worker:
 
     def call(self, spec: str, kwargs: dict, count: int, timeout: float):
         """The worker's reply, or None when it ran past `timeout` seconds (the worker is then killed)."""
-        proc = self.start()
+        job = (spec, kwargs, count, os.getcwd())
         try:
-            _send(proc.stdin, (spec, kwargs, count))
+            _send(self.start().stdin, job)
         except BrokenPipeError:  # it died while idle: start another and try once more
             self.close()
-            _send(self.start().stdin, (spec, kwargs, count))
+            _send(self.start().stdin, job)
         reply = self._receive(time.monotonic() + timeout)
         if reply is None:
             self.close()
@@ -253,15 +261,13 @@ class RewardFunctions:
         if reply[0] == "ok":
             return reply[1]
         if reply[0] == "bad":
-            row = reply[1]
-            raise RewardFunctionError(f"reward function {spec} {reply[2]}" +
-                                      ("" if row is None else f" on {_row(row, where, group_size, kwargs)}"))
+            _, what, row, why = reply
+            where_text = "" if row is None else f" on {_row(row, where, group_size, kwargs)}"
+            raise RewardFunctionError(f"reward function {spec} {what}{where_text}" + (f", {why}" if why else ""))
         for row in range(count):  # it raised: the first row that raises alone is the one to name
             single = self._run(spec, function, _select(kwargs, row), 1, self.timeout)
             if single is not None and single[0] != "ok":
-                message = single[2] if single[0] == "bad" else single[1]
-                raise RewardFunctionError(f"reward function {spec} raised on {_row(row, where, group_size, kwargs)}"
-                                          f": {message}")
+                self._fail(spec, single, row, where, group_size, kwargs)
         raise RewardFunctionError(f"reward function {spec} raised on the {count} completions of {where or 'a step'}"
                                   f" (no single row raises alone): {reply[1]}")
 
@@ -272,9 +278,18 @@ class RewardFunctions:
         try:
             return ("ok", _values(function(**kwargs), count))
         except _BadResult as bad:
-            return ("bad", bad.row, str(bad))
+            return bad.reply()
         except Exception as error:
             return ("raised", f"{type(error).__name__}: {error}")
+
+    @staticmethod
+    def _fail(spec: str, reply: tuple, row: int, where: str, group_size: int, kwargs: dict):
+        """The error of a call on one row that did not return a number."""
+        if reply[0] == "bad":
+            raise RewardFunctionError(f"reward function {spec} {reply[1]} on {_row(row, where, group_size, kwargs)}"
+                                      + (f", {reply[3]}" if reply[3] else ""))
+        raise RewardFunctionError(f"reward function {spec} raised on {_row(row, where, group_size, kwargs)}: "
+                                  f"{reply[1]}")
 
     def _one_at_a_time(self, spec: str, function: Callable, kwargs: dict, count: int, where: str,
                        group_size: int) -> list[float | None]:
@@ -287,9 +302,7 @@ class RewardFunctions:
             elif reply[0] == "ok":
                 values.append(reply[1][0])
             else:
-                message = reply[2] if reply[0] == "bad" else reply[1]
-                raise RewardFunctionError(f"reward function {spec} raised on {_row(row, where, group_size, kwargs)}"
-                                          f": {message}")
+                self._fail(spec, reply, row, where, group_size, kwargs)
         if slow:
             warnings.warn(f"reward function {spec} took more than {self.timeout:g} s on {len(slow)} of {count} "
                           f"completions of {where or 'a step'} (rows {', '.join(map(str, slow[:10]))}"

@@ -412,6 +412,8 @@ def open_trackers(cfg: Config, run_dir: Path, state: dict, eval_sets: list[str],
             record = json.loads(line)
             if record.get("eval"):
                 earlier.append((record["eval"], record["step"], f"step {record['step']}"))
+        if state.get("after"):  # a finished run trained further: its final evaluation so far
+            earlier.append((state["after"], state["step"], "after"))
     return loggers.Loggers(cfg.log if writer else "", run_dir, config.flat_config(cfg), config.to_toml(cfg),
                            cfg.log_project, state["step"], bool(cfg.resume), eval_sets, earlier)
 
@@ -459,6 +461,19 @@ def evaluate_held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: C
     for those problems) and the per-problem results are gathered.
     """
     world = world or distributed.SOLO
+    if world.rank == 0 and not sys.stderr.isatty():  # a log file has no progress bar: say what runs
+        sizes = ", ".join(f"{len(problems)} of {name}" for name, problems in eval_sets.items())
+        print(f"{desc}: {sizes} x {cfg.eval_k} samples", file=sys.stderr)
+    result = _held_out(model, tokenizer, eval_sets, cfg, desc, world)
+    if world.rank == 0:
+        se = f"{100 * result['se']:.1f}" if result["se"] is not None and math.isfinite(result["se"]) else "undefined"
+        tqdm.write(f"{desc}: Mean@{cfg.eval_k} {100 * result['accuracy']:.1f}% (se {se}), Pass@{cfg.eval_k} "
+                   f"{100 * result['pass@k']:.1f}%, {result['problems']} problems", file=sys.stderr)
+    return result
+
+
+def _held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: Config, desc: str,
+              world: distributed.World) -> dict:
     results = {}
     for name, problems in eval_sets.items():
         lo, hi = (len(problems) * r // world.size for r in (world.rank, world.rank + 1))
