@@ -25,8 +25,8 @@ cards and published code that loads them):
 A local copy of one of these, in .parquet, .jsonl or .json (a list, an object holding one list such as
 {"data": [...]}, or JSON lines as `datasets` writes them), converts by its layout: `--out NAME` with a
 Hub name, or `--layout` (dapo, gsm8k, math500, aime, amc) with any name; a file already in the prepared
-format (problem and answer fields) that does not fit that layout is read as it is. Any other file converts by field names, dotted for nested
-fields; read by field names, a problem in DAPO's instruction wrapper is unwrapped and a GSM8K
+format (problem and answer fields) that does not fit that layout is read as it is. Any other file
+converts by field names, dotted for nested fields; read by field names, a problem in DAPO's instruction wrapper is unwrapped and a GSM8K
 worked solution ending "#### 18" gives the answer "18", so a Hub copy read by keys is right too.
 pyarrow and huggingface_hub are imported only where needed, so JSON files need the standard library alone.
 """
