@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 
+import config
 import lora
 import loss
 import memory
@@ -141,7 +142,7 @@ def long_tail_passes_before(work: memory.Workload, prompts_per_call: int) -> int
     ("gppo-qwen3-8b", 80, dict(rollout_batch=64, grad_accum=128, eval_batch=64, kv_blocks=1262), 3, 150, 5),
 ])
 def test_preset_plans_fit(preset, gpu_gb, chosen, before_calls, rows_at_least, fewer_passes, capsys):
-    cfg, _, _ = train.parse_args(["--preset", preset, "--plan", "--gpu-memory", str(gpu_gb)])
+    cfg, _, _ = config.parse_args(["--preset", preset, "--plan", "--gpu-memory", str(gpu_gb)])
     assert train.plan(cfg)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "chosen: " + " ".join(f"--{name.replace('_', '-')} {value}" for name, value in chosen.items())
@@ -163,8 +164,8 @@ def test_the_plan_counts_old_hidden_and_the_evaluation_prompts():
     # kl_full keeps the sampling policy's final states [N, C, hidden] in bf16 through the step
     grown = with_hidden.peak("train", 4) - planner.peak("train", 4)
     assert grown >= ATR.step_rows * ATR.max_new_tokens * 2048 * 2
-    rule = train.parse_args(["--preset", "atr-grpo-qwen3-1.7b", "--rule", "kl_full"])[0]
-    plain = train.parse_args(["--preset", "atr-grpo-qwen3-1.7b"])[0]
+    rule = config.parse_args(["--preset", "atr-grpo-qwen3-1.7b", "--rule", "kl_full"])[0]
+    plain = config.parse_args(["--preset", "atr-grpo-qwen3-1.7b"])[0]
     assert train.workload(rule).old_hidden and not train.workload(plain).old_hidden
     longer_eval = dataclasses.replace(ATR, eval_prompt_len=1500)
     assert memory.Planner(cfg, longer_eval).floor_blocks(longer_eval) > planner.floor_blocks(ATR)

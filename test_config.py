@@ -1,0 +1,166 @@
+"""The settings: the presets hold the papers' stated values, every setting is a flag, flags reach the config."""
+
+import math
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import config
+
+
+# Each row: (preset, setting, value, where the paper states it). Values the papers leave open are not here:
+# they are our choices, listed in the README.
+PAPER_VALUES = [
+    ("atr-grpo-qwen3-1.7b", "model", "Qwen/Qwen3-1.7B", "ATR-GRPO, arXiv:2602.05494, experiments"),
+    ("atr-grpo-qwen3-8b", "model", "Qwen/Qwen3-8B", "ATR-GRPO, experiments: the 8B twin"),
+    ("atr-grpo-qwen3-1.7b", "lora_rank", 32, "ATR-GRPO, experimental setup"),
+    ("atr-grpo-qwen3-1.7b", "lr", 5e-6, "ATR-GRPO, experimental setup"),
+    ("atr-grpo-qwen3-1.7b", "group_size", 8, "ATR-GRPO, experimental setup"),
+    ("atr-grpo-qwen3-1.7b", "rule", "atr", "ATR-GRPO: the KL3 constraint"),
+    ("atr-grpo-qwen3-1.7b", "delta", 0.07, "ATR-GRPO, experimental setup"),
+    ("atr-grpo-qwen3-1.7b", "eval_dataset", "amc23,aime24,aime25", "ATR-GRPO, results tables"),
+    ("atr-grpo-qwen3-1.7b", "eval_k", 8, "ATR-GRPO: Mean@8 and Pass@8"),
+    ("gppo-qwen3-8b", "model", "Qwen/Qwen3-8B-Base", "GPPO, experimental setup"),
+    ("gppo-qwen3-8b", "prompts_per_step", 128, "GPPO: 1024 rollouts per step = 128 prompts x 8"),
+    ("gppo-qwen3-8b", "group_size", 8, "GPPO, experimental setup"),
+    ("gppo-qwen3-8b", "updates_per_rollout", 8, "GPPO: 8 mini-batch updates per rollout"),
+    ("gppo-qwen3-8b", "steps", 400, "GPPO: 400 steps for math"),
+    ("gppo-qwen3-8b", "rule", ("kl", "atomic"), "GPPO: the KL x Atomic cell"),
+    ("gppo-qwen3-8b", "ratio_limits", (0.5, 10.0), "GPPO: global clip [0.5, 10]"),
+    ("gppo-qwen3-8b", "kl_beta", 0.0, "GPPO: no KL penalty"),
+]
+# the 8B twin of ATR-GRPO states the same setup as the 1.7B run, in a file of its own
+PAPER_VALUES += [("atr-grpo-qwen3-8b", name, value, source) for preset, name, value, source in PAPER_VALUES
+                 if preset == "atr-grpo-qwen3-1.7b" and name != "model"]
+
+
+@pytest.mark.parametrize("preset, name, value, source", PAPER_VALUES)
+def test_presets_are_the_papers_runs(preset, name, value, source):
+    cfg, _, _ = config.parse_args(["--preset", preset])
+    assert config.flat_config(cfg)[name] == value, source
+
+
+def test_atr_preset_steps_the_optimizer_on_32_completions():
+    """ATR-GRPO's "batch 8, gradient accumulation 4" counts completions: 4 prompts x 8 per optimizer step."""
+    cfg, _, _ = config.parse_args(["--preset", "atr-grpo-qwen3-1.7b"])
+    assert cfg.prompts_per_step * cfg.group_size / cfg.updates_per_rollout == 32 and cfg.updates_per_rollout > 1
+
+
+def test_the_gppo_delta_is_kl_at_0_8():
+    cfg, _, _ = config.parse_args(["--preset", "gppo-qwen3-8b"])
+    assert cfg.loss.delta == pytest.approx(-math.log(0.8))
+
+
+def test_every_setting_is_a_flag_and_presets_yield_to_flags():
+    cfg, given, _ = config.parse_args(["--preset", "atr-grpo-qwen3-1.7b", "--lr", "1e-5", "--model", ""])
+    assert cfg.loss.rule == "atr" and cfg.loss.delta == 0.07 and cfg.lora_rank == 32
+    assert cfg.lr == 1e-5 and cfg.model is None and given == {"preset", "lr", "model"}
+    assert config.parse_args(["--plan"])[2] is True
+    usage = subprocess.run([sys.executable, "train.py", "--help"], cwd=Path(config.__file__).parent,
+                           capture_output=True, text=True).stdout
+    for name in [*config.TRAIN_FIELDS, *config.LOSS_FIELDS]:
+        assert "--" + name.replace("_", "-") in usage, name
+
+
+FLAG_VALUES = {  # a value for every loss setting, other than its default, and what LossConfig makes of it
+    "rule": ("dapo", "dapo"), "delta": ("0.3", 0.3), "delta_high": ("0.4", 0.4), "dual_clip": ("3", 3.0),
+    "ratio_limits": ("0.5,10", (0.5, 10.0)), "aggregation": ("seq-mean-token-mean", "seq-mean-token-mean"),
+    "norm_len": ("7", 7), "kl_beta": ("0.1", 0.1), "kl_estimator": ("k2", "k2"), "tv_half": (True, True),
+    "kl_two_sided": (False, False), "sapo_tau_pos": ("2", 2.0), "sapo_tau_neg": ("3", 3.0),
+    "cov_ratio": ("0.01", 0.01), "clip_cov_bounds": ("2,4", (2.0, 4.0)), "kl_cov_coef": ("2", 2.0),
+    "adv_std": ("batch", "batch"), "leave_one_out": (True, True),
+}
+
+
+def test_every_loss_setting_reaches_the_loss_config():
+    assert FLAG_VALUES.keys() == config.LOSS_FIELDS.keys(), "a new LossConfig field needs a row here"
+    argv = []
+    for name, (text, _) in FLAG_VALUES.items():
+        flag = "--" + name.replace("_", "-")
+        argv += [flag] if text is True else ["--no-" + flag[2:]] if text is False else [flag, text]
+    cfg, _, _ = config.parse_args(argv)
+    for name, (_, value) in FLAG_VALUES.items():
+        assert getattr(cfg.loss, name) == value, name
+
+
+# ----------------------------------------------------------------------------- settings files
+
+
+def test_every_preset_is_a_file_whose_stated_values_are_all_checked():
+    """A preset is configs/NAME.toml; each value marked "stated" there has its row in PAPER_VALUES."""
+    files = sorted(config.CONFIGS.glob("*.toml"))
+    assert sorted(config.PRESETS) == [path.stem for path in files] and files
+    checked = {(preset, name) for preset, name, _, _ in PAPER_VALUES}
+    for path in files:
+        stated = [line.split("=")[0].strip() for line in path.read_text().splitlines()
+                  if "# stated" in line and not line.startswith("#")]
+        assert stated, f"{path.name} states no value"
+        for name in stated:
+            assert (path.stem, name) in checked, f"{path.name}: {name} is stated but PAPER_VALUES has no row for it"
+        config.validate(config.make_config(config.PRESETS[path.stem]), need_device=False)
+
+
+def test_a_config_file_holds_any_flags_and_explicit_flags_override_it(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text('preset = "atr-grpo-qwen3-1.7b"  # the rest of the recipe\n'
+                    'lr = 1e-5\nlora-rank = 8\nsystem_prompt = ""\nrule = "kl-atomic"\nratio_limits = [0.5, 10]\n'
+                    'reward_fn = ["reward:math_reward", "examples/rewards.py:length_penalty"]\n'
+                    'reward_weights = [1, 0.5]\nlora_alpha = 16\n')
+    cfg, given, _ = config.parse_args(["--config", str(path), "--lr", "2e-5"])
+    assert cfg.lr == 2e-5 and cfg.lora_rank == 8 and cfg.lora_alpha == 16.0 and cfg.system_prompt is None
+    assert cfg.loss.rule == ("kl", "atomic") and cfg.loss.ratio_limits == (0.5, 10.0)
+    assert cfg.reward_fn == ("reward:math_reward", "examples/rewards.py:length_penalty")
+    assert cfg.reward_weights == (1.0, 0.5)
+    assert cfg.model == "Qwen/Qwen3-1.7B" and cfg.eval_k == 8, "what the file leaves out comes from its preset"
+    assert {"lr", "lora_rank", "rule", "preset"} <= given
+
+
+@pytest.mark.parametrize("argv", [[], *[["--preset", name] for name in config.PRESETS],
+                                  ["--system-prompt", 'say "hi"\n\tthen «stop» \\ done', "--reward-fn", "a.b:c",
+                                   "--reward-fn", "d.py:e", "--dual-clip", "0.5,10", "--norm-len", "7",
+                                   "--gpu-memory", "40", "--no-kl-two-sided"]])
+def test_the_written_toml_reads_back_as_the_same_config(tmp_path, argv):
+    cfg, _, _ = config.parse_args(argv)
+    path = tmp_path / "config.toml"
+    path.write_text(config.to_toml(cfg))
+    again, _, _ = config.parse_args(["--config", str(path)])
+    assert config.flat_config(again) == {**config.flat_config(cfg), "resume": None}
+
+
+def test_print_config_shows_the_resolved_settings_as_toml(tmp_path):
+    out = subprocess.run([sys.executable, "train.py", "--preset", "gppo-qwen3-8b", "--lr", "2e-6", "--print-config"],
+                         cwd=Path(config.__file__).parent, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    values = tomllib.loads(out.stdout)
+    assert values["lr"] == 2e-6 and values["rule"] == "kl-atomic" and values["ratio_limits"] == [0.5, 10.0]
+    assert values["model"] == "Qwen/Qwen3-8B-Base" and "resume" not in values
+
+
+@pytest.mark.parametrize("text, message", [
+    ("lora_rnak = 4\n", r"'lora_rnak' is not a setting; did you mean 'lora_rank'\?"),
+    ("lora_rank = 4.5\n", r"lora_rank = 4.5: expected an integer"),
+    ("lr = \"fast\"\n", r"lr = \"fast\": expected a number"),
+    ("tv_half = 1\n", r"tv_half = 1: expected true or false"),
+    ("model = 3\n", r"model = 3: expected a string or \"\" \(empty\)"),
+    ("steps = [1, 2]\n", r"steps = \[1, 2\]: expected an integer"),
+    ("[loss]\nrule = \"atr\"\n", r"\[loss\]: a table is not a setting"),
+    ("lr = \n", r"not valid TOML \(.*line 1"),
+    ("ratio_limits = [2, 1]\n", r"ratio.limits"),
+    ("preset = \"nope\"\n", r"--preset 'nope' is unknown"),
+])
+def test_a_bad_config_file_fails_in_one_line_naming_the_file_and_key(tmp_path, capsys, text, message):
+    import train
+
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--config", str(path), "--out-dir", str(tmp_path / "runs")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1 and re.search(message, lines[0]), lines
+    with pytest.raises(SystemExit):
+        train.main(["--config", str(tmp_path / "missing.toml")])
+    assert "missing.toml: no such file" in capsys.readouterr().err
