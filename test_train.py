@@ -4,6 +4,7 @@ import dataclasses
 import json
 import re
 import signal
+import os
 import subprocess
 import sys
 import time
@@ -438,3 +439,15 @@ def test_one_kv_pool_serves_every_rollout_and_evaluation(tiny_model_dir, tmp_pat
     monkeypatch.setattr(train.rollout, "generate", lambda *a, **k: used.append(k["pool"]) or generate(*a, **k))
     run_training(tiny_args(tiny_model_dir, tmp_path, "pool", "--steps", "2"))
     assert len(pools) == 1 and len(used) >= 4 and all(pool is pools[0] for pool in used)
+
+
+def test_train_py_asks_for_expandable_segments_before_cuda_starts():
+    """Imported without an allocator setting, train.py sets one (before torch can start CUDA); a user's stays."""
+    code = "import os, train; print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
+                         text=True)
+    assert run.stdout.strip() == "expandable_segments:True", run.stderr
+    kept = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent,
+                          env={**env, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}, capture_output=True, text=True)
+    assert kept.stdout.strip() == "max_split_size_mb:64", kept.stderr
