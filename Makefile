@@ -31,6 +31,7 @@ test: setup
 bench: setup
 	$(PY) bench/model.py
 	$(PY) bench/rollout.py
+	$(PY) bench/rollout.py --long-tail
 	$(PY) bench/reward.py
 
 clean:
