@@ -9,6 +9,7 @@ The two-rank runs share one spawn (about 10 s): the steps, a run that checkpoint
 import dataclasses
 import json
 import os
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,9 @@ from test_distributed import TIMING_KEYS, free_port, join_as, metric_lines, patc
 
 FULL = ("--lora-rank", "0", "--lr", "1e-3")
 STEP_CASES = {"token-mean": ("--aggregation", "token-mean"),
-              "seq-mean-token-mean": ("--aggregation", "seq-mean-token-mean", "--adv-std", "batch")}
+              "seq-mean-token-mean": ("--aggregation", "seq-mean-token-mean", "--adv-std", "batch"),
+              # one-row micro-batches: the rank with fewer rows of a mini-batch runs idle passes to meet the other
+              "idle passes": ("--aggregation", "token-mean", "--grad-accum", "4")}
 STEP_FLAGS = (*FULL, "--updates-per-rollout", "2", "--grad-accum", "2")
 RUN_FLAGS = (*FULL, "--checkpoint-every", "1", "--eval-every", "1", "--updates-per-rollout", "2")
 # a model to count a sharded micro-batch on: big enough that FSDP's buffers matter, small enough to run
@@ -136,6 +139,9 @@ def test_two_sharded_ranks_take_the_step_of_one_unsharded_process(two_ranks, tin
     for key, expected in single["record"].items():
         assert ranks["record"][key] == pytest.approx(expected, rel=1e-8, abs=1e-12), key
     assert single["record"]["ratio_max"] > 1 + 1e-6, "the second update saw moved weights"
+    if case == "idle passes":  # the shuffle of step 1 gives the ranks 5 and 3 rows of each mini-batch
+        order = torch.randperm(16, generator=torch.Generator().manual_seed(0 + 1))
+        assert [torch.bincount(m // 8, minlength=2).tolist() for m in order.chunk(2)] == [[5, 3], [3, 5]]
 
 
 def test_a_full_step_is_the_loss_autograd_and_adamw_written_out(tiny_model_dir, tmp_path, monkeypatch):
@@ -277,3 +283,16 @@ def test_the_plan_of_a_sharded_micro_batch_is_what_a_real_one_allocates(two_rank
         planned_one = planned_micro_batch(1)
     assert planned_one == real_one
     assert planned_micro_batch(2) == two_ranks["counted"]
+
+
+def test_full_step_bench_dry_run(tmp_path):
+    """bench/full_step.py end to end on a tiny Qwen3 on the CPU (in this process: the imports are paid), so the
+    script is not what breaks on a GPU."""
+    path = Path(train.__file__).parent / "bench" / "full_step.py"
+    spec = importlib.util.spec_from_file_location("bench_full_step", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--device", "cpu", "--tiny", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "full_step.json").read_text())
+    assert report["tokens_per_s"] > 0 and len(report["steps"]) == 4 and report["peak_allocated_bytes"] is None
+    assert report["planned_bytes"]["train"] > report["planned_bytes"]["optimizer"] > 0
