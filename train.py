@@ -213,11 +213,13 @@ def frozen_inputs(model, out: rollout.Rollout, cfg: Config, reference=None) -> d
     passes = {"old_logp": recompute, "ref_logp": "ref_logp" in needs, "old_hidden": "old_hidden" in needs}
     N, C = out.completion_mask.shape
     results = {name: None for name, wanted in passes.items() if wanted}
+    if not results:
+        return {"old_logp": out.old_logp}
     model.eval()
     with torch.no_grad():
         for rows in torch.arange(N, device=out.completion_mask.device).chunk(cfg.updates_per_rollout * cfg.grad_accum):
             ids, pad, start, c = window(out, rows)
-            h = model.hidden(ids, pad)
+            h = model.hidden(ids, pad) if passes["old_logp"] or passes["old_hidden"] else None
             chunk = {}
             if passes["old_logp"]:
                 chunk["old_logp"] = model.hidden_logprobs(h, ids, start=start, temperature=cfg.temperature)[0]
