@@ -124,9 +124,10 @@ PRESETS = {
         dataset="dapo", template="answer", eval_dataset="amc23,aime24,aime25", lora_rank=32, lora_alpha=64.0,
         lr=1e-6, max_new_tokens=8192, eval_every=50, eval_k=8, eval_temperature=0.6),
 }
-PRESETS["gppo-qwen3-8b-full"] = dict(
+PRESETS["gppo-qwen3-8b-full"] = dict(  # GPPO's run as it was: the rest of gppo-qwen3-8b
     PRESETS["gppo-qwen3-8b"],
-    lora_rank=0,  # GPPO trains every weight; lr 1e-6 is a full fine-tuning rate
+    lora_rank=0,  # our reading (README): the paper names no adapters, and lr 1e-6 is a full fine-tuning rate
+    lr=1e-6,  # stated: GPPO's learning rate, a full fine-tuning rate
     world_size=8)  # stated: 8 GPUs
 
 

@@ -30,6 +30,9 @@ PAPER_VALUES = [
     ("gppo-qwen3-8b", "rule", ("kl", "atomic"), "GPPO: the KL x Atomic cell"),
     ("gppo-qwen3-8b", "ratio_limits", (0.5, 10.0), "GPPO: global clip [0.5, 10]"),
     ("gppo-qwen3-8b", "kl_beta", 0.0, "GPPO: no KL penalty"),
+    ("gppo-qwen3-8b-full", "lr", 1e-6, "GPPO: learning rate 1e-6"),
+    ("gppo-qwen3-8b-full", "world_size", 8, "GPPO: 8 GPUs"),
+    ("gppo-qwen3-8b-full", "rule", ("kl", "atomic"), "GPPO: the KL x Atomic cell, as gppo-qwen3-8b"),
 ]
 
 
