@@ -745,7 +745,8 @@ def report(model_cfg: ModelConfig, work: Workload, budget_bytes: int,
             train=holds["train"] + f", blocks gathered in {dtype} one at a time",
             rollout=holds["rollout"] + f", the whole model gathered in {dtype}",
             eval=holds["eval"] + f", the whole model gathered in {dtype}")
-    lines = [f"per rank of {w.world_size} processes (FSDP2)"] if w.full else []
+    ranks = f"per rank of {w.world_size} processes" if w.world_size > 1 else "one process, a world of one"
+    lines = [f"{ranks} (FSDP2)"] if w.full else []
     lines += [f"{'phase':<9}{'own GB':>8}{'peak GB':>9}  holds"]
     lines += [f"{name:<9}{own / GB:>8.2f}{(held + own) / GB:>9.2f}  {holds[name]}"
               for name, (held, own) in measured.items()]

@@ -2,6 +2,7 @@
 file trimmed for a resume, strict JSON files, and the best adapter.
 
     runs/NAME/config.json        the settings the run started with
+    runs/NAME/config.toml        the settings of its latest start or resume, as `train.py --config` reads them
     runs/NAME/metrics.jsonl      one JSON line per step
     runs/NAME/checkpoint-STEP/   adapter (PEFT format) + trainer.pt (optimizer, state, RNG); the two newest
                                  (a full run: shards/ + trainer.pt, see below)
@@ -196,8 +197,13 @@ def to_json(value) -> str:
 
 
 def write_json(path: Path, value) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(to_json(value) + "\n")
+    write_text(path, to_json(value) + "\n")
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write a file under a temporary name and rename it into place: never half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
 
 

@@ -18,7 +18,9 @@ asks for it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import math
 import signal
 import sys
@@ -35,15 +37,17 @@ import config
 import distributed
 import eval as evaluation
 import fsdp
+import loggers
 import lora
 import loss
 import memory
 import reward
 import rollout
 import rundir
+import scoring
 import weights
 from config import Config
-from data import load_problems, render_prompt, stop_ids
+from data import load_problems, render_prompt, stop_ids, user_message
 
 
 # ----------------------------------------------------------------------------- one step
@@ -62,10 +66,11 @@ def train_step(model, optimizer, tokenizer, problems: list[dict], cfg: Config, s
     mine = world.prompts(len(problems))
     out = sample(model, tokenizer, problems[mine], cfg, step, first_prompt=mine.start)
     watch.lap("rollout")
-    rewards, correct = score(out, problems[mine], cfg)
+    rewards, correct, by_function = score(out, problems[mine], cfg, step)
     watch.lap("reward")
     lengths = out.completion_mask.sum(1).float()
-    rows = world.cat(torch.stack([rewards, correct, lengths, out.truncated.float()], 1))  # [N of the step, 4]
+    columns = [rewards, correct, lengths, out.truncated.float(), *by_function.values()]
+    rows = world.cat(torch.stack(columns, 1))  # [N of the step, 4 + reward functions]
     # from the whole step's rewards: one process's advantages, whatever they normalize over
     my_rows = slice(mine.start * cfg.group_size, mine.stop * cfg.group_size)
     advantages = loss.advantages(rows[:, 0], cfg.group_size, cfg.loss)[my_rows]  # [N of this rank]
@@ -76,8 +81,10 @@ def train_step(model, optimizer, tokenizer, problems: list[dict], cfg: Config, s
     tokens = torch.tensor([lengths.sum().item(), out.pad_mask.sum().item()], dtype=torch.float64, device="cpu")
     slowest, tokens = world.max(seconds), world.sum(tokens)
     records = [] if records is None else sum(world.gather(records), [])
-    reward_mean, accuracy, completion_length, truncated = rows.mean(0).tolist()
-    return {"step": step, "reward": reward_mean, "accuracy": accuracy, "completion_length": completion_length,
+    reward_mean, accuracy, completion_length, truncated, *function_means = rows.mean(0).tolist()
+    return {"step": step, "reward": reward_mean, "accuracy": accuracy,
+            **{f"rewards/{name}": mean for name, mean in zip(by_function, function_means)},
+            "completion_length": completion_length,
             "truncated": truncated, **update, "step_seconds": watch.total, "reward_seconds": watch.laps["reward"],
             "rollout_tokens_per_s": float(tokens[0] / slowest[0]),
             # every row is trained on once per mini-batch pass, prompt included
@@ -100,13 +107,27 @@ def sample(model, tokenizer, problems: list[dict], cfg: Config, step: int, first
                                 first_prompt=first_prompt, cuda_graphs=cfg.cuda_graphs)
 
 
-def score(out: rollout.Rollout, problems: list[dict], cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rewards [N], correct [N]) on the model's device; the format bonus is below 1, so correct = reward >= 1."""
-    references = [p["answer"] for p in problems for _ in range(cfg.group_size)]
-    answer_format = cfg.template if cfg.format_weight else None
-    rewards = torch.tensor(reward.reward(out.texts, references, format_weight=cfg.format_weight,
-                                         answer_format=answer_format), device=out.old_logp.device)
-    return rewards, (rewards >= 1).float()
+def score(out: rollout.Rollout, problems: list[dict], cfg: Config, step: int = 0
+          ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """(rewards [N], correct [N], {name: values [N]} of each reward function when there are several), on the
+    model's device. The reward is the weighted sum of the --reward-fn functions (scoring.py) plus the format
+    bonus; correct is the answer checker's verdict, whatever the reward is made of."""
+    rows = [p for p in problems for _ in range(cfg.group_size)]
+    functions = scoring.functions(cfg.reward_fn, cfg.reward_weights, cfg.reward_timeout)
+    columns = {"prompts": [user_message(p["problem"], cfg.template) for p in rows],
+               "completion_ids": out.completions, **scoring.columns_of(rows)}
+    totals, by_name = functions(out.texts, columns, where=f"step {step}", group_size=cfg.group_size)
+    checked = functions.name_of(reward.math_reward)  # the checker already ran: its verdicts are the accuracy
+    correct = by_name[checked] if checked else reward.reward(out.texts, [p["answer"] for p in rows])
+    if cfg.format_weight:
+        totals = [total + cfg.format_weight * reward.has_format(text, cfg.template)
+                  for total, text in zip(totals, out.texts)]
+
+    def tensor(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=out.old_logp.device)
+
+    by_function = {name: tensor(values) for name, values in by_name.items()} if len(by_name) > 1 else {}
+    return tensor(totals), (tensor(correct) >= 1).float(), by_function
 
 
 def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tensor, cfg: Config, step: int,
@@ -323,11 +344,14 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
     world = world or distributed.SOLO
     writer = world.rank == 0
     config.validate(cfg)
+    scoring.functions(cfg.reward_fn, cfg.reward_weights, cfg.reward_timeout)  # imports them: a typo fails now
     train_set, eval_sets = load_problems(cfg.dataset), load_eval_sets(cfg)
     run_dir = rundir.prepare_run_dir(cfg)
     # also the point no rank passes before every rank has checked its run directory
     distributed.check_same_settings(world, config.flat_config(cfg))
     model, tokenizer, optimizer, reference = build(cfg)
+    if cfg.resume and cfg.steps == 0 and cfg.export:  # export only: no training, no evaluation
+        return export_run(cfg, run_dir, model, tokenizer, optimizer, world)
     cfg = resolve_sizes(cfg, model, tokenizer, train_set, world)
     if writer:
         warn_if_inert(cfg)
@@ -341,12 +365,14 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
         rundir.save_checkpoint(run_dir, model, optimizer, state, world)
 
     state = open_run(cfg, run_dir, model, optimizer, world, save)
-    with StopRequest() as stop:
+    with StopRequest() as stop, contextlib.closing(open_trackers(cfg, run_dir, state, list(eval_sets), writer)) \
+            as trackers:
         if state["before"] is None:
             with stop.immediate():
                 state["before"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, "eval before", world)
+            trackers.log_eval(state["before"], 0, "before")
         bar = tqdm(range(state["step"], cfg.steps), desc="train", unit="step", initial=state["step"], total=cfg.steps,
-                   disable=not writer)
+                   disable=not (writer and sys.stderr.isatty()))  # no bar's escapes in a redirected log
         for _ in bar:
             step = state["step"] + 1
             problems = batch_of(train_set, state["data_position"], cfg.prompts_per_step, cfg.seed)
@@ -362,6 +388,10 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
             if writer:
                 with metrics_file.open("a") as f:
                     f.write(rundir.to_json(record) + "\n")
+                trackers.log_step(record)
+                if bar.disable:  # a log file gets one plain line per step instead of the bar
+                    print(f"step {step}/{cfg.steps}: reward {record['reward']:.3f}, accuracy {record['accuracy']:.3f}, "
+                          f"{record['step_seconds']:.1f} s", file=sys.stderr)
             bar.set_postfix(reward=f"{record['reward']:.2f}", acc=f"{record['accuracy']:.2f}")
             # every rank stops after the same step, whichever of them the signal reached first
             stopping = bool(world.max(torch.tensor(float(stop.requested), device="cpu")))
@@ -374,6 +404,7 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
                 return state
         with stop.immediate():
             state["after"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, "eval after", world)
+        trackers.log_eval(state["after"], state["step"], "after")
     rundir.keep_best(run_dir, model, state, state["after"], writer, tokenizer)
     save(state)
     if writer:
@@ -399,14 +430,43 @@ def open_run(cfg: Config, run_dir: Path, model, optimizer, world: distributed.Wo
         world.barrier("loading the checkpoint")  # before rank 0 may write the next one
         if writer:
             rundir.truncate_metrics(run_dir / "metrics.jsonl", state["step"])
+            rundir.write_text(run_dir / "config.toml", config.to_toml(cfg))  # the settings it now runs with
             print(f"resumed {run_dir} at step {state['step']}", file=sys.stderr)
         return state
     state = {"step": 0, "data_position": 0, "before": None, "best": None}
     if writer:
         rundir.write_json(run_dir / "config.json", config.flat_config(cfg))
+        rundir.write_text(run_dir / "config.toml", config.to_toml(cfg))
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
         print(f"run directory: {run_dir}", file=sys.stderr)
     save(state)
+    return state
+
+
+def open_trackers(cfg: Config, run_dir: Path, state: dict, eval_sets: list[str], writer: bool) -> loggers.Loggers:
+    """The --log trackers of the writing process (none on the others), with the evaluations logged so far."""
+    earlier = [(state["before"], 0, "before")] if state["before"] else []
+    if cfg.resume and cfg.log and writer:  # the results table goes on from the run's earlier evaluations
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            if record.get("eval"):
+                earlier.append((record["eval"], record["step"], f"step {record['step']}"))
+        if state.get("after"):  # a finished run trained further: its final evaluation so far
+            earlier.append((state["after"], state["step"], "after"))
+    return loggers.Loggers(cfg.log if writer else "", run_dir, config.flat_config(cfg), config.to_toml(cfg),
+                           cfg.log_project, state["step"], bool(cfg.resume), eval_sets, earlier)
+
+
+def export_run(cfg: Config, run_dir: Path, model, tokenizer, optimizer, world: distributed.World) -> dict:
+    """--resume RUN --steps 0 --export DIR: the policy of the run's last checkpoint, merged and exported;
+    nothing trains, nothing is evaluated, and the run directory is left as it was."""
+    state = rundir.load_checkpoint(run_dir, model, optimizer)
+    with fsdp.whole(model) as whole_model:  # a sharded model is gathered on every rank, for rank 0 to write
+        if world.rank == 0:
+            weights.save_pretrained(whole_model, cfg.export, tokenizer=tokenizer)
+            print(f"exported the {'merged ' if cfg.lora_rank else ''}weights of {run_dir} at step {state['step']} "
+                  f"to {cfg.export}", file=sys.stderr)
+    world.barrier("waiting for rank 0 to write the export")
     return state
 
 
@@ -442,6 +502,19 @@ def evaluate_held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: C
     for those problems) and the per-problem results are gathered.
     """
     world = world or distributed.SOLO
+    if world.rank == 0 and not sys.stderr.isatty():  # a log file has no progress bar: say what runs
+        sizes = ", ".join(f"{len(problems)} of {name}" for name, problems in eval_sets.items())
+        print(f"{desc}: {sizes} x {cfg.eval_k} samples", file=sys.stderr)
+    result = _held_out(model, tokenizer, eval_sets, cfg, desc, world)
+    if world.rank == 0:
+        se = f"{100 * result['se']:.1f}" if result["se"] is not None and math.isfinite(result["se"]) else "undefined"
+        tqdm.write(f"{desc}: Mean@{cfg.eval_k} {100 * result['accuracy']:.1f}% (se {se}), Pass@{cfg.eval_k} "
+                   f"{100 * result['pass@k']:.1f}%, {result['problems']} problems", file=sys.stderr)
+    return result
+
+
+def _held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: Config, desc: str,
+              world: distributed.World) -> dict:
     results = {}
     with fsdp.whole(model) as policy:  # a sharded model's weights, gathered once for every set
         for name, problems in eval_sets.items():
@@ -468,8 +541,15 @@ def evaluate_held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: C
             "problems": sum(p["problems"] for p in parts), "k": cfg.eval_k, "sets": results}
 
 
+CLIP_SETTINGS = ("rule", "delta", "delta_high", "dual_clip", "ratio_limits", "tv_half", "kl_two_sided", "sapo_tau_pos",
+                 "sapo_tau_neg", "cov_ratio", "clip_cov_bounds", "kl_cov_coef")
+
+
 def warn_if_inert(cfg: Config) -> None:
-    if cfg.updates_per_rollout == 1:
+    """A clip rule chosen for a run where no rule can act is said at the start; the default run says nothing."""
+    default = loss.LossConfig()
+    chosen = any(getattr(cfg.loss, name) != getattr(default, name) for name in CLIP_SETTINGS)
+    if cfg.updates_per_rollout == 1 and chosen:
         warnings.warn("--updates-per-rollout 1: every update starts from the weights that sampled its rollout, so "
                       "the ratio w is 1 up to rounding and every clip rule gives the same update; use several "
                       "updates per rollout to compare rules", stacklevel=2)
@@ -649,6 +729,10 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"train.py: {error}", file=sys.stderr)
         sys.exit(2)
+    except scoring.RewardFunctionError as error:  # the user's function, not the trainer: no traceback
+        print(f"train.py: {error}; the last checkpoint is kept (python train.py --resume RUN continues it)",
+              file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:
         print("\ninterrupted; the last checkpoint is kept (python train.py --resume RUN continues it)", file=sys.stderr)
         sys.exit(130)
