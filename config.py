@@ -39,7 +39,8 @@ class Config:
     dtype: str = opt("auto", "bfloat16 on cuda and float32 on cpu when auto", ("auto", "float32", "bfloat16"))
     gradient_checkpointing: str = opt("auto", "recompute activations in the backward (auto: on for cuda)",
                                       ("auto", "on", "off"))
-    lora_rank: int = opt(16, "LoRA rank r")
+    lora_rank: int = opt(16, "LoRA rank r; 0 trains every weight (full-parameter, sharded over the processes "
+                             "with FSDP2)")
     lora_alpha: float = opt(32.0, "LoRA alpha (scale alpha/r)")
     lora_dropout: float = opt(0.0, "dropout on the LoRA input")
     lora_targets: str = opt("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
@@ -99,6 +100,8 @@ class Config:
                              "in RUN/tokens/ for `python loss.py calibrate RUN`; 0 = off")
     gpu_memory: float | None = opt(None, "GPU memory budget in GB for --plan and the automatic batch sizes; "
                                          "empty = the GPU's (80 without one)")
+    world_size: int = opt(0, "processes the run is meant for: --plan plans each rank's memory for this many; 0 = "
+                             "torchrun's (1 without it). A run trains on the processes torchrun starts")
     resume: str | None = opt(None, "run directory to continue from its last checkpoint")
     dist_timeout: float = opt(1800.0, "under torchrun, seconds a process waits for the others (say, while rank 0 "
                                       "writes a checkpoint) before it fails: a process died or hangs")
@@ -131,15 +134,17 @@ def validate(cfg: Config, need_device: bool = True) -> None:
     """Every setting that would fail after the model loads fails here, naming the flag and what it accepts."""
     rows = cfg.prompts_per_step * cfg.group_size
     device, processes = cfg.device, distributed.world_size()
+    # the processes running (torchrun's) and those the run is planned for (--world-size) must both split a step
+    split = next((n for n in (processes, cfg.world_size) if n and cfg.prompts_per_step % n), processes)
     for ok, message in (
         (device in ("auto", "cpu", "meta") or device.startswith("cuda"),
          f"--device {device!r}: expected cpu, cuda, cuda:N or auto"),
         (not need_device or not device.startswith("cuda") or torch.cuda.is_available(),
          f"--device {device}: no CUDA GPU is visible to torch on this machine; use --device cpu"),
-        (cfg.prompts_per_step % processes == 0,
-         f"--prompts-per-step {cfg.prompts_per_step} does not split over {processes} processes: each samples whole "
+        (cfg.prompts_per_step % split == 0,
+         f"--prompts-per-step {cfg.prompts_per_step} does not split over {split} processes: each samples whole "
          "prompts (a prompt's G completions share one process, where its advantages are computed); use a multiple "
-         f"of {processes}"),
+         f"of {split}"),
         (processes == 1 or not device.startswith("cuda:"),
          f"--device {device}: under torchrun each process takes the GPU of its LOCAL_RANK; use --device auto or cuda"),
         (cfg.group_size >= 2, f"--group-size {cfg.group_size}: GRPO compares at least 2 samples per prompt"),
@@ -150,8 +155,9 @@ def validate(cfg: Config, need_device: bool = True) -> None:
          "identical and carry no signal"),
         (0 < cfg.top_p <= 1, f"--top-p {cfg.top_p}: must be in (0, 1]"),
         (cfg.top_k >= 0, f"--top-k {cfg.top_k}: must be >= 0 (0 = off)"),
-        (cfg.lora_rank >= 1 and cfg.lora_alpha > 0, f"--lora-rank {cfg.lora_rank} must be >= 1 and --lora-alpha "
-                                                    f"{cfg.lora_alpha} > 0"),
+        (cfg.lora_rank >= 0 and cfg.lora_alpha > 0, f"--lora-rank {cfg.lora_rank} must be >= 0 (0 trains every "
+                                                    f"weight) and --lora-alpha {cfg.lora_alpha} > 0"),
+        (cfg.world_size >= 0, f"--world-size {cfg.world_size}: must be >= 0 (0 = torchrun's)"),
         (0 <= cfg.lora_dropout < 1, f"--lora-dropout {cfg.lora_dropout}: must be in [0, 1)"),
         (cfg.lr > 0 and math.isfinite(cfg.lr), f"--lr {cfg.lr}: must be a positive number"),
         (cfg.weight_decay >= 0 and cfg.grad_clip > 0, f"--weight-decay {cfg.weight_decay} must be >= 0 and "
@@ -315,6 +321,9 @@ def resumed_config(cfg: Config, given: set[str]) -> Config:
     if "steps" in given and cfg.steps == 0 and not cfg.export:
         raise ValueError(f"--resume {run_dir} --steps 0 trains and evaluates nothing; add --export DIR to export "
                          "the run's last checkpoint")
+    if "lora_rank" in given and cfg.lora_rank != saved.get("lora_rank", cfg.lora_rank):
+        raise ValueError(f"--resume {run_dir}: the run trains with --lora-rank {saved['lora_rank']} and its "
+                         f"checkpoints hold those weights; --lora-rank {cfg.lora_rank} cannot change it")
     merged = {**saved, **{name: current[name] for name in given}}
     merged.update(run_name=run_dir.name, out_dir=str(run_dir.parent), resume=str(run_dir))
     return make_config(merged)

@@ -560,8 +560,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def take_run_settings(args: argparse.Namespace) -> list[str]:
-    """Fill the flags not given from the run's config.json and point --adapter at its best adapter; returns the
-    names filled. A run's automatic values (dtype auto, eval_problems 0 = all) leave eval.py's own defaults."""
+    """Fill the flags not given from the run's config.json and point --adapter at its best adapter (a full run's
+    --model at its best weights); returns the names filled. A run's automatic values (dtype auto, eval_problems
+    0 = all) leave eval.py's own defaults."""
     saved_file = Path(args.run) / "config.json"
     if not saved_file.is_file():
         raise FileNotFoundError(f"--run {args.run}: not a run directory of train.py (no config.json)")
@@ -578,6 +579,15 @@ def take_run_settings(args: argparse.Namespace) -> list[str]:
             continue
         setattr(args, flag, value)
         filled.append(flag)
+    if saved.get("lora_rank") == 0:  # every weight trained: the run's best weights are a model of their own
+        best = Path(args.run) / "best"
+        if "model" in filled:
+            if not (best / "config.json").is_file():
+                raise FileNotFoundError(f"--run {args.run}: a full-parameter run without best weights yet; export its "
+                                        f"last checkpoint (python train.py --resume {args.run} --steps 0 --export DIR) "
+                                        "and evaluate --model DIR")
+            args.model = str(best)
+        return filled
     if args.adapter is None:
         args.adapter = args.run
         filled.append("adapter")

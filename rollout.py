@@ -186,7 +186,8 @@ def _check_args(model, prompts, samples_per_prompt, max_new_tokens, temperature,
         raise ValueError(f"cuda_graphs='on' needs the model on a CUDA device (or a pool with a graph stand-in); "
                          f"it is on {model.device}")
     if pool is not None and pool.model is not model:
-        raise ValueError("pool: it was built for another model (its graphs and buffers read that model's weights)")
+        raise ValueError("pool: it was built for another model (its graphs and buffers read that model's weights); "
+                         "Pool.bind serves a new one")
 
 
 # ----------------------------------------------------------------------------- the pool
@@ -202,6 +203,11 @@ class Pool:
     bf16/fp16, torch with the paged FlashAttention kernel), "gather" or "auto" (flash where it is
     available and agrees with gather on a small self-check at creation, else gather). graph_class
     replays the fixed-shape steps: CudaGraph on CUDA; EagerGraph stands in for it anywhere.
+
+    A pool serves the model it was made with. A full-parameter run samples each step with weights gathered
+    anew (fsdp.whole: a new Transformer whose tensors live only for the rollout), so it binds the pool to
+    that model for the call and releases it after: the decode weights and graphs, which read the model's
+    tensors, are dropped, and the blocks are kept.
     """
 
     def __init__(self, model: modeling.Transformer, blocks: int, *, max_len: int | None = None,
@@ -218,6 +224,7 @@ class Pool:
             raise ValueError(f"block_size={self.block_size}: the paged FlashAttention kernel needs a multiple "
                              f"of {FLASH_BLOCK}")
         self.model, self.max_len = model, max_len or model.config.max_position_embeddings
+        self.shape = (model.config, model.dtype, model.device)
         self.table_width = -(-self.max_len // self.block_size)
         self.kv = modeling.KVPool(model.config, blocks, self.block_size, model.dtype, model.device, kind)
         if kind == "flash" and attention == "auto" and model.device.type == "cuda" and not _flash_agrees(self.kv):
@@ -250,6 +257,24 @@ class Pool:
             raise ValueError(f"pool: {self.kv.blocks - 1} blocks of {self.block_size} slots hold no group of "
                              f"{G} samples of the longest prompt ({longest} tokens) at {new_tokens} new tokens, "
                              f"which needs {need}; give the pool more blocks or lower max_new_tokens")
+
+    def bind(self, model: modeling.Transformer) -> None:
+        """Serve `model` from now on: a model of the pool's config, dtype and device whose weights may be other
+        tensors than the last one's (its decode weights and graphs are built again)."""
+        if model is self.model:
+            return
+        if (model.config, model.dtype, model.device) != self.shape:
+            raise ValueError(f"pool: made for a model of {self.shape[1]} on {self.shape[2]} with another config, "
+                             f"given one of {model.dtype} on {model.device}")
+        self.release()
+        self.model = model
+
+    def release(self) -> None:
+        """Let go of the model: its decode weights, and the graphs that read its tensors with their memory (bind
+        serves another). Whether graphs failed to capture is kept: the fallback warns once per pool."""
+        failed = self.graphs.failed
+        self.model, self.weights, self.graphs = None, None, _Graphs(self)
+        self.graphs.failed = failed
 
     def decode_weights(self) -> modeling.DecodeWeights:
         """The decode weights with the adapters' current values; rebuilt (dropping the graphs that read the

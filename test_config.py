@@ -32,7 +32,12 @@ PAPER_VALUES = [
     ("gppo-qwen3-8b", "rule", ("kl", "atomic"), "GPPO: the KL x Atomic cell"),
     ("gppo-qwen3-8b", "ratio_limits", (0.5, 10.0), "GPPO: global clip [0.5, 10]"),
     ("gppo-qwen3-8b", "kl_beta", 0.0, "GPPO: no KL penalty"),
+    ("gppo-qwen3-8b-full", "lr", 1e-6, "GPPO: learning rate 1e-6"),
+    ("gppo-qwen3-8b-full", "world_size", 8, "GPPO: 8 GPUs"),
 ]
+# GPPO's run on every weight states what the LoRA preset states, in a file of its own
+PAPER_VALUES += [("gppo-qwen3-8b-full", name, value, source) for preset, name, value, source in PAPER_VALUES
+                 if preset == "gppo-qwen3-8b"]
 # the 8B twin of ATR-GRPO states the same setup as the 1.7B run, in a file of its own
 PAPER_VALUES += [("atr-grpo-qwen3-8b", name, value, source) for preset, name, value, source in PAPER_VALUES
                  if preset == "atr-grpo-qwen3-1.7b" and name != "model"]
@@ -93,7 +98,7 @@ def test_every_loss_setting_reaches_the_loss_config():
 def test_every_preset_is_a_file_whose_stated_values_are_all_checked():
     """A preset is configs/NAME.toml; each value marked "stated" there has its row in PAPER_VALUES."""
     files = sorted(config.CONFIGS.glob("*.toml"))
-    assert sorted(config.PRESETS) == [path.stem for path in files] and files
+    assert sorted(config.PRESETS) == sorted(path.stem for path in files) and files
     checked = {(preset, name) for preset, name, _, _ in PAPER_VALUES}
     for path in files:
         stated = [line.split("=")[0].strip() for line in path.read_text().splitlines()

@@ -239,7 +239,7 @@ def sampled_step(tiny_model_dir, tmp_path, monkeypatch, *flags):
     so rows differ in length and the trimming of padding is exercised."""
     cfg, _, _ = config.parse_args(tiny_args(tiny_model_dir, tmp_path, "step", "--prompts-per-step", "4",
                                            "--max-new-tokens", "6", *flags))
-    model, tokenizer, _ = train.build(cfg)
+    model, tokenizer, _, _ = train.build(cfg)
     cfg = train.resolve_automatic(cfg, model, tokenizer, [])
     monkeypatch.setattr(train, "stop_ids", lambda config, tok: list(range(0, len(tok), 4)))
     problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
@@ -254,7 +254,7 @@ def test_micro_batches_give_the_update_of_one_batch(tiny_model_dir, tmp_path, mo
     cfg, out, advantages = sampled_step(tiny_model_dir, tmp_path, monkeypatch, "--aggregation", aggregation)
     updated = []
     for accum in (1, 4):  # plain SGD: Adam would blow rounding noise in near-zero gradients up to +-lr
-        model, _, _ = train.build(cfg)
+        model, _, _, _ = train.build(cfg)
         optimizer = torch.optim.SGD(lora.parameters(model), lr=1.0)
         train.policy_update(model, optimizer, out, advantages, dataclasses.replace(cfg, grad_accum=accum), step=1)
         updated.append({k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad})
@@ -264,7 +264,7 @@ def test_micro_batches_give_the_update_of_one_batch(tiny_model_dir, tmp_path, mo
 
 def test_non_finite_loss_skips_the_update(tiny_model_dir, tmp_path, monkeypatch):
     cfg, out, advantages = sampled_step(tiny_model_dir, tmp_path, monkeypatch)
-    model, _, optimizer = train.build(cfg)
+    model, _, optimizer, _ = train.build(cfg)
     before = {k: v.clone() for k, v in model.named_parameters() if v.requires_grad}
     with pytest.warns(UserWarning, match="update skipped"):
         metrics = train.policy_update(model, optimizer, out, torch.full_like(advantages, float("nan")), cfg, step=1)
@@ -279,7 +279,7 @@ def test_a_step_and_an_evaluation_create_every_tensor_on_the_model_device(tiny_m
     and meeting the model's CPU tensors raises, as a CPU tensor meeting CUDA ones does on a GPU."""
     cfg, _, _ = config.parse_args(tiny_args(tiny_model_dir, tmp_path, "device", "--updates-per-rollout", "2",
                                            "--kl-beta", "0.1", "--rule", "kl_full", "--recompute-old-logp", "on"))
-    model, tokenizer, optimizer = train.build(cfg)
+    model, tokenizer, optimizer, _ = train.build(cfg)
     cfg = train.resolve_automatic(cfg, model, tokenizer, [])
     problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
     eval_sets = train.load_eval_sets(cfg)
@@ -294,9 +294,10 @@ def test_a_step_and_an_evaluation_create_every_tensor_on_the_model_device(tiny_m
 
 def test_old_logp_are_recomputed_automatically_outside_float32(tiny_model_dir, tmp_path, monkeypatch):
     cfg, out, _ = sampled_step(tiny_model_dir, tmp_path, monkeypatch)
-    model, _, _ = train.build(cfg)
+    model, _, _, _ = train.build(cfg)
     assert train.frozen_inputs(model, out, cfg)["old_logp"] is out.old_logp  # float32: the sampler's are exact
-    recomputed = train.frozen_inputs(model.to(torch.bfloat16), out, cfg)["old_logp"]
+    bf16 = dataclasses.replace(cfg, dtype="bfloat16")  # the compute dtype decides: a full run's weights are fp32
+    recomputed = train.frozen_inputs(model.to(torch.bfloat16), out, bf16)["old_logp"]
     assert recomputed is not out.old_logp and recomputed.shape == out.old_logp.shape
     mask = out.completion_mask  # the loss reads these tokens only
     torch.testing.assert_close(recomputed[mask], out.old_logp[mask], atol=0.2, rtol=0)  # bf16 rounding, no more

@@ -5,12 +5,15 @@
     python train.py --preset atr-grpo-qwen3-1.7b --plan   # its memory, phase by phase, without loading it
     python train.py --resume runs/NAME               # continue a run from its last checkpoint
     torchrun --nproc-per-node 8 train.py --preset gppo-qwen3-8b   # data parallel over 8 GPUs (README)
+    torchrun --nproc-per-node 8 train.py --preset gppo-qwen3-8b-full   # every weight, sharded over 8 GPUs
 
 The file reads in the order a run executes: one step (prompts -> G completions each -> rewards ->
 group-normalized advantages -> optimizer steps over mini-batches of the rollout), then the loop around
 it (evaluation, logging, checkpoints), then building the model and the command line. The settings and
-their flags live in config.py, the files of a run directory in rundir.py. Only the LoRA adapters
-train; the frozen base doubles as the reference policy.
+their flags live in config.py, the files of a run directory in rundir.py. With LoRA only the
+adapters train and the frozen base doubles as the reference policy; with --lora-rank 0 every weight
+trains, sharded by FSDP2 (fsdp.py), and the reference policy is a frozen copy kept only when the loss
+asks for it.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from tqdm import tqdm  # noqa: E402
 import config  # noqa: E402
 import distributed  # noqa: E402
 import eval as evaluation  # noqa: E402
+import fsdp  # noqa: E402
 import loggers  # noqa: E402
 import lora  # noqa: E402
 import loss  # noqa: E402
@@ -56,11 +60,13 @@ from data import load_problems, render_prompt, stop_ids, user_message  # noqa: E
 
 
 def train_step(model, optimizer, tokenizer, problems: list[dict], cfg: Config, step: int,
-               world: distributed.World | None = None, pool: rollout.Pool | None = None) -> tuple[dict, list]:
+               world: distributed.World | None = None, reference=None,
+               pool: rollout.Pool | None = None) -> tuple[dict, list]:
     """One GRPO step on `problems`; returns its metrics line and the per-token records (empty unless logged).
 
     With several processes (world), `problems` is the whole step's, the same on every rank, and each rank
     samples and trains on its slice of whole prompts; the metrics and records are the whole step's.
+    reference is a full run's frozen reference policy (see build).
     """
     world = world or distributed.SOLO
     watch = Stopwatch()
@@ -76,7 +82,7 @@ def train_step(model, optimizer, tokenizer, problems: list[dict], cfg: Config, s
     my_rows = slice(mine.start * cfg.group_size, mine.stop * cfg.group_size)
     advantages = loss.advantages(rows[:, 0], cfg.group_size, cfg.loss)[my_rows]  # [N of this rank]
     records = [] if cfg.log_tokens else None
-    update = policy_update(model, optimizer, out, advantages, cfg, step, records, world)
+    update = policy_update(model, optimizer, out, advantages, cfg, step, records, world, reference)
     watch.lap("update")
     seconds = torch.tensor([watch.laps["rollout"], watch.laps["update"]], dtype=torch.float64, device="cpu")
     tokens = torch.tensor([lengths.sum().item(), out.pad_mask.sum().item()], dtype=torch.float64, device="cpu")
@@ -96,12 +102,13 @@ def sample(model, tokenizer, problems: list[dict], cfg: Config, step: int, first
            pool: rollout.Pool | None = None) -> rollout.Rollout:
     """G completions for each problem, with the sampling policy's log-probs: one sampler call, at most
     rollout_batch prompts in flight, over the run's KV pool. first_prompt is the index of problems[0] in
-    the step: a prompt's samples depend on it, not on the process."""
+    the step: a prompt's samples depend on it, not on the process. A sharded model samples with its whole
+    weights, gathered for the rollout (sampling_policy)."""
     prompts = [render_prompt(tokenizer, p["problem"], cfg.template, cfg.system_prompt) for p in problems]
     model.eval()  # no LoRA dropout while sampling: the old log-probs must be the sampling policy's
     with oom_hint("the rollout", f"lower --rollout-batch (now {cfg.rollout_batch} prompts in flight) or --kv-blocks "
-                                 f"(now {cfg.kv_blocks})"):
-        return rollout.generate(model, prompts, samples_per_prompt=cfg.group_size,
+                                 f"(now {cfg.kv_blocks})"), sampling_policy(model, pool) as policy:
+        return rollout.generate(policy, prompts, samples_per_prompt=cfg.group_size,
                                 max_new_tokens=cfg.max_new_tokens,
                                 temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                 stop_ids=stop_ids(model.config, tokenizer), seed=cfg.seed * 1_000_003 + step,
@@ -133,7 +140,7 @@ def score(out: rollout.Rollout, problems: list[dict], cfg: Config, step: int = 0
 
 
 def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tensor, cfg: Config, step: int,
-                  records: list | None = None, world: distributed.World | None = None) -> dict:
+                  records: list | None = None, world: distributed.World | None = None, reference=None) -> dict:
     """updates_per_rollout optimizer steps over shuffled mini-batches of the rollout's rows, each the sum of
     grad_accum micro-batches. Metrics: token-weighted means over micro-batches; *_min / *_max are extremes;
     start_ratio_min / _max are the first mini-batch's, before this step's first update (the numerical floor).
@@ -141,10 +148,12 @@ def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tens
     With several processes, `out` holds this rank's rows of the step, which are rows world.rank * N ..
     of the step's. The shuffle is of the whole step's rows, the same on every rank, and each rank trains
     on its own rows of each mini-batch: the mini-batches are one process's, and with the normalizers
-    summed over the ranks and the gradients too, so is every update.
+    summed over the ranks and the gradients too, so is every update. Every rank runs as many micro-batches
+    as the largest share of a mini-batch needs: a sharded model's passes are collectives, and a rank with
+    no rows left runs one row at weight 0 (its gradient is exactly 0) to meet the others.
     """
     world = world or distributed.SOLO
-    inputs = frozen_inputs(model, out, cfg)  # what the loss needs of the policy before it moves
+    inputs = frozen_inputs(model, out, cfg, reference)  # what the loss needs of the policy before it moves
     advantages = advantages.to(out.old_logp.device)
     N, first = len(advantages), world.rank * len(advantages)
     order = torch.randperm(N * world.size, generator=torch.Generator().manual_seed(cfg.seed + step), device="cpu")
@@ -154,19 +163,29 @@ def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tens
     num_tokens = world.sum(torch.stack([out.completion_mask[rows].sum() for rows in mine]))
     model.train()
     per_update, grad_norms = [], []
+    params = trainable(model)
     for minibatch, step_rows, step_tokens in zip(mine, minibatches, num_tokens):
         totals = {"num_tokens": step_tokens, "num_seqs": len(step_rows)}
-        # micro-batches of the size one rank's average share needs: a larger share takes more of them
+        # micro-batches of the size one rank's average share needs: the largest share takes more of them
         micro_rows = math.ceil(len(step_rows) / world.size / cfg.grad_accum)
+        largest_share = int(torch.bincount(step_rows // N, minlength=world.size).max())
         losses, metrics = [], []
-        for rows in minibatch.split(micro_rows) if len(minibatch) else ():  # a rank may hold none of its rows
+        for rows in minibatch.tensor_split(math.ceil(largest_share / micro_rows)):
+            idle = len(rows) == 0
+            if idle and not fsdp.is_sharded(model):
+                continue
+            if idle:
+                rows = torch.zeros(1, dtype=torch.long, device=advantages.device)
             with oom_hint(f"a training micro-batch of {len(rows)} rows", f"raise --grad-accum (now {cfg.grad_accum})"):
-                value, micro_metrics = micro_batch_loss(model, out, advantages, inputs, rows, cfg, totals, records)
+                value, micro_metrics = micro_batch_loss(model, out, advantages, inputs, rows, cfg, totals,
+                                                        None if idle else records)
+                value = value * 0 if idle else value
                 value.backward()
             losses.append(value.detach())
-            metrics.append(micro_metrics)
+            if not idle:
+                metrics.append(micro_metrics)
         local_loss = torch.stack(losses).sum() if losses else torch.zeros((), device=advantages.device)
-        total_loss = distributed.sum_gradients(list(lora.parameters(model)), world, local_loss)
+        total_loss = distributed.sum_gradients(params, world, local_loss)
         grad_norms.append(optimizer_step(model, optimizer, total_loss, cfg, step))
         per_update.append(metrics)
     # every rank's micro-batches, update by update
@@ -199,7 +218,7 @@ def micro_batch_loss(model, out: rollout.Rollout, advantages: torch.Tensor, inpu
 
 def optimizer_step(model, optimizer, total_loss: torch.Tensor, cfg: Config, step: int) -> float | None:
     """Clip and apply the accumulated gradient; a non-finite loss or norm skips the update (returns None)."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(lora.parameters(model), cfg.grad_clip)
+    grad_norm = fsdp.clip_grad_norm(trainable(model), cfg.grad_clip)
     finite = bool(torch.isfinite(total_loss) & torch.isfinite(grad_norm))  # one device sync
     if finite:
         optimizer.step()
@@ -210,38 +229,54 @@ def optimizer_step(model, optimizer, total_loss: torch.Tensor, cfg: Config, step
     return float(grad_norm) if finite else None
 
 
-def frozen_inputs(model, out: rollout.Rollout, cfg: Config) -> dict[str, torch.Tensor]:
+def frozen_inputs(model, out: rollout.Rollout, cfg: Config, reference=None) -> dict[str, torch.Tensor]:
     """Per-token inputs of the loss taken before the policy moves, each [N, C, ...] completion-aligned.
 
     old_logp: the sampler's, or recomputed by the training pass (recompute_old_logp); ref_logp: the
-    frozen base's (LoRA off), when the loss asks for it; old_hidden: the sampling policy's final states
-    at the positions that predict each completion token, when the rule asks for them. The passes run
+    reference policy's (reference_policy), when the loss asks for it; old_hidden: the sampling policy's final
+    states at the positions that predict each completion token, when the rule asks for them. The passes run
     without gradient, in eval mode (no LoRA dropout), in micro-batches of the training size.
     """
     needs = loss.required_inputs(cfg.loss)
-    recompute = cfg.recompute_old_logp == "on" or (cfg.recompute_old_logp == "auto" and model.dtype != torch.float32)
+    _, dtype = config.resolve_device(cfg)  # the compute dtype (a full run's weights are fp32 under bf16)
+    recompute = cfg.recompute_old_logp == "on" or (cfg.recompute_old_logp == "auto" and dtype != torch.float32)
     passes = {"old_logp": recompute, "ref_logp": "ref_logp" in needs, "old_hidden": "old_hidden" in needs}
     N, C = out.completion_mask.shape
     results = {name: None for name, wanted in passes.items() if wanted}
+    if not results:
+        return {"old_logp": out.old_logp}
     model.eval()
     with torch.no_grad():
         for rows in torch.arange(N, device=out.completion_mask.device).chunk(cfg.updates_per_rollout * cfg.grad_accum):
             ids, pad, start, c = window(out, rows)
-            h = model.hidden(ids, pad)
+            h = model.hidden(ids, pad) if passes["old_logp"] or passes["old_hidden"] else None
             chunk = {}
             if passes["old_logp"]:
                 chunk["old_logp"] = model.hidden_logprobs(h, ids, start=start, temperature=cfg.temperature)[0]
             if passes["old_hidden"]:
                 chunk["old_hidden"] = completion_states(h, start)
             if passes["ref_logp"]:
-                with lora.disabled(model):  # the frozen base is the reference policy
-                    h_ref = model.hidden(ids, pad)
-                chunk["ref_logp"] = model.hidden_logprobs(h_ref, ids, start=start, temperature=cfg.temperature)[0]
+                with reference_policy(model, reference) as ref:
+                    h_ref = ref.hidden(ids, pad)
+                    chunk["ref_logp"] = ref.hidden_logprobs(h_ref, ids, start=start, temperature=cfg.temperature)[0]
             for name, value in chunk.items():
                 if results[name] is None:
                     results[name] = value.new_zeros(N, C, *value.shape[2:])
                 results[name][rows, :c] = value
+    if reference is not None:
+        fsdp.reshard(reference)  # its root stays gathered after a pass without backward
     return {"old_logp": out.old_logp, **results}
+
+
+@contextmanager
+def reference_policy(model, reference):
+    """The policy the KL penalty measures against: a full run's frozen copy, or the LoRA model's frozen base
+    (its adapters off)."""
+    if reference is not None:
+        yield reference
+        return
+    with lora.disabled(model):
+        yield model
 
 
 def window(out: rollout.Rollout, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
@@ -323,20 +358,21 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
     run_dir = rundir.prepare_run_dir(cfg)
     # also the point no rank passes before every rank has checked its run directory
     distributed.check_same_settings(world, config.flat_config(cfg))
-    model, tokenizer, optimizer = build(cfg)
+    model, tokenizer, optimizer, reference = build(cfg)
     if cfg.resume and cfg.steps == 0 and cfg.export:  # export only: no training, no evaluation
         return export_run(cfg, run_dir, model, tokenizer, optimizer, world)
     cfg = resolve_sizes(cfg, model, tokenizer, train_set, world, eval_sets)
     pool = sampler_pool(cfg, model, tokenizer, train_set, eval_sets)
     if writer:
         warn_if_inert(cfg)
+        if cfg.world_size and cfg.world_size != world.size:
+            warnings.warn(f"--world-size {cfg.world_size}: the run is meant for {cfg.world_size} processes and runs on "
+                          f"{world.size}; every size the memory plan chooses is for {world.size}")
         run_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed start leaves no empty run directory
     metrics_file = run_dir / "metrics.jsonl"
 
     def save(state: dict) -> None:
-        if writer:
-            rundir.save_checkpoint(run_dir, model, optimizer, state)
-        world.barrier("waiting for rank 0 to write a checkpoint")
+        rundir.save_checkpoint(run_dir, model, optimizer, state, world)
 
     state = open_run(cfg, run_dir, model, optimizer, world, save)
     with StopRequest() as stop, contextlib.closing(open_trackers(cfg, run_dir, state, list(eval_sets), writer)) \
@@ -350,7 +386,7 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
         for _ in bar:
             step = state["step"] + 1
             problems = batch_of(train_set, state["data_position"], cfg.prompts_per_step, cfg.seed)
-            record, records = train_step(model, optimizer, tokenizer, problems, cfg, step, world, pool)
+            record, records = train_step(model, optimizer, tokenizer, problems, cfg, step, world, reference, pool)
             state.update(step=step, data_position=state["data_position"] + cfg.prompts_per_step)
             if records and writer:
                 loss.write_token_records(run_dir / "tokens" / f"step-{step:06d}.npz", records, cfg.log_tokens,
@@ -359,7 +395,7 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
                 with stop.immediate():
                     record["eval"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, f"eval step {step}", world,
                                                        pool)
-                rundir.keep_best(run_dir, model, state, record["eval"], writer)
+                rundir.keep_best(run_dir, model, state, record["eval"], writer, tokenizer)
             if writer:
                 with metrics_file.open("a") as f:
                     f.write(rundir.to_json(record) + "\n")
@@ -380,13 +416,16 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
         with stop.immediate():
             state["after"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, "eval after", world, pool)
         trackers.log_eval(state["after"], state["step"], "after")
-    rundir.keep_best(run_dir, model, state, state["after"], writer)
+    rundir.keep_best(run_dir, model, state, state["after"], writer, tokenizer)
     save(state)
     if writer:
         rundir.write_json(run_dir / "summary.json", {k: state[k] for k in ("before", "after", "best")})
-        if cfg.export:
-            weights.save_pretrained(model, cfg.export, tokenizer=tokenizer)
-            print(f"exported merged weights to {cfg.export}", file=sys.stderr)
+    if cfg.export:
+        with fsdp.whole(model) as whole_model:  # a sharded model is gathered on every rank, for rank 0 to write
+            if writer:
+                weights.save_pretrained(whole_model, cfg.export, tokenizer=tokenizer)
+                print(f"exported {'merged ' if cfg.lora_rank else ''}weights to {cfg.export}", file=sys.stderr)
+    if writer:
         print(f"run directory: {run_dir}", file=sys.stderr)
     world.barrier("waiting for rank 0 to write the summary and the export")
     return state
@@ -433,9 +472,11 @@ def export_run(cfg: Config, run_dir: Path, model, tokenizer, optimizer, world: d
     """--resume RUN --steps 0 --export DIR: the policy of the run's last checkpoint, merged and exported;
     nothing trains, nothing is evaluated, and the run directory is left as it was."""
     state = rundir.load_checkpoint(run_dir, model, optimizer)
-    if world.rank == 0:
-        weights.save_pretrained(model, cfg.export, tokenizer=tokenizer)
-        print(f"exported the merged weights of {run_dir} at step {state['step']} to {cfg.export}", file=sys.stderr)
+    with fsdp.whole(model) as whole_model:  # a sharded model is gathered on every rank, for rank 0 to write
+        if world.rank == 0:
+            weights.save_pretrained(whole_model, cfg.export, tokenizer=tokenizer)
+            print(f"exported the {'merged ' if cfg.lora_rank else ''}weights of {run_dir} at step {state['step']} "
+                  f"to {cfg.export}", file=sys.stderr)
     world.barrier("waiting for rank 0 to write the export")
     return state
 
@@ -486,21 +527,22 @@ def evaluate_held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: C
 def _held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: Config, desc: str,
               world: distributed.World, pool: rollout.Pool | None = None) -> dict:
     results = {}
-    for name, problems in eval_sets.items():
-        lo, hi = (len(problems) * r // world.size for r in (world.rank, world.rank + 1))
-        mine = []
-        if hi > lo:
-            with oom_hint(f"evaluation on {name}", f"lower --eval-batch (now {cfg.eval_batch} prompts per call)"):
-                mine = evaluation.evaluate(model, tokenizer, problems[lo:hi], k=cfg.eval_k,
-                                           temperature=cfg.eval_temperature, top_p=cfg.top_p,
-                                           max_new_tokens=cfg.max_new_tokens, template=cfg.template,
-                                           system=cfg.system_prompt, batch_size=cfg.eval_batch, seed=cfg.seed,
-                                           first_problem=lo, desc=f"{desc} {name}" if len(eval_sets) > 1 else desc,
-                                           progress=world.rank == 0, pool=pool).problems
-        summary = evaluation.summarize(sum(world.gather(mine), []), cfg.eval_k, seed=cfg.seed)
-        mean = summary["mean@k"]
-        results[name] = {"accuracy": mean.mean, "se": mean.se, "pass@k": summary["pass@k"].mean,
-                         "problems": len(problems), "k": cfg.eval_k}
+    with sampling_policy(model, pool) as policy:  # a sharded model's weights, gathered once for every set
+        for name, problems in eval_sets.items():
+            lo, hi = (len(problems) * r // world.size for r in (world.rank, world.rank + 1))
+            mine = []
+            if hi > lo:
+                with oom_hint(f"evaluation on {name}", f"lower --eval-batch (now {cfg.eval_batch} prompts per call)"):
+                    mine = evaluation.evaluate(policy, tokenizer, problems[lo:hi], k=cfg.eval_k,
+                                               temperature=cfg.eval_temperature, top_p=cfg.top_p,
+                                               max_new_tokens=cfg.max_new_tokens, template=cfg.template,
+                                               system=cfg.system_prompt, batch_size=cfg.eval_batch, seed=cfg.seed,
+                                               first_problem=lo, desc=f"{desc} {name}" if len(eval_sets) > 1 else desc,
+                                               progress=world.rank == 0, pool=pool).problems
+            summary = evaluation.summarize(sum(world.gather(mine), []), cfg.eval_k, seed=cfg.seed)
+            mean = summary["mean@k"]
+            results[name] = {"accuracy": mean.mean, "se": mean.se, "pass@k": summary["pass@k"].mean,
+                             "problems": len(problems), "k": cfg.eval_k}
     if len(results) == 1:
         return next(iter(results.values()))
     parts = list(results.values())
@@ -568,31 +610,50 @@ def resolve_sizes(cfg: Config, model, tokenizer, train_set: list[dict], world: d
                   eval_sets: dict[str, list[dict]] | None = None) -> Config:
     """resolve_automatic for one rank's share of a step (its prompts), the same on every rank: where the
     sizes come from the memory plan, the most cautious rank's (GPUs may differ in memory)."""
-    share = dataclasses.replace(cfg, prompts_per_step=cfg.prompts_per_step // world.size)
+    share = dataclasses.replace(cfg, prompts_per_step=cfg.prompts_per_step // world.size, world_size=world.size)
     share = resolve_automatic(share, model, tokenizer, train_set, eval_sets)
     sizes = [share.rollout_batch, share.eval_batch, share.kv_blocks, -share.grad_accum]
     # the fewest rows in flight, the smallest pool, the most micro-batches
     rollout_batch, eval_batch, kv_blocks, negated_accum = world.min(torch.tensor(sizes, device="cpu")).tolist()
-    return dataclasses.replace(share, prompts_per_step=cfg.prompts_per_step, rollout_batch=rollout_batch,
-                               eval_batch=eval_batch, kv_blocks=kv_blocks, grad_accum=-negated_accum)
+    return dataclasses.replace(share, prompts_per_step=cfg.prompts_per_step, world_size=cfg.world_size,
+                               rollout_batch=rollout_batch, eval_batch=eval_batch, kv_blocks=kv_blocks,
+                               grad_accum=-negated_accum)
 
 
 # ----------------------------------------------------------------------------- building the model
 
 
 def build(cfg: Config):
-    """Model with fresh LoRA adapters, tokenizer and optimizer."""
+    """Model, tokenizer, optimizer and reference policy.
+
+    With LoRA: fresh adapters on the frozen base, which is also the reference policy (None is returned).
+    With --lora-rank 0 every weight trains: fp32 master weights (under bf16 compute) sharded by FSDP2 over
+    the process group (fsdp.py; one process is a group of one), and the reference is a frozen sharded
+    copy in the compute dtype when the loss needs ref_logp, else None.
+    """
     device, dtype = config.resolve_device(cfg)
-    model = weights.from_pretrained(cfg.model, dtype=dtype, device=device)
     tokenizer = weights.load_tokenizer(cfg.model)
-    model.requires_grad_(False)
-    torch.manual_seed(cfg.seed)  # adapter initialization
-    lora.inject(model, cfg.lora_rank, cfg.lora_alpha, targets=tuple(cfg.lora_targets.split(",")),
-                dropout=cfg.lora_dropout)
+    reference = None
+    if cfg.lora_rank:
+        model = weights.from_pretrained(cfg.model, dtype=dtype, device=device)
+        model.requires_grad_(False)
+        torch.manual_seed(cfg.seed)  # adapter initialization
+        lora.inject(model, cfg.lora_rank, cfg.lora_alpha, targets=tuple(cfg.lora_targets.split(",")),
+                    dropout=cfg.lora_dropout)
+    else:
+        model = fsdp.shard(weights.from_pretrained(cfg.model, dtype=fsdp.master_dtype(dtype), device=device), dtype)
+        if "ref_logp" in loss.required_inputs(cfg.loss):
+            frozen = weights.from_pretrained(cfg.model, dtype=dtype, device=device).requires_grad_(False)
+            reference = fsdp.shard(frozen, dtype)
     model.gradient_checkpointing = cfg.gradient_checkpointing == "on" or (
         cfg.gradient_checkpointing == "auto" and device.type == "cuda")
-    optimizer = torch.optim.AdamW(lora.parameters(model), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return model, tokenizer, optimizer
+    optimizer = torch.optim.AdamW(trainable(model), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return model, tokenizer, optimizer, reference
+
+
+def trainable(model) -> list[torch.nn.Parameter]:
+    """The parameters the optimizer steps: the adapters with LoRA, every weight without."""
+    return list(lora.parameters(model)) if lora.lora_modules(model) else list(model.parameters())
 
 
 def prompt_lengths(cfg: Config, tokenizer, train_set: list[dict],
@@ -626,18 +687,39 @@ def resolve_automatic(cfg: Config, model, tokenizer, train_set: list[dict],
 
 def sampler_pool(cfg: Config, model, tokenizer, train_set: list[dict],
                  eval_sets: dict[str, list[dict]]) -> rollout.Pool:
-    """The run's KV pool: allocated once, before the first step, and reused by every rollout and evaluation."""
+    """The run's KV pool: allocated once, before the first step, and reused by every rollout and evaluation.
+    A sharded model's pool is made for its gathered weights (their compute dtype) and released until each
+    rollout binds it (sampling_policy)."""
     prompt_len, eval_len = prompt_lengths(cfg, tokenizer, train_set, eval_sets)
-    with oom_hint("the sampler's KV pool", f"lower --kv-blocks (now {cfg.kv_blocks})"):
-        return rollout.Pool(model, cfg.kv_blocks, max_len=max(prompt_len, eval_len) + cfg.max_new_tokens)
+    with oom_hint("the sampler's KV pool", f"lower --kv-blocks (now {cfg.kv_blocks})"), fsdp.whole(model) as policy:
+        pool = rollout.Pool(policy, cfg.kv_blocks, max_len=max(prompt_len, eval_len) + cfg.max_new_tokens)
+        if policy is not model:
+            pool.release()
+        return pool
+
+
+@contextmanager
+def sampling_policy(model, pool: rollout.Pool | None):
+    """The model to sample with, the pool bound to it: the model itself, or a sharded model's weights gathered
+    for the block (fsdp.whole). Those live only for the block, so the pool lets go of them on leaving (its
+    decode weights and graphs are built again at the next rollout; its blocks stay)."""
+    with fsdp.whole(model) as policy:
+        if pool is None or policy is model:
+            yield policy
+            return
+        pool.bind(policy)
+        try:
+            yield policy
+        finally:
+            pool.release()
 
 
 def planned_config(cfg: Config, model_cfg, budget: int, prompt_len: int = memory.Workload.prompt_len,
-                   eval_prompt_len: int = 0) -> Config:
+                   eval_prompt_len: int = 0, planner: memory.Planner | None = None) -> Config:
     """cfg with rollout_batch, grad_accum, eval_batch and kv_blocks chosen by the memory plan where they are 0."""
     free = tuple(size for size, flag in (("micro_batch_rows", cfg.grad_accum), ("rollout_prompts", cfg.rollout_batch),
                                          ("eval_prompts", cfg.eval_batch)) if not flag)
-    work = memory.fit(model_cfg, workload(cfg, prompt_len, eval_prompt_len), budget, free)
+    work = memory.fit(model_cfg, workload(cfg, prompt_len, eval_prompt_len), budget, free, planner)
     return dataclasses.replace(cfg, rollout_batch=cfg.rollout_batch or work.rollout_prompts,
                                grad_accum=cfg.grad_accum or math.ceil(work.minibatch_rows / work.micro_batch_rows),
                                eval_batch=cfg.eval_batch or work.eval_prompts,
@@ -645,12 +727,14 @@ def planned_config(cfg: Config, model_cfg, budget: int, prompt_len: int = memory
 
 
 def workload(cfg: Config, prompt_len: int = memory.Workload.prompt_len, eval_prompt_len: int = 0) -> memory.Workload:
-    """What one step of this config asks of the GPU; sizes left at 0 start at their largest, for fit to choose."""
+    """What one step of this config asks of one GPU, its prompts_per_step being that rank's share; sizes left
+    at 0 start at their largest, for fit to choose."""
     _, dtype = config.resolve_device(cfg)
     minibatch_rows = math.ceil(cfg.prompts_per_step * cfg.group_size / cfg.updates_per_rollout)
     needs = loss.required_inputs(cfg.loss)
     return memory.Workload(
-        dtype=dtype, lora_rank=cfg.lora_rank, lora_targets=tuple(cfg.lora_targets.split(",")),
+        dtype=dtype, lora_rank=cfg.lora_rank, world_size=cfg.world_size or distributed.world_size(),
+        lora_targets=tuple(cfg.lora_targets.split(",")),
         gradient_checkpointing=cfg.gradient_checkpointing != "off", prompt_len=prompt_len,
         eval_prompt_len=eval_prompt_len, max_new_tokens=cfg.max_new_tokens, group_size=cfg.group_size,
         prompts_per_step=cfg.prompts_per_step, updates_per_rollout=cfg.updates_per_rollout,
@@ -665,21 +749,25 @@ def workload(cfg: Config, prompt_len: int = memory.Workload.prompt_len, eval_pro
 
 def plan(cfg: Config) -> bool:
     """Print the memory each phase of a step takes on the GPU (a CUDA one, bf16 unless --dtype says
-    otherwise), without loading weights; True if it fits."""
+    otherwise), without loading weights; True if it fits. With several processes (--world-size, or
+    torchrun's), one rank's: its share of the step's prompts and, in a full run, its shards."""
     config.validate(cfg, need_device=False)
+    processes = cfg.world_size or distributed.world_size()
+    cfg = dataclasses.replace(cfg, prompts_per_step=cfg.prompts_per_step // processes, world_size=processes)
     if cfg.dtype == "auto":
         cfg = dataclasses.replace(cfg, dtype="bfloat16")  # the plan is for a GPU, where auto means bf16
     model_cfg = memory.model_config(cfg.model)
     budget = memory.gpu_memory_bytes(None if cfg.device in ("auto", "cpu") else cfg.device, cfg.gpu_memory)
-    try:
-        chosen = planned_config(cfg, model_cfg, budget)
-    except ValueError as error:  # some phase does not fit even at one row or prompt per call
-        print(error)
-        chosen = cfg
-    else:
-        print(f"chosen: --rollout-batch {chosen.rollout_batch} --grad-accum {chosen.grad_accum} "
-              f"--eval-batch {chosen.eval_batch} --kv-blocks {chosen.kv_blocks}")
-    text, fits = memory.report(model_cfg, workload(chosen), budget)
+    with memory.planning(model_cfg, workload(cfg)) as planner:  # one planner for the choice and the table
+        try:
+            chosen = planned_config(cfg, model_cfg, budget, planner=planner)
+        except ValueError as error:  # some phase does not fit even at one row or prompt per call
+            print(error)
+            chosen = cfg
+        else:
+            print(f"chosen: --rollout-batch {chosen.rollout_batch} --grad-accum {chosen.grad_accum} "
+                  f"--eval-batch {chosen.eval_batch} --kv-blocks {chosen.kv_blocks}")
+        text, fits = memory.report(model_cfg, workload(chosen), budget, planner)
     print(text)  # its last line: plan: peak X GB of Y GB (fits), or (does not fit: ...)
     return fits
 
@@ -700,7 +788,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(0 if plan(cfg) else 1)
         if cfg.resume:
             cfg = config.resumed_config(cfg, given)
-        with distributed.joined(config.resolve_device(cfg)[0], cfg.dist_timeout) as world:
+        with distributed.joined(config.resolve_device(cfg)[0], cfg.dist_timeout, group=not cfg.lora_rank) as world:
             state = train(cfg, world)
     except USER_ERRORS as error:
         if _inside_training(error):
