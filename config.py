@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 import distributed
+import lora
 import loss
 import reward
 
@@ -40,12 +41,17 @@ class Config:
     lora_dropout: float = opt(0.0, "dropout on the LoRA input")
     lora_targets: str = opt("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                             "comma-separated module names that get adapters")
+    init_adapter: str | None = opt(None, "start from this LoRA adapter (PEFT format, e.g. sft.py's RUN/adapter) "
+                                         "instead of fresh ones; its r, alpha and targets must be --lora-rank, "
+                                         "--lora-alpha and --lora-targets")
     # data
     dataset: str = opt("arithmetic", "training set: a name from data/ or a jsonl path")
     eval_dataset: str = opt("arithmetic_test", "held-out sets, comma-separated: names from data/ or jsonl paths")
     template: str = opt("equation", "prompt template of data/templates.py: equation, plain, boxed or answer")
     system_prompt: str | None = opt("You are a helpful assistant.",
                                     "system message; empty = the chat template's own default")
+    thinking: str = opt("off", "thinking mode: passed as enable_thinking to chat templates that take it (Qwen3); "
+                               "the reward grades only what follows the last </think>", ("on", "off"))
     # rollout
     prompts_per_step: int = opt(8, "distinct prompts sampled per step")
     group_size: int = opt(8, "completions per prompt (G)")
@@ -59,10 +65,15 @@ class Config:
     format_weight: float = opt(0.0, "reward in [0, 1) for an answer in the template's format, added to correctness")
     # optimization
     steps: int = opt(20, "training steps (rollout batches)")
-    lr: float = opt(3e-4, "AdamW learning rate")
+    lr: float = opt(3e-4, "AdamW learning rate (the peak, with a schedule)")
+    lr_schedule: str = opt("constant", "learning rate over the training steps after the warmup: constant, cosine "
+                                       "or linear decay towards 0", ("constant", "cosine", "linear"))
+    warmup_steps: int = opt(0, "training steps of linear warmup to --lr (the rate is set once per step, as verl does)")
     weight_decay: float = opt(0.0, "AdamW weight decay")
     grad_clip: float = opt(1.0, "max gradient norm")
-    updates_per_rollout: int = opt(1, "optimizer steps (mini-batches) per rollout batch")
+    updates_per_rollout: int = opt(1, "optimizer steps (mini-batches) per pass over a rollout batch")
+    epochs: int = opt(1, "passes over each rollout batch, each reshuffled into --updates-per-rollout mini-batches "
+                         "(TRL's num_iterations, verl's ppo_epochs)")
     grad_accum: int = opt(0, "micro-batches per optimizer step (per process, on average, under torchrun); 0 = from "
                              "the memory plan on a GPU, 1 on the CPU")
     recompute_old_logp: str = opt("auto", "recompute old log-probs with the training pass before updating "
@@ -91,9 +102,17 @@ class Config:
     preset: str | None = opt(None, "a named setup from PRESETS; explicit flags override it")
 
 
-# Every value a paper states carries its source; the values it leaves open are our choices, listed with
-# their reasons in the README ("Presets").
+# Every value a paper states carries its source; every other value is written out too, so that a change of a
+# default never changes a paper's run, and its reason is in the README ("Presets").
+SAMPLING_AND_OPTIMIZER = dict(  # our choices where the papers are silent (README, "Presets")
+    temperature=1.0, top_p=1.0, top_k=0,  # sample the policy itself: the ratio's old log-probs are its own
+    weight_decay=0.0, grad_clip=1.0,  # the adapters start at zero: no decay towards zero; clip as TRL and verl
+    lr_schedule="constant", warmup_steps=0,  # a few hundred steps from an SFT or instruct start
+    epochs=1, aggregation="token-mean", adv_std="group", leave_one_out=False, entropy_coef=0.0,
+    lora_dropout=0.0, lora_targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+    system_prompt="You are a helpful assistant.", eval_every=50)
 ATR_GRPO = dict(  # ATR-GRPO, arXiv:2602.05494, experimental setup
+    SAMPLING_AND_OPTIMIZER,
     lora_rank=32,  # stated: LoRA rank 32
     lr=5e-6,  # stated
     group_size=8,  # stated: G = 8
@@ -102,14 +121,17 @@ ATR_GRPO = dict(  # ATR-GRPO, arXiv:2602.05494, experimental setup
     # three of every four updates start from moved weights, so the trust region acts.
     prompts_per_step=16, updates_per_rollout=4,
     rule="atr", delta=0.07,  # stated: the KL3 constraint, delta 0.07
+    dataset="dapo",  # stated: DAPO-Math-17k
     eval_dataset="amc23,aime24,aime25", eval_k=8,  # stated: Mean@8 and Pass@8 on AMC23, AIME24, AIME25
-    # our choices (README): data, template, lengths, schedule, alpha, evaluation temperature
-    dataset="dapo", template="answer", lora_alpha=64.0, max_new_tokens=4096, steps=500, eval_every=50,
-    eval_temperature=0.6)
+    # our choices (README): template, lengths, thinking, schedule, alpha, no KL penalty
+    template="answer", lora_alpha=64.0, max_new_tokens=4096, steps=500, kl_beta=0.0,
+    thinking="off",  # a Qwen3 thought on competition math runs past 4,096 tokens: it would end unclosed
+    eval_temperature=0.7)  # Qwen3's recommended temperature for its non-thinking mode
 PRESETS = {
     "atr-grpo-qwen3-1.7b": dict(ATR_GRPO, model="Qwen/Qwen3-1.7B"),  # stated: Qwen3-1.7B
     "atr-grpo-qwen3-8b": dict(ATR_GRPO, model="Qwen/Qwen3-8B"),  # stated: the Qwen3-8B twin
     "gppo-qwen3-8b": dict(  # GPPO paper, experimental setup (math)
+        SAMPLING_AND_OPTIMIZER,
         model="Qwen/Qwen3-8B-Base",  # stated: the base model
         prompts_per_step=128, group_size=8,  # stated: 1024 rollouts per step, 128 prompts x 8
         updates_per_rollout=8,  # stated: 8 mini-batch updates per rollout
@@ -117,9 +139,12 @@ PRESETS = {
         rule="kl-atomic",  # stated: the best cell, KL with the Atomic estimator, delta = f(0.8) (the default)
         ratio_limits=(0.5, 10.0),  # stated: global clip [0.5, 10], read as outer limits (README, "Clip rules")
         kl_beta=0.0,  # stated: no KL penalty
+        eval_dataset="aime24,aime25,brumo25,smt25", eval_k=8,  # stated: avg@8 on AIME24, AIME25, BRUMO25, SMT25
         # our choices (README)
-        dataset="dapo", template="answer", eval_dataset="amc23,aime24,aime25", lora_rank=32, lora_alpha=64.0,
-        lr=1e-6, max_new_tokens=8192, eval_every=50, eval_k=8, eval_temperature=0.6),
+        dataset="dapo", template="answer", lora_rank=32, lora_alpha=64.0,
+        lr=1e-5,  # the paper's 1e-6 trains every parameter; LoRA's best rate is about 10x full fine-tuning's
+        max_new_tokens=8192, eval_temperature=0.6,  # Qwen3's recommended temperature for reasoning
+        thinking="on"),  # a base model has no thinking switch: "on" leaves the prompt as its template writes it
 }
 
 
@@ -166,6 +191,12 @@ def validate(cfg: Config, need_device: bool = True) -> None:
                                                       f"--grad-clip {cfg.grad_clip} > 0"),
         (1 <= cfg.updates_per_rollout <= rows, f"--updates-per-rollout {cfg.updates_per_rollout}: must be between 1 "
                                                f"and the {rows} rows of a step (--prompts-per-step x --group-size)"),
+        (cfg.epochs >= 1, f"--epochs {cfg.epochs}: must be >= 1"),
+        (0 <= cfg.warmup_steps <= max(cfg.steps, 0), f"--warmup-steps {cfg.warmup_steps}: must be between 0 and "
+                                                     f"--steps {cfg.steps}"),
+        (not cfg.init_adapter or not cfg.loss.kl_beta,
+         "--init-adapter with --kl-beta: the KL reference is the frozen base model (adapters off), not the "
+         "adapter's policy; a penalty towards the base is not what a run from an SFT adapter wants"),
         (0 <= cfg.grad_accum <= max(1, rows // cfg.updates_per_rollout),
          f"--grad-accum {cfg.grad_accum}: must be between 0 (automatic) and the {rows // cfg.updates_per_rollout} "
          "rows of a mini-batch"),
@@ -186,6 +217,19 @@ def validate(cfg: Config, need_device: bool = True) -> None:
     ):
         if not ok:
             raise ValueError(message)
+
+
+def check_init_adapter(cfg) -> None:
+    """--init-adapter is an adapter of the run's LoRA shape: checked on its config file, before the model loads."""
+    if not cfg.init_adapter:
+        return
+    saved = lora.read_config(cfg.init_adapter)
+    ours = {"r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "target_modules": sorted(cfg.lora_targets.split(","))}
+    flags = {"r": "--lora-rank", "lora_alpha": "--lora-alpha", "target_modules": "--lora-targets"}
+    differ = [f"{flags[key]} {ours[key]} (the adapter has {saved.get(key)})" for key in ours
+              if (sorted(saved.get(key) or []) if key == "target_modules" else saved.get(key)) != ours[key]]
+    if differ:
+        raise ValueError(f"--init-adapter {cfg.init_adapter}: its shape differs from this run's: {'; '.join(differ)}")
 
 
 # ----------------------------------------------------------------------------- the command line

@@ -540,3 +540,41 @@ def test_stop_ids_join_the_checkpoint_end_tokens_and_the_tokenizer_eos(tokenizer
     assert stop_ids(ModelConfig(eos_token_id=5), no_eos) == [5]
     with pytest.raises(ValueError, match="neither the model config nor the tokenizer names an EOS"):
         stop_ids(ModelConfig(eos_token_id=None), no_eos)
+
+
+# ---------------------------------------------------------------- thinking mode
+
+
+def test_qwen3_thinking_switch_and_an_unclosed_thought_earns_nothing():
+    """Qwen3's template (its logic, built in conftest) thinks unless enable_thinking=False writes an empty
+    thought into the prompt; the reward grades only what follows the last </think>."""
+    import reward
+    from conftest import CHAT_TEMPLATE, OPEN_THOUGHT_CHAT_TEMPLATE, QWEN3_CHAT_TEMPLATE, make_tokenizer
+    from data import opens_thought, takes_thinking, thinking_note
+
+    qwen3 = make_tokenizer(chat_template=QWEN3_CHAT_TEMPLATE)
+    off = qwen3.decode(render_prompt(qwen3, "What is 7 + 5?", "plain", "Be brief.", thinking=False))
+    on = qwen3.decode(render_prompt(qwen3, "What is 7 + 5?", "plain", "Be brief.", thinking=True))
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") and on.endswith("<|im_start|>assistant\n")
+    assert off.startswith(on[:-len("<|im_start|>assistant\n")])
+    assert takes_thinking(qwen3) and thinking_note(qwen3, True) is None and thinking_note(qwen3, False) is None
+    assert not opens_thought(qwen3, True) and not opens_thought(qwen3, False)  # the model writes <think> itself
+
+    plain = make_tokenizer(chat_template=CHAT_TEMPLATE)
+    assert not takes_thinking(plain) and thinking_note(plain, False) is None
+    assert "does not read enable_thinking" in thinking_note(plain, True) and "\n" not in thinking_note(plain, True)
+    opener = make_tokenizer(chat_template=OPEN_THOUGHT_CHAT_TEMPLATE)
+    assert opens_thought(opener) and "cannot be switched off" in thinking_note(opener, False)
+
+    # completions as the sampler decodes them: <think> and </think> are kept, the end-of-turn token is not
+    def completion(text: str) -> str:
+        return qwen3.decode(qwen3.encode(text + "<|im_end|>", add_special_tokens=False), skip_special_tokens=True)
+
+    truncated = completion("<think>\n7 + 5 is 12, so Answer: 12")  # hit the cap while thinking
+    closed = completion("<think>\n7 + 5 is 12\n</think>\n\nAnswer: 12")
+    revised = completion("<think>\nAnswer: 12 ... no\n</think>\n\nAnswer: 13")
+    assert reward.reward([truncated, closed, revised], ["12"] * 3) == [0.0, 1.0, 0.0]
+    assert reward.reward([truncated], ["12"], format_weight=0.5, answer_format="answer") == [0.0]
+    # a template that opens the thought: a completion without </think> is all thought, even with no tag
+    assert reward.reward(["7 + 5 is 12, so Answer: 12"], ["12"], open_thought=True) == [0.0]
+    assert reward.reward(["7 + 5 is 12\n</think>\nAnswer: 12"], ["12"], open_thought=True) == [1.0]

@@ -693,3 +693,14 @@ def test_competition_integer_answers(shared_data):
     assert reward.reward(padded, answers) == [1.0] * len(answers)
     dapo = [row["answer"] for row in _rows(shared_data, "dapo_math_17k.jsonl")[:2000]]
     assert reward.reward([f"...\nAnswer: {a}" for a in dapo], dapo) == [1.0] * len(dapo)
+
+
+def test_split_thinking_keeps_only_what_follows_the_last_closing_tag():
+    from reward import Thought, split_thinking
+
+    assert split_thinking("Answer: 12") == Thought("", "Answer: 12")  # no thought: all of it is the answer
+    assert split_thinking("<think>a</think>b</think>c") == Thought("a</think>b", "c")  # the last tag counts
+    assert split_thinking("<think>\nstill going") == Thought("\nstill going", None)  # never closes
+    assert split_thinking("still going", open_at_start=True) == Thought("still going", None)
+    assert split_thinking("done</think> 5", open_at_start=True) == Thought("done", " 5")
+    assert split_thinking("x <think> y") == Thought(" y", None)  # a thought opened late and left open

@@ -39,7 +39,7 @@ import rollout
 import rundir
 import weights
 from config import Config
-from data import load_problems, render_prompt, stop_ids
+from data import load_problems, opens_thought, render_prompt, stop_ids, thinking_note
 
 
 # ----------------------------------------------------------------------------- one step
@@ -57,10 +57,12 @@ def train_step(model, optimizer, tokenizer, problems: list[dict], cfg: Config, s
     mine = world.prompts(len(problems))
     out = sample(model, tokenizer, problems[mine], cfg, step, first_prompt=mine.start)
     watch.lap("rollout")
-    rewards, correct = score(out, problems[mine], cfg)
+    open_thought = opens_thought(tokenizer, cfg.thinking == "on")
+    rewards, correct = score(out, problems[mine], cfg, open_thought)
     watch.lap("reward")
     lengths = out.completion_mask.sum(1).float()
-    rows = world.cat(torch.stack([rewards, correct, lengths, out.truncated.float()], 1))  # [N of the step, 4]
+    thoughts = thought_lengths(out, tokenizer, open_thought)  # [N, 3]
+    rows = world.cat(torch.cat([torch.stack([rewards, correct, lengths, out.truncated.float()], 1), thoughts], 1))
     # from the whole step's rewards: one process's advantages, whatever they normalize over
     my_rows = slice(mine.start * cfg.group_size, mine.stop * cfg.group_size)
     advantages = loss.advantages(rows[:, 0], cfg.group_size, cfg.loss)[my_rows]  # [N of this rank]
@@ -71,18 +73,20 @@ def train_step(model, optimizer, tokenizer, problems: list[dict], cfg: Config, s
     tokens = torch.tensor([lengths.sum().item(), out.pad_mask.sum().item()], dtype=torch.float64, device="cpu")
     slowest, tokens = world.max(seconds), world.sum(tokens)
     records = [] if records is None else sum(world.gather(records), [])
-    reward_mean, accuracy, completion_length, truncated = rows.mean(0).tolist()
+    reward_mean, accuracy, completion_length, truncated, unclosed, think_length, answer_length = rows.mean(0).tolist()
     return {"step": step, "reward": reward_mean, "accuracy": accuracy, "completion_length": completion_length,
-            "truncated": truncated, **update, "step_seconds": watch.total, "reward_seconds": watch.laps["reward"],
-            "rollout_tokens_per_s": float(tokens[0] / slowest[0]),
-            # every row is trained on once per mini-batch pass, prompt included
-            "train_tokens_per_s": float(tokens[1] / slowest[1])}, records
+            "truncated": truncated, "think_unclosed_frac": unclosed, "think_length": think_length,
+            "answer_length": answer_length, **update, "step_seconds": watch.total,
+            "reward_seconds": watch.laps["reward"], "rollout_tokens_per_s": float(tokens[0] / slowest[0]),
+            # every row is trained on once per epoch, prompt included
+            "train_tokens_per_s": float(cfg.epochs * tokens[1] / slowest[1])}, records
 
 
 def sample(model, tokenizer, problems: list[dict], cfg: Config, step: int, first_prompt: int = 0) -> rollout.Rollout:
     """G completions for each problem, with the sampling policy's log-probs, in calls of rollout_batch prompts.
     first_prompt is the index of problems[0] in the step: a prompt's samples depend on it, not on the process."""
-    prompts = [render_prompt(tokenizer, p["problem"], cfg.template, cfg.system_prompt) for p in problems]
+    prompts = [render_prompt(tokenizer, p["problem"], cfg.template, cfg.system_prompt, cfg.thinking == "on")
+               for p in problems]
     model.eval()  # no LoRA dropout while sampling: the old log-probs must be the sampling policy's
     with oom_hint("the rollout", f"lower --rollout-batch (now {cfg.rollout_batch} prompts per call)"):
         return rollout.generate(model, prompts, samples_per_prompt=cfg.group_size,
@@ -93,20 +97,42 @@ def sample(model, tokenizer, problems: list[dict], cfg: Config, step: int, first
                                 first_prompt=first_prompt, cuda_graphs=cfg.cuda_graphs)
 
 
-def score(out: rollout.Rollout, problems: list[dict], cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rewards [N], correct [N]) on the model's device; the format bonus is below 1, so correct = reward >= 1."""
+def score(out: rollout.Rollout, problems: list[dict], cfg: Config,
+          open_thought: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rewards [N], correct [N]) on the model's device; the format bonus is below 1, so correct = reward >= 1.
+    Only what follows a completion's last </think> is graded; open_thought: the prompt opened a thought."""
     references = [p["answer"] for p in problems for _ in range(cfg.group_size)]
     answer_format = cfg.template if cfg.format_weight else None
     rewards = torch.tensor(reward.reward(out.texts, references, format_weight=cfg.format_weight,
-                                         answer_format=answer_format), device=out.old_logp.device)
+                                         answer_format=answer_format, open_thought=open_thought),
+                           device=out.old_logp.device)
     return rewards, (rewards >= 1).float()
+
+
+def thought_lengths(out: rollout.Rollout, tokenizer, open_thought: bool) -> torch.Tensor:
+    """Per row [N, 3]: 1 if its thought never closed, its thinking tokens and its answer tokens (the rest of
+    the completion, stop token included). An answer after a </think> is re-encoded to count it, so the split
+    of such a row is exact up to how the tokenizer merges across the tag."""
+    lengths, finished = out.completion_mask.sum(1).tolist(), out.finished.tolist()
+    stats = []
+    for text, length, stopped in zip(out.texts, lengths, finished):
+        thought = reward.split_thinking(text, open_thought)
+        if thought.answer is None:
+            stats.append((1.0, length, 0))
+        elif thought.answer == text:  # no thought at all
+            stats.append((0.0, 0, length))
+        else:
+            answer = min(length, len(tokenizer.encode(thought.answer, add_special_tokens=False)) + stopped)
+            stats.append((0.0, length - answer, answer))
+    return torch.tensor(stats, dtype=torch.float32, device=out.old_logp.device)
 
 
 def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tensor, cfg: Config, step: int,
                   records: list | None = None, world: distributed.World | None = None) -> dict:
-    """updates_per_rollout optimizer steps over shuffled mini-batches of the rollout's rows, each the sum of
-    grad_accum micro-batches. Metrics: token-weighted means over micro-batches; *_min / *_max are extremes;
-    start_ratio_min / _max are the first mini-batch's, before this step's first update (the numerical floor).
+    """epochs passes over the rollout's rows, each shuffled afresh into updates_per_rollout mini-batches; one
+    optimizer step per mini-batch, the sum of grad_accum micro-batches. Metrics: token-weighted means over
+    micro-batches; *_min / *_max are extremes; start_ratio_min / _max are the first mini-batch's, before
+    this step's first update (the numerical floor); with several epochs, epoch[E]/* are each pass's clip rates.
 
     With several processes, `out` holds this rank's rows of the step, which are rows world.rank * N ..
     of the step's. The shuffle is of the whole step's rows, the same on every rank, and each rank trains
@@ -117,8 +143,9 @@ def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tens
     inputs = frozen_inputs(model, out, cfg)  # what the loss needs of the policy before it moves
     advantages = advantages.to(out.old_logp.device)
     N, first = len(advantages), world.rank * len(advantages)
-    order = torch.randperm(N * world.size, generator=torch.Generator().manual_seed(cfg.seed + step), device="cpu")
-    minibatches = order.chunk(cfg.updates_per_rollout)
+    shuffle = torch.Generator().manual_seed(cfg.seed + step)
+    orders = [torch.randperm(N * world.size, generator=shuffle, device="cpu") for _ in range(cfg.epochs)]
+    minibatches = [rows for order in orders for rows in order.chunk(cfg.updates_per_rollout)]  # epoch by epoch
     mine = [(m[(m >= first) & (m < first + N)] - first).to(advantages.device) for m in minibatches]
     # the normalizers of each optimizer step: its tokens and sequences on all ranks
     num_tokens = world.sum(torch.stack([out.completion_mask[rows].sum() for rows in mine]))
@@ -146,7 +173,15 @@ def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tens
     summary.update(start_ratio_min=start["ratio_min"], start_ratio_max=start["ratio_max"],
                    grad_norm=float(np.mean(applied)) if applied else None,
                    skipped_updates=len(grad_norms) - len(applied))
+    if cfg.epochs > 1:  # where the clips happened: later passes start further from the sampling policy
+        per_epoch = len(per_update) // cfg.epochs
+        for epoch in range(cfg.epochs):
+            merged = merge_metrics(sum(per_update[epoch * per_epoch:(epoch + 1) * per_epoch], []))
+            summary |= {f"epoch[{epoch + 1}]/{key}": merged[key] for key in CLIP_KEYS}
     return summary
+
+
+CLIP_KEYS = ("clip_low_frac", "clip_high_frac", "limit_clip_frac")
 
 
 def micro_batch_loss(model, out: rollout.Rollout, advantages: torch.Tensor, inputs: dict, rows: torch.Tensor,
@@ -154,15 +189,17 @@ def micro_batch_loss(model, out: rollout.Rollout, advantages: torch.Tensor, inpu
     """The loss of some rows of the rollout (their share of the optimizer step's loss) and their metrics."""
     ids, pad, start, c = window(out, rows)
     h = model.hidden(ids, pad)  # [rows, W, hidden]
-    logp, entropy = model.hidden_logprobs(h, ids, start=start, temperature=cfg.temperature, with_entropy=True)
+    bonus = "entropy" in loss.required_inputs(cfg.loss)  # an entropy bonus differentiates the entropy
+    logp, entropy = model.hidden_logprobs(h, ids, start=start, temperature=cfg.temperature, with_entropy=True,
+                                          entropy_grad=bonus)
     mask = out.completion_mask[rows, :c]  # [rows, c], like every per-token tensor below
     given = {name: value[rows, :c] for name, value in inputs.items()}
     live = {"hidden": completion_states(h, start), "lm_head_weight": model.lm_head.weight,
-            "temperature": cfg.temperature}  # what a rule may ask of the policy being trained
+            "temperature": cfg.temperature, "entropy": entropy}  # what a rule may ask of the policy being trained
     given |= {name: value for name, value in live.items() if name in loss.required_inputs(cfg.loss)}
     value, metrics = loss.policy_loss(logp, given.pop("old_logp"), advantages[rows], mask, cfg.loss,
                                       **totals, records=records, **given)
-    metrics["entropy"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
+    metrics["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
     metrics["tokens"] = int(mask.sum())
     return value, metrics
 
@@ -288,14 +325,17 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
     world = world or distributed.SOLO
     writer = world.rank == 0
     config.validate(cfg)
+    config.check_init_adapter(cfg)
     train_set, eval_sets = load_problems(cfg.dataset), load_eval_sets(cfg)
     run_dir = rundir.prepare_run_dir(cfg)
     # also the point no rank passes before every rank has checked its run directory
     distributed.check_same_settings(world, config.flat_config(cfg))
-    model, tokenizer, optimizer = build(cfg)
+    model, tokenizer, optimizer = build(cfg, cfg.init_adapter)
     cfg = resolve_sizes(cfg, model, tokenizer, train_set, world)
     if writer:
         warn_if_inert(cfg)
+        if note := thinking_note(tokenizer, cfg.thinking == "on"):
+            warnings.warn(note)
         run_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed start leaves no empty run directory
     metrics_file = run_dir / "metrics.jsonl"
 
@@ -314,7 +354,11 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
         for _ in bar:
             step = state["step"] + 1
             problems = batch_of(train_set, state["data_position"], cfg.prompts_per_step, cfg.seed)
+            lr = learning_rate(cfg.lr, cfg.lr_schedule, cfg.warmup_steps, cfg.steps, step)
+            for group in optimizer.param_groups:  # a function of the step alone, so a resume needs no state
+                group["lr"] = lr
             record, records = train_step(model, optimizer, tokenizer, problems, cfg, step, world)
+            record["lr"] = lr
             state.update(step=step, data_position=state["data_position"] + cfg.prompts_per_step)
             if records and writer:
                 loss.write_token_records(run_dir / "tokens" / f"step-{step:06d}.npz", records, cfg.log_tokens,
@@ -412,7 +456,8 @@ def evaluate_held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: C
                 mine = evaluation.evaluate(model, tokenizer, problems[lo:hi], k=cfg.eval_k,
                                            temperature=cfg.eval_temperature, top_p=cfg.top_p,
                                            max_new_tokens=cfg.max_new_tokens, template=cfg.template,
-                                           system=cfg.system_prompt, batch_size=cfg.eval_batch, seed=cfg.seed,
+                                           system=cfg.system_prompt, thinking=cfg.thinking == "on",
+                                           batch_size=cfg.eval_batch, seed=cfg.seed,
                                            first_problem=lo, desc=f"{desc} {name}" if len(eval_sets) > 1 else desc,
                                            progress=world.rank == 0).problems
         summary = evaluation.summarize(sum(world.gather(mine), []), cfg.eval_k, seed=cfg.seed)
@@ -428,11 +473,23 @@ def evaluate_held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: C
             "problems": sum(p["problems"] for p in parts), "k": cfg.eval_k, "sets": results}
 
 
+def learning_rate(peak: float, schedule: str, warmup_steps: int, total_steps: int, step: int) -> float:
+    """The rate of step `step` (1-based): linear warmup to `peak` over warmup_steps, then constant, or a
+    cosine or linear decay that would reach 0 one step after the last (so the last step still learns)."""
+    if step <= warmup_steps:
+        return peak * step / warmup_steps
+    if schedule == "constant":
+        return peak
+    progress = (step - warmup_steps - 1) / max(1, total_steps - warmup_steps)  # 0 at the first decayed step
+    return peak * (0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress)
+
+
 def warn_if_inert(cfg: Config) -> None:
-    if cfg.updates_per_rollout == 1:
-        warnings.warn("--updates-per-rollout 1: every update starts from the weights that sampled its rollout, so "
-                      "the ratio w is 1 up to rounding and every clip rule gives the same update; use several "
-                      "updates per rollout to compare rules", stacklevel=2)
+    if cfg.updates_per_rollout * cfg.epochs == 1:
+        warnings.warn("one optimizer step per rollout (--updates-per-rollout 1, --epochs 1): every update starts "
+                      "from the weights that sampled its rollout, so the ratio w is 1 up to rounding and every "
+                      "clip rule gives the same update; use several updates or epochs per rollout to compare "
+                      "rules", stacklevel=2)
 
 
 class StopRequest:
@@ -489,8 +546,8 @@ def resolve_sizes(cfg: Config, model, tokenizer, train_set: list[dict], world: d
 # ----------------------------------------------------------------------------- building the model
 
 
-def build(cfg: Config):
-    """Model with fresh LoRA adapters, tokenizer and optimizer."""
+def build(cfg: Config, init_adapter: str | None = None):
+    """Model with fresh LoRA adapters (or those of init_adapter), tokenizer and optimizer."""
     device, dtype = config.resolve_device(cfg)
     model = weights.from_pretrained(cfg.model, dtype=dtype, device=device)
     tokenizer = weights.load_tokenizer(cfg.model)
@@ -498,6 +555,8 @@ def build(cfg: Config):
     torch.manual_seed(cfg.seed)  # adapter initialization
     lora.inject(model, cfg.lora_rank, cfg.lora_alpha, targets=tuple(cfg.lora_targets.split(",")),
                 dropout=cfg.lora_dropout)
+    if init_adapter:  # a resumed run's checkpoint then replaces these weights
+        lora.load(model, init_adapter)
     model.gradient_checkpointing = cfg.gradient_checkpointing == "on" or (
         cfg.gradient_checkpointing == "auto" and device.type == "cuda")
     optimizer = torch.optim.AdamW(lora.parameters(model), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -509,7 +568,8 @@ def resolve_automatic(cfg: Config, model, tokenizer, train_set: list[dict]) -> C
     if model.device.type != "cuda":
         return dataclasses.replace(cfg, rollout_batch=cfg.rollout_batch or cfg.prompts_per_step,
                                    grad_accum=cfg.grad_accum or 1, eval_batch=cfg.eval_batch or 16)
-    longest = max(len(render_prompt(tokenizer, p["problem"], cfg.template, cfg.system_prompt)) for p in train_set)
+    longest = max(len(render_prompt(tokenizer, p["problem"], cfg.template, cfg.system_prompt, cfg.thinking == "on"))
+                  for p in train_set)
     budget = memory.gpu_memory_bytes(str(model.device), cfg.gpu_memory)
     return planned_config(cfg, model.config, budget, prompt_len=longest)
 
@@ -536,6 +596,7 @@ def workload(cfg: Config, prompt_len: int = memory.Workload.prompt_len) -> memor
         recompute_old_logp=cfg.recompute_old_logp == "on" or (cfg.recompute_old_logp == "auto"
                                                              and dtype != torch.float32),
         ref_logp="ref_logp" in loss.required_inputs(cfg.loss), eval_prompts=cfg.eval_batch or 16,
+        entropy_grad="entropy" in loss.required_inputs(cfg.loss),
         eval_k=cfg.eval_k, eval_temperature=cfg.eval_temperature)
 
 

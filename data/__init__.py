@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .arithmetic import DEFAULT_KINDS, KINDS, TWO_DIGIT_KINDS, arithmetic_problems
 from .prepare import DATA_DIR, FORMATS, HUB, read_problems
-from .templates import TEMPLATES, render_prompt, stop_ids, user_message
+from .templates import TEMPLATES, opens_thought, render_prompt, stop_ids, takes_thinking, thinking_note, user_message
 
 GENERATED = {  # name -> (split, kinds), made on the fly
     "arithmetic": ("train", DEFAULT_KINDS), "arithmetic_test": ("test", DEFAULT_KINDS),
@@ -61,8 +61,11 @@ __all__ = [
     "TEMPLATES",
     "arithmetic_problems",
     "load_problems",
+    "opens_thought",
     "read_problems",
     "render_prompt",
     "stop_ids",
+    "takes_thinking",
+    "thinking_note",
     "user_message",
 ]
