@@ -19,7 +19,7 @@ the switch cannot act, and opens_thought whether a prompt leaves a thought open 
 
 from typing import TYPE_CHECKING
 
-from reward import THINK_CLOSE, THINK_OPEN
+from reward import THINK_CLOSE, THINK_OPEN, split_thinking
 
 from .prepare import DAPO_PREFIX, DAPO_SUFFIX
 
@@ -73,6 +73,28 @@ def render_prompt(tokenizer, problem: str, template: str = "boxed", system: str 
                                          enable_thinking=thinking)
     # the rendered text already carries the template's special tokens: adding BOS again would double it
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def render_solution(solution: str, answer: str, template: str, thinking: bool = False) -> str:
+    """The assistant reply the supervised stage (sft.py) trains on: a worked solution ending in the answer
+    format the template asks for, which is where the reward looks for it.
+
+    "answer" ends with a last line "Answer: ..." (DAPO's format), "boxed" with a \\boxed{} (added only when
+    the solution has none), "plain" is the answer alone, and "equation" or a custom template keeps the
+    solution as it is. A solution that thinks first (<think>...</think>, as OpenMathReasoning's) keeps its
+    thought with thinking=True and drops it with thinking=False, as a non-thinking reply has none.
+    """
+    thought = split_thinking(solution)
+    reply = (solution if thought.answer is None else thought.answer).strip()
+    if template == "answer":
+        reply = f"{reply}\nAnswer: {answer}"
+    elif template == "boxed" and "\\boxed" not in reply:
+        reply = f"{reply}\nThe final answer is $\\boxed{{{answer}}}$."
+    elif template == "plain":
+        reply = answer
+    if thinking and thought.thinking.strip():
+        return f"{THINK_OPEN}\n{thought.thinking.strip()}\n{THINK_CLOSE}\n\n{reply}"
+    return reply
 
 
 def _chat_template(tokenizer) -> str:
