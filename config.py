@@ -102,6 +102,62 @@ class Config:
     preset: str | None = opt(None, "a named setup from PRESETS; explicit flags override it")
 
 
+def shared(name: str):
+    """Config's field `name` (its default and help), for a settings class that means the same by it."""
+    f = Config.__dataclass_fields__[name]
+    return field(default=f.default, metadata=f.metadata)
+
+
+@dataclass
+class SFTConfig:
+    """The supervised stage's settings (sft.py): the model, LoRA and prompt fields are train.py's own, so an
+    adapter trained here is one that `train.py --init-adapter` continues with the same prompts."""
+
+    # model
+    model: str | None = shared("model")
+    device: str = shared("device")
+    dtype: str = shared("dtype")
+    gradient_checkpointing: str = shared("gradient_checkpointing")
+    lora_rank: int = shared("lora_rank")
+    lora_alpha: float = shared("lora_alpha")
+    lora_dropout: float = shared("lora_dropout")
+    lora_targets: str = shared("lora_targets")
+    # data: problems with a worked "solution" (data/prepare.py writes them; arithmetic has them)
+    dataset: str = opt("arithmetic", "problems with worked solutions: a name from data/ or a jsonl path")
+    eval_dataset: str = opt("arithmetic_test", "held-out problems sampled before and after, comma-separated; "
+                                               "empty = none")
+    template: str = shared("template")
+    system_prompt: str | None = shared("system_prompt")
+    thinking: str = shared("thinking")
+    max_length: int = opt(2048, "examples longer than this (prompt + reply tokens) are left out, and counted")
+    batch_tokens: int = opt(4096, "padded tokens per micro-batch (rows x the longest row); examples of similar "
+                                  "length share a batch")
+    # optimization
+    epochs: int = opt(1, "passes over the dataset")
+    max_steps: int = opt(0, "stop after this many optimizer steps; 0 = the epochs decide")
+    lr: float = opt(2e-4, "AdamW learning rate (the peak)")
+    lr_schedule: str = opt("cosine", "learning rate after the warmup: constant, cosine or linear decay towards 0",
+                           ("constant", "cosine", "linear"))
+    warmup_steps: int = opt(0, "optimizer steps of linear warmup")
+    weight_decay: float = shared("weight_decay")
+    grad_clip: float = shared("grad_clip")
+    grad_accum: int = opt(1, "micro-batches per optimizer step")
+    # evaluation: format compliance and accuracy on the held-out problems
+    eval_problems: int = opt(64, "held-out problems used per set (0 = all)")
+    eval_k: int = opt(2, "samples per held-out problem")
+    eval_temperature: float = shared("eval_temperature")
+    eval_batch: int = opt(16, "held-out prompts per sampler call")
+    max_new_tokens: int = opt(32, "completion length cap at evaluation")
+    # run
+    run_name: str | None = shared("run_name")
+    out_dir: str = shared("out_dir")
+    seed: int = shared("seed")
+    checkpoint_every: int = opt(50, "checkpoint every N optimizer steps (and at the end and on Ctrl-C)")
+    resume: str | None = shared("resume")
+    export: str | None = shared("export")
+    preset: str | None = opt(None, "a named setup from SFT_PRESETS; explicit flags override it")
+
+
 # Every value a paper states carries its source; every other value is written out too, so that a change of a
 # default never changes a paper's run, and its reason is in the README ("Presets").
 SAMPLING_AND_OPTIMIZER = dict(  # our choices where the papers are silent (README, "Presets")
@@ -148,6 +204,25 @@ PRESETS = {
 }
 
 
+# ATR-GRPO's supervised stage: the paper states the data (OpenMathReasoning) and its purpose, setting the
+# answer format before GRPO; the rest is our choice (README, "Presets"), with the GRPO stage's LoRA shape so
+# that `train.py --preset atr-grpo-... --init-adapter RUN/adapter` continues the same adapter.
+ATR_SFT = dict(
+    dataset="openmath",  # stated: OpenMathReasoning (our download: its first cot shard, answers checked)
+    template="answer", thinking="off", system_prompt="You are a helpful assistant.",  # the GRPO stage's prompt
+    lora_rank=32, lora_alpha=64.0, lora_dropout=0.0,  # the GRPO stage's adapter (r 32 stated there)
+    lora_targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+    max_length=4608,  # the GRPO stage's 4,096 new tokens and a prompt
+    batch_tokens=16384, grad_accum=4,  # about 64k tokens per optimizer step
+    epochs=1, max_steps=0, lr=1e-4, lr_schedule="cosine", warmup_steps=20, weight_decay=0.0, grad_clip=1.0,
+    eval_dataset="amc23", eval_problems=0, eval_k=1, eval_temperature=0.7, max_new_tokens=4096,
+    checkpoint_every=100)
+SFT_PRESETS = {
+    "atr-sft-qwen3-1.7b": dict(ATR_SFT, model="Qwen/Qwen3-1.7B"),
+    "atr-sft-qwen3-8b": dict(ATR_SFT, model="Qwen/Qwen3-8B"),
+}
+
+
 # ----------------------------------------------------------------------------- checks
 
 
@@ -160,15 +235,30 @@ def resolve_device(cfg: Config) -> tuple[torch.device, torch.dtype]:
     return device, getattr(torch, cfg.dtype)
 
 
+def _model_checks(cfg, need_device: bool) -> list[tuple[bool, str]]:
+    """The checks of the settings train.py and sft.py share: device, LoRA, optimizer."""
+    device = cfg.device
+    return [
+        (device in ("auto", "cpu", "meta") or device.startswith("cuda"),
+         f"--device {device!r}: expected cpu, cuda, cuda:N or auto"),
+        (not need_device or not device.startswith("cuda") or torch.cuda.is_available(),
+         f"--device {device}: no CUDA GPU is visible to torch on this machine; use --device cpu"),
+        (cfg.lora_rank >= 1 and cfg.lora_alpha > 0, f"--lora-rank {cfg.lora_rank} must be >= 1 and --lora-alpha "
+                                                    f"{cfg.lora_alpha} > 0"),
+        (0 <= cfg.lora_dropout < 1, f"--lora-dropout {cfg.lora_dropout}: must be in [0, 1)"),
+        (cfg.lr > 0 and math.isfinite(cfg.lr), f"--lr {cfg.lr}: must be a positive number"),
+        (cfg.weight_decay >= 0 and cfg.grad_clip > 0, f"--weight-decay {cfg.weight_decay} must be >= 0 and "
+                                                      f"--grad-clip {cfg.grad_clip} > 0"),
+        (cfg.epochs >= 1, f"--epochs {cfg.epochs}: must be >= 1"),
+    ]
+
+
 def validate(cfg: Config, need_device: bool = True) -> None:
     """Every setting that would fail after the model loads fails here, naming the flag and what it accepts."""
     rows = cfg.prompts_per_step * cfg.group_size
     device, processes = cfg.device, distributed.world_size()
     for ok, message in (
-        (device in ("auto", "cpu", "meta") or device.startswith("cuda"),
-         f"--device {device!r}: expected cpu, cuda, cuda:N or auto"),
-        (not need_device or not device.startswith("cuda") or torch.cuda.is_available(),
-         f"--device {device}: no CUDA GPU is visible to torch on this machine; use --device cpu"),
+        *_model_checks(cfg, need_device),
         (cfg.prompts_per_step % processes == 0,
          f"--prompts-per-step {cfg.prompts_per_step} does not split over {processes} processes: each samples whole "
          "prompts (a prompt's G completions share one process, where its advantages are computed); use a multiple "
@@ -183,15 +273,8 @@ def validate(cfg: Config, need_device: bool = True) -> None:
          "identical and carry no signal"),
         (0 < cfg.top_p <= 1, f"--top-p {cfg.top_p}: must be in (0, 1]"),
         (cfg.top_k >= 0, f"--top-k {cfg.top_k}: must be >= 0 (0 = off)"),
-        (cfg.lora_rank >= 1 and cfg.lora_alpha > 0, f"--lora-rank {cfg.lora_rank} must be >= 1 and --lora-alpha "
-                                                    f"{cfg.lora_alpha} > 0"),
-        (0 <= cfg.lora_dropout < 1, f"--lora-dropout {cfg.lora_dropout}: must be in [0, 1)"),
-        (cfg.lr > 0 and math.isfinite(cfg.lr), f"--lr {cfg.lr}: must be a positive number"),
-        (cfg.weight_decay >= 0 and cfg.grad_clip > 0, f"--weight-decay {cfg.weight_decay} must be >= 0 and "
-                                                      f"--grad-clip {cfg.grad_clip} > 0"),
         (1 <= cfg.updates_per_rollout <= rows, f"--updates-per-rollout {cfg.updates_per_rollout}: must be between 1 "
                                                f"and the {rows} rows of a step (--prompts-per-step x --group-size)"),
-        (cfg.epochs >= 1, f"--epochs {cfg.epochs}: must be >= 1"),
         (0 <= cfg.warmup_steps <= max(cfg.steps, 0), f"--warmup-steps {cfg.warmup_steps}: must be between 0 and "
                                                      f"--steps {cfg.steps}"),
         (not cfg.init_adapter or not cfg.loss.kl_beta,
@@ -219,6 +302,25 @@ def validate(cfg: Config, need_device: bool = True) -> None:
             raise ValueError(message)
 
 
+def validate_sft(cfg: SFTConfig, need_device: bool = True) -> None:
+    """sft.py's settings, checked before anything loads, each failure naming its flag."""
+    for ok, message in (
+        *_model_checks(cfg, need_device),
+        (distributed.world_size() == 1, "sft.py runs in one process; start it without torchrun"),
+        (cfg.max_length >= 2, f"--max-length {cfg.max_length}: must be >= 2 (a prompt and a reply token)"),
+        (cfg.batch_tokens >= cfg.max_length, f"--batch-tokens {cfg.batch_tokens}: must hold one example of "
+                                             f"--max-length {cfg.max_length}"),
+        (cfg.max_steps >= 0 and cfg.warmup_steps >= 0, "--max-steps and --warmup-steps must be >= 0"),
+        (cfg.grad_accum >= 1, f"--grad-accum {cfg.grad_accum}: must be >= 1"),
+        (cfg.eval_problems >= 0 and cfg.eval_k >= 1 and cfg.eval_batch >= 1 and cfg.max_new_tokens >= 1,
+         "--eval-problems must be >= 0, and --eval-k, --eval-batch and --max-new-tokens >= 1"),
+        (cfg.eval_temperature >= 0, f"--eval-temperature {cfg.eval_temperature}: must be >= 0 (0 = greedy)"),
+        (cfg.checkpoint_every >= 1, f"--checkpoint-every {cfg.checkpoint_every}: must be >= 1"),
+    ):
+        if not ok:
+            raise ValueError(message)
+
+
 def check_init_adapter(cfg) -> None:
     """--init-adapter is an adapter of the run's LoRA shape: checked on its config file, before the model loads."""
     if not cfg.init_adapter:
@@ -237,6 +339,7 @@ def check_init_adapter(cfg) -> None:
 
 LOSS_FIELDS = {f.name: f for f in dataclasses.fields(loss.LossConfig)}
 TRAIN_FIELDS = {f.name: f for f in dataclasses.fields(Config) if f.name != "loss"}
+SFT_FIELDS = {f.name: f for f in dataclasses.fields(SFTConfig)}
 assert not LOSS_FIELDS.keys() & TRAIN_FIELDS.keys(), "a flag name would mean two settings"
 
 
@@ -249,7 +352,29 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     parser = OneLineErrors(prog="train.py", description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan", action="store_true", help="print the GPU memory of each phase and exit "
                                                             "(0: fits, 1: does not); loads no weights")
-    for f in [*TRAIN_FIELDS.values(), *LOSS_FIELDS.values()]:
+    add_flags(parser, [*TRAIN_FIELDS.values(), *LOSS_FIELDS.values()])
+    given = vars(parser.parse_args(argv))  # only the flags on the command line
+    show_plan = given.pop("plan")
+    preset = given.get("preset")
+    if preset is not None and preset not in PRESETS:
+        parser.error(f"--preset {preset!r} is unknown; known presets: {', '.join(PRESETS)}")
+    return make_config({**PRESETS.get(preset, {}), **given}), set(given), show_plan
+
+
+def parse_sft_args(argv: list[str] | None = None, description: str | None = None) -> tuple[SFTConfig, set[str]]:
+    """sft.py's flags, one per SFTConfig field; a preset of SFT_PRESETS fills defaults that flags override."""
+    parser = OneLineErrors(prog="sft.py", description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_flags(parser, SFT_FIELDS.values())
+    given = vars(parser.parse_args(argv))
+    preset = given.get("preset")
+    if preset is not None and preset not in SFT_PRESETS:
+        parser.error(f"--preset {preset!r} is unknown; known presets: {', '.join(SFT_PRESETS)}")
+    return make_sft_config({**SFT_PRESETS.get(preset, {}), **given}), set(given)
+
+
+def add_flags(parser: argparse.ArgumentParser, fields) -> None:
+    """One flag per dataclass field, its help the field's; unset flags stay out of the parsed namespace."""
+    for f in fields:
         help_text = f"{f.metadata.get('help', '')} (default: {_default_text(f)})"
         flag = "--" + f.name.replace("_", "-")
         if _type_text(f) == "bool":
@@ -257,12 +382,6 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         else:
             parser.add_argument(flag, type=_parser_of(f), choices=f.metadata.get("choices"),
                                 default=argparse.SUPPRESS, help=help_text)
-    given = vars(parser.parse_args(argv))  # only the flags on the command line
-    show_plan = given.pop("plan")
-    preset = given.get("preset")
-    if preset is not None and preset not in PRESETS:
-        parser.error(f"--preset {preset!r} is unknown; known presets: {', '.join(PRESETS)}")
-    return make_config({**PRESETS.get(preset, {}), **given}), set(given), show_plan
 
 
 class OneLineErrors(argparse.ArgumentParser):
@@ -289,10 +408,21 @@ def make_config(values: dict) -> Config:
     return dataclasses.replace(cfg, loss=loss.LossConfig(**loss_values))
 
 
-def flat_config(cfg: Config) -> dict:
+def flat_config(cfg: Config | SFTConfig) -> dict:
     """The settings as one flat dict, as the command line names them (the inverse of make_config)."""
+    if isinstance(cfg, SFTConfig):
+        return dataclasses.asdict(cfg)
     values = {name: getattr(cfg, name) for name in TRAIN_FIELDS}
     return {**values, **dataclasses.asdict(cfg.loss)}
+
+
+def make_sft_config(values: dict) -> SFTConfig:
+    unknown = values.keys() - SFT_FIELDS.keys()
+    if unknown:
+        raise ValueError(f"unknown settings: {', '.join(sorted(unknown))}")
+    cfg = SFTConfig(**values)
+    validate_sft(cfg, need_device=False)
+    return cfg
 
 
 def _type_text(f: dataclasses.Field) -> str:
@@ -320,7 +450,7 @@ def _parser_of(f: dataclasses.Field):
     return (lambda value: None if value == "" else parse(value)) if optional else parse
 
 
-def resumed_config(cfg: Config, given: set[str]) -> Config:
+def resumed_config(cfg: Config | SFTConfig, given: set[str]) -> Config | SFTConfig:
     """The saved run's config, with the flags given on this command line on top (e.g. more --steps)."""
     run_dir = Path(cfg.resume)
     saved_file = run_dir / "config.json"
@@ -334,4 +464,4 @@ def resumed_config(cfg: Config, given: set[str]) -> Config:
     current = flat_config(cfg)
     merged = {**saved, **{name: current[name] for name in given}}
     merged.update(run_name=run_dir.name, out_dir=str(run_dir.parent), resume=str(run_dir))
-    return make_config(merged)
+    return make_sft_config(merged) if isinstance(cfg, SFTConfig) else make_config(merged)

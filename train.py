@@ -654,12 +654,12 @@ def main(argv: list[str] | None = None) -> None:
               f"(n={after['problems']}, k={after['k']}, se {100 * (after['se'] or 0):.1f})")
 
 
-def _inside_training(error: BaseException) -> bool:
+def _inside_training(error: BaseException, functions: tuple[str, ...] = ("train_step", "evaluate_held_out")) -> bool:
     """Whether an error was raised inside a training step rather than by the checks before it: those are
     bugs or hardware trouble, and keep their traceback."""
     tb = error.__traceback__
     while tb is not None:
-        if tb.tb_frame.f_code.co_name in ("train_step", "evaluate_held_out"):
+        if tb.tb_frame.f_code.co_name in functions:
             return True
         tb = tb.tb_next
     return False
