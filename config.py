@@ -1,5 +1,5 @@
-"""The run's settings: the Config dataclass, the papers' presets, the checks every value passes before
-anything loads, and the command line that turns flags into a Config.
+"""The run's settings: the Config dataclass (train.py) and SFTConfig (sft.py), the papers' presets, the
+checks every value passes before anything loads, and the command line that turns flags into a config.
 
 Every Config field and every loss.LossConfig field is a flag (`--lora-rank`, `--rule`, ...): a new knob
 is one field here or in loss.py, and its help text is the field's. A preset fills defaults that explicit

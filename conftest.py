@@ -32,9 +32,9 @@ THINK_TOKENS = ["<think>", "</think>"]  # added tokens, not special ones: decodi
 CORPUS = ["What is 7 + 5? The answer is 12.", "Answer: 42", "\\boxed{3} #### 18", "user assistant system"]
 
 
-def make_tokenizer(vocab_size: int = 300, chat_template: str = CHAT_TEMPLATE):
-    """A byte-level BPE tokenizer with a chat template; ids 0-2 are the special tokens, and <think> and
-    </think> are single (non-special) tokens."""
+def make_tokenizer(vocab_size: int = 300, chat_template: str = CHAT_TEMPLATE, think_tokens: bool = False):
+    """A byte-level BPE tokenizer with a chat template; ids 0-2 are the special tokens. think_tokens adds
+    <think> and </think> as single (non-special) tokens, as Qwen3's tokenizer has them."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -44,7 +44,8 @@ def make_tokenizer(vocab_size: int = 300, chat_template: str = CHAT_TEMPLATE):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(CORPUS, trainer)
-    tok.add_tokens(THINK_TOKENS)
+    if think_tokens:
+        tok.add_tokens(THINK_TOKENS)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    bos_token=None, chat_template=chat_template)
 

@@ -651,8 +651,8 @@ def run_eval(args: argparse.Namespace, benchmarks: Mapping[str, list[dict]], out
     try:
         evaluations = {name: evaluate(model, tokenizer, problems, k=args.k, n=args.n, temperature=args.temperature,
                                       top_p=args.top_p, max_new_tokens=args.max_new_tokens, template=args.template,
-                                      system=args.system, thinking=args.thinking == "on", batch_size=args.batch_size, seed=args.seed, desc=name,
-                                      finished=finished[name])
+                                      system=args.system, thinking=args.thinking == "on",
+                                      batch_size=args.batch_size, seed=args.seed, desc=name, finished=finished[name])
                        for name, problems in benchmarks.items()}
     except KeyboardInterrupt:
         print(f"\neval.py: interrupted; {_keep_finished(out, config, finished, args.k, args.seed)}", file=sys.stderr)

@@ -49,8 +49,11 @@ from data import load_problems, opens_thought, render_prompt, render_solution, t
 
 # ----------------------------------------------------------------------------- examples and batches
 
+Example = tuple[list[int], list[int]]  # (prompt ids, reply ids)
+Batch = tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]  # ids [B, P + C], pad mask, P, reply mask [B, C]
 
-def tokenize(problems: list[dict], tokenizer, cfg: SFTConfig) -> tuple[list[tuple[list[int], list[int]]], int]:
+
+def tokenize(problems: list[dict], tokenizer, cfg: SFTConfig) -> tuple[list[Example], int]:
     """(prompt ids, reply ids) per problem, the reply ending with the end-of-turn token; and how many were
     left out for being longer than max_length. A problem without a "solution" is a ValueError naming it."""
     end_of_turn = tokenizer.eos_token_id
@@ -71,7 +74,7 @@ def tokenize(problems: list[dict], tokenizer, cfg: SFTConfig) -> tuple[list[tupl
     return examples, too_long
 
 
-def length_batches(examples: list[tuple[list[int], list[int]]], batch_tokens: int) -> list[list[int]]:
+def length_batches(examples: list[Example], batch_tokens: int) -> list[list[int]]:
     """Indices of examples in micro-batches of similar length, each at most batch_tokens padded tokens
     (rows x (longest prompt + longest reply)), in the order of their length."""
     order = sorted(range(len(examples)), key=lambda i: (len(examples[i][0]) + len(examples[i][1]), i))
@@ -92,7 +95,7 @@ def epoch_order(batches: int, epoch: int, seed: int) -> list[int]:
     return torch.randperm(batches, generator=torch.Generator().manual_seed(seed * 7919 + epoch)).tolist()
 
 
-def collate(examples: list[tuple[list[int], list[int]]], device) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+def collate(examples: list[Example], device) -> Batch:
     """Input ids and pad mask [B, P + C] (prompts left-padded to P, replies right-padded to C), P, and the
     reply mask [B, C]: a rollout's layout, so hidden_logprobs(..., start=P) scores exactly the replies."""
     P, C = max(len(p) for p, _ in examples), max(len(r) for _, r in examples)
@@ -104,7 +107,7 @@ def collate(examples: list[tuple[list[int], list[int]]], device) -> tuple[torch.
     return ids.to(device), pad.to(device), P, pad[:, P:].to(device)
 
 
-def reply_loss(model, batch: tuple, step_tokens: int) -> torch.Tensor:
+def reply_loss(model, batch: Batch, step_tokens: int) -> torch.Tensor:
     """This micro-batch's share of the step's loss: its reply tokens' negative log-likelihood over the
     step's reply tokens, so accumulated micro-batches add up to the step's token mean."""
     ids, pad, P, mask = batch
@@ -206,7 +209,7 @@ def run(cfg: SFTConfig) -> dict:
     return state
 
 
-def sft_step(model, optimizer, examples: list, batches: list[list[int]], cfg: SFTConfig, step: int,
+def sft_step(model, optimizer, examples: list[Example], batches: list[list[int]], cfg: SFTConfig, step: int,
              steps_per_epoch: int, total_steps: int) -> dict:
     """One optimizer step over grad_accum micro-batches of the epoch's order; its metrics line."""
     start = time.perf_counter()

@@ -337,7 +337,8 @@ def openmath_row(problem: str, solution: str, expected: str) -> dict:
 OPENMATH_ROWS = [
     openmath_row("Compute $2+3$.", "<think>\n2 + 3 is 5.\n</think>\n\nAdding, $2+3=\\boxed{5}$.", "5"),
     openmath_row("Compute $2+4$.", "<think>\nIt is 6.\n</think>\n\nSo $\\boxed{7}$.", "6"),  # reaches another answer
-    openmath_row("Compute $2+5$.", "<think>\n\\boxed{7}?\n</think>\n\nSo $\\boxed{8}$.", "7"),  # right only while thinking
+    # right only while thinking
+    openmath_row("Compute $2+5$.", "<think>\n\\boxed{7}?\n</think>\n\nSo $\\boxed{8}$.", "7"),
     openmath_row("Prove it.", "<think>\nA proof.\n</think>\n\nDone.", ""),  # no expected answer
 ]
 
@@ -359,7 +360,8 @@ HUB_COPIES = {
               [("Cities A and B are 45 miles apart.", "27")]),
     "dapo": (DAPO_ROWS, [("What is 1 + 1?", "2"), ("Find x if 2x = 6.", "3")]),
     "brumo25": ([{"problem_idx": 1, "problem": "Compute $2+3$.", "answer": "5", "problem_type": ["Algebra"]},
-                 {"problem_idx": 2, "problem": "Find the ratio.", "answer": "\\frac{3}{4}", "problem_type": ["Geometry"]}],
+                 {"problem_idx": 2, "problem": "Find the ratio.", "answer": "\\frac{3}{4}",
+                  "problem_type": ["Geometry"]}],
                 [("Compute $2+3$.", "5"), ("Find the ratio.", "\\frac{3}{4}")]),
     "smt25": ([{"problem_idx": 7, "problem": "How many subsets?", "answer": "012", "problem_type": ["Combinatorics"]}],
               [("How many subsets?", "12")]),
@@ -430,7 +432,8 @@ def test_render_solution_ends_in_the_templates_answer_format():
     assert render_solution(thought, "5", "answer", thinking=True) == (
         "<think>\n2 + 3 is 5.\n</think>\n\nAdding, $2+3=\\boxed{5}$.\nAnswer: 5")
     assert render_solution(thought, "5", "boxed") == "Adding, $2+3=\\boxed{5}$."  # has its box already
-    assert render_solution("3 * 6 = 18 apples.", "18", "boxed") == "3 * 6 = 18 apples.\nThe final answer is $\\boxed{18}$."
+    assert render_solution("3 * 6 = 18 apples.", "18", "boxed") == (
+        "3 * 6 = 18 apples.\nThe final answer is $\\boxed{18}$.")
     assert render_solution("7 + 5 = 12", "12", "equation") == "7 + 5 = 12"
     assert render_solution("7 + 5 = 12", "12", "plain") == "12"
     for template in ("answer", "boxed", "equation", "plain"):  # what SFT teaches is what the reward reads
@@ -612,7 +615,7 @@ def test_qwen3_thinking_switch_and_an_unclosed_thought_earns_nothing():
     from conftest import CHAT_TEMPLATE, OPEN_THOUGHT_CHAT_TEMPLATE, QWEN3_CHAT_TEMPLATE, make_tokenizer
     from data import opens_thought, takes_thinking, thinking_note
 
-    qwen3 = make_tokenizer(chat_template=QWEN3_CHAT_TEMPLATE)
+    qwen3 = make_tokenizer(chat_template=QWEN3_CHAT_TEMPLATE, think_tokens=True)
     off = qwen3.decode(render_prompt(qwen3, "What is 7 + 5?", "plain", "Be brief.", thinking=False))
     on = qwen3.decode(render_prompt(qwen3, "What is 7 + 5?", "plain", "Be brief.", thinking=True))
     assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") and on.endswith("<|im_start|>assistant\n")

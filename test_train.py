@@ -397,7 +397,9 @@ def test_epochs_pass_over_every_row_again_in_a_fresh_order(tiny_model_dir, tmp_p
 
 
 def test_learning_rate_schedules():
-    lr = lambda schedule, step, warmup=2, total=10: train.learning_rate(1.0, schedule, warmup, total, step)  # noqa: E731
+    def lr(schedule, step, warmup=2, total=10):
+        return train.learning_rate(1.0, schedule, warmup, total, step)
+
     assert [lr("constant", s) for s in (1, 2, 3, 10)] == [0.5, 1.0, 1.0, 1.0]
     assert lr("constant", 1, warmup=0) == 1.0
     assert [lr("linear", s) for s in (3, 4, 10)] == pytest.approx([1.0, 7 / 8, 1 / 8])
@@ -458,7 +460,7 @@ def test_thought_lengths_count_unclosed_thoughts_and_split_the_rest():
     from types import SimpleNamespace
 
     from conftest import QWEN3_CHAT_TEMPLATE, make_tokenizer
-    tokenizer = make_tokenizer(chat_template=QWEN3_CHAT_TEMPLATE)
+    tokenizer = make_tokenizer(chat_template=QWEN3_CHAT_TEMPLATE, think_tokens=True)
     texts = ["<think>\n7 + 5 is 12", "<think>\nx</think>\n12", "12"]
     lengths = [len(tokenizer.encode(t, add_special_tokens=False)) + stop for t, stop in zip(texts, (0, 1, 1))]
     mask = torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]

@@ -4,6 +4,7 @@
     python train.py --preset atr-grpo-qwen3-1.7b     # a paper's run (needs the model and data/prepare.py)
     python train.py --preset atr-grpo-qwen3-1.7b --plan   # its memory, phase by phase, without loading it
     python train.py --resume runs/NAME               # continue a run from its last checkpoint
+    python train.py --init-adapter runs/SFT/adapter  # GRPO from the adapter of sft.py's supervised stage
     torchrun --nproc-per-node 8 train.py --preset gppo-qwen3-8b   # data parallel over 8 GPUs (README)
 
 The file reads in the order a run executes: one step (prompts -> G completions each -> rewards ->
