@@ -933,6 +933,14 @@ def reward(completions: list[str], references: list[str], *, format_weight: floa
             for ok, a in zip(correct, answers)]
 
 
+def math_reward(completions: list[str], answer: list[str], open_thought: list[bool] | None = None,
+                **columns) -> list[float]:
+    """The built-in reward as a reward function (TRL's signature, see scoring.py): per completion 1.0 if its
+    final answer, after its thought, equals its row's reference answer (the dataset's "answer" column), else
+    0.0. open_thought, a column train.py passes: the prompts opened a thought (split_thinking)."""
+    return reward(completions, answer, open_thought=bool(open_thought and open_thought[0]))
+
+
 # ----------------------------------------------------------------------------- command line
 
 def main(argv: list[str]) -> int:

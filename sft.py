@@ -163,7 +163,7 @@ def run(cfg: SFTConfig) -> dict:
     names = [name.strip() for name in cfg.eval_dataset.split(",") if name.strip()]
     eval_sets = {name: load_problems(name)[:cfg.eval_problems or None] for name in names}
     run_dir = rundir.prepare_run_dir(cfg)
-    model, tokenizer, optimizer = train.build(cfg)
+    model, tokenizer, optimizer, _ = train.build(cfg)
     examples, too_long = tokenize(problems, tokenizer, cfg)
     if not examples:
         raise ValueError(f"--max-length {cfg.max_length}: every one of the {len(problems)} examples is longer")

@@ -96,7 +96,7 @@ def test_a_run_trains_checkpoints_resumes_exactly_and_hands_train_py_its_adapter
     grpo, _, _ = config.parse_args(["--model", str(tiny_model_dir), "--lora-rank", "4", "--template", "answer",
                                     "--init-adapter", str(run_dir / "adapter")])
     config.check_init_adapter(grpo)
-    started, _, _ = train.build(grpo, grpo.init_adapter)
+    started, _, _, _ = train.build(grpo, grpo.init_adapter)
     for a, b in zip(lora.parameters(started), lora.parameters(whole)):
         assert torch.equal(a, b)
 
