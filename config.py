@@ -1,5 +1,5 @@
-"""The run's settings: the Config dataclass, the papers' presets, the checks every value passes before
-anything loads, and the command line that turns flags into a Config.
+"""The run's settings: the Config dataclass (train.py) and SFTConfig (sft.py), the papers' presets, the
+checks every value passes before anything loads, and the command line that turns flags into a config.
 
 Every Config field and every loss.LossConfig field is a flag (`--lora-rank`, `--rule`, ...): a new knob
 is one field here or in loss.py, and its help text is the field's. A preset fills defaults that explicit
@@ -22,6 +22,7 @@ import torch
 
 import distributed
 import loggers
+import lora
 import loss
 import reward
 import scoring
@@ -45,12 +46,17 @@ class Config:
     lora_dropout: float = opt(0.0, "dropout on the LoRA input")
     lora_targets: str = opt("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                             "comma-separated module names that get adapters")
+    init_adapter: str | None = opt(None, "start from this LoRA adapter (PEFT format, e.g. sft.py's RUN/adapter) "
+                                         "instead of fresh ones; its r, alpha and targets must be --lora-rank, "
+                                         "--lora-alpha and --lora-targets")
     # data
     dataset: str = opt("arithmetic", "training set: a name from data/ or a jsonl path")
     eval_dataset: str = opt("arithmetic_test", "held-out sets, comma-separated: names from data/ or jsonl paths")
     template: str = opt("equation", "prompt template of data/templates.py: equation, plain, boxed or answer")
     system_prompt: str | None = opt("You are a helpful assistant.",
                                     "system message; empty = the chat template's own default")
+    thinking: str = opt("off", "thinking mode: passed as enable_thinking to chat templates that take it (Qwen3); "
+                               "the reward grades only what follows the last </think>", ("on", "off"))
     # rollout
     prompts_per_step: int = opt(8, "distinct prompts sampled per step")
     group_size: int = opt(8, "completions per prompt (G)")
@@ -74,10 +80,15 @@ class Config:
                                      "past it scores 0 from that function, as a slow answer does in the checker")
     # optimization
     steps: int = opt(20, "training steps (rollout batches)")
-    lr: float = opt(3e-4, "AdamW learning rate")
+    lr: float = opt(3e-4, "AdamW learning rate (the peak, with a schedule)")
+    lr_schedule: str = opt("constant", "learning rate over the training steps after the warmup: constant, cosine "
+                                       "or linear decay towards 0", ("constant", "cosine", "linear"))
+    warmup_steps: int = opt(0, "training steps of linear warmup to --lr (the rate is set once per step, as verl does)")
     weight_decay: float = opt(0.0, "AdamW weight decay")
     grad_clip: float = opt(1.0, "max gradient norm")
-    updates_per_rollout: int = opt(1, "optimizer steps (mini-batches) per rollout batch")
+    updates_per_rollout: int = opt(1, "optimizer steps (mini-batches) per pass over a rollout batch")
+    epochs: int = opt(1, "passes over each rollout batch, each reshuffled into --updates-per-rollout mini-batches "
+                         "(TRL's num_iterations, verl's ppo_epochs)")
     grad_accum: int = opt(0, "micro-batches per optimizer step (per process, on average, under torchrun); 0 = from "
                              "the memory plan on a GPU, 1 on the CPU")
     recompute_old_logp: str = opt("auto", "recompute old log-probs with the training pass before updating "
@@ -112,9 +123,66 @@ class Config:
     preset: str | None = opt(None, "a named setup, a file configs/NAME.toml; --config and explicit flags override it")
 
 
-# The papers' runs are files, configs/NAME.toml, one per preset (a fork adds a recipe by copying one). Every value
-# a paper states carries its source in a comment there; the values it leaves open are our choices, listed with
-# their reasons in the README ("Presets"). PRESETS is read from them below, after the reader.
+def shared(name: str):
+    """Config's field `name` (its default and help), for a settings class that means the same by it."""
+    f = Config.__dataclass_fields__[name]
+    return field(default=f.default, metadata=f.metadata)
+
+
+@dataclass
+class SFTConfig:
+    """The supervised stage's settings (sft.py): the model, LoRA and prompt fields are train.py's own, so an
+    adapter trained here is one that `train.py --init-adapter` continues with the same prompts."""
+
+    # model
+    model: str | None = shared("model")
+    device: str = shared("device")
+    dtype: str = shared("dtype")
+    gradient_checkpointing: str = shared("gradient_checkpointing")
+    lora_rank: int = opt(16, "LoRA rank r")
+    lora_alpha: float = shared("lora_alpha")
+    lora_dropout: float = shared("lora_dropout")
+    lora_targets: str = shared("lora_targets")
+    # data: problems with a worked "solution" (data/prepare.py writes them; arithmetic has them)
+    dataset: str = opt("arithmetic", "problems with worked solutions: a name from data/ or a jsonl path")
+    eval_dataset: str = opt("arithmetic_test", "held-out problems sampled before and after, comma-separated; "
+                                               "empty = none")
+    template: str = shared("template")
+    system_prompt: str | None = shared("system_prompt")
+    thinking: str = shared("thinking")
+    max_length: int = opt(2048, "examples longer than this (prompt + reply tokens) are left out, and counted")
+    batch_tokens: int = opt(4096, "padded tokens per micro-batch (rows x the longest row); examples of similar "
+                                  "length share a batch")
+    # optimization
+    epochs: int = opt(1, "passes over the dataset")
+    max_steps: int = opt(0, "stop after this many optimizer steps; 0 = the epochs decide")
+    lr: float = opt(2e-4, "AdamW learning rate (the peak)")
+    lr_schedule: str = opt("cosine", "learning rate after the warmup: constant, cosine or linear decay towards 0",
+                           ("constant", "cosine", "linear"))
+    warmup_steps: int = opt(0, "optimizer steps of linear warmup")
+    weight_decay: float = shared("weight_decay")
+    grad_clip: float = shared("grad_clip")
+    grad_accum: int = opt(1, "micro-batches per optimizer step")
+    # evaluation: format compliance and accuracy on the held-out problems
+    eval_problems: int = opt(64, "held-out problems used per set (0 = all)")
+    eval_k: int = opt(2, "samples per held-out problem")
+    eval_temperature: float = shared("eval_temperature")
+    eval_batch: int = opt(16, "held-out prompts per sampler call")
+    max_new_tokens: int = opt(32, "completion length cap at evaluation")
+    # run
+    run_name: str | None = shared("run_name")
+    out_dir: str = shared("out_dir")
+    seed: int = shared("seed")
+    checkpoint_every: int = opt(50, "checkpoint every N optimizer steps (and at the end and on Ctrl-C)")
+    resume: str | None = shared("resume")
+    export: str | None = opt(None, "after training, write merged HF weights to this new or empty directory")
+    preset: str | None = opt(None, "a named setup, a file configs/sft/NAME.toml; explicit flags override it")
+
+
+# The papers' runs are files, configs/NAME.toml, one per preset (a fork adds a recipe by copying one), and
+# configs/sft/NAME.toml for sft.py's. Every value a paper states carries its source in a comment there; every
+# other value is written out too, so that a change of a default never changes a paper's run, and its reason is
+# in the README ("Presets"). PRESETS and SFT_PRESETS are read from them below, after the reader.
 CONFIGS = Path(__file__).resolve().parent / "configs"
 
 
@@ -130,6 +198,22 @@ def resolve_device(cfg: Config) -> tuple[torch.device, torch.dtype]:
     return device, getattr(torch, cfg.dtype)
 
 
+def _model_checks(cfg, need_device: bool) -> list[tuple[bool, str]]:
+    """The checks of the settings train.py and sft.py share: device, LoRA dropout, optimizer, epochs."""
+    device = cfg.device
+    return [
+        (device in ("auto", "cpu", "meta") or device.startswith("cuda"),
+         f"--device {device!r}: expected cpu, cuda, cuda:N or auto"),
+        (not need_device or not device.startswith("cuda") or torch.cuda.is_available(),
+         f"--device {device}: no CUDA GPU is visible to torch on this machine; use --device cpu"),
+        (0 <= cfg.lora_dropout < 1, f"--lora-dropout {cfg.lora_dropout}: must be in [0, 1)"),
+        (cfg.lr > 0 and math.isfinite(cfg.lr), f"--lr {cfg.lr}: must be a positive number"),
+        (cfg.weight_decay >= 0 and cfg.grad_clip > 0, f"--weight-decay {cfg.weight_decay} must be >= 0 and "
+                                                      f"--grad-clip {cfg.grad_clip} > 0"),
+        (cfg.epochs >= 1, f"--epochs {cfg.epochs}: must be >= 1"),
+    ]
+
+
 def validate(cfg: Config, need_device: bool = True) -> None:
     """Every setting that would fail after the model loads fails here, naming the flag and what it accepts."""
     rows = cfg.prompts_per_step * cfg.group_size
@@ -137,10 +221,7 @@ def validate(cfg: Config, need_device: bool = True) -> None:
     # the processes running (torchrun's) and those the run is planned for (--world-size) must both split a step
     split = next((n for n in (processes, cfg.world_size) if n and cfg.prompts_per_step % n), processes)
     for ok, message in (
-        (device in ("auto", "cpu", "meta") or device.startswith("cuda"),
-         f"--device {device!r}: expected cpu, cuda, cuda:N or auto"),
-        (not need_device or not device.startswith("cuda") or torch.cuda.is_available(),
-         f"--device {device}: no CUDA GPU is visible to torch on this machine; use --device cpu"),
+        *_model_checks(cfg, need_device),
         (cfg.prompts_per_step % split == 0,
          f"--prompts-per-step {cfg.prompts_per_step} does not split over {split} processes: each samples whole "
          "prompts (a prompt's G completions share one process, where its advantages are computed); use a multiple "
@@ -158,12 +239,15 @@ def validate(cfg: Config, need_device: bool = True) -> None:
         (cfg.lora_rank >= 0 and cfg.lora_alpha > 0, f"--lora-rank {cfg.lora_rank} must be >= 0 (0 trains every "
                                                     f"weight) and --lora-alpha {cfg.lora_alpha} > 0"),
         (cfg.world_size >= 0, f"--world-size {cfg.world_size}: must be >= 0 (0 = torchrun's)"),
-        (0 <= cfg.lora_dropout < 1, f"--lora-dropout {cfg.lora_dropout}: must be in [0, 1)"),
-        (cfg.lr > 0 and math.isfinite(cfg.lr), f"--lr {cfg.lr}: must be a positive number"),
-        (cfg.weight_decay >= 0 and cfg.grad_clip > 0, f"--weight-decay {cfg.weight_decay} must be >= 0 and "
-                                                      f"--grad-clip {cfg.grad_clip} > 0"),
         (1 <= cfg.updates_per_rollout <= rows, f"--updates-per-rollout {cfg.updates_per_rollout}: must be between 1 "
                                                f"and the {rows} rows of a step (--prompts-per-step x --group-size)"),
+        (0 <= cfg.warmup_steps <= max(cfg.steps, 0), f"--warmup-steps {cfg.warmup_steps}: must be between 0 and "
+                                                     f"--steps {cfg.steps}"),
+        (not cfg.init_adapter or cfg.lora_rank >= 1,
+         "--init-adapter starts from LoRA adapters; with --lora-rank 0 every weight trains and there are none"),
+        (not cfg.init_adapter or not cfg.loss.kl_beta,
+         "--init-adapter with --kl-beta: the KL reference is the frozen base model (adapters off), not the "
+         "adapter's policy; a penalty towards the base is not what a run from an SFT adapter wants"),
         (0 <= cfg.grad_accum <= max(1, rows // cfg.updates_per_rollout),
          f"--grad-accum {cfg.grad_accum}: must be between 0 (automatic) and the {rows // cfg.updates_per_rollout} "
          "rows of a mini-batch"),
@@ -197,6 +281,40 @@ def validate(cfg: Config, need_device: bool = True) -> None:
     loggers.check(cfg.log)
 
 
+def validate_sft(cfg: SFTConfig, need_device: bool = True) -> None:
+    """sft.py's settings, checked before anything loads, each failure naming its flag."""
+    for ok, message in (
+        *_model_checks(cfg, need_device),
+        (cfg.lora_rank >= 1 and cfg.lora_alpha > 0, f"--lora-rank {cfg.lora_rank} must be >= 1 and --lora-alpha "
+                                                    f"{cfg.lora_alpha} > 0"),
+        (distributed.world_size() == 1, "sft.py runs in one process; start it without torchrun"),
+        (cfg.max_length >= 2, f"--max-length {cfg.max_length}: must be >= 2 (a prompt and a reply token)"),
+        (cfg.batch_tokens >= cfg.max_length, f"--batch-tokens {cfg.batch_tokens}: must hold one example of "
+                                             f"--max-length {cfg.max_length}"),
+        (cfg.max_steps >= 0 and cfg.warmup_steps >= 0, "--max-steps and --warmup-steps must be >= 0"),
+        (cfg.grad_accum >= 1, f"--grad-accum {cfg.grad_accum}: must be >= 1"),
+        (cfg.eval_problems >= 0 and cfg.eval_k >= 1 and cfg.eval_batch >= 1 and cfg.max_new_tokens >= 1,
+         "--eval-problems must be >= 0, and --eval-k, --eval-batch and --max-new-tokens >= 1"),
+        (cfg.eval_temperature >= 0, f"--eval-temperature {cfg.eval_temperature}: must be >= 0 (0 = greedy)"),
+        (cfg.checkpoint_every >= 1, f"--checkpoint-every {cfg.checkpoint_every}: must be >= 1"),
+    ):
+        if not ok:
+            raise ValueError(message)
+
+
+def check_init_adapter(cfg) -> None:
+    """--init-adapter is an adapter of the run's LoRA shape: checked on its config file, before the model loads."""
+    if not cfg.init_adapter:
+        return
+    saved = lora.read_config(cfg.init_adapter)
+    ours = {"r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "target_modules": sorted(cfg.lora_targets.split(","))}
+    flags = {"r": "--lora-rank", "lora_alpha": "--lora-alpha", "target_modules": "--lora-targets"}
+    differ = [f"{flags[key]} {ours[key]} (the adapter has {saved.get(key)})" for key in ours
+              if (sorted(saved.get(key) or []) if key == "target_modules" else saved.get(key)) != ours[key]]
+    if differ:
+        raise ValueError(f"--init-adapter {cfg.init_adapter}: its shape differs from this run's: {'; '.join(differ)}")
+
+
 def _text(values) -> str:
     return "" if values is None else ",".join(f"{v:g}" for v in values)
 
@@ -206,6 +324,7 @@ def _text(values) -> str:
 
 LOSS_FIELDS = {f.name: f for f in dataclasses.fields(loss.LossConfig)}
 TRAIN_FIELDS = {f.name: f for f in dataclasses.fields(Config) if f.name != "loss"}
+SFT_FIELDS = {f.name: f for f in dataclasses.fields(SFTConfig)}
 assert not LOSS_FIELDS.keys() & TRAIN_FIELDS.keys(), "a flag name would mean two settings"
 
 
@@ -224,16 +343,7 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
                         "names, such as lora_rank; a run's config.toml works as is); flags given override it")
     parser.add_argument("--print-config", action="store_true", help="print the resolved settings as TOML, the "
                         "file --config reads, and exit")
-    for f in [*TRAIN_FIELDS.values(), *LOSS_FIELDS.values()]:
-        help_text = f"{f.metadata.get('help', '')} (default: {_default_text(f)})"
-        flag = "--" + f.name.replace("_", "-")
-        if _type_text(f) == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
-        elif _type_text(f) == "tuple[str, ...]":  # repeatable: --reward-fn a:f --reward-fn b:g
-            parser.add_argument(flag, action="append", default=argparse.SUPPRESS, help=help_text)
-        else:
-            parser.add_argument(flag, type=_parser_of(f), choices=f.metadata.get("choices"),
-                                default=argparse.SUPPRESS, help=help_text)
+    add_flags(parser, [*TRAIN_FIELDS.values(), *LOSS_FIELDS.values()])
     given = vars(parser.parse_args(argv))  # only the flags on the command line
     show_plan, print_config, config_file = given.pop("plan"), given.pop("print_config"), given.pop("config", None)
     from_file = read_toml(config_file, "--config") if config_file else {}
@@ -246,6 +356,33 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         print(to_toml(resumed_config(cfg, given) if cfg.resume else cfg), end="")
         parser.exit(0)
     return cfg, given, show_plan
+
+
+def parse_sft_args(argv: list[str] | None = None, description: str | None = None) -> tuple[SFTConfig, set[str]]:
+    """sft.py's flags, one per SFTConfig field; a preset (configs/sft/NAME.toml) fills defaults that flags
+    override. Returns the config and the names of the fields given explicitly."""
+    parser = OneLineErrors(prog="sft.py", description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_flags(parser, SFT_FIELDS.values())
+    given = vars(parser.parse_args(argv))
+    preset = given.get("preset")
+    if preset is not None and preset not in SFT_PRESETS:
+        parser.error(f"--preset {preset!r} is unknown; known presets: {', '.join(SFT_PRESETS)} "
+                     f"(files in {CONFIGS / 'sft'})")
+    return make_sft_config({**SFT_PRESETS.get(preset, {}), **given}), set(given)
+
+
+def add_flags(parser: argparse.ArgumentParser, fields) -> None:
+    """One flag per dataclass field, its help the field's; unset flags stay out of the parsed namespace."""
+    for f in fields:
+        help_text = f"{f.metadata.get('help', '')} (default: {_default_text(f)})"
+        flag = "--" + f.name.replace("_", "-")
+        if _type_text(f) == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+        elif _type_text(f) == "tuple[str, ...]":  # repeatable: --reward-fn a:f --reward-fn b:g
+            parser.add_argument(flag, action="append", default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(flag, type=_parser_of(f), choices=f.metadata.get("choices"),
+                                default=argparse.SUPPRESS, help=help_text)
 
 
 class OneLineErrors(argparse.ArgumentParser):
@@ -274,10 +411,22 @@ def make_config(values: dict) -> Config:
     return dataclasses.replace(cfg, loss=loss.LossConfig(**loss_values))
 
 
-def flat_config(cfg: Config) -> dict:
+def flat_config(cfg: Config | SFTConfig) -> dict:
     """The settings as one flat dict, as the command line names them (the inverse of make_config)."""
+    if isinstance(cfg, SFTConfig):
+        return dataclasses.asdict(cfg)
     values = {name: getattr(cfg, name) for name in TRAIN_FIELDS}
     return {**values, **dataclasses.asdict(cfg.loss)}
+
+
+def make_sft_config(values: dict) -> SFTConfig:
+    """An SFTConfig from flat settings, checked as validate_sft checks it (without the device)."""
+    unknown = values.keys() - SFT_FIELDS.keys()
+    if unknown:
+        raise ValueError(f"unknown settings: {', '.join(sorted(unknown))}")
+    cfg = SFTConfig(**values)
+    validate_sft(cfg, need_device=False)
+    return cfg
 
 
 def _type_text(f: dataclasses.Field) -> str:
@@ -305,8 +454,9 @@ def _parser_of(f: dataclasses.Field):
     return (lambda value: None if value == "" else parse(value)) if optional else parse
 
 
-def resumed_config(cfg: Config, given: set[str]) -> Config:
-    """The saved run's config, with the flags given on this command line on top (e.g. more --steps)."""
+def resumed_config(cfg: Config | SFTConfig, given: set[str]) -> Config | SFTConfig:
+    """The saved run's config, with the flags given on this command line on top (e.g. more --steps); sft.py's
+    runs too."""
     run_dir = Path(cfg.resume)
     saved_file = run_dir / "config.json"
     if not saved_file.is_file():
@@ -318,6 +468,9 @@ def resumed_config(cfg: Config, given: set[str]) -> Config:
     if refused:
         flags = ", ".join("--" + name.replace("_", "-") for name in sorted(refused))
         raise ValueError(f"--resume {run_dir} continues that run with its own settings; {flags} cannot change them")
+    if isinstance(cfg, SFTConfig):
+        return make_sft_config({**saved, **{name: current[name] for name in given}, "run_name": run_dir.name,
+                                "out_dir": str(run_dir.parent), "resume": str(run_dir)})
     if "steps" in given and cfg.steps == 0 and not cfg.export:
         raise ValueError(f"--resume {run_dir} --steps 0 trains and evaluates nothing; add --export DIR to export "
                          "the run's last checkpoint")
@@ -335,7 +488,7 @@ FIELDS = {**TRAIN_FIELDS, **LOSS_FIELDS}
 NOT_WRITTEN = ("resume",)  # what to do, not how: a written config.toml starts a run, it does not continue one
 
 
-def read_toml(path: str | Path, source: str = "--config") -> dict:
+def read_toml(path: str | Path, source: str = "--config", fields: dict = FIELDS) -> dict:
     """The settings of a TOML file, by field name: `lora_rank = 32` (a flag's spelling, lora-rank, works too).
 
     The file is flat, one key per setting; `""` is an empty setting (None), as on the command line. A key
@@ -353,11 +506,11 @@ def read_toml(path: str | Path, source: str = "--config") -> dict:
         name = key.replace("-", "_")
         if isinstance(value, dict):
             raise ValueError(f"{path}: [{key}]: a table is not a setting; settings files are flat (key = value)")
-        if name not in FIELDS:
-            close = difflib.get_close_matches(name, FIELDS, n=1)
+        if name not in fields:
+            close = difflib.get_close_matches(name, fields, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else "; the keys are the flags' names (train.py --help)"
             raise ValueError(f"{path}: {key!r} is not a setting{hint}")
-        values[name] = _toml_value(FIELDS[name], value, f"{path}: {key}")
+        values[name] = _toml_value(fields[name], value, f"{path}: {key}")
     return values
 
 
@@ -417,9 +570,10 @@ def _toml_text(value) -> str:
     return json.dumps(str(value), ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
-def load_presets(folder: Path = CONFIGS) -> dict[str, dict]:
-    """Every configs/NAME.toml as preset NAME."""
-    return {path.stem: read_toml(path, "preset") for path in sorted(folder.glob("*.toml"))}
+def load_presets(folder: Path = CONFIGS, fields: dict = FIELDS) -> dict[str, dict]:
+    """Every folder/NAME.toml as preset NAME."""
+    return {path.stem: read_toml(path, "preset", fields) for path in sorted(folder.glob("*.toml"))}
 
 
 PRESETS = load_presets()
+SFT_PRESETS = load_presets(CONFIGS / "sft", SFT_FIELDS)

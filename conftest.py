@@ -27,12 +27,26 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# Qwen3's logic, written here (the real template is not offline): a system turn first, then the turns; the
+# generation prompt opens the assistant turn, and with enable_thinking false it writes an empty thought.
+QWEN3_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+# DeepSeek-R1's distilled models: the generation prompt itself opens the thought, and no switch exists.
+OPEN_THOUGHT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+THINK_TOKENS = ["<think>", "</think>"]  # added tokens, not special ones: decoding keeps them, as Qwen3's does
 CORPUS = ["What is 7 + 5? The answer is 12.", "Answer: 42", "\\boxed{3} #### 18", "user assistant system"]
 
 
-def make_tokenizer(vocab_size: int = 300):
-    """A byte-level BPE tokenizer with a chat template; ids 0-2 are the special tokens."""
+def make_tokenizer(vocab_size: int = 300, chat_template: str = CHAT_TEMPLATE, think_tokens: bool = False):
+    """A byte-level BPE tokenizer with a chat template; ids 0-2 are the special tokens. think_tokens adds
+    <think> and </think> as single (non-special) tokens, as Qwen3's tokenizer has them."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -42,15 +56,18 @@ def make_tokenizer(vocab_size: int = 300):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(CORPUS, trainer)
+    if think_tokens:
+        tok.add_tokens(THINK_TOKENS)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   bos_token=None, chat_template=CHAT_TEMPLATE)
+                                   bos_token=None, chat_template=chat_template)
 
 
-def make_tiny_checkpoint(path: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+def make_tiny_checkpoint(path: Path, family: str = "llama", seed: int = 0, chat_template: str = CHAT_TEMPLATE,
+                         **overrides) -> Path:
     """Save a 2-layer random model of `family` (llama, qwen2, qwen3) plus tokenizer into path."""
     import transformers
 
-    tokenizer = make_tokenizer()
+    tokenizer = make_tokenizer(chat_template=chat_template)
     kwargs = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)

@@ -41,7 +41,7 @@ from tqdm import tqdm
 import lora
 import reward
 import rollout
-from data import load_problems, render_prompt, stop_ids, user_message
+from data import load_problems, opens_thought, render_prompt, stop_ids, thinking_note, user_message
 from weights import from_pretrained, load_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -419,12 +419,14 @@ def comparison_table(gaps: Mapping[str, Mapping[str, Gap]], label_a: str, label_
 
 def evaluate(model, tokenizer, problems: Sequence[Mapping], *, k: int, n: int | None = None, temperature: float,
              top_p: float = 1.0, max_new_tokens: int, template: str = "boxed", system: str | None = None,
-             batch_size: int = 8, seed: int = 0, desc: str = "eval", progress: bool = True,
+             thinking: bool = False, batch_size: int = 8, seed: int = 0, desc: str = "eval", progress: bool = True,
              finished: list[ProblemResult] | None = None, first_problem: int = 0, pool=None) -> Evaluation:
     """Sample n (default k) completions for each problem {"problem", "answer", optional "id"}, grade them, and
     summarize Mean@k, Pass@k, Maj@k, completion length and truncation rate with their error bars.
 
-    template and system (None: the chat template's default system message) pose each problem as in training.
+    template, system (None: the chat template's default system message) and thinking (enable_thinking for
+    templates that read it) pose each problem as in training; only what follows a completion's last </think>
+    is graded and voted on, and a thought that never closes is wrong.
     batch_size prompts are sampled together (batch_size * n rows, a bound on memory); a problem's samples depend
     on the seed and its index, not on batch_size. A problem without "id" is named by its index. first_problem
     is the index of problems[0] in its set: a slice of a set (a process's share) gets the whole set's samples.
@@ -438,7 +440,7 @@ def evaluate(model, tokenizer, problems: Sequence[Mapping], *, k: int, n: int | 
         raise ValueError("problems is empty")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    stops = stop_ids(model.config, tokenizer)
+    stops, open_thought = stop_ids(model.config, tokenizer), opens_thought(tokenizer, thinking)
     was_training = model.training
     model.eval()  # no LoRA dropout while measuring
     results = [] if finished is None else finished
@@ -447,15 +449,16 @@ def evaluate(model, tokenizer, problems: Sequence[Mapping], *, k: int, n: int | 
     try:
         for start in range(0, len(problems), batch_size):
             batch = problems[start:start + batch_size]
-            out = rollout.generate(model, [render_prompt(tokenizer, p["problem"], template, system) for p in batch],
-                                   samples_per_prompt=n, max_new_tokens=max_new_tokens, temperature=temperature,
-                                   top_p=top_p, stop_ids=stops, seed=seed, first_prompt=first_problem + start,
-                                   tokenizer=tokenizer, pool=pool)
+            prompts = [render_prompt(tokenizer, p["problem"], template, system, thinking) for p in batch]
+            out = rollout.generate(model, prompts, samples_per_prompt=n, max_new_tokens=max_new_tokens,
+                                   temperature=temperature, top_p=top_p, stop_ids=stops, seed=seed,
+                                   first_prompt=first_problem + start, tokenizer=tokenizer, pool=pool)
             references = [p["answer"] for p in batch for _ in range(n)]  # rows are prompt-major
-            correct = [score == 1.0 for score in reward.reward(out.texts, references)]
+            correct = [score == 1.0 for score in reward.reward(out.texts, references, open_thought=open_thought)]
             # Maj@k votes on the normalized spelling, so "\dfrac12" and "\frac{1}{2}" count as one answer
-            answers = [None if (a := reward.extract_answer(t)) is None else reward.normalize(a) or None
-                       for t in out.texts]
+            finals = [reward.split_thinking(t, open_thought).answer for t in out.texts]
+            answers = [None if f is None or (a := reward.extract_answer(f)) is None else reward.normalize(a) or None
+                       for f in finals]
             lengths, truncated = out.completion_mask.sum(1).tolist(), out.truncated.tolist()
             for i, p in enumerate(batch):
                 rows = slice(i * n, (i + 1) * n)
@@ -483,7 +486,7 @@ RUN_SETTINGS = {"model": "model", "template": "template", "system": "system_prom
                 "temperature": "eval_temperature", "top_p": "top_p", "max_new_tokens": "max_new_tokens",
                 "k": "eval_k", "bench": "eval_dataset", "limit": "eval_problems", "seed": "seed", "dtype": "dtype"}
 DEFAULTS = {"bench": "aime24,aime25,amc23", "k": 8, "temperature": 0.6, "top_p": 0.95, "max_new_tokens": 4096,
-            "template": "boxed", "seed": 0}
+            "template": "boxed", "seed": 0, "thinking": "off"}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -515,6 +518,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--template", default=None, help="prompt template of data/templates.py "
                         f"(default: {DEFAULTS['template']})")
     parser.add_argument("--system", default=None, help="system message (default, or empty: the chat template's own)")
+    parser.add_argument("--thinking", default=None, choices=["on", "off"], help="enable_thinking for chat "
+                        "templates that take it (Qwen3); only what follows the last </think> is graded "
+                        f"(default: {DEFAULTS['thinking']})")
     parser.add_argument("--batch-size", type=int, default=8, help="problems sampled together (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=None, help=f"(default: {DEFAULTS['seed']})")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
@@ -619,7 +625,7 @@ def settings_line(args: argparse.Namespace, adapter: Path | None, adapter_what: 
     flags = [("--model", args.model), ("--adapter", adapter), ("--bench", args.bench), ("--limit", args.limit),
              ("--k", args.k), ("--temperature", args.temperature), ("--top-p", args.top_p),
              ("--max-new-tokens", args.max_new_tokens), ("--template", args.template), ("--system", args.system),
-             ("--seed", args.seed)] + ([("--thinking", args.thinking)] if hasattr(args, "thinking") else [])
+             ("--seed", args.seed), ("--thinking", args.thinking)]
     command = " ".join(f"{flag} {shlex.quote(str(value))}" for flag, value in flags if value is not None)
     given = [flag for flag in RUN_SETTINGS if flag not in args.from_run and hasattr(args, flag)]
     return (f"eval.py: {args.run} evaluated as: python eval.py {command}\neval.py: adapter {adapter} "
@@ -744,8 +750,8 @@ def run_eval(args: argparse.Namespace, benchmarks: Mapping[str, list[dict]], out
     try:
         evaluations = {name: evaluate(model, tokenizer, problems, k=args.k, n=args.n, temperature=args.temperature,
                                       top_p=args.top_p, max_new_tokens=args.max_new_tokens, template=args.template,
-                                      system=args.system, batch_size=args.batch_size, seed=args.seed, desc=name,
-                                      finished=finished[name])
+                                      system=args.system, thinking=args.thinking == "on",
+                                      batch_size=args.batch_size, seed=args.seed, desc=name, finished=finished[name])
                        for name, problems in benchmarks.items()}
     except KeyboardInterrupt:
         print(f"\neval.py: interrupted; {_keep_finished(out, config, finished, args.k, args.seed)}", file=sys.stderr)
@@ -791,6 +797,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         if adapter is not None:
             lora.load(model, adapter)
         tokenizer = load_tokenizer(args.model)
+        if note := thinking_note(tokenizer, args.thinking == "on"):
+            print(f"eval.py: {note}", file=sys.stderr)
     except (ValueError, OSError) as error:
         print(f"eval.py: {error}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -209,12 +209,7 @@ def load(model: nn.Module, path: str | Path) -> nn.Module:
     from safetensors.torch import load_file
 
     path = Path(path)
-    config_file, weights_file = path / CONFIG_FILE, path / WEIGHTS_FILE
-    for file in (config_file, weights_file):
-        if not file.is_file():
-            raise FileNotFoundError(f"{file}: not found; an adapter directory holds {CONFIG_FILE} and {WEIGHTS_FILE}")
-    config = json.loads(config_file.read_text())
-    _check_supported(config, config_file)
+    config, config_file, weights_file = read_config(path), path / CONFIG_FILE, path / WEIGHTS_FILE
     if not lora_modules(model):
         inject(model, config["r"], config["lora_alpha"], config["target_modules"], config.get("lora_dropout", 0.0))
     modules = lora_modules(model)
@@ -235,6 +230,22 @@ def load(model: nn.Module, path: str | Path) -> nn.Module:
             module.lora_A.weight.copy_(tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"])
             module.lora_B.weight.copy_(tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"])
     return model
+
+
+def read_config(path: str | Path) -> dict:
+    """The adapter_config.json of an adapter directory, after checking that both files are there and that
+    it asks for nothing this plain LoRA lacks; reads no weights, so a caller can check before loading a model."""
+    path = Path(path)
+    config_file, weights_file = path / CONFIG_FILE, path / WEIGHTS_FILE
+    for file in (config_file, weights_file):
+        if not file.is_file():
+            raise FileNotFoundError(f"{file}: not found; an adapter directory holds {CONFIG_FILE} and {WEIGHTS_FILE}")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_file}: not valid JSON ({error})") from None
+    _check_supported(config, config_file)
+    return config
 
 
 def _check_supported(config: dict, config_file: Path) -> None:

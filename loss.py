@@ -18,6 +18,8 @@ kl3, atr      w - 1 - log w <= d; bounds by Lambert W (ATR-GRPO)       0.07     
 kl_full       exact KL(old || new) over the vocabulary <= d (*)        0.07          [0.639, 1.361]  [0.103, 3.47]
 dcpo          mu*w*(1-w) <= d, w >= 1/2 below 1; mu*w*(w-1) <= d_high, 0.2, 0.28     [0.5, 1.4]      [0.5, 2.92]
               w <= 10 above (DCPO: rare tokens may move further)
+dppo          |pi - mu| = mu*|w-1| <= d: the band 1 +- d/mu (DPPO's        0.2           [0.6, 1.4]      [0, 5]
+              Binary-TV, GPPO's Eq. 24)
 (f, est)      the GPPO grid below, e.g. ("kl", "atomic") or "kl-atomic"  f(0.8)
 gspo          1-d <= s <= 1+d_high on the sequence ratio               3e-4, 4e-4    [.9997, 1.0004] same
               s = exp(mean log w) (GSPO; seq-mean-token-mean)
@@ -38,14 +40,19 @@ Sequence-level rules (gspo, gmpo, sapo) default to seq-mean-token-mean and refus
 The GPPO grid: divergence f (tv |w-1|, chi2 (w-1)^2, hellinger (sqrt(w)-1)^2, kl |log w|) times an
 estimator: mc f(w) <= d; atomic mu*f(w) <= d; binary mu*f(w) + (1-mu)*f((1-mu*w)/(1-mu)) <= d, the
 divergence between the two-outcome distributions {token, rest}. GRPO = (tv, mc), DAPO-like = (kl, mc),
-DPPO = (tv, binary), RIPO = (chi2, atomic). Default d = f(0.8), GRPO's lower edge: tv 0.2, chi2 0.04,
-hellinger 0.0111, kl 0.223. At mu = 0.5 / 0.05: (kl, mc) [0.8, 1.25] / same; (tv, binary) [0.8, 1.2] /
-[0, 3]; (chi2, atomic) [0.717, 1.283] / [0.106, 1.894]; (kl, atomic) [0.640, 1.562] / [0.012, 86.7].
+RIPO = (chi2, atomic). Default d = f(0.8), GRPO's lower edge: tv 0.2, chi2 0.04, hellinger 0.0111, kl
+0.223. At mu = 0.5 / 0.05: (kl, mc) [0.8, 1.25] / same; (tv, binary) [0.8, 1.2] / [0, 3]; (chi2, atomic)
+[0.717, 1.283] / [0.106, 1.894]; (kl, atomic) [0.640, 1.562] / [0.012, 86.7].
 Conventions, where papers differ: TV is |w-1| without the 1/2; tv_half=True halves it, so the default
-d becomes 0.1 (the interval stays [0.8, 1.2]) and d = 0.2 gives [0.6, 1.4]. The kl region is
-two-sided, |log w| <= d; kl_two_sided=False uses -log w: mc and atomic then bound only decreases
-((kl, mc) [0.8, inf); (kl, atomic) at mu = 0.05 [0.012, inf)) and (kl, binary) becomes the exact
-Bernoulli KL.
+d becomes 0.1 (the intervals stay the same) and d = 0.2 gives (tv, mc) [0.6, 1.4]. Without the 1/2 the
+tv cells read: (tv, mc) |w-1| <= d; (tv, atomic) mu*|w-1| <= d, the band 1 +- d/mu; (tv, binary) counts
+the token and the rest, mu*|w-1| + |mu - mu*w| = 2*mu*|w-1| <= d, the band 1 +- d/(2 mu), so its default
+d = 0.2 is 1 +- 0.1/mu ([0, 3] at mu = 0.05). DPPO's Binary-TV is |pi - mu| = mu*|w-1|, TV with the 1/2:
+its band 1 +- 0.2/mu ([0, 5] at mu = 0.05) is the `dppo` rule, equal to (tv, atomic) at d = 0.2 and to
+(tv, binary) with tv_half=True at d = 0.2, which also caps w at 1/mu (no probability exceeds 1).
+The kl region is two-sided, |log w| <= d; kl_two_sided=False uses -log w: mc and atomic then bound only
+decreases ((kl, mc) [0.8, inf); (kl, atomic) at mu = 0.05 [0.012, inf)) and (kl, binary) becomes the
+exact Bernoulli KL.
 
 GPPO's "[0.5, 10]" has two readings, and both are here. dual_clip=(0.5, 10): two mirrored dual clips,
 a token the region pulls back in (A < 0 above 10, A > 0 below 0.5) loses its gradient; the region
@@ -90,6 +97,7 @@ INPUTS = {  # what a trainer can hand policy_loss by name, when the config asks 
     "hidden": "[B, T, H] the current policy's final hidden states at the same positions",
     "lm_head_weight": "[V, H] the output projection",
     "temperature": "float, the sampling temperature the log-probs use",
+    "entropy": "[B, T] the current policy's entropy at each token's position, with its gradient",
 }
 
 
@@ -229,6 +237,9 @@ class LossConfig:
     leave_one_out: bool = field(default=False, metadata={
         "help": "baseline = mean of the other G-1 rewards of the group instead of the group mean"})
     kl_beta: float = field(default=0.0, metadata={"help": "weight of the KL penalty to the frozen base policy"})
+    entropy_coef: float = field(default=0.0, metadata={
+        "help": "weight of an entropy bonus: the loss subtracts entropy_coef x the policy's token entropy, "
+                "aggregated like the loss; 0 = off"})
     kl_estimator: str = field(default="k3", metadata={
         "help": "KL penalty estimator: k1 log(pi/ref), k2 log^2(pi/ref)/2, k3 ref/pi - 1 - log(ref/pi)"})
     tv_half: bool = field(default=False, metadata={
@@ -284,6 +295,7 @@ class LossConfig:
             ("norm_len", self.norm_len is None or self.norm_len >= 1, "must be >= 1"),
             ("adv_std", self.adv_std in ADV_STDS, f"expected one of {', '.join(ADV_STDS)}"),
             ("kl_beta", self.kl_beta >= 0, "must be >= 0"),
+            ("entropy_coef", self.entropy_coef >= 0 and math.isfinite(self.entropy_coef), "must be >= 0"),
             ("kl_estimator", self.kl_estimator in KL_ESTIMATORS, f"expected one of {', '.join(KL_ESTIMATORS)}"),
             ("sapo_tau_pos", self.sapo_tau_pos > 0, "must be > 0"),
             ("sapo_tau_neg", self.sapo_tau_neg > 0, "must be > 0"),
@@ -302,8 +314,10 @@ def _valid_dual_clip(dual_clip) -> bool:
 
 
 def required_inputs(cfg: LossConfig) -> frozenset[str]:
-    """The names policy_loss needs beyond the log-probs: the rule's declared needs, and ref_logp for a KL penalty."""
-    return frozenset(get_rule(cfg.rule).needs) | ({"ref_logp"} if cfg.kl_beta > 0 else set())
+    """The names policy_loss needs beyond the log-probs: the rule's declared needs, ref_logp for a KL penalty,
+    and the differentiable entropy for an entropy bonus."""
+    return (frozenset(get_rule(cfg.rule).needs) | ({"ref_logp"} if cfg.kl_beta > 0 else set())
+            | ({"entropy"} if cfg.entropy_coef > 0 else set()))
 
 
 # ----------------------------------------------------------------------------- the rule interface
@@ -379,7 +393,8 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
                 records: list | None = None, **inputs) -> tuple[Tensor, dict[str, float]]:
     """The policy-gradient loss of cfg.rule and its diagnostics.
 
-    logp, old_logp, mask: [B, T] (mask True on completion tokens); advantages: [B] or [B, T].
+    Per token: -objective, + kl_beta x the KL estimate to the reference, - entropy_coef x the entropy;
+    then aggregated. logp, old_logp, mask: [B, T] (mask True on completion tokens); advantages: [B] or [B, T].
     Aggregation: token-mean = sum / num_tokens; seq-mean-token-mean = sum of per-sequence means /
     num_seqs; seq-mean-token-sum-norm (Dr. GRPO) = sum / (num_seqs * norm_len). For gradient
     accumulation pass the whole optimizer step's num_tokens / num_seqs (default: this batch's) and
@@ -399,6 +414,8 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     if cfg.kl_beta:
         ref_kl = _reference_kl(logp, inputs["ref_logp"].detach(), cfg.kl_estimator)
         token_loss = token_loss + cfg.kl_beta * ref_kl
+    if cfg.entropy_coef:
+        token_loss = token_loss - cfg.entropy_coef * inputs["entropy"]
     loss = _aggregate(token_loss, mask, cfg, num_tokens, num_seqs)
     if records is not None:
         records.append(_token_record(old_logp, adv, mask, clip))
@@ -415,7 +432,8 @@ def _check_inputs(logp, old_logp, advantages, mask, cfg, inputs) -> tuple[Tensor
     if missing:
         raise ValueError(f"rule {cfg.rule!r} with kl_beta={cfg.kl_beta} needs the inputs {', '.join(missing)} "
                          "(see loss.INPUTS)")
-    for name, t in (("old_logp", old_logp), ("mask", mask), ("ref_logp", inputs.get("ref_logp"))):
+    for name, t in (("old_logp", old_logp), ("mask", mask), ("ref_logp", inputs.get("ref_logp")),
+                    ("entropy", inputs.get("entropy"))):
         if t is not None and t.shape != logp.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected logp's {tuple(logp.shape)}")
     for name in ("old_hidden", "hidden"):
@@ -646,6 +664,11 @@ def _kl2_bounds(mu, cfg):
     return _constant_bounds(mu, math.exp(-edge), math.exp(edge))
 
 
+def _dppo_bounds(mu, cfg):
+    # DPPO's binary TV |pi - mu| = mu*|w - 1| <= d: the ratio may move by d/mu, so rare tokens move far
+    return (1 - cfg.delta / mu).clamp_min(0), 1 + cfg.delta / mu
+
+
 def _dcpo_bounds(mu, cfg):
     # Roots of mu*w*(1-w) = d and mu*w*(w-1) = d_high: the allowed change of the token's probability
     # shrinks as mu grows, so rare tokens may move further.
@@ -721,6 +744,7 @@ RULES: dict[str, Rule] = {  # the registry: add a rule here
     "kl_full": Rule(_kl_full_objective, _bernoulli_kl_region, delta=0.07,
                     needs=("old_hidden", "hidden", "lm_head_weight", "temperature")),
     "dcpo": Rule(_ppo_objective, bounds=_dcpo_bounds, delta=0.2, delta_high=0.28),
+    "dppo": Rule(_ppo_objective, bounds=_dppo_bounds, delta=0.2),
     "gspo": Rule(_gspo_objective, bounds=_interval_bounds, delta=3e-4, delta_high=4e-4, aggregation=SEQUENCE_MEAN),
     "gmpo": Rule(_gmpo_objective, bounds=_gmpo_bounds, delta=0.4, aggregation=SEQUENCE_MEAN),
     "cispo": Rule(_cispo_objective, bounds=_cispo_bounds, delta=0.2),

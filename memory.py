@@ -162,6 +162,7 @@ class Workload:
     top_p: float = 1.0
     top_k: int = 0
     with_entropy: bool = True  # hidden_logprobs(..., with_entropy=True), as train.py logs the entropy
+    entropy_grad: bool = False  # entropy_coef > 0: the entropy is differentiated (an entropy bonus)
     recompute_old_logp: bool = False
     ref_logp: bool = False  # kl_beta > 0: a reference pass (the frozen base; a full run's frozen copy)
     old_hidden: bool = False  # the rule needs the sampling policy's hidden states [N, C, hidden] (kl_full)
@@ -388,8 +389,10 @@ def train_phase(model: Transformer, rows: int, work: Workload, resizable=()) -> 
         advantages = torch.ones(rows, device=device)
         h = model.hidden(ids, pad)
         logp, entropy = model.hidden_logprobs(h, ids, start=P, temperature=work.temperature,
-                                              with_entropy=work.with_entropy)
-        _surrogate_loss(logp, old_logp, advantages, mask).backward()
+                                              with_entropy=work.with_entropy or work.entropy_grad,
+                                              entropy_grad=work.entropy_grad)
+        bonus = entropy.mean() if work.entropy_grad else 0
+        (_surrogate_loss(logp, old_logp, advantages, mask) - bonus).backward()
         del h, logp, entropy
     return tracker.peak
 

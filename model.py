@@ -527,7 +527,8 @@ class Transformer(nn.Module):
         return torch.cat([zero, logp], 1), None if entropy is None else torch.cat([zero, entropy], 1)
 
     def hidden_logprobs(self, h: torch.Tensor, input_ids: torch.Tensor, *, start: int = 1,
-                        temperature: float = 1.0, with_entropy: bool = False, chunk_tokens: int = 1024):
+                        temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False,
+                        chunk_tokens: int = 1024):
         """log-probs [B, T - start] fp32 of input_ids[:, start:] from hidden states h [B, T, hidden].
 
         Only positions from `start` on pay for the vocabulary projection (training passes the prompt
@@ -535,15 +536,17 @@ class Transformer(nn.Module):
         autograd, each chunk is recomputed in the backward pass, so peak memory holds one
         [chunk, V] fp32 block rather than [B, T, V]. Returns (logp, entropy or None).
 
-        The entropy is a metric, never differentiated: it is computed without autograd, so no chunk's
-        [chunk, V] blocks outlive the chunk (with a graph, each would stay alive until the backward).
+        The entropy is a metric, computed without autograd, so no chunk's [chunk, V] blocks outlive the
+        chunk (with a graph, each would stay alive until the backward). entropy_grad=True (an entropy
+        bonus) differentiates it; inside the chunk's checkpoint, so memory still holds one block.
         """
         h = h[:, start - 1:-1]  # the states that predict tokens start..T-1
         B, T, H = h.shape
         flat_h, flat_targets = h.reshape(-1, H), input_ids[:, start:].reshape(-1)
         logps, entropies = [], []
         for lo in range(0, flat_h.shape[0], chunk_tokens):
-            args = (flat_h[lo:lo + chunk_tokens], flat_targets[lo:lo + chunk_tokens], temperature, with_entropy)
+            args = (flat_h[lo:lo + chunk_tokens], flat_targets[lo:lo + chunk_tokens], temperature, with_entropy,
+                    entropy_grad)
             if torch.is_grad_enabled() and flat_h.requires_grad:
                 logp, entropy = checkpoint(self._chunk_logprobs, *args, use_reentrant=False)
             else:
@@ -553,7 +556,7 @@ class Transformer(nn.Module):
         logp = torch.cat(logps).view(B, T)
         return logp, torch.cat(entropies).view(B, T) if with_entropy else None
 
-    def _chunk_logprobs(self, h, targets, temperature: float, with_entropy: bool):
+    def _chunk_logprobs(self, h, targets, temperature: float, with_entropy: bool, entropy_grad: bool = False):
         logits = self.lm_head(h)
         # at least fp32 (a float64 model, as the exactness tests run, keeps its precision)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
@@ -561,7 +564,7 @@ class Transformer(nn.Module):
         logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
         if not with_entropy:
             return logp, logp.new_zeros(0)
-        with torch.no_grad():
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy = -(logp_all.exp() * logp_all).sum(-1)
         return logp, entropy
 

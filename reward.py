@@ -3,6 +3,8 @@
 The reward is GRPO's only teacher, so every checker error becomes training signal: a false negative
 hides a correct answer, a false positive teaches the policy to game the checker, a hang stalls the run.
 
+  0. split_thinking: only what follows the last </think> is graded; a thought that never closes has no answer
+     (a truncated thought earns nothing for an answer it wrote while thinking);
   1. extract_answer: the last \\boxed{} (with the boxes just before it that "and", ";" or \\quad join) or the
      last answer phrase ("The final answer is", "Answer:", a few other languages), whichever comes later;
      "#### n"; a bare answer; else the last number. A reference that is a whole solution is read the same way;
@@ -32,6 +34,7 @@ import time
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
+from typing import NamedTuple
 
 TIMEOUT_S = 2.0  # per symbolic comparison; a worker that takes longer is killed and the answer is wrong
 REL_TOL = 1e-12  # irrational constants this close (relative, at 40 digits) are equal: simplify may miss it
@@ -44,6 +47,36 @@ MAX_SUM_TERMS = 1_000  # \sum_{k=1}^{100} k^2 is added up term by term (nested s
 WORKER_MEMORY_BYTES = 2 << 30  # a runaway expression hits MemoryError in its worker, not the machine
 TAIL_CHARS = 4000  # fallback extraction (last number / math segment) only looks at the end of a text
 ANSWER_FORMATS = ("boxed", "answer")  # the formats has_format checks, named as the templates that ask for them
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # Qwen3's and DeepSeek-R1's thought delimiters
+
+
+# ----------------------------------------------------------------------------- thinking
+
+
+class Thought(NamedTuple):
+    """A completion split at its thought: `thinking` without the tags, `answer` what follows the last
+    </think> (the whole text when there is no thought), None when a thought never closes."""
+
+    thinking: str
+    answer: str | None
+
+
+def split_thinking(text: str, open_at_start: bool = False) -> Thought:
+    """The thought and the gradable answer of a completion (or of an SFT target).
+
+    open_at_start: the prompt left a <think> open (a chat template that starts the thought itself, as
+    DeepSeek-R1's distilled models do), so the completion begins inside it; see data.opens_thought.
+    Every grader (math here, code in sandbox.py) reads only Thought.answer.
+    """
+    close = text.rfind(THINK_CLOSE)
+    if close >= 0:
+        thought, opened = text[:close], text.find(THINK_OPEN)
+        return Thought(thought[opened + len(THINK_OPEN):] if 0 <= opened < close else thought,
+                       text[close + len(THINK_CLOSE):])
+    opened = text.find(THINK_OPEN)
+    if opened >= 0 or open_at_start:
+        return Thought(text[opened + len(THINK_OPEN):] if opened >= 0 else text, None)
+    return Thought("", text)
 
 
 # ----------------------------------------------------------------------------- extraction
@@ -872,9 +905,11 @@ def has_format(completion: str, answer_format: str | None) -> bool:
 
 
 def reward(completions: list[str], references: list[str], *, format_weight: float = 0.0,
-           answer_format: str | None = None, workers: int = 2, timeout: float = TIMEOUT_S,
-           rel_tol: float = REL_TOL) -> list[float]:
+           answer_format: str | None = None, open_thought: bool = False, workers: int = 2,
+           timeout: float = TIMEOUT_S, rel_tol: float = REL_TOL) -> list[float]:
     """Per completion: 1.0 if its answer is correct else 0.0, plus format_weight if has_format(...).
+    Only what follows the last </think> is read, and a completion whose thought never closes (open_thought:
+    the prompt opened it) earns 0, format bonus included (split_thinking).
     The format term is separate from correctness (a correct answer in the wrong format still earns 1.0),
     so format_weight = 0 gives the pure verifiable reward. Symbolic checks run in `workers` processes;
     rel_tol only applies to constants that are not both rational (sqrt(2) + sqrt(3) vs sqrt(5 + 2 sqrt(6)))."""
@@ -889,18 +924,21 @@ def reward(completions: list[str], references: list[str], *, format_weight: floa
         for i, text in enumerate(texts):
             if not isinstance(text, str):
                 raise ValueError(f"{name}[{i}] is {type(text).__name__}, expected str")
-    correct = [_grade_fast(c, r) for c, r in zip(completions, references)]
+    answers = [split_thinking(c, open_thought).answer for c in completions]
+    correct = [a is not None and _grade_fast(a, r) for a, r in zip(answers, references)]
     if slow := [i for i, verdict in enumerate(correct) if isinstance(verdict, tuple)]:  # only these need sympy
         for i, verdict in zip(slow, _POOL.run([correct[i] for i in slow], workers, timeout, rel_tol)):
             correct[i] = verdict
-    return [float(ok) + (format_weight * has_format(c, answer_format) if format_weight else 0.0)
-            for ok, c in zip(correct, completions)]
+    return [float(ok) + (format_weight * has_format(a, answer_format) if format_weight and a is not None else 0.0)
+            for ok, a in zip(correct, answers)]
 
 
-def math_reward(completions: list[str], answer: list[str], **columns) -> list[float]:
+def math_reward(completions: list[str], answer: list[str], open_thought: list[bool] | None = None,
+                **columns) -> list[float]:
     """The built-in reward as a reward function (TRL's signature, see scoring.py): per completion 1.0 if its
-    final answer equals its row's reference answer (the dataset's "answer" column), else 0.0."""
-    return reward(completions, answer)
+    final answer, after its thought, equals its row's reference answer (the dataset's "answer" column), else
+    0.0. open_thought, a column train.py passes: the prompts opened a thought (split_thinking)."""
+    return reward(completions, answer, open_thought=bool(open_thought and open_thought[0]))
 
 
 # ----------------------------------------------------------------------------- command line
@@ -914,7 +952,10 @@ def main(argv: list[str]) -> int:
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     prediction, gold = argv
     print(f"verdict: {'correct' if grade(prediction, gold) else 'wrong'}")
-    for side, extracted in (("prediction", extract_answer(prediction)), ("reference", _reference_answer(gold))):
+    answer = split_thinking(prediction).answer
+    if answer is None:
+        print(f"prediction: its thought never closes ({THINK_CLOSE} missing), so it has no answer")
+    for side, extracted in (("prediction", answer and extract_answer(answer)), ("reference", _reference_answer(gold))):
         normalized = None if extracted is None else normalize(extracted)
         print(f"{side}:\n  extracted:  {extracted!r}\n  normalized: {normalized!r}")
     return 0

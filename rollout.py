@@ -867,7 +867,7 @@ def main(argv: list[str] | None = None) -> None:
     import lora
     import reward
     import weights
-    from data import TEMPLATES, render_prompt, stop_ids
+    from data import TEMPLATES, opens_thought, render_prompt, stop_ids, thinking_note
 
     parser = argparse.ArgumentParser(prog="rollout.py", description=main.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -876,6 +876,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--adapter", default=None, help="a LoRA adapter directory, e.g. runs/NAME/best")
     parser.add_argument("--template", default="equation", help=f"one of {', '.join(TEMPLATES)} (default: equation)")
     parser.add_argument("--system", default="You are a helpful assistant.", help="system message, as train.py's")
+    parser.add_argument("--thinking", default="off", choices=["on", "off"], help="enable_thinking for chat "
+                        "templates that take it (Qwen3); grading reads only what follows the last </think>")
     parser.add_argument("--samples", type=int, default=4, help="completions to draw (default: 4)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="(default: 64)")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default: 1.0)")
@@ -896,17 +898,23 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = weights.load_tokenizer(args.model)
     if args.adapter is not None:
         lora.load(model, args.adapter)
-    prompt = render_prompt(tokenizer, problem, args.template, args.system)
+    thinking = args.thinking == "on"
+    if note := thinking_note(tokenizer, thinking):
+        print(f"rollout.py: {note}", file=sys.stderr)
+    prompt = render_prompt(tokenizer, problem, args.template, args.system, thinking)
+    open_thought = opens_thought(tokenizer, thinking)
     try:
         out = generate(model, [prompt], samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                        stop_ids=stop_ids(model.config, tokenizer), seed=args.seed, tokenizer=tokenizer)
     except ValueError as error:
         parser.error(str(error))
-    grades = reward.reward(out.texts, [args.answer] * len(out.texts)) if args.answer is not None else None
+    grades = None if args.answer is None else reward.reward(out.texts, [args.answer] * len(out.texts),
+                                                            open_thought=open_thought)
     for i, text in enumerate(out.texts):
-        verdict = "" if grades is None else f" [{'correct' if grades[i] == 1.0 else 'wrong'}: " \
-                                            f"{reward.extract_answer(text)!r}]"
+        final = reward.split_thinking(text, open_thought).answer
+        extracted = "thought never closes" if final is None else repr(reward.extract_answer(final))
+        verdict = "" if grades is None else f" [{'correct' if grades[i] == 1.0 else 'wrong'}: {extracted}]"
         print(f"--- sample {i + 1}{' (truncated)' if out.truncated[i] else ''}{verdict}\n{text or '(empty)'}")
     if grades is not None:
         print(f"--- {int(sum(grades))} of {len(grades)} correct")

@@ -24,6 +24,7 @@ PAPER_VALUES = [
     ("atr-grpo-qwen3-1.7b", "delta", 0.07, "ATR-GRPO, experimental setup"),
     ("atr-grpo-qwen3-1.7b", "eval_dataset", "amc23,aime24,aime25", "ATR-GRPO, results tables"),
     ("atr-grpo-qwen3-1.7b", "eval_k", 8, "ATR-GRPO: Mean@8 and Pass@8"),
+    ("atr-grpo-qwen3-1.7b", "dataset", "dapo", "ATR-GRPO: trained on DAPO-Math-17k"),
     ("gppo-qwen3-8b", "model", "Qwen/Qwen3-8B-Base", "GPPO, experimental setup"),
     ("gppo-qwen3-8b", "prompts_per_step", 128, "GPPO: 1024 rollouts per step = 128 prompts x 8"),
     ("gppo-qwen3-8b", "group_size", 8, "GPPO, experimental setup"),
@@ -32,6 +33,8 @@ PAPER_VALUES = [
     ("gppo-qwen3-8b", "rule", ("kl", "atomic"), "GPPO: the KL x Atomic cell"),
     ("gppo-qwen3-8b", "ratio_limits", (0.5, 10.0), "GPPO: global clip [0.5, 10]"),
     ("gppo-qwen3-8b", "kl_beta", 0.0, "GPPO: no KL penalty"),
+    ("gppo-qwen3-8b", "eval_dataset", "aime24,aime25,brumo25,smt25", "GPPO: math benchmarks"),
+    ("gppo-qwen3-8b", "eval_k", 8, "GPPO: avg@8"),
     ("gppo-qwen3-8b-full", "lr", 1e-6, "GPPO: learning rate 1e-6"),
     ("gppo-qwen3-8b-full", "world_size", 8, "GPPO: 8 GPUs"),
 ]
@@ -41,12 +44,24 @@ PAPER_VALUES += [("gppo-qwen3-8b-full", name, value, source) for preset, name, v
 # the 8B twin of ATR-GRPO states the same setup as the 1.7B run, in a file of its own
 PAPER_VALUES += [("atr-grpo-qwen3-8b", name, value, source) for preset, name, value, source in PAPER_VALUES
                  if preset == "atr-grpo-qwen3-1.7b" and name != "model"]
+# What every preset writes out, stated or chosen: a change of a default must not change a paper's run.
+WRITTEN_OUT = ("model", "dataset", "template", "thinking", "system_prompt", "prompts_per_step", "group_size",
+               "max_new_tokens", "temperature", "top_p", "top_k", "steps", "lr", "lr_schedule", "warmup_steps",
+               "weight_decay", "grad_clip", "updates_per_rollout", "epochs", "lora_rank", "lora_alpha",
+               "lora_dropout", "lora_targets", "rule", "aggregation", "adv_std", "leave_one_out", "kl_beta",
+               "entropy_coef", "eval_dataset", "eval_k", "eval_temperature", "eval_every")
 
 
 @pytest.mark.parametrize("preset, name, value, source", PAPER_VALUES)
 def test_presets_are_the_papers_runs(preset, name, value, source):
     cfg, _, _ = config.parse_args(["--preset", preset])
     assert config.flat_config(cfg)[name] == value, source
+
+
+@pytest.mark.parametrize("preset", list(config.PRESETS))
+def test_every_preset_writes_out_every_choice(preset):
+    missing = [name for name in WRITTEN_OUT if name not in config.PRESETS[preset]]
+    assert not missing, f"{preset} leaves {missing} to the defaults"
 
 
 def test_atr_preset_steps_the_optimizer_on_32_completions():
@@ -77,7 +92,7 @@ FLAG_VALUES = {  # a value for every loss setting, other than its default, and w
     "norm_len": ("7", 7), "kl_beta": ("0.1", 0.1), "kl_estimator": ("k2", "k2"), "tv_half": (True, True),
     "kl_two_sided": (False, False), "sapo_tau_pos": ("2", 2.0), "sapo_tau_neg": ("3", 3.0),
     "cov_ratio": ("0.01", 0.01), "clip_cov_bounds": ("2,4", (2.0, 4.0)), "kl_cov_coef": ("2", 2.0),
-    "adv_std": ("batch", "batch"), "leave_one_out": (True, True),
+    "adv_std": ("batch", "batch"), "leave_one_out": (True, True), "entropy_coef": ("0.01", 0.01),
 }
 
 

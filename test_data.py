@@ -327,6 +327,21 @@ DAPO_ROWS = [  # the Hub layout; the file repeats every row
      "reward_model": {"ground_truth": a, "style": "rule-based"}, "extra_info": {"index": f"id-{i}"}}
     for i, (q, a) in enumerate([("What is 1 + 1?", "2"), ("Find x if 2x = 6.", "3")] * 2)
 ]
+def openmath_row(problem: str, solution: str, expected: str) -> dict:
+    """A row in OpenMathReasoning's layout (its cot split)."""
+    return {"expected_answer": expected, "problem_type": "has_answer_extracted", "problem_source": "aops_c4",
+            "generation_model": "DeepSeek-R1", "pass_rate_72b_tir": "0.9", "problem": problem,
+            "generated_solution": solution, "inference_mode": "cot", "used_in_kaggle": False}
+
+
+OPENMATH_ROWS = [
+    openmath_row("Compute $2+3$.", "<think>\n2 + 3 is 5.\n</think>\n\nAdding, $2+3=\\boxed{5}$.", "5"),
+    openmath_row("Compute $2+4$.", "<think>\nIt is 6.\n</think>\n\nSo $\\boxed{7}$.", "6"),  # reaches another answer
+    # right only while thinking
+    openmath_row("Compute $2+5$.", "<think>\n\\boxed{7}?\n</think>\n\nSo $\\boxed{8}$.", "7"),
+    openmath_row("Prove it.", "<think>\nA proof.\n</think>\n\nDone.", ""),  # no expected answer
+]
+
 # dataset name -> (rows in its Hub layout, the prepared (problem, answer) pairs)
 HUB_COPIES = {
     "gsm8k": ([{"question": "Tom has 3 bags of 6 apples. How many apples?",
@@ -344,6 +359,19 @@ HUB_COPIES = {
     "amc23": ([{"id": 0, "question": "Cities A and B are 45 miles apart.", "answer": 27.0, "url": "https://aops"}],
               [("Cities A and B are 45 miles apart.", "27")]),
     "dapo": (DAPO_ROWS, [("What is 1 + 1?", "2"), ("Find x if 2x = 6.", "3")]),
+    "brumo25": ([{"problem_idx": 1, "problem": "Compute $2+3$.", "answer": "5", "problem_type": ["Algebra"]},
+                 {"problem_idx": 2, "problem": "Find the ratio.", "answer": "\\frac{3}{4}",
+                  "problem_type": ["Geometry"]}],
+                [("Compute $2+3$.", "5"), ("Find the ratio.", "\\frac{3}{4}")]),
+    "smt25": ([{"problem_idx": 7, "problem": "How many subsets?", "answer": "012", "problem_type": ["Combinatorics"]}],
+              [("How many subsets?", "12")]),
+    "openmath": (OPENMATH_ROWS, [("Compute $2+3$.", "5")]),
+    "gsm8k_sft": ([{"question": "Tom has 3 bags of 6 apples. How many apples?",
+                    "answer": "Each bag has 6.\n3 * 6 = <<3*6=18>>18 apples.\n#### 18"}],
+                  [("Tom has 3 bags of 6 apples. How many apples?", "18")]),
+    "math_sft": ([{"problem": "Simplify $\\frac{28}{6}$.", "level": "Level 2", "type": "Algebra",
+                   "solution": "Divide both by 2: $\\frac{28}{6} = \\boxed{\\frac{14}{3}}$."}],
+                 [("Simplify $\\frac{28}{6}$.", "\\frac{14}{3}")]),
 }
 
 
@@ -380,6 +408,41 @@ def test_cli_converts_hub_copies_by_dataset_name(tmp_path, name, suffix):
     problems = load_problems(name, data_dir=tmp_path)
     assert [(p["problem"], p["answer"]) for p in problems] == expected
     assert {p["source"] for p in problems} == {str(source)}
+
+
+def test_solution_sets_keep_a_worked_solution_that_reaches_the_answer(tmp_path, capsys):
+    for name in ("openmath", "gsm8k_sft", "math_sft"):
+        source = write_copy(tmp_path / f"{name}.parquet", HUB_COPIES[name][0])
+        prepare.main(["--from", str(source), "--out", name, "--data-dir", str(tmp_path)])
+    assert "kept 1 of 4 solutions" in capsys.readouterr().out
+    assert load_problems("openmath", data_dir=tmp_path)[0]["solution"].startswith("<think>\n2 + 3 is 5.")
+    assert load_problems("gsm8k_sft", data_dir=tmp_path)[0]["solution"] == "Each bag has 6.\n3 * 6 = 18 apples."
+    assert load_problems("math_sft", data_dir=tmp_path)[0]["solution"].endswith("\\boxed{\\frac{14}{3}}$.")
+    source = write_copy(tmp_path / "brumo.parquet", HUB_COPIES["brumo25"][0])
+    prepare.main(["--from", str(source), "--out", "brumo25", "--data-dir", str(tmp_path)])
+    assert [p["id"] for p in load_problems("brumo25", data_dir=tmp_path)] == [1, 2]  # eval.py pairs runs by id
+
+
+def test_render_solution_ends_in_the_templates_answer_format():
+    import reward
+    from data import render_solution
+
+    thought = "<think>\n2 + 3 is 5.\n</think>\n\nAdding, $2+3=\\boxed{5}$."
+    assert render_solution(thought, "5", "answer") == "Adding, $2+3=\\boxed{5}$.\nAnswer: 5"
+    assert render_solution(thought, "5", "answer", thinking=True) == (
+        "<think>\n2 + 3 is 5.\n</think>\n\nAdding, $2+3=\\boxed{5}$.\nAnswer: 5")
+    assert render_solution(thought, "5", "boxed") == "Adding, $2+3=\\boxed{5}$."  # has its box already
+    assert render_solution("3 * 6 = 18 apples.", "18", "boxed") == (
+        "3 * 6 = 18 apples.\nThe final answer is $\\boxed{18}$.")
+    assert render_solution("7 + 5 = 12", "12", "equation") == "7 + 5 = 12"
+    assert render_solution("7 + 5 = 12", "12", "plain") == "12"
+    for template in ("answer", "boxed", "equation", "plain"):  # what SFT teaches is what the reward reads
+        target = render_solution(thought if template != "equation" else "2 + 3 = 5", "5", template)
+        assert reward.reward([target], ["5"]) == [1.0]
+        if template in reward.ANSWER_FORMATS:
+            assert reward.has_format(target, template)
+    problem = arithmetic_problems("train", n=1)[0]
+    assert reward.grade(problem["solution"], problem["answer"])
 
 
 def test_layout_flag_converts_into_any_name(tmp_path):
@@ -580,3 +643,41 @@ def test_a_prepared_copy_converts_under_a_hub_name_without_keys(tmp_path, capsys
     assert load_problems("gsm8k", data_dir=tmp_path) == [
         {"problem": "Janet has 3 apples...", "answer": "18", "id": "gsm8k-test-0", "solution": "3 * 6 = 18",
          "source": str(source)}]
+
+
+# ---------------------------------------------------------------- thinking mode
+
+
+def test_qwen3_thinking_switch_and_an_unclosed_thought_earns_nothing():
+    """Qwen3's template (its logic, built in conftest) thinks unless enable_thinking=False writes an empty
+    thought into the prompt; the reward grades only what follows the last </think>."""
+    import reward
+    from conftest import CHAT_TEMPLATE, OPEN_THOUGHT_CHAT_TEMPLATE, QWEN3_CHAT_TEMPLATE, make_tokenizer
+    from data import opens_thought, takes_thinking, thinking_note
+
+    qwen3 = make_tokenizer(chat_template=QWEN3_CHAT_TEMPLATE, think_tokens=True)
+    off = qwen3.decode(render_prompt(qwen3, "What is 7 + 5?", "plain", "Be brief.", thinking=False))
+    on = qwen3.decode(render_prompt(qwen3, "What is 7 + 5?", "plain", "Be brief.", thinking=True))
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") and on.endswith("<|im_start|>assistant\n")
+    assert off.startswith(on[:-len("<|im_start|>assistant\n")])
+    assert takes_thinking(qwen3) and thinking_note(qwen3, True) is None and thinking_note(qwen3, False) is None
+    assert not opens_thought(qwen3, True) and not opens_thought(qwen3, False)  # the model writes <think> itself
+
+    plain = make_tokenizer(chat_template=CHAT_TEMPLATE)
+    assert not takes_thinking(plain) and thinking_note(plain, False) is None
+    assert "does not read enable_thinking" in thinking_note(plain, True) and "\n" not in thinking_note(plain, True)
+    opener = make_tokenizer(chat_template=OPEN_THOUGHT_CHAT_TEMPLATE)
+    assert opens_thought(opener) and "cannot be switched off" in thinking_note(opener, False)
+
+    # completions as the sampler decodes them: <think> and </think> are kept, the end-of-turn token is not
+    def completion(text: str) -> str:
+        return qwen3.decode(qwen3.encode(text + "<|im_end|>", add_special_tokens=False), skip_special_tokens=True)
+
+    truncated = completion("<think>\n7 + 5 is 12, so Answer: 12")  # hit the cap while thinking
+    closed = completion("<think>\n7 + 5 is 12\n</think>\n\nAnswer: 12")
+    revised = completion("<think>\nAnswer: 12 ... no\n</think>\n\nAnswer: 13")
+    assert reward.reward([truncated, closed, revised], ["12"] * 3) == [0.0, 1.0, 0.0]
+    assert reward.reward([truncated], ["12"], format_weight=0.5, answer_format="answer") == [0.0]
+    # a template that opens the thought: a completion without </think> is all thought, even with no tag
+    assert reward.reward(["7 + 5 is 12, so Answer: 12"], ["12"], open_thought=True) == [0.0]
+    assert reward.reward(["7 + 5 is 12\n</think>\nAnswer: 12"], ["12"], open_thought=True) == [1.0]

@@ -63,6 +63,7 @@ INSIDE = {
     ("kl", "binary"): lambda mu, w: mu * torch.log(w).abs()
     + (1 - mu) * torch.log(bernoulli_rest(mu, w)).abs() <= -math.log(0.8),
     "dcpo": dcpo_inside,
+    "dppo": lambda mu, w: (mu * w - mu).abs() <= 0.2,  # DPPO's Binary-TV: |pi - mu| <= delta
 }
 
 
@@ -118,6 +119,26 @@ def test_grid_bounds_match_closed_forms_and_conventions():
     assert ratio_bounds(("tv", "mc"), 0.1, 0.5, tv_half=True)[1].item() == pytest.approx(1.2)
     lo, hi = ratio_bounds(("kl", "mc"), 0.223, 0.5, kl_two_sided=False)
     assert lo.item() == pytest.approx(math.exp(-0.223)) and hi.item() == math.inf
+
+
+def test_dppo_is_its_band_and_the_tv_cells_keep_their_conventions():
+    mu = torch.tensor([0.9, 0.5, 0.2, 0.05, 0.01], dtype=f64)
+    lo, hi = ratio_bounds("dppo", 0.2, mu)
+    torch.testing.assert_close(lo, torch.clamp(1 - 0.2 / mu, min=0), rtol=0, atol=0)
+    torch.testing.assert_close(hi, 1 + 0.2 / mu, rtol=0, atol=0)
+    assert LossConfig(rule="dppo").delta == 0.2
+    assert [b.item() for b in ratio_bounds("dppo", 0.2, 0.05)] == pytest.approx([0.0, 5.0])
+    assert [b.item() for b in ratio_bounds("dppo", 0.2, 0.5)] == pytest.approx([0.6, 1.4])
+    # the same band as the atomic TV cell at 0.2; the binary cell is half of it unless TV takes the 1/2
+    atomic = ratio_bounds(("tv", "atomic"), 0.2, mu)
+    for ours, cell in zip((lo, hi), atomic):
+        torch.testing.assert_close(ours, cell, rtol=1e-12, atol=1e-15)
+    assert [b.item() for b in ratio_bounds("tv-binary", None, 0.05)] == pytest.approx([0.0, 3.0])
+    halved = ratio_bounds("tv-binary", 0.2, mu, tv_half=True)
+    below_cap = mu <= 0.8  # where 1 + 0.2/mu stays under 1/mu, the highest ratio a probability allows
+    torch.testing.assert_close(halved[0], lo, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(halved[1][below_cap], hi[below_cap], rtol=1e-12, atol=0)
+    torch.testing.assert_close(halved[1][~below_cap], 1 / mu[~below_cap], rtol=1e-12, atol=0)
 
 
 def test_kl_full_interval_is_the_bernoulli_kl_bound_and_dcpo_matches_its_roots():
@@ -399,6 +420,30 @@ def test_reference_kl_penalty(estimator):
     assert loss.item() == pytest.approx((0.1 * value[mask].sum() / n).item(), rel=1e-12)
     torch.testing.assert_close(grad[mask], 0.1 * slope[mask] / n, rtol=1e-10, atol=0)
     assert metrics["ref_kl"] == pytest.approx(value[mask].mean().item(), rel=1e-12)
+
+
+def test_entropy_bonus_is_subtracted_like_the_loss_and_differentiated():
+    logp, old_logp, adv, mask = random_tokens(seed=11, spread=0.05)
+    entropy = torch.rand(logp.shape, dtype=f64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    cfg = LossConfig(entropy_coef=0.01)
+    assert required_inputs(cfg) == {"entropy"} and "entropy" in INPUTS
+    with pytest.raises(ValueError, match="needs the inputs entropy"):
+        policy_loss(logp, old_logp, adv, mask, cfg)
+    for aggregation in AGGREGATIONS:
+        base, _ = policy_loss(logp, old_logp, adv, mask, LossConfig(aggregation=aggregation))
+        bonus = dataclasses.replace(cfg, aggregation=aggregation)
+        loss, _ = policy_loss(logp, old_logp, adv, mask, bonus, entropy=entropy)
+        only_entropy, _ = policy_loss(logp, old_logp, torch.zeros_like(adv), mask, bonus, entropy=entropy)
+        assert loss.item() == pytest.approx(base.item() + only_entropy.item(), rel=1e-12)
+    entropy.grad = None
+    only_entropy, _ = policy_loss(logp, old_logp, torch.zeros_like(adv), mask, cfg, entropy=entropy)
+    only_entropy.backward()
+    n = mask.sum()
+    assert only_entropy.item() == pytest.approx(-(0.01 * entropy.detach()[mask].sum() / n).item(), rel=1e-12)
+    torch.testing.assert_close(entropy.grad[mask], torch.full_like(entropy.grad[mask], -0.01 / n.item()))
+    assert (entropy.grad[~mask] == 0).all()
+    with pytest.raises(ValueError, match="--entropy-coef"):
+        LossConfig(entropy_coef=-0.1)
 
 
 # ----------------------------------------------------------------------------- advantages

@@ -87,8 +87,10 @@ cfg = modeling.ModelConfig(num_layers=2)  # SmolLM2-135M's widths and vocabulary
 model = lora.inject(modeling.Transformer(cfg), rank=8, alpha=16).train()
 ids = torch.randint(0, cfg.vocab_size, (2, 512))
 h = model.hidden(ids)
-logp, entropy = model.hidden_logprobs(h, ids, start=1, with_entropy=sys.argv[1] == "1", chunk_tokens=256)
-logp.sum().backward()
+bonus = sys.argv[1] == "2"  # an entropy bonus: the entropy is differentiated too
+logp, entropy = model.hidden_logprobs(h, ids, start=1, with_entropy=sys.argv[1] != "0", entropy_grad=bonus,
+                                      chunk_tokens=256)
+(logp.sum() - (entropy.sum() if bonus else 0)).backward()
 print(int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]))
 """
 
@@ -100,12 +102,28 @@ def test_entropy_keeps_no_graph_and_costs_no_memory(tiny_model_dir):
     logp, entropy = model.token_logprobs(ids, with_entropy=True, chunk_tokens=4)
     assert logp.grad_fn is not None and entropy.grad_fn is None and not entropy.requires_grad
 
-    # A training micro-batch (4 chunks of [256, 49152] fp32) in two processes, with and without the
-    # entropy: a graph kept per chunk would add about 350 MB to a peak of about 740 MB (1.47x).
+    # A training micro-batch (4 chunks of [256, 49152] fp32) in three processes: without the entropy,
+    # with it as a metric, and differentiated (a bonus). A graph kept per chunk would add about 350 MB to
+    # a peak of about 740 MB (1.47x); the bonus's graph lives inside each chunk's checkpoint instead.
     runs = [subprocess.Popen([sys.executable, "-c", ENTROPY_MEMORY_SCRIPT, flag], cwd=Path(__file__).parent,
-                             stdout=subprocess.PIPE, text=True) for flag in ("0", "1")]
-    without, with_entropy = (int(run.communicate(timeout=120)[0]) for run in runs)
+                             stdout=subprocess.PIPE, text=True) for flag in ("0", "1", "2")]
+    without, with_entropy, with_bonus = (int(run.communicate(timeout=120)[0]) for run in runs)
     assert with_entropy < 1.3 * without, (with_entropy, without)
+    assert with_bonus < 1.3 * without, (with_bonus, without)
+
+
+def test_a_differentiated_entropy_has_the_plain_entropys_gradient(tiny_model_dir):
+    model = weights.from_pretrained(tiny_model_dir).train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(5))
+    _, entropy = model.hidden_logprobs(model.hidden(ids), ids, with_entropy=True, entropy_grad=True, chunk_tokens=4)
+    entropy.sum().backward()
+    chunked = model.lm_head.weight.grad.clone()
+    model.zero_grad()
+    log_probs = torch.log_softmax(model(ids).float(), dim=-1)[:, :-1]
+    expected = -(log_probs.exp() * log_probs).sum(-1)
+    expected.sum().backward()
+    assert (entropy - expected).abs().max() < 1e-5
+    assert torch.allclose(chunked, model.lm_head.weight.grad, atol=1e-6)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_model_dir):

@@ -712,3 +712,14 @@ def test_the_benchmark_finds_its_data_or_fails_saying_where_it_looked(tmp_path):
     assert ran.returncode == 0, ran.stderr
     assert "GSM8K answers vs themselves" in ran.stdout and "MATH-500 boxed vs shuffled" in ran.stdout
     assert "GSM8K solutions" not in ran.stdout and f"data: {tmp_path / 'gsm8k.jsonl'}" in ran.stdout
+
+
+def test_split_thinking_keeps_only_what_follows_the_last_closing_tag():
+    from reward import Thought, split_thinking
+
+    assert split_thinking("Answer: 12") == Thought("", "Answer: 12")  # no thought: all of it is the answer
+    assert split_thinking("<think>a</think>b</think>c") == Thought("a</think>b", "c")  # the last tag counts
+    assert split_thinking("<think>\nstill going") == Thought("\nstill going", None)  # never closes
+    assert split_thinking("still going", open_at_start=True) == Thought("still going", None)
+    assert split_thinking("done</think> 5", open_at_start=True) == Thought("done", " 5")
+    assert split_thinking("x <think> y") == Thought(" y", None)  # a thought opened late and left open

@@ -1,6 +1,7 @@
 """The training loop end to end on a tiny random model: it trains, logs, checkpoints and resumes exactly."""
 
 import dataclasses
+import math
 import json
 import re
 import signal
@@ -314,7 +315,7 @@ def test_the_first_minibatch_logs_the_numerical_floor_of_the_ratio(tiny_model_di
 
 
 def test_the_inert_trust_region_is_announced_when_a_chosen_rule_cannot_act():
-    with pytest.warns(UserWarning, match="every clip rule gives the same update"):
+    with pytest.warns(UserWarning, match="one optimizer step per rollout.*every clip rule gives the same update"):
         train.warn_if_inert(config.parse_args(["--rule", "atr"])[0])
     with pytest.warns(UserWarning, match="every clip rule gives the same update"):
         train.warn_if_inert(config.parse_args(["--delta", "0.3"])[0])
@@ -322,6 +323,7 @@ def test_the_inert_trust_region_is_announced_when_a_chosen_rule_cannot_act():
         warnings.simplefilter("error")
         train.warn_if_inert(config.parse_args([])[0])  # the default command says nothing about its own defaults
         train.warn_if_inert(config.parse_args(["--rule", "atr", "--updates-per-rollout", "2"])[0])
+        train.warn_if_inert(config.parse_args(["--rule", "atr", "--epochs", "2"])[0])
 
 
 def test_token_records_are_written_every_step(tiny_model_dir, tmp_path):
@@ -452,3 +454,105 @@ def test_train_py_asks_for_expandable_segments_before_cuda_starts():
     kept = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent,
                           env={**env, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}, capture_output=True, text=True)
     assert kept.stdout.strip() == "max_split_size_mb:64", kept.stderr
+# ----------------------------------------------------------------------------- epochs, schedules, the start
+
+
+def test_epochs_pass_over_every_row_again_in_a_fresh_order(tiny_model_dir, tmp_path, monkeypatch):
+    cfg, out, advantages = sampled_step(tiny_model_dir, tmp_path, monkeypatch, "--updates-per-rollout", "2")
+    seen, real = [], train.micro_batch_loss
+
+    def recording(model, out, advantages, inputs, rows, *args):
+        seen.append(rows.tolist())
+        return real(model, out, advantages, inputs, rows, *args)
+
+    monkeypatch.setattr(train, "micro_batch_loss", recording)
+    model, _, optimizer, _ = train.build(cfg)
+    steps = []
+    monkeypatch.setattr(train, "optimizer_step", lambda *args: steps.append(1) or 1.0)
+    one = train.policy_update(model, optimizer, out, advantages, cfg, step=1)
+    order = torch.randperm(8, generator=torch.Generator().manual_seed(cfg.seed + 1)).tolist()
+    assert sum(seen, []) == order and len(steps) == 2, "one epoch is the order a run without --epochs had"
+    assert not any(key.startswith("epoch[") for key in one)
+    seen.clear(), steps.clear()
+    three = train.policy_update(model, optimizer, out, advantages, dataclasses.replace(cfg, epochs=3), step=1)
+    passes = [sum(seen[i:i + 2], []) for i in (0, 2, 4)]
+    assert len(steps) == 6 and passes[0] == order and all(sorted(p) == list(range(8)) for p in passes)
+    assert passes[1] != passes[0] and passes[2] != passes[1]
+    for epoch in (1, 2, 3):
+        for key in train.CLIP_KEYS:
+            assert 0 <= three[f"epoch[{epoch}]/{key}"] <= 1
+
+
+def test_learning_rate_schedules():
+    def lr(schedule, step, warmup=2, total=10):
+        return train.learning_rate(1.0, schedule, warmup, total, step)
+
+    assert [lr("constant", s) for s in (1, 2, 3, 10)] == [0.5, 1.0, 1.0, 1.0]
+    assert lr("constant", 1, warmup=0) == 1.0
+    assert [lr("linear", s) for s in (3, 4, 10)] == pytest.approx([1.0, 7 / 8, 1 / 8])
+    assert [lr("cosine", s) for s in (3, 7, 10)] == pytest.approx(
+        [1.0, 0.5 * (1 + math.cos(math.pi * 4 / 8)), 0.5 * (1 + math.cos(math.pi * 7 / 8))])
+    assert all(lr(schedule, s) > 0 for schedule in ("linear", "cosine") for s in range(1, 11))
+
+
+def test_warmup_sets_each_steps_rate_and_logs_it(tiny_model_dir, tmp_path):
+    run_training(tiny_args(tiny_model_dir, tmp_path, "warm", "--steps", "3", "--warmup-steps", "2",
+                           "--lr-schedule", "linear"))
+    assert [line["lr"] for line in metric_lines(tmp_path / "warm")] == pytest.approx([5e-3, 1e-2, 1e-2])
+
+
+def test_an_entropy_bonus_changes_the_update(tiny_model_dir, tmp_path, monkeypatch):
+    cfg, out, advantages = sampled_step(tiny_model_dir, tmp_path, monkeypatch)
+    updated = []
+    for coef in (0.0, 0.5):
+        model, _, _, _ = train.build(cfg)
+        optimizer = torch.optim.SGD(lora.parameters(model), lr=1.0)
+        bonus = dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, entropy_coef=coef))
+        train.policy_update(model, optimizer, out, advantages, bonus, step=1)
+        updated.append(torch.cat([p.detach().flatten() for p in lora.parameters(model)]))
+    assert not torch.allclose(updated[0], updated[1])
+    assert train.workload(bonus).entropy_grad and not train.workload(cfg).entropy_grad
+
+
+def test_a_run_starts_from_an_init_adapter_of_its_shape(tiny_model_dir, tmp_path):
+    cfg, _, _ = config.parse_args(tiny_args(tiny_model_dir, tmp_path, "init"))
+    model, _, _, _ = train.build(cfg)
+    with torch.no_grad():
+        for p in lora.parameters(model):
+            p.add_(0.01)
+    lora.save(model, tmp_path / "sft-adapter")
+    started, _, _, _ = train.build(cfg, str(tmp_path / "sft-adapter"))
+    for ours, theirs in zip(lora.parameters(started), lora.parameters(model)):
+        assert torch.equal(ours, theirs)
+    config.check_init_adapter(dataclasses.replace(cfg, init_adapter=str(tmp_path / "sft-adapter")))
+    with pytest.raises(ValueError, match="--lora-rank 8 \\(the adapter has 4\\)"):
+        config.check_init_adapter(dataclasses.replace(cfg, init_adapter=str(tmp_path / "sft-adapter"), lora_rank=8))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--init-adapter", "no-such-dir"], "adapter_config.json: not found"),
+    (["--init-adapter", "x", "--kl-beta", "0.1"], "--init-adapter with --kl-beta"),
+    (["--epochs", "0"], "--epochs"), (["--warmup-steps", "30"], "--warmup-steps"),
+    (["--entropy-coef", "-1"], "--entropy-coef"), (["--lr-schedule", "step"], "--lr-schedule"),
+    (["--thinking", "maybe"], "--thinking"),
+])
+def test_the_new_flags_fail_in_one_line_before_the_model_loads(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--model", str(tmp_path / "no-model"), "--out-dir", str(tmp_path), *flags])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1 and message in lines[0], lines
+
+
+def test_thought_lengths_count_unclosed_thoughts_and_split_the_rest():
+    from types import SimpleNamespace
+
+    from conftest import QWEN3_CHAT_TEMPLATE, make_tokenizer
+    tokenizer = make_tokenizer(chat_template=QWEN3_CHAT_TEMPLATE, think_tokens=True)
+    texts = ["<think>\n7 + 5 is 12", "<think>\nx</think>\n12", "12"]
+    lengths = [len(tokenizer.encode(t, add_special_tokens=False)) + stop for t, stop in zip(texts, (0, 1, 1))]
+    mask = torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]
+    out = SimpleNamespace(texts=texts, completion_mask=mask, finished=torch.tensor([False, True, True]),
+                          old_logp=torch.zeros(mask.shape))
+    stats = train.thought_lengths(out, tokenizer, open_thought=False).tolist()
+    answer = len(tokenizer.encode("\n12", add_special_tokens=False)) + 1
+    assert stats == [[1.0, lengths[0], 0.0], [0.0, lengths[1] - answer, answer], [0.0, 0.0, lengths[2]]]

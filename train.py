@@ -4,6 +4,7 @@
     python train.py --preset atr-grpo-qwen3-1.7b     # a paper's run (needs the model and data/prepare.py)
     python train.py --preset atr-grpo-qwen3-1.7b --plan   # its memory, phase by phase, without loading it
     python train.py --resume runs/NAME               # continue a run from its last checkpoint
+    python train.py --init-adapter runs/SFT/adapter  # GRPO from the adapter of sft.py's supervised stage
     torchrun --nproc-per-node 8 train.py --preset gppo-qwen3-8b   # data parallel over 8 GPUs (README)
     torchrun --nproc-per-node 8 train.py --preset gppo-qwen3-8b-full   # every weight, sharded over 8 GPUs
 
@@ -53,7 +54,7 @@ import rundir  # noqa: E402
 import scoring  # noqa: E402
 import weights  # noqa: E402
 from config import Config  # noqa: E402
-from data import load_problems, render_prompt, stop_ids, user_message  # noqa: E402
+from data import load_problems, opens_thought, render_prompt, stop_ids, thinking_note, user_message  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- one step
@@ -73,11 +74,13 @@ def train_step(model, optimizer, tokenizer, problems: list[dict], cfg: Config, s
     mine = world.prompts(len(problems))
     out = sample(model, tokenizer, problems[mine], cfg, step, first_prompt=mine.start, pool=pool)
     watch.lap("rollout")
-    rewards, correct, by_function = score(out, problems[mine], cfg, step)
+    open_thought = opens_thought(tokenizer, cfg.thinking == "on")
+    rewards, correct, by_function = score(out, problems[mine], cfg, step, open_thought)
     watch.lap("reward")
     lengths = out.completion_mask.sum(1).float()
-    columns = [rewards, correct, lengths, out.truncated.float(), *by_function.values()]
-    rows = world.cat(torch.stack(columns, 1))  # [N of the step, 4 + reward functions]
+    columns = [rewards, correct, lengths, out.truncated.float(), *thought_lengths(out, tokenizer, open_thought).T,
+               *by_function.values()]
+    rows = world.cat(torch.stack(columns, 1))  # [N of the step, 7 + reward functions]
     # from the whole step's rewards: one process's advantages, whatever they normalize over
     my_rows = slice(mine.start * cfg.group_size, mine.stop * cfg.group_size)
     advantages = loss.advantages(rows[:, 0], cfg.group_size, cfg.loss)[my_rows]  # [N of this rank]
@@ -88,14 +91,16 @@ def train_step(model, optimizer, tokenizer, problems: list[dict], cfg: Config, s
     tokens = torch.tensor([lengths.sum().item(), out.pad_mask.sum().item()], dtype=torch.float64, device="cpu")
     slowest, tokens = world.max(seconds), world.sum(tokens)
     records = [] if records is None else sum(world.gather(records), [])
-    reward_mean, accuracy, completion_length, truncated, *function_means = rows.mean(0).tolist()
+    (reward_mean, accuracy, completion_length, truncated, unclosed, think_length, answer_length,
+     *function_means) = rows.mean(0).tolist()
     return {"step": step, "reward": reward_mean, "accuracy": accuracy,
             **{f"rewards/{name}": mean for name, mean in zip(by_function, function_means)},
-            "completion_length": completion_length,
-            "truncated": truncated, **update, "step_seconds": watch.total, "reward_seconds": watch.laps["reward"],
+            "completion_length": completion_length, "truncated": truncated, "think_unclosed_frac": unclosed,
+            "think_length": think_length, "answer_length": answer_length, **update,
+            "step_seconds": watch.total, "reward_seconds": watch.laps["reward"],
             "rollout_tokens_per_s": float(tokens[0] / slowest[0]),
-            # every row is trained on once per mini-batch pass, prompt included
-            "train_tokens_per_s": float(tokens[1] / slowest[1])}, records
+            # every row is trained on once per epoch, prompt included
+            "train_tokens_per_s": float(cfg.epochs * tokens[1] / slowest[1])}, records
 
 
 def sample(model, tokenizer, problems: list[dict], cfg: Config, step: int, first_prompt: int = 0,
@@ -104,7 +109,8 @@ def sample(model, tokenizer, problems: list[dict], cfg: Config, step: int, first
     rollout_batch prompts in flight, over the run's KV pool. first_prompt is the index of problems[0] in
     the step: a prompt's samples depend on it, not on the process. A sharded model samples with its whole
     weights, gathered for the rollout (sampling_policy)."""
-    prompts = [render_prompt(tokenizer, p["problem"], cfg.template, cfg.system_prompt) for p in problems]
+    prompts = [render_prompt(tokenizer, p["problem"], cfg.template, cfg.system_prompt, cfg.thinking == "on")
+               for p in problems]
     model.eval()  # no LoRA dropout while sampling: the old log-probs must be the sampling policy's
     with oom_hint("the rollout", f"lower --rollout-batch (now {cfg.rollout_batch} prompts in flight) or --kv-blocks "
                                  f"(now {cfg.kv_blocks})"), sampling_policy(model, pool) as policy:
@@ -116,21 +122,25 @@ def sample(model, tokenizer, problems: list[dict], cfg: Config, step: int, first
                                 first_prompt=first_prompt, cuda_graphs=cfg.cuda_graphs, pool=pool)
 
 
-def score(out: rollout.Rollout, problems: list[dict], cfg: Config, step: int = 0
+def score(out: rollout.Rollout, problems: list[dict], cfg: Config, step: int = 0, open_thought: bool = False
           ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """(rewards [N], correct [N], {name: values [N]} of each reward function when there are several), on the
     model's device. The reward is the weighted sum of the --reward-fn functions (scoring.py) plus the format
-    bonus; correct is the answer checker's verdict, whatever the reward is made of."""
+    bonus; correct is the answer checker's verdict, whatever the reward is made of. The checker and the format
+    bonus read only what follows a completion's last </think> (open_thought: the prompt opened a thought);
+    a function of your own gets the whole completion and the open_thought column (reward.split_thinking)."""
     rows = [p for p in problems for _ in range(cfg.group_size)]
     functions = scoring.functions(cfg.reward_fn, cfg.reward_weights, cfg.reward_timeout)
-    columns = {"prompts": [user_message(p["problem"], cfg.template) for p in rows],
-               "completion_ids": out.completions, **scoring.columns_of(rows)}
+    columns = {"prompts": [user_message(p["problem"], cfg.template) for p in rows], "completion_ids": out.completions,
+               **scoring.columns_of(rows), "open_thought": [open_thought] * len(rows)}
     totals, by_name = functions(out.texts, columns, where=f"step {step}", group_size=cfg.group_size)
     checked = functions.name_of(reward.math_reward)  # the checker already ran: its verdicts are the accuracy
-    correct = by_name[checked] if checked else reward.reward(out.texts, [p["answer"] for p in rows])
+    correct = by_name[checked] if checked else reward.reward(out.texts, [p["answer"] for p in rows],
+                                                             open_thought=open_thought)
     if cfg.format_weight:
-        totals = [total + cfg.format_weight * reward.has_format(text, cfg.template)
-                  for total, text in zip(totals, out.texts)]
+        answers = [reward.split_thinking(text, open_thought).answer for text in out.texts]
+        totals = [total + cfg.format_weight * (answer is not None and reward.has_format(answer, cfg.template))
+                  for total, answer in zip(totals, answers)]
 
     def tensor(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=out.old_logp.device)
@@ -139,11 +149,30 @@ def score(out: rollout.Rollout, problems: list[dict], cfg: Config, step: int = 0
     return tensor(totals), (tensor(correct) >= 1).float(), by_function
 
 
+def thought_lengths(out: rollout.Rollout, tokenizer, open_thought: bool) -> torch.Tensor:
+    """Per row [N, 3]: 1 if its thought never closed, its thinking tokens and its answer tokens (the rest of
+    the completion, stop token included). An answer after a </think> is re-encoded to count it, so the split
+    of such a row is exact up to how the tokenizer merges across the tag."""
+    lengths, finished = out.completion_mask.sum(1).tolist(), out.finished.tolist()
+    stats = []
+    for text, length, stopped in zip(out.texts, lengths, finished):
+        thought = reward.split_thinking(text, open_thought)
+        if thought.answer is None:
+            stats.append((1.0, length, 0))
+        elif thought.answer == text:  # no thought at all
+            stats.append((0.0, 0, length))
+        else:
+            answer = min(length, len(tokenizer.encode(thought.answer, add_special_tokens=False)) + stopped)
+            stats.append((0.0, length - answer, answer))
+    return torch.tensor(stats, dtype=torch.float32, device=out.old_logp.device)
+
+
 def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tensor, cfg: Config, step: int,
                   records: list | None = None, world: distributed.World | None = None, reference=None) -> dict:
-    """updates_per_rollout optimizer steps over shuffled mini-batches of the rollout's rows, each the sum of
-    grad_accum micro-batches. Metrics: token-weighted means over micro-batches; *_min / *_max are extremes;
-    start_ratio_min / _max are the first mini-batch's, before this step's first update (the numerical floor).
+    """epochs passes over the rollout's rows, each shuffled afresh into updates_per_rollout mini-batches; one
+    optimizer step per mini-batch, the sum of grad_accum micro-batches. Metrics: token-weighted means over
+    micro-batches; *_min / *_max are extremes; start_ratio_min / _max are the first mini-batch's, before
+    this step's first update (the numerical floor); with several epochs, epoch[E]/* are each pass's clip rates.
 
     With several processes, `out` holds this rank's rows of the step, which are rows world.rank * N ..
     of the step's. The shuffle is of the whole step's rows, the same on every rank, and each rank trains
@@ -156,8 +185,9 @@ def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tens
     inputs = frozen_inputs(model, out, cfg, reference)  # what the loss needs of the policy before it moves
     advantages = advantages.to(out.old_logp.device)
     N, first = len(advantages), world.rank * len(advantages)
-    order = torch.randperm(N * world.size, generator=torch.Generator().manual_seed(cfg.seed + step), device="cpu")
-    minibatches = order.chunk(cfg.updates_per_rollout)
+    shuffle = torch.Generator().manual_seed(cfg.seed + step)
+    orders = [torch.randperm(N * world.size, generator=shuffle, device="cpu") for _ in range(cfg.epochs)]
+    minibatches = [rows for order in orders for rows in order.chunk(cfg.updates_per_rollout)]  # epoch by epoch
     mine = [(m[(m >= first) & (m < first + N)] - first).to(advantages.device) for m in minibatches]
     # the normalizers of each optimizer step: its tokens and sequences on all ranks
     num_tokens = world.sum(torch.stack([out.completion_mask[rows].sum() for rows in mine]))
@@ -195,7 +225,15 @@ def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tens
     summary.update(start_ratio_min=start["ratio_min"], start_ratio_max=start["ratio_max"],
                    grad_norm=float(np.mean(applied)) if applied else None,
                    skipped_updates=len(grad_norms) - len(applied))
+    if cfg.epochs > 1:  # where the clips happened: later passes start further from the sampling policy
+        per_epoch = len(per_update) // cfg.epochs
+        for epoch in range(cfg.epochs):
+            merged = merge_metrics(sum(per_update[epoch * per_epoch:(epoch + 1) * per_epoch], []))
+            summary |= {f"epoch[{epoch + 1}]/{key}": merged[key] for key in CLIP_KEYS}
     return summary
+
+
+CLIP_KEYS = ("clip_low_frac", "clip_high_frac", "limit_clip_frac")
 
 
 def micro_batch_loss(model, out: rollout.Rollout, advantages: torch.Tensor, inputs: dict, rows: torch.Tensor,
@@ -203,15 +241,17 @@ def micro_batch_loss(model, out: rollout.Rollout, advantages: torch.Tensor, inpu
     """The loss of some rows of the rollout (their share of the optimizer step's loss) and their metrics."""
     ids, pad, start, c = window(out, rows)
     h = model.hidden(ids, pad)  # [rows, W, hidden]
-    logp, entropy = model.hidden_logprobs(h, ids, start=start, temperature=cfg.temperature, with_entropy=True)
+    bonus = "entropy" in loss.required_inputs(cfg.loss)  # an entropy bonus differentiates the entropy
+    logp, entropy = model.hidden_logprobs(h, ids, start=start, temperature=cfg.temperature, with_entropy=True,
+                                          entropy_grad=bonus)
     mask = out.completion_mask[rows, :c]  # [rows, c], like every per-token tensor below
     given = {name: value[rows, :c] for name, value in inputs.items()}
     live = {"hidden": completion_states(h, start), "lm_head_weight": model.lm_head.weight,
-            "temperature": cfg.temperature}  # what a rule may ask of the policy being trained
+            "temperature": cfg.temperature, "entropy": entropy}  # what a rule may ask of the policy being trained
     given |= {name: value for name, value in live.items() if name in loss.required_inputs(cfg.loss)}
     value, metrics = loss.policy_loss(logp, given.pop("old_logp"), advantages[rows], mask, cfg.loss,
                                       **totals, records=records, **given)
-    metrics["entropy"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
+    metrics["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
     metrics["tokens"] = int(mask.sum())
     return value, metrics
 
@@ -353,18 +393,21 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
     world = world or distributed.SOLO
     writer = world.rank == 0
     config.validate(cfg)
+    config.check_init_adapter(cfg)
     scoring.functions(cfg.reward_fn, cfg.reward_weights, cfg.reward_timeout)  # imports them: a typo fails now
     train_set, eval_sets = load_problems(cfg.dataset), load_eval_sets(cfg)
     run_dir = rundir.prepare_run_dir(cfg)
     # also the point no rank passes before every rank has checked its run directory
     distributed.check_same_settings(world, config.flat_config(cfg))
-    model, tokenizer, optimizer, reference = build(cfg)
+    model, tokenizer, optimizer, reference = build(cfg, cfg.init_adapter)
     if cfg.resume and cfg.steps == 0 and cfg.export:  # export only: no training, no evaluation
         return export_run(cfg, run_dir, model, tokenizer, optimizer, world)
     cfg = resolve_sizes(cfg, model, tokenizer, train_set, world, eval_sets)
     pool = sampler_pool(cfg, model, tokenizer, train_set, eval_sets)
     if writer:
         warn_if_inert(cfg)
+        if note := thinking_note(tokenizer, cfg.thinking == "on"):
+            warnings.warn(note)
         if cfg.world_size and cfg.world_size != world.size:
             warnings.warn(f"--world-size {cfg.world_size}: the run is meant for {cfg.world_size} processes and runs on "
                           f"{world.size}; every size the memory plan chooses is for {world.size}")
@@ -386,7 +429,11 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
         for _ in bar:
             step = state["step"] + 1
             problems = batch_of(train_set, state["data_position"], cfg.prompts_per_step, cfg.seed)
+            lr = learning_rate(cfg.lr, cfg.lr_schedule, cfg.warmup_steps, cfg.steps, step)
+            for group in optimizer.param_groups:  # a function of the step alone, so a resume needs no state
+                group["lr"] = lr
             record, records = train_step(model, optimizer, tokenizer, problems, cfg, step, world, reference, pool)
+            record["lr"] = lr
             state.update(step=step, data_position=state["data_position"] + cfg.prompts_per_step)
             if records and writer:
                 loss.write_token_records(run_dir / "tokens" / f"step-{step:06d}.npz", records, cfg.log_tokens,
@@ -536,7 +583,8 @@ def _held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: Config, d
                     mine = evaluation.evaluate(policy, tokenizer, problems[lo:hi], k=cfg.eval_k,
                                                temperature=cfg.eval_temperature, top_p=cfg.top_p,
                                                max_new_tokens=cfg.max_new_tokens, template=cfg.template,
-                                               system=cfg.system_prompt, batch_size=cfg.eval_batch, seed=cfg.seed,
+                                               system=cfg.system_prompt, thinking=cfg.thinking == "on",
+                                               batch_size=cfg.eval_batch, seed=cfg.seed,
                                                first_problem=lo, desc=f"{desc} {name}" if len(eval_sets) > 1 else desc,
                                                progress=world.rank == 0, pool=pool).problems
             summary = evaluation.summarize(sum(world.gather(mine), []), cfg.eval_k, seed=cfg.seed)
@@ -556,14 +604,26 @@ CLIP_SETTINGS = ("rule", "delta", "delta_high", "dual_clip", "ratio_limits", "tv
                  "sapo_tau_neg", "cov_ratio", "clip_cov_bounds", "kl_cov_coef")
 
 
+def learning_rate(peak: float, schedule: str, warmup_steps: int, total_steps: int, step: int) -> float:
+    """The rate of step `step` (1-based): linear warmup to `peak` over warmup_steps, then constant, or a
+    cosine or linear decay that would reach 0 one step after the last (so the last step still learns)."""
+    if step <= warmup_steps:
+        return peak * step / warmup_steps
+    if schedule == "constant":
+        return peak
+    progress = (step - warmup_steps - 1) / max(1, total_steps - warmup_steps)  # 0 at the first decayed step
+    return peak * (0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress)
+
+
 def warn_if_inert(cfg: Config) -> None:
     """A clip rule chosen for a run where no rule can act is said at the start; the default run says nothing."""
     default = loss.LossConfig()
     chosen = any(getattr(cfg.loss, name) != getattr(default, name) for name in CLIP_SETTINGS)
-    if cfg.updates_per_rollout == 1 and chosen:
-        warnings.warn("--updates-per-rollout 1: every update starts from the weights that sampled its rollout, so "
-                      "the ratio w is 1 up to rounding and every clip rule gives the same update; use several "
-                      "updates per rollout to compare rules", stacklevel=2)
+    if cfg.updates_per_rollout * cfg.epochs == 1 and chosen:
+        warnings.warn("one optimizer step per rollout (--updates-per-rollout 1, --epochs 1): every update starts "
+                      "from the weights that sampled its rollout, so the ratio w is 1 up to rounding and every "
+                      "clip rule gives the same update; use several updates or epochs per rollout to compare "
+                      "rules", stacklevel=2)
 
 
 class StopRequest:
@@ -623,10 +683,11 @@ def resolve_sizes(cfg: Config, model, tokenizer, train_set: list[dict], world: d
 # ----------------------------------------------------------------------------- building the model
 
 
-def build(cfg: Config):
+def build(cfg: Config, init_adapter: str | None = None):
     """Model, tokenizer, optimizer and reference policy.
 
-    With LoRA: fresh adapters on the frozen base, which is also the reference policy (None is returned).
+    With LoRA: fresh adapters (or those of init_adapter) on the frozen base, which is also the reference
+    policy (None is returned).
     With --lora-rank 0 every weight trains: fp32 master weights (under bf16 compute) sharded by FSDP2 over
     the process group (fsdp.py; one process is a group of one), and the reference is a frozen sharded
     copy in the compute dtype when the loss needs ref_logp, else None.
@@ -640,6 +701,8 @@ def build(cfg: Config):
         torch.manual_seed(cfg.seed)  # adapter initialization
         lora.inject(model, cfg.lora_rank, cfg.lora_alpha, targets=tuple(cfg.lora_targets.split(",")),
                     dropout=cfg.lora_dropout)
+        if init_adapter:  # a resumed run's checkpoint then replaces these weights
+            lora.load(model, init_adapter)
     else:
         model = fsdp.shard(weights.from_pretrained(cfg.model, dtype=fsdp.master_dtype(dtype), device=device), dtype)
         if "ref_logp" in loss.required_inputs(cfg.loss):
@@ -661,8 +724,8 @@ def prompt_lengths(cfg: Config, tokenizer, train_set: list[dict],
     """Tokens of the longest training prompt and of the longest evaluation prompt (the training one without
     evaluation sets), as the sampler sees them."""
     def longest(problems):
-        return max((len(render_prompt(tokenizer, p["problem"], cfg.template, cfg.system_prompt)) for p in problems),
-                   default=1)
+        return max((len(render_prompt(tokenizer, p["problem"], cfg.template, cfg.system_prompt, cfg.thinking == "on"))
+                    for p in problems), default=1)
     train_len = longest(train_set)
     return train_len, max((longest(problems) for problems in (eval_sets or {}).values()), default=train_len)
 
@@ -744,6 +807,7 @@ def workload(cfg: Config, prompt_len: int = memory.Workload.prompt_len, eval_pro
         recompute_old_logp=cfg.recompute_old_logp == "on" or (cfg.recompute_old_logp == "auto"
                                                              and dtype != torch.float32),
         ref_logp="ref_logp" in needs, old_hidden="old_hidden" in needs, eval_prompts=cfg.eval_batch or 16,
+        entropy_grad="entropy" in needs,
         eval_k=cfg.eval_k, eval_temperature=cfg.eval_temperature)
 
 
@@ -809,12 +873,12 @@ def main(argv: list[str] | None = None) -> None:
               f"(n={after['problems']}, k={after['k']}, se {100 * (after['se'] or 0):.1f})")
 
 
-def _inside_training(error: BaseException) -> bool:
+def _inside_training(error: BaseException, functions: tuple[str, ...] = ("train_step", "evaluate_held_out")) -> bool:
     """Whether an error was raised inside a training step rather than by the checks before it: those are
     bugs or hardware trouble, and keep their traceback."""
     tb = error.__traceback__
     while tb is not None:
-        if tb.tb_frame.f_code.co_name in ("train_step", "evaluate_held_out"):
+        if tb.tb_frame.f_code.co_name in functions:
             return True
         tb = tb.tb_next
     return False

@@ -4,15 +4,17 @@
     problems = load_problems("math500")                  # after `python data/prepare.py math500`
     ids = render_prompt(tokenizer, problems[0]["problem"], "boxed")
 
-arithmetic.py generates the offline demo's problems, prepare.py reads, converts and downloads
-dataset files, templates.py turns a problem into chat-formatted token ids and names the tokens that end a reply.
+arithmetic.py generates the offline demo's problems (with worked solutions), prepare.py reads, converts and
+downloads dataset files, templates.py turns a problem into chat-formatted token ids, a worked solution into the
+reply the supervised stage trains on, and names the tokens that end a reply.
 """
 
 from pathlib import Path
 
 from .arithmetic import DEFAULT_KINDS, KINDS, TWO_DIGIT_KINDS, arithmetic_problems
 from .prepare import DATA_DIR, FORMATS, HUB, read_problems
-from .templates import TEMPLATES, render_prompt, stop_ids, user_message
+from .templates import (TEMPLATES, opens_thought, render_prompt, render_solution, stop_ids, takes_thinking,
+                        thinking_note, user_message)
 
 GENERATED = {  # name -> (split, kinds), made on the fly
     "arithmetic": ("train", DEFAULT_KINDS), "arithmetic_test": ("test", DEFAULT_KINDS),
@@ -61,8 +63,12 @@ __all__ = [
     "TEMPLATES",
     "arithmetic_problems",
     "load_problems",
+    "opens_thought",
     "read_problems",
     "render_prompt",
+    "render_solution",
     "stop_ids",
+    "takes_thinking",
+    "thinking_note",
     "user_message",
 ]

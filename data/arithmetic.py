@@ -9,6 +9,10 @@ Every problem belongs to the "train" or the "test" split by a hash of the proble
 held-out set is fixed whatever the seed, the kinds or the number of problems asked for, and no
 training problem is ever evaluated. A sum and its commuted twin (7 + 5, 5 + 7) share a split, so
 the held-out set never contains a problem whose mirror image was trained on.
+
+Each problem carries a worked solution, the equation it asks for written out ("7 + 5 = 12"), so the
+offline demo can run the supervised stage (sft.py) before GRPO: templates.render_solution ends it in
+the answer format of whichever template is trained on.
 """
 
 import operator
@@ -17,6 +21,7 @@ import zlib
 from typing import Iterator, Sequence
 
 QUESTION = "What is {a} {op} {b}?"  # the one place the problems' wording lives
+SOLUTION = "{a} {op} {b} = {result}"
 OPERATORS = {"+": operator.add, "-": operator.sub, "×": operator.mul}
 COMMUTATIVE = {"+", "×"}
 
@@ -47,7 +52,8 @@ def problems_of(kind: str, split: str) -> list[dict]:
     """All problems of one kind in one split, in a fixed order."""
     op, pairs = KINDS[kind]
     return [
-        {"problem": QUESTION.format(a=a, op=op, b=b), "answer": str(OPERATORS[op](a, b)), "kind": kind}
+        {"problem": QUESTION.format(a=a, op=op, b=b), "answer": str(OPERATORS[op](a, b)), "kind": kind,
+         "solution": SOLUTION.format(a=a, op=op, b=b, result=OPERATORS[op](a, b))}
         for a, b in pairs
         if split_of(kind, a, b) == split
     ]
@@ -65,7 +71,8 @@ def _shuffled(pool: list[dict], rng: random.Random, repeat: bool) -> Iterator[di
 def arithmetic_problems(
     split: str = "train", kinds: Sequence[str] = DEFAULT_KINDS, n: int | None = None, seed: int = 0
 ) -> list[dict]:
-    """Problems {"problem", "answer", "kind"} of the given kinds, deterministic in (split, kinds, n, seed).
+    """Problems {"problem", "answer", "kind", "solution"} of the given kinds, deterministic in (split, kinds, n,
+    seed).
 
     Kinds are interleaved round-robin, each in its own seeded shuffled order, so the first n problems
     are balanced across kinds however different their sizes (add1 has 100 problems, add2 8,100).

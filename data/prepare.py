@@ -2,8 +2,10 @@
 
 Every prepared dataset is a JSON-lines file data/NAME.jsonl, one {"problem", "answer", "source"}
 object a line, with the problem bare (no instruction: templates.py adds that) and the answer a
-string. Reading is strict: a line that is not JSON, lacks a field, or has an empty problem or
-answer is a ValueError naming the file and line, so a dataset is never silently shortened.
+string. Sets for the supervised stage (sft.py) add a "solution": a worked solution whose final answer
+is the answer (templates.render_solution writes its last line in the format a template asks for).
+Reading is strict: a line that is not JSON, lacks a field, or has an empty problem or answer is a
+ValueError naming the file and line, so a dataset is never silently shortened.
 
     python data/prepare.py math500 aime24            # download from the Hub (needs network)
     python data/prepare.py all
@@ -22,12 +24,25 @@ cards and published code that loads them):
     aime25       opencompass/AIME2025             aime2025-*.jsonl      question, answer (AIME 2025 I and II)
     amc23        math-ai/amc23                    test-*.parquet        question, answer (AMC 2023: the 40 problems of
                                                                         Qwen2.5-Math's evaluation)
+    brumo25      MathArena/brumo_2025             data/train-*.parquet  problem_idx, problem, answer (BRUMO 2025, 30)
+    smt25        MathArena/smt_2025               data/train-*.parquet  problem_idx, problem, answer (SMT 2025)
+  with solutions, for sft.py:
+    openmath     nvidia/OpenMathReasoning         data/cot-00000-of-*   problem, generated_solution, expected_answer:
+                                                  .parquet              the first shard of the cot split, kept where the
+                                                                        solution's final answer grades equal to the
+                                                                        expected one (other shards: --from FILE)
+    gsm8k_sft    openai/gsm8k                     main/train-*.parquet  question, answer: the worked solution, its
+                                                                        <<calculator>> notes and "#### n" line removed
+    math_sft     MaziyarPanahi/MATH-lighteval     data/train-*.parquet  problem, solution (MATH's 7,500 training
+                                                                        problems, a copy of lighteval/MATH); the answer
+                                                                        is the solution's last \\boxed{}
 A local copy of one of these, in .parquet, .jsonl or .json (a list, an object holding one list such as
 {"data": [...]}, or JSON lines as `datasets` writes them), converts by its layout: `--out NAME` with a
-Hub name, or `--layout` (dapo, gsm8k, math500, aime, amc) with any name; a file already in the prepared
-format (problem and answer fields) that does not fit that layout is read as it is. Any other file
-converts by field names, dotted for nested fields; read by field names, a problem in DAPO's instruction wrapper is unwrapped and a GSM8K
-worked solution ending "#### 18" gives the answer "18", so a Hub copy read by keys is right too.
+Hub name, or `--layout` (dapo, gsm8k, math500, aime, amc, matharena, openmath, gsm8k_solution,
+math_solution) with any name; a file already in the prepared format (problem and answer fields) that
+does not fit that layout is read as it is. Any other file converts by field names, dotted for nested
+fields; read by field names, a problem in DAPO's instruction wrapper is unwrapped and a GSM8K worked
+solution ending "#### 18" gives the answer "18", so a Hub copy read by keys is right too.
 pyarrow and huggingface_hub are imported only where needed, so JSON files need the standard library alone.
 """
 
@@ -35,8 +50,12 @@ import argparse
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Iterable, Iterator
+
+if __package__ in (None, ""):  # run as `python data/prepare.py`: the answer checker, reward.py, is one folder up
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 DATA_DIR = Path(__file__).resolve().parent
 DAPO_PREFIX = (
@@ -46,6 +65,8 @@ DAPO_PREFIX = (
 DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 FORMATS = {".jsonl": "JSON lines", ".json": "JSON (one list, or JSON lines)", ".parquet": "parquet"}
 GSM8K_SOLUTION = re.compile(r"\n####\s*[^\n]+$")  # a worked solution whose last line is "#### 18"
+GSM8K_CALCULATOR = re.compile(r"<<[^<>]*>>")  # the annotations of GSM8K's calculator: "48/2 = <<48/2=24>>24"
+GRADE_BATCH = 512  # OpenMathReasoning rows graded per call of the answer checker
 
 
 # ---------------------------------------------------------------- reading and writing files
@@ -262,12 +283,69 @@ def competition_row(row: dict) -> dict:
     return {"problem": row[problem_key].strip(), "answer": integer_answer(row[answer_key])}
 
 
+def matharena_row(row: dict) -> dict:
+    """MathArena's competitions (BRUMO, SMT): problem_idx, problem, and a LaTeX answer, kept as is."""
+    return {"problem": row["problem"].strip(), "answer": integer_answer(row["answer"]), "id": row["problem_idx"]}
+
+
+def openmath_row(row: dict) -> dict:
+    """OpenMathReasoning: a problem, a generated solution (a thought, then a summary ending in \\boxed{}) and
+    the expected answer; whether the solution reaches that answer is checked by convert_rows."""
+    return {"problem": row["problem"].strip(), "answer": _answer_text(row["expected_answer"]) or "",
+            "solution": row["generated_solution"].strip()}
+
+
+def gsm8k_solution_row(row: dict) -> dict:
+    """GSM8K's worked solution without its calculator notes and its "#### n" line, which a template rewrites."""
+    solution = GSM8K_CALCULATOR.sub("", row["answer"])
+    return {"problem": row["question"].strip(), "answer": gsm8k_answer(row["answer"]),
+            "solution": GSM8K_SOLUTION.sub("", solution).strip()}
+
+
+def math_solution_row(row: dict) -> dict:
+    """MATH: the solution ends in \\boxed{answer}, which is the answer."""
+    import reward
+
+    return {"problem": row["problem"].strip(), "answer": reward.extract_answer(row["solution"]) or "",
+            "solution": row["solution"].strip()}
+
+
 class LayoutError(ValueError):
     """A row that does not fit the layout it was read as."""
 
 
 LAYOUTS = {"dapo": dapo_row, "gsm8k": gsm8k_row, "math500": math500_row, "aime": competition_row,
-           "amc": competition_row}
+           "amc": competition_row, "matharena": matharena_row, "openmath": openmath_row,
+           "gsm8k_solution": gsm8k_solution_row, "math_solution": math_solution_row}
+
+
+def matching_solutions(problems: Iterable[dict]) -> Iterator[dict]:
+    """The problems whose solution's final answer (after its thought) grades equal to the expected answer.
+
+    OpenMathReasoning's solutions are sampled, so some reach another answer, and some problems have no
+    expected answer at all; a supervised stage must not learn those. Prints how many were kept.
+    """
+    import reward
+
+    counts = {"kept": 0, "total": 0}
+    batch: list[dict] = []
+
+    def graded() -> Iterator[dict]:
+        with_answers = [p for p in batch if p["answer"]]
+        scores = reward.reward([p["solution"] for p in with_answers], [p["answer"] for p in with_answers])
+        for problem, score in zip(with_answers, scores):
+            if score == 1.0:
+                counts["kept"] += 1
+                yield problem
+        batch.clear()
+
+    for problem in problems:
+        counts["total"] += 1
+        batch.append(problem)
+        if len(batch) == GRADE_BATCH:
+            yield from graded()
+    yield from graded()
+    print(f"kept {counts['kept']} of {counts['total']} solutions: those whose final answer matches the expected one")
 
 
 def convert_rows(rows: Iterable[tuple[str, dict]], layout: str, source: str) -> Iterator[dict]:
@@ -291,10 +369,12 @@ def convert_rows(rows: Iterable[tuple[str, dict]], layout: str, source: str) -> 
                                   f"fields: {fields})") from None
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
-            if not problem["problem"] or not problem["answer"]:
+            if not problem["problem"] or (not problem["answer"] and layout != "openmath"):
                 raise ValueError(f"{where}: empty problem or answer in the {layout} layout")
             yield {**problem, "source": source}
 
+    if layout == "openmath":  # its rows without an expected answer are dropped with the unmatched ones
+        return matching_solutions(problems())
     return dedupe(problems()) if layout == "dapo" else problems()
 
 
@@ -309,6 +389,11 @@ HUB = {
     "aime24": ("HuggingFaceH4/aime_2024", "data/*.parquet", "aime"),
     "aime25": ("opencompass/AIME2025", "aime2025-*.jsonl", "aime"),
     "amc23": ("math-ai/amc23", "test-*.parquet", "amc"),
+    "brumo25": ("MathArena/brumo_2025", "data/train-*.parquet", "matharena"),
+    "smt25": ("MathArena/smt_2025", "data/train-*.parquet", "matharena"),
+    "openmath": ("nvidia/OpenMathReasoning", "data/cot-00000-of-*.parquet", "openmath"),
+    "gsm8k_sft": ("openai/gsm8k", "main/train-*.parquet", "gsm8k_solution"),
+    "math_sft": ("MaziyarPanahi/MATH-lighteval", "data/train-*.parquet", "math_solution"),
 }
 
 

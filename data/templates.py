@@ -10,9 +10,16 @@ here, because the reward has to parse exactly that presentation:
   instructions: SmolLM2-135M-Instruct ignores "answer with the number only" and explains at length,
   while after this one turn it usually answers in about ten tokens.
 A template's reply ends at one of stop_ids(): where sampling stops is part of how a problem is posed.
+
+Thinking mode: Qwen3's chat template opens a <think> block unless it is rendered with
+enable_thinking=False, which writes an empty thought into the prompt instead. render_prompt passes the
+switch to every template (one that does not read it ignores it); thinking_note says in one line when
+the switch cannot act, and opens_thought whether a prompt leaves a thought open for the completion.
 """
 
 from typing import TYPE_CHECKING
+
+from reward import THINK_CLOSE, THINK_OPEN, split_thinking
 
 from .prepare import DAPO_PREFIX, DAPO_SUFFIX
 
@@ -42,10 +49,12 @@ def user_message(problem: str, template: str) -> str:
     return text.replace("{problem}", problem)
 
 
-def render_prompt(tokenizer, problem: str, template: str = "boxed", system: str | None = None) -> list[int]:
+def render_prompt(tokenizer, problem: str, template: str = "boxed", system: str | None = None,
+                  thinking: bool = False) -> list[int]:
     """Token ids of the chat prompt for one problem, ending where the assistant's reply begins.
 
-    Goes through tokenizer.apply_chat_template(add_generation_prompt=True). system=None keeps the
+    Goes through tokenizer.apply_chat_template(add_generation_prompt=True, enable_thinking=thinking):
+    a template that reads enable_thinking (Qwen3) opens or skips its thought, others ignore it. system=None keeps the
     chat template's own default system prompt (SmolLM2's default system turn is 21 tokens); a short
     system string replaces it, which matters on CPU where every prompt token is paid for G times.
     A tokenizer without a chat template (a base model) gets plain text instead: the system string
@@ -60,9 +69,68 @@ def render_prompt(tokenizer, problem: str, template: str = "boxed", system: str 
     for question, answer in EXAMPLES.get(template, []):
         messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
     messages.append({"role": "user", "content": message})
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=thinking)
     # the rendered text already carries the template's special tokens: adding BOS again would double it
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def render_solution(solution: str, answer: str, template: str, thinking: bool = False) -> str:
+    """The assistant reply the supervised stage (sft.py) trains on: a worked solution ending in the answer
+    format the template asks for, which is where the reward looks for it.
+
+    "answer" ends with a last line "Answer: ..." (DAPO's format), "boxed" with a \\boxed{} (added only when
+    the solution has none), "plain" is the answer alone, and "equation" or a custom template keeps the
+    solution as it is. A solution that thinks first (<think>...</think>, as OpenMathReasoning's) keeps its
+    thought with thinking=True and drops it with thinking=False, as a non-thinking reply has none.
+    """
+    thought = split_thinking(solution)
+    reply = (solution if thought.answer is None else thought.answer).strip()
+    if template == "answer":
+        reply = f"{reply}\nAnswer: {answer}"
+    elif template == "boxed" and "\\boxed" not in reply:
+        reply = f"{reply}\nThe final answer is $\\boxed{{{answer}}}$."
+    elif template == "plain":
+        reply = answer
+    if thinking and thought.thinking.strip():
+        return f"{THINK_OPEN}\n{thought.thinking.strip()}\n{THINK_CLOSE}\n\n{reply}"
+    return reply
+
+
+def _chat_template(tokenizer) -> str:
+    template = getattr(tokenizer, "chat_template", None)
+    return " ".join(template.values()) if isinstance(template, dict) else template or ""
+
+
+def takes_thinking(tokenizer) -> bool:
+    """Whether the tokenizer's chat template reads the enable_thinking switch (Qwen3's does)."""
+    return "enable_thinking" in _chat_template(tokenizer)
+
+
+def thinking_note(tokenizer, thinking: bool, flag: str = "--thinking") -> str | None:
+    """One line when the thinking switch cannot act on this chat template; None when it can (or need not)."""
+    if takes_thinking(tokenizer):
+        return None
+    if thinking:
+        return (f"{flag} on: the chat template does not read enable_thinking, so the prompt is the same as with "
+                f"off; the reward still grades only what follows the last {THINK_CLOSE}")
+    if THINK_OPEN in _chat_template(tokenizer):
+        return (f"{flag} off: the chat template writes {THINK_OPEN} itself and does not read enable_thinking, so "
+                "it cannot be switched off")
+    return None
+
+
+def opens_thought(tokenizer, thinking: bool = False) -> bool:
+    """Whether the generation prompt leaves a <think> open, so every completion starts inside a thought
+    (templates that begin the thought for the model); the reward then scores a completion without
+    </think> as unclosed (reward.split_thinking's open_at_start)."""
+    if not _chat_template(tokenizer):
+        return False
+    marker = "@@problem@@"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
+                                         add_generation_prompt=True, enable_thinking=thinking)
+    generation_prompt = text[text.rfind(marker) + len(marker):]
+    return generation_prompt.rfind(THINK_OPEN) > generation_prompt.rfind(THINK_CLOSE)
 
 
 def stop_ids(model_config: "ModelConfig", tokenizer) -> list[int]:
