@@ -182,7 +182,8 @@ def run(cfg: SFTConfig) -> dict:
         if state["before"] is None:
             with stop.immediate():
                 state["before"] = measure(model, tokenizer, eval_sets, cfg, "eval before") if eval_sets else {}
-        bar = tqdm(range(state["step"], total_steps), desc="sft", unit="step", initial=state["step"], total=total_steps)
+        bar = tqdm(range(state["step"], total_steps), desc="sft", unit="step", initial=state["step"], total=total_steps,
+                   disable=not sys.stderr.isatty())  # no bar's escapes in a redirected log
         for _ in bar:
             step = state["step"] + 1
             record = sft_step(model, optimizer, examples, batches, cfg, step, steps_per_epoch, total_steps)
@@ -190,6 +191,9 @@ def run(cfg: SFTConfig) -> dict:
             with metrics_file.open("a") as f:
                 f.write(rundir.to_json(record) + "\n")
             bar.set_postfix(loss=f"{record['loss']:.3f}")
+            if bar.disable:  # a log file gets one plain line per step instead of the bar
+                print(f"step {step}/{total_steps}: loss {record['loss']:.4f}, lr {record['lr']:.3g}, "
+                      f"{record['step_seconds']:.1f} s", file=sys.stderr)
             if step % cfg.checkpoint_every == 0 or stop.requested:
                 rundir.save_checkpoint(run_dir, model, optimizer, state)
             if stop.requested:
