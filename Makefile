@@ -31,6 +31,7 @@ bench: setup
 	$(PY) bench/model.py
 	$(PY) bench/rollout.py
 	$(PY) bench/reward.py
+	$(PY) bench/sandbox.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache __pycache__

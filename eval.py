@@ -1,5 +1,5 @@
 """
-Evaluation: Mean@k, Pass@k and Maj@k on math benchmarks, with error bars, and run-versus-run comparisons.
+Evaluation: Mean@k, Pass@k and Maj@k on math and code benchmarks, with error bars, and run-versus-run comparisons.
 
 Published RLVR results report Mean@k and Pass@k on AIME/AMC without error bars, although AIME has only 30
 problems: one problem is 3.3 points. This file measures a model the same way and says how sure the numbers are:
@@ -37,6 +37,7 @@ from tqdm import tqdm
 import lora
 import reward
 import rollout
+import sandbox
 from data import load_problems, render_prompt, stop_ids, user_message
 from weights import from_pretrained, load_tokenizer
 
@@ -416,9 +417,13 @@ def comparison_table(gaps: Mapping[str, Mapping[str, Gap]], label_a: str, label_
 def evaluate(model, tokenizer, problems: Sequence[Mapping], *, k: int, n: int | None = None, temperature: float,
              top_p: float = 1.0, max_new_tokens: int, template: str = "boxed", system: str | None = None,
              batch_size: int = 8, seed: int = 0, desc: str = "eval", progress: bool = True,
-             finished: list[ProblemResult] | None = None, first_problem: int = 0) -> Evaluation:
+             finished: list[ProblemResult] | None = None, first_problem: int = 0, code_limits=None) -> Evaluation:
     """Sample n (default k) completions for each problem {"problem", "answer", optional "id"}, grade them, and
     summarize Mean@k, Pass@k, Maj@k, completion length and truncation rate with their error bars.
+
+    A code problem ({"task": "code", "tests", ...}) is graded by running each completion's program against its
+    tests in sandbox.py, within code_limits (a sandbox.Limits; default its defaults); correct means every test
+    passed. Maj@k then votes on the program's text, which rarely repeats: on code, read Pass@k and Mean@k.
 
     template and system (None: the chat template's default system message) pose each problem as in training.
     batch_size prompts are sampled together (batch_size * n rows, a bound on memory); a problem's samples depend
@@ -446,21 +451,37 @@ def evaluate(model, tokenizer, problems: Sequence[Mapping], *, k: int, n: int | 
                                    samples_per_prompt=n, max_new_tokens=max_new_tokens, temperature=temperature,
                                    top_p=top_p, stop_ids=stops, seed=seed, first_prompt=first_problem + start,
                                    tokenizer=tokenizer)
-            references = [p["answer"] for p in batch for _ in range(n)]  # rows are prompt-major
-            correct = [score == 1.0 for score in reward.reward(out.texts, references)]
-            # Maj@k votes on the normalized spelling, so "\dfrac12" and "\frac{1}{2}" count as one answer
-            answers = [None if (a := reward.extract_answer(t)) is None else reward.normalize(a) or None
-                       for t in out.texts]
+            references = [p for p in batch for _ in range(n)]  # rows are prompt-major; reward routes by task
+            correct = [score == 1.0 for score in reward.reward(out.texts, references, code_limits=code_limits)]
+            answers = [_answer(t, p) for t, p in zip(out.texts, references)]
             lengths, truncated = out.completion_mask.sum(1).tolist(), out.truncated.tolist()
             for i, p in enumerate(batch):
                 rows = slice(i * n, (i + 1) * n)
-                results.append(ProblemResult(str(p.get("id", first_problem + start + i)), p["answer"], out.texts[rows],
-                                             answers[rows], correct[rows], lengths[rows], truncated[rows]))
+                results.append(ProblemResult(str(p.get("id", first_problem + start + i)), _reference(p),
+                                             out.texts[rows], answers[rows], correct[rows], lengths[rows],
+                                             truncated[rows]))
             bar.update(len(batch))
     finally:
         bar.close()
         model.train(was_training)
     return Evaluation(k, results, summarize(results, k, seed=seed))
+
+
+def _answer(text: str, problem: Mapping) -> str | None:
+    """What Maj@k votes on: a math answer's normalized spelling, so "\\dfrac12" and "\\frac{1}{2}" count as one
+    answer; a code completion's program, stripped."""
+    if problem.get("task") == "code":
+        program = sandbox.extract_program(text)
+        return None if program is None else program.strip()
+    answer = reward.extract_answer(text)
+    return None if answer is None else reward.normalize(answer) or None
+
+
+def _reference(problem: Mapping) -> str:
+    """The reference a run file records: a math problem's answer; for a code problem, what its tests are."""
+    if problem.get("task") == "code":
+        return f"{len(problem['tests'])} {problem.get('style', 'stdio')} tests"
+    return problem["answer"]
 
 
 # -----------------------------------------------------------------------------
@@ -497,6 +518,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "(default: %(default)s)")
     parser.add_argument("--system", default=None, help="system message (default: the chat template's own)")
     parser.add_argument("--batch-size", type=int, default=8, help="problems sampled together (default: %(default)s)")
+    parser.add_argument("--code-timeout", type=float, default=sandbox.Limits.timeout, help="code problems: seconds "
+                        "a program may run per test (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
@@ -517,6 +540,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         (0 < args.top_p <= 1, f"--top-p {args.top_p}: must be in (0, 1]"),
         (args.max_new_tokens >= 1, f"--max-new-tokens {args.max_new_tokens}: must be >= 1"),
         (args.batch_size >= 1, f"--batch-size {args.batch_size}: must be >= 1"),
+        (args.code_timeout > 0 and math.isfinite(args.code_timeout), f"--code-timeout {args.code_timeout}: must be "
+                                                                      "a positive number of seconds"),
     ]
     for ok, message in checks:
         if not ok:
@@ -646,7 +671,7 @@ def run_eval(args: argparse.Namespace, benchmarks: Mapping[str, list[dict]], out
         evaluations = {name: evaluate(model, tokenizer, problems, k=args.k, n=args.n, temperature=args.temperature,
                                       top_p=args.top_p, max_new_tokens=args.max_new_tokens, template=args.template,
                                       system=args.system, batch_size=args.batch_size, seed=args.seed, desc=name,
-                                      finished=finished[name])
+                                      finished=finished[name], code_limits=sandbox.Limits(timeout=args.code_timeout))
                        for name, problems in benchmarks.items()}
     except KeyboardInterrupt:
         print(f"\neval.py: interrupted; {_keep_finished(out, config, finished, args.k, args.seed)}", file=sys.stderr)

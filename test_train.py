@@ -21,6 +21,7 @@ import train
 import weights
 
 TIMING_KEYS = {"step_seconds", "rollout_tokens_per_s", "reward_seconds", "train_tokens_per_s"}
+REAL_REWARD = train.reward.reward  # before varied_rewards replaces it
 
 
 @pytest.fixture(autouse=True)
@@ -291,6 +292,14 @@ PAPER_VALUES = [
     ("gppo-qwen3-8b", "rule", ("kl", "atomic"), "GPPO: the KL x Atomic cell"),
     ("gppo-qwen3-8b", "ratio_limits", (0.5, 10.0), "GPPO: global clip [0.5, 10]"),
     ("gppo-qwen3-8b", "kl_beta", 0.0, "GPPO: no KL penalty"),
+    ("gppo-qwen3-8b-code", "steps", 600, "GPPO: 600 steps for code"),
+    ("gppo-qwen3-8b-code", "model", "Qwen/Qwen3-8B-Base", "GPPO: the code run as the math run"),
+    ("gppo-qwen3-8b-code", "prompts_per_step", 128, "GPPO: the code run as the math run"),
+    ("gppo-qwen3-8b-code", "updates_per_rollout", 8, "GPPO: the code run as the math run"),
+    ("gppo-qwen3-8b-code", "rule", ("kl", "atomic"), "GPPO: the code run as the math run"),
+    ("gppo-qwen3-8b-code", "ratio_limits", (0.5, 10.0), "GPPO: the code run as the math run"),
+    ("gppo-qwen3-8b-code", "code_reward", "binary", "GPPO: the reward is 1 when every test passes"),
+    ("gppo-qwen3-8b-code", "eval_dataset", "codeforces,code_contests,taco,apps", "GPPO: the code results table"),
 ]
 
 
@@ -435,3 +444,45 @@ def test_a_plan_that_does_not_fit_says_which_phase_and_exits_1():
     last = proc.stdout.strip().splitlines()[-1]
     assert proc.returncode == 1 and last.startswith("plan: peak") and "of 1.5 GB (does not fit: " in last, proc.stdout
     assert "--grad-accum" in last or "--lora-rank" in last
+
+
+def test_score_grades_a_step_that_mixes_math_and_code(monkeypatch):
+    """Each problem routes by its task: math by its answer, code by running the program; code metrics count why."""
+    import types
+
+    import sandbox
+
+    monkeypatch.setattr(train.reward, "reward", REAL_REWARD)
+    code = {"task": "code", "problem": "Double n.", "tests": [{"input": "2\n", "output": "4"},
+                                                               {"input": "5\n", "output": "10"}]}
+    problems = [{"problem": "What is 2 + 2?", "answer": "4"}, code, code]
+    texts = ["#### 4", "#### 5",  # math: right, wrong
+             "```python\nprint(2 * int(input()))\n```", "```python\nprint(4)\n```",  # code: right, 1 of 2 tests
+             "```python\nwhile True: pass\n```", "no program"]
+    out = types.SimpleNamespace(texts=texts, old_logp=torch.zeros(6, 1))
+    cfg = dataclasses.replace(train.Config(), group_size=2, code_timeout=0.5)
+    try:
+        rewards, correct, columns = train.score(out, problems, cfg)
+    except sandbox.SandboxUnavailable as error:
+        pytest.skip(str(error))
+    assert rewards.tolist() == [1, 0, 1, 0, 0, 0] and correct.tolist() == rewards.tolist()
+    metrics = train.code_metrics(columns)
+    assert metrics["code_tests_passed"] == pytest.approx((1 + 0.5 + 0 + 0) / 4)
+    assert (metrics["code_wrong_answer"], metrics["code_timeout"], metrics["code_no_code_block"]) == (0.25, 0.25, 0.25)
+    assert train.code_metrics(columns[:2]) == {}  # a math-only step logs no code metrics
+    fraction = dataclasses.replace(cfg, code_reward="fraction")
+    assert train.score(out, problems, fraction)[0].tolist() == [1, 0, 1, 0.5, 0, 0]
+
+
+def test_a_code_run_trains_and_logs_its_code_metrics(tiny_model_dir, tmp_path, monkeypatch):
+    import sandbox
+
+    monkeypatch.setattr(train.reward, "reward", REAL_REWARD)
+    try:
+        sandbox.grade(["print(1)"], [{"tests": [{"input": "", "output": "1"}]}], workers=1)
+    except sandbox.SandboxUnavailable as error:
+        pytest.skip(str(error))
+    run_training(tiny_args(tiny_model_dir, tmp_path, "code", "--steps", "1", "--dataset", "code", "--eval-dataset",
+                           "code_test", "--template", "{problem}"))  # the code template outgrows its context
+    (line,) = metric_lines(tmp_path / "code")
+    assert line["code_no_code_block"] == 1.0 and line["code_tests_passed"] == 0.0  # a random model writes no code

@@ -41,6 +41,7 @@ import loss
 import memory
 import reward
 import rollout
+import sandbox
 import weights
 from data import load_problems, render_prompt, stop_ids
 
@@ -65,7 +66,7 @@ class Config:
     # data
     dataset: str = opt("arithmetic", "training set: a name from data/ or a jsonl path")
     eval_dataset: str = opt("arithmetic_test", "held-out sets, comma-separated: names from data/ or jsonl paths")
-    template: str = opt("equation", "prompt template of data/templates.py: equation, plain, boxed or answer")
+    template: str = opt("equation", "prompt template of data/templates.py: equation, plain, boxed, answer or code")
     system_prompt: str | None = opt("You are a helpful assistant.",
                                     "system message; empty = the chat template's own default")
     # rollout
@@ -79,6 +80,9 @@ class Config:
     cuda_graphs: str = opt("auto", "replay the decode step from CUDA graphs (auto: on, eager if capture fails)",
                            ("auto", "on", "off"))
     format_weight: float = opt(0.0, "reward in [0, 1) for an answer in the template's format, added to correctness")
+    code_reward: str = opt("binary", "code problems: 1 when every test passes (binary), or the share of tests passed",
+                           ("binary", "fraction"))
+    code_timeout: float = opt(2.0, "code problems: seconds a program may run per test (sandbox.py)")
     # optimization
     steps: int = opt(20, "training steps (rollout batches)")
     lr: float = opt(3e-4, "AdamW learning rate")
@@ -143,6 +147,11 @@ PRESETS = {
         dataset="dapo", template="answer", eval_dataset="amc23,aime24,aime25", lora_rank=32, lora_alpha=64.0,
         lr=1e-6, max_new_tokens=8192, eval_every=50, eval_k=8, eval_temperature=0.6),
 }
+PRESETS["gppo-qwen3-8b-code"] = dict(  # GPPO paper, experimental setup (code)
+    PRESETS["gppo-qwen3-8b"],  # stated: the rest as the math run
+    steps=600,  # stated: 600 steps for code
+    # our choices (README): TACO's training split with its tests, the four evaluation sets, the binary reward
+    dataset="taco_train", template="code", eval_dataset="codeforces,code_contests,taco,apps", code_reward="binary")
 
 
 # ----------------------------------------------------------------------------- one step
@@ -160,10 +169,10 @@ def train_step(model, optimizer, tokenizer, problems: list[dict], cfg: Config, s
     mine = world.prompts(len(problems))
     out = sample(model, tokenizer, problems[mine], cfg, step, first_prompt=mine.start)
     watch.lap("rollout")
-    rewards, correct = score(out, problems[mine], cfg)
+    rewards, correct, code = score(out, problems[mine], cfg)
     watch.lap("reward")
     lengths = out.completion_mask.sum(1).float()
-    rows = world.cat(torch.stack([rewards, correct, lengths, out.truncated.float()], 1))  # [N of the step, 4]
+    rows = world.cat(torch.cat([torch.stack([rewards, correct, lengths, out.truncated.float()], 1), code], 1))
     # from the whole step's rewards: one process's advantages, whatever they normalize over
     my_rows = slice(mine.start * cfg.group_size, mine.stop * cfg.group_size)
     advantages = loss.advantages(rows[:, 0], cfg.group_size, cfg.loss)[my_rows]  # [N of this rank]
@@ -174,9 +183,10 @@ def train_step(model, optimizer, tokenizer, problems: list[dict], cfg: Config, s
     tokens = torch.tensor([lengths.sum().item(), out.pad_mask.sum().item()], dtype=torch.float64, device="cpu")
     slowest, tokens = world.max(seconds), world.sum(tokens)
     records = [] if records is None else sum(world.gather(records), [])
-    reward_mean, accuracy, completion_length, truncated = rows.mean(0).tolist()
+    reward_mean, accuracy, completion_length, truncated = rows[:, :4].mean(0).tolist()
     return {"step": step, "reward": reward_mean, "accuracy": accuracy, "completion_length": completion_length,
-            "truncated": truncated, **update, "step_seconds": watch.total, "reward_seconds": watch.laps["reward"],
+            "truncated": truncated, **code_metrics(rows[:, 4:]), **update, "step_seconds": watch.total,
+            "reward_seconds": watch.laps["reward"],
             "rollout_tokens_per_s": float(tokens[0] / slowest[0]),
             # every row is trained on once per mini-batch pass, prompt included
             "train_tokens_per_s": float(tokens[1] / slowest[1])}, records
@@ -196,13 +206,35 @@ def sample(model, tokenizer, problems: list[dict], cfg: Config, step: int, first
                                 first_prompt=first_prompt, cuda_graphs=cfg.cuda_graphs)
 
 
-def score(out: rollout.Rollout, problems: list[dict], cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rewards [N], correct [N]) on the model's device; the format bonus is below 1, so correct = reward >= 1."""
-    references = [p["answer"] for p in problems for _ in range(cfg.group_size)]
+def score(out: rollout.Rollout, problems: list[dict], cfg: Config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rewards [N], correct [N], code [N, 2 + reasons]) on the model's device. reward.reward routes each
+    problem by its task, so a step may mix math and code. The format bonus is below 1, and a program earns 1
+    only by passing every test (binary or fraction), so correct = reward >= 1. code holds, per row: is it a
+    code problem, the share of its tests passed, and a one-hot of why it failed (sandbox.REASONS)."""
+    references = [p for p in problems for _ in range(cfg.group_size)]
     answer_format = cfg.template if cfg.format_weight else None
-    rewards = torch.tensor(reward.reward(out.texts, references, format_weight=cfg.format_weight,
-                                         answer_format=answer_format), device=out.old_logp.device)
-    return rewards, (rewards >= 1).float()
+    grades = []
+    values = reward.reward(out.texts, references, format_weight=cfg.format_weight, answer_format=answer_format,
+                           code_fraction=cfg.code_reward == "fraction", grades=grades,
+                           code_limits=sandbox.Limits(timeout=cfg.code_timeout))
+    code = torch.zeros(len(values), 2 + len(sandbox.REASONS))
+    for row, grade in enumerate(grades):
+        if grade is not None:
+            code[row, :2] = torch.tensor([1.0, grade.passed / grade.total])
+            if grade.reason is not None:
+                code[row, 2 + sandbox.REASONS.index(grade.reason)] = 1.0
+    rewards = torch.tensor(values, device=out.old_logp.device)
+    return rewards, (rewards >= 1).float(), code.to(rewards.device)
+
+
+def code_metrics(code: torch.Tensor) -> dict:
+    """The step's code rows [N, 2 + reasons] as metrics: the share of tests passed and, for each reason, the
+    share of code completions that failed for it (code_no_code_block, code_timeout, ...); none without code."""
+    rows = code[code[:, 0] == 1]
+    if not len(rows):
+        return {}
+    return {"code_tests_passed": float(rows[:, 1].mean()),
+            **{f"code_{reason}": float(rows[:, 2 + i].mean()) for i, reason in enumerate(sandbox.REASONS)}}
 
 
 def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tensor, cfg: Config, step: int,
@@ -513,6 +545,7 @@ def evaluate_held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: C
         if hi > lo:
             with oom_hint(f"evaluation on {name}", f"lower --eval-batch (now {cfg.eval_batch} prompts per call)"):
                 mine = evaluation.evaluate(model, tokenizer, problems[lo:hi], k=cfg.eval_k,
+                                           code_limits=sandbox.Limits(timeout=cfg.code_timeout),
                                            temperature=cfg.eval_temperature, top_p=cfg.top_p,
                                            max_new_tokens=cfg.max_new_tokens, template=cfg.template,
                                            system=cfg.system_prompt, batch_size=cfg.eval_batch, seed=cfg.seed,
@@ -838,6 +871,8 @@ def validate(cfg: Config, need_device: bool = True) -> None:
         (cfg.gpu_memory is None or cfg.gpu_memory > 0, f"--gpu-memory {cfg.gpu_memory}: must be > 0 GB"),
         (0 <= cfg.format_weight < 1, f"--format-weight {cfg.format_weight}: must be in [0, 1), below a correct "
                                      "answer's reward"),
+        (cfg.code_timeout > 0 and math.isfinite(cfg.code_timeout),
+         f"--code-timeout {cfg.code_timeout}: must be a positive number of seconds"),
         (not cfg.format_weight or cfg.template in reward.ANSWER_FORMATS,
          f"--format-weight needs a template that asks for a format ({', '.join(reward.ANSWER_FORMATS)}), "
          f"not {cfg.template!r}"),
