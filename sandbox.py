@@ -539,6 +539,10 @@ class _Pool:
         with self.lock:
             while len(self.idle) < min(workers, len(jobs)):
                 self.idle.append(self._spawn())
+            for supervisor in [s for s in self.idle if s.proc.poll() is not None]:  # died while idle: replace
+                self.idle.remove(supervisor)
+                self._retire(supervisor)
+                self.idle.append(self._spawn())
             idle = self.idle[:workers]
             rest = self.idle[workers:]
             busy: dict[_Supervisor, tuple[int, float, float]] = {}  # -> (job index, start, deadline)

@@ -157,6 +157,41 @@ def test_a_step_never_waits_on_one_slow_program(available):
     assert [g.reason for g in grades] == ["timeout", None, None, None]
 
 
+def test_a_supervisor_that_died_idle_is_replaced(available, monkeypatch):
+    pool = sandbox._Pool()
+    monkeypatch.setattr(sandbox, "_POOL", pool)
+    try:
+        sandbox.grade([ADD], [STDIO], workers=1)
+        dead = pool.idle[0]
+        dead.proc.kill()
+        dead.proc.wait()
+        assert [g.reason for g in sandbox.grade([ADD], [STDIO], workers=1)] == [None]
+        assert dead not in pool.idle and len(pool.idle) == 1
+    finally:
+        pool.close()
+
+
+def test_a_supervisor_past_its_deadline_is_replaced(available, monkeypatch):
+    """The grader's own clock backs up the supervisor's: one that does not answer in time is killed with
+    everything under its user, the program counts as a timeout, and a fresh supervisor takes its place."""
+    pool = sandbox._Pool()
+    monkeypatch.setattr(sandbox, "_POOL", pool)
+    monkeypatch.setattr(sandbox, "GRACE_S", -4.8)  # the grader gives up 0.2 s into a 5 s budget
+    try:
+        with pytest.warns(UserWarning, match="missed its deadline"):
+            (g,) = sandbox.grade(["import time; time.sleep(60)"], [STDIO], limits=Limits(total_timeout=5.0),
+                                 workers=1)
+        assert g.reason == "timeout" and g.seconds < 2
+        deadline = time.monotonic() + 2  # SIGKILLed, its processes take a moment to be reaped
+        while sandbox_processes(pool) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sandbox_processes(pool) == []
+        monkeypatch.setattr(sandbox, "GRACE_S", 10.0)
+        assert [g.reason for g in sandbox.grade([ADD], [STDIO], workers=1)] == [None]
+    finally:
+        pool.close()
+
+
 def test_reward_extracts_and_reports(available):
     completions = [f"```python\n{ADD}```", "I cannot solve it.", "```python\nprint(7)\n```"]
     grades = []
