@@ -423,7 +423,8 @@ def evaluate(model, tokenizer, problems: Sequence[Mapping], *, k: int, n: int | 
 
     A code problem ({"task": "code", "tests", ...}) is graded by running each completion's program against its
     tests in sandbox.py, within code_limits (a sandbox.Limits; default its defaults); correct means every test
-    passed. Maj@k then votes on the program's text, which rarely repeats: on code, read Pass@k and Mean@k.
+    passed. Maj@k then votes on the program's text: identical programs agree, equivalent ones written differently
+do not.
 
     template and system (None: the chat template's default system message) pose each problem as in training.
     batch_size prompts are sampled together (batch_size * n rows, a bound on memory); a problem's samples depend
