@@ -187,7 +187,7 @@ def sampled_step(tiny_model_dir, tmp_path, monkeypatch, *flags):
     monkeypatch.setattr(train, "stop_ids", lambda config, tok: list(range(0, len(tok), 4)))
     problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
     out = train.sample(model, tokenizer, problems, cfg, step=1)
-    rewards, _ = train.score(out, problems, cfg)
+    rewards, *_ = train.score(out, problems, cfg)
     assert out.completion_mask.sum(1).unique().numel() > 1
     return cfg, out, train.loss.advantages(rewards, cfg.group_size, cfg.loss)
 

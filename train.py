@@ -106,14 +106,14 @@ def score(out: rollout.Rollout, problems: list[dict], cfg: Config) -> tuple[torc
     values = reward.reward(out.texts, references, format_weight=cfg.format_weight, answer_format=answer_format,
                            code_fraction=cfg.code_reward == "fraction", grades=grades,
                            code_limits=sandbox.Limits(timeout=cfg.code_timeout))
-    code = torch.zeros(len(values), 2 + len(sandbox.REASONS))
-    for row, grade in enumerate(grades):
+    code = [[0.0] * (2 + len(sandbox.REASONS)) for _ in values]  # built here, then one copy to the device
+    for row, grade in zip(code, grades):
         if grade is not None:
-            code[row, :2] = torch.tensor([1.0, grade.passed / grade.total])
+            row[:2] = [1.0, grade.passed / grade.total]
             if grade.reason is not None:
-                code[row, 2 + sandbox.REASONS.index(grade.reason)] = 1.0
+                row[2 + sandbox.REASONS.index(grade.reason)] = 1.0
     rewards = torch.tensor(values, device=out.old_logp.device)
-    return rewards, (rewards >= 1).float(), code.to(rewards.device)
+    return rewards, (rewards >= 1).float(), torch.tensor(code, device=rewards.device)
 
 
 def code_metrics(code: torch.Tensor) -> dict:
