@@ -929,6 +929,17 @@ def _math_reward(completions: list[str], references: list[str], format_weight: f
             for ok, c in zip(correct, completions)]
 
 
+def math_reward(completions: list[str], answer: list[str | None], **columns) -> list[float]:
+    """The built-in reward as a reward function (TRL's signature, see scoring.py): per completion 1.0 if its
+    final answer equals its row's reference answer (the dataset's "answer" column), else 0.0. A code row
+    (task "code", with its tests) is graded as reward() routes it: 1.0 when its program passes every test,
+    so this one function grades a set that mixes math and code. train.py runs it once per step itself, with
+    the run's --code-reward and --code-timeout, and hands its values to scoring.py."""
+    named = {"answer": answer, **columns}
+    rows = [{key: values[i] for key, values in named.items() if values[i] is not None} for i in range(len(completions))]
+    return reward(completions, [row if row.get("task") == "code" else row.get("answer") for row in rows])
+
+
 # ----------------------------------------------------------------------------- command line
 
 def main(argv: list[str]) -> int:

@@ -273,7 +273,7 @@ def hostile_programs(victim: Path, secret_file: Path, port: int) -> dict[str, tu
             f"    except OSError:\n        pass\n"
             f"print('ESCAPED' if wrote[:1] != [{str(victim)!r}] and wrote else 'no')",
             escaped, {"wrong_answer"}),
-        "read environment": (f"import os\nprint(os.environ.get('SANDBOX_TEST_SECRET', 'nothing'))",
+        "read environment": ("import os\nprint(os.environ.get('SANDBOX_TEST_SECRET', 'nothing'))",
                              expect(SECRET), {"wrong_answer"}),
         "read files outside": (f"print(open({str(secret_file)!r}).read())", expect(SECRET), {"runtime_error"}),
         "read the repository": (f"print(open({str(repo / 'sandbox.py')!r}).readline())",
