@@ -443,17 +443,17 @@ def test_score_grades_a_step_that_mixes_math_and_code(monkeypatch):
     texts = ["#### 4", "#### 5",  # math: right, wrong
              "```python\nprint(2 * int(input()))\n```", "```python\nprint(4)\n```",  # code: right, 1 of 2 tests
              "```python\nwhile True: pass\n```", "no program"]
-    out = types.SimpleNamespace(texts=texts, old_logp=torch.zeros(6, 1))
+    out = types.SimpleNamespace(texts=texts, completions=[[0]] * 6, old_logp=torch.zeros(6, 1))
     cfg = dataclasses.replace(train.Config(), group_size=2, code_timeout=0.5)
     try:
-        rewards, correct, columns = train.score(out, problems, cfg)
+        rewards, correct, _, code_rows = train.score(out, problems, cfg)
     except sandbox.SandboxUnavailable as error:
         pytest.skip(str(error))
     assert rewards.tolist() == [1, 0, 1, 0, 0, 0] and correct.tolist() == rewards.tolist()
-    metrics = train.code_metrics(columns)
+    metrics = train.code_metrics(code_rows)
     assert metrics["code_tests_passed"] == pytest.approx((1 + 0.5 + 0 + 0) / 4)
     assert (metrics["code_wrong_answer"], metrics["code_timeout"], metrics["code_no_code_block"]) == (0.25, 0.25, 0.25)
-    assert train.code_metrics(columns[:2]) == {}  # a math-only step logs no code metrics
+    assert train.code_metrics(code_rows[:2]) == {}  # a math-only step logs no code metrics
     fraction = dataclasses.replace(cfg, code_reward="fraction")
     assert train.score(out, problems, fraction)[0].tolist() == [1, 0, 1, 0.5, 0, 0]
 
