@@ -33,6 +33,7 @@ bench: setup
 	$(PY) bench/rollout.py
 	$(PY) bench/rollout.py --long-tail
 	$(PY) bench/reward.py
+	$(PY) bench/sandbox.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache __pycache__

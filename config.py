@@ -52,7 +52,7 @@ class Config:
     # data
     dataset: str = opt("arithmetic", "training set: a name from data/ or a jsonl path")
     eval_dataset: str = opt("arithmetic_test", "held-out sets, comma-separated: names from data/ or jsonl paths")
-    template: str = opt("equation", "prompt template of data/templates.py: equation, plain, boxed or answer")
+    template: str = opt("equation", "prompt template of data/templates.py: equation, plain, boxed, answer or code")
     system_prompt: str | None = opt("You are a helpful assistant.",
                                     "system message; empty = the chat template's own default")
     thinking: str = opt("off", "thinking mode: passed as enable_thinking to chat templates that take it (Qwen3); "
@@ -78,6 +78,9 @@ class Config:
                                                          "their order; empty = 1 each")
     reward_timeout: float = opt(2.0, "seconds a reward function of your own may take per completion; a completion "
                                      "past it scores 0 from that function, as a slow answer does in the checker")
+    code_reward: str = opt("binary", "the built-in reward on code problems: 1 when every test passes (binary), or "
+                                     "the share of tests passed", ("binary", "fraction"))
+    code_timeout: float = opt(2.0, "code problems: seconds a program may run per test (sandbox.py)")
     # optimization
     steps: int = opt(20, "training steps (rollout batches)")
     lr: float = opt(3e-4, "AdamW learning rate (the peak, with a schedule)")
@@ -266,6 +269,8 @@ def validate(cfg: Config, need_device: bool = True) -> None:
         (not cfg.format_weight or cfg.template in reward.ANSWER_FORMATS,
          f"--format-weight needs a template that asks for a format ({', '.join(reward.ANSWER_FORMATS)}), "
          f"not {cfg.template!r}"),
+        (cfg.code_timeout > 0 and math.isfinite(cfg.code_timeout),
+         f"--code-timeout {cfg.code_timeout}: must be a positive number of seconds"),
         (len(cfg.reward_fn) >= 1, "--reward-fn: give at least one reward function (module:function)"),
         (cfg.reward_weights is None or len(cfg.reward_weights) == len(cfg.reward_fn),
          f"--reward-weights {_text(cfg.reward_weights)}: {len(cfg.reward_weights or ())} weights for "

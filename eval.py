@@ -1,5 +1,5 @@
 """
-Evaluation: Mean@k, Pass@k and Maj@k on math benchmarks, with error bars, and run-versus-run comparisons.
+Evaluation: Mean@k, Pass@k and Maj@k on math and code benchmarks, with error bars, and run-versus-run comparisons.
 
 Published RLVR results report Mean@k and Pass@k on AIME/AMC without error bars, although AIME has only 30
 problems: one problem is 3.3 points. This file measures a model the same way and says how sure the numbers are:
@@ -41,6 +41,7 @@ from tqdm import tqdm
 import lora
 import reward
 import rollout
+import sandbox
 from data import load_problems, opens_thought, render_prompt, stop_ids, thinking_note, user_message
 from weights import from_pretrained, load_tokenizer
 
@@ -420,9 +421,15 @@ def comparison_table(gaps: Mapping[str, Mapping[str, Gap]], label_a: str, label_
 def evaluate(model, tokenizer, problems: Sequence[Mapping], *, k: int, n: int | None = None, temperature: float,
              top_p: float = 1.0, max_new_tokens: int, template: str = "boxed", system: str | None = None,
              thinking: bool = False, batch_size: int = 8, seed: int = 0, desc: str = "eval", progress: bool = True,
-             finished: list[ProblemResult] | None = None, first_problem: int = 0, pool=None) -> Evaluation:
+             finished: list[ProblemResult] | None = None, first_problem: int = 0, pool=None,
+             code_limits=None) -> Evaluation:
     """Sample n (default k) completions for each problem {"problem", "answer", optional "id"}, grade them, and
     summarize Mean@k, Pass@k, Maj@k, completion length and truncation rate with their error bars.
+
+    A code problem ({"task": "code", "tests", ...}) is graded by running each completion's program against its
+    tests in sandbox.py, within code_limits (a sandbox.Limits; default its defaults); correct means every test
+    passed. Maj@k then votes on the program's text: identical programs agree, equivalent ones written
+    differently do not.
 
     template, system (None: the chat template's default system message) and thinking (enable_thinking for
     templates that read it) pose each problem as in training; only what follows a completion's last </think>
@@ -453,22 +460,39 @@ def evaluate(model, tokenizer, problems: Sequence[Mapping], *, k: int, n: int | 
             out = rollout.generate(model, prompts, samples_per_prompt=n, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_p=top_p, stop_ids=stops, seed=seed,
                                    first_prompt=first_problem + start, tokenizer=tokenizer, pool=pool)
-            references = [p["answer"] for p in batch for _ in range(n)]  # rows are prompt-major
-            correct = [score == 1.0 for score in reward.reward(out.texts, references, open_thought=open_thought)]
-            # Maj@k votes on the normalized spelling, so "\dfrac12" and "\frac{1}{2}" count as one answer
+            references = [p for p in batch for _ in range(n)]  # rows are prompt-major; reward routes by task
+            correct = [score == 1.0 for score in reward.reward(out.texts, references, open_thought=open_thought,
+                                                               code_limits=code_limits)]
             finals = [reward.split_thinking(t, open_thought).answer for t in out.texts]
-            answers = [None if f is None or (a := reward.extract_answer(f)) is None else reward.normalize(a) or None
-                       for f in finals]
+            answers = [None if f is None else _answer(f, p) for f, p in zip(finals, references)]
             lengths, truncated = out.completion_mask.sum(1).tolist(), out.truncated.tolist()
             for i, p in enumerate(batch):
                 rows = slice(i * n, (i + 1) * n)
-                results.append(ProblemResult(str(p.get("id", first_problem + start + i)), p["answer"], out.texts[rows],
-                                             answers[rows], correct[rows], lengths[rows], truncated[rows]))
+                results.append(ProblemResult(str(p.get("id", first_problem + start + i)), _reference(p),
+                                             out.texts[rows], answers[rows], correct[rows], lengths[rows],
+                                             truncated[rows]))
             bar.update(len(batch))
     finally:
         bar.close()
         model.train(was_training)
     return Evaluation(k, results, summarize(results, k, seed=seed))
+
+
+def _answer(text: str, problem: Mapping) -> str | None:
+    """What Maj@k votes on: a math answer's normalized spelling, so "\\dfrac12" and "\\frac{1}{2}" count as one
+    answer; a code completion's program, stripped."""
+    if problem.get("task") == "code":
+        program = sandbox.extract_program(text)
+        return None if program is None else program.strip()
+    answer = reward.extract_answer(text)
+    return None if answer is None else reward.normalize(answer) or None
+
+
+def _reference(problem: Mapping) -> str:
+    """The reference a run file records: a math problem's answer; for a code problem, what its tests are."""
+    if problem.get("task") == "code":
+        return f"{len(problem['tests'])} {problem.get('style', 'stdio')} tests"
+    return problem["answer"]
 
 
 # -----------------------------------------------------------------------------
@@ -484,9 +508,10 @@ class _Parser(argparse.ArgumentParser):
 # flags a run's settings fill (eval.py flag -> the name in the run's config.json), and the defaults otherwise
 RUN_SETTINGS = {"model": "model", "template": "template", "system": "system_prompt", "thinking": "thinking",
                 "temperature": "eval_temperature", "top_p": "top_p", "max_new_tokens": "max_new_tokens",
-                "k": "eval_k", "bench": "eval_dataset", "limit": "eval_problems", "seed": "seed", "dtype": "dtype"}
+                "k": "eval_k", "bench": "eval_dataset", "limit": "eval_problems", "seed": "seed", "dtype": "dtype",
+                "code_timeout": "code_timeout"}
 DEFAULTS = {"bench": "aime24,aime25,amc23", "k": 8, "temperature": 0.6, "top_p": 0.95, "max_new_tokens": 4096,
-            "template": "boxed", "seed": 0, "thinking": "off"}
+            "template": "boxed", "seed": 0, "thinking": "off", "code_timeout": sandbox.Limits.timeout}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -522,6 +547,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "templates that take it (Qwen3); only what follows the last </think> is graded "
                         f"(default: {DEFAULTS['thinking']})")
     parser.add_argument("--batch-size", type=int, default=8, help="problems sampled together (default: %(default)s)")
+    parser.add_argument("--code-timeout", type=float, default=None, help="code problems: seconds a program may run "
+                        f"per test (default: {DEFAULTS['code_timeout']})")
     parser.add_argument("--seed", type=int, default=None, help=f"(default: {DEFAULTS['seed']})")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
@@ -554,6 +581,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         (0 < args.top_p <= 1, f"--top-p {args.top_p}: must be in (0, 1]"),
         (args.max_new_tokens >= 1, f"--max-new-tokens {args.max_new_tokens}: must be >= 1"),
         (args.batch_size >= 1, f"--batch-size {args.batch_size}: must be >= 1"),
+        (args.code_timeout > 0 and math.isfinite(args.code_timeout), f"--code-timeout {args.code_timeout}: must be "
+                                                                      "a positive number of seconds"),
     ]
     for ok, message in checks:
         if not ok:
@@ -751,7 +780,8 @@ def run_eval(args: argparse.Namespace, benchmarks: Mapping[str, list[dict]], out
         evaluations = {name: evaluate(model, tokenizer, problems, k=args.k, n=args.n, temperature=args.temperature,
                                       top_p=args.top_p, max_new_tokens=args.max_new_tokens, template=args.template,
                                       system=args.system, thinking=args.thinking == "on",
-                                      batch_size=args.batch_size, seed=args.seed, desc=name, finished=finished[name])
+                                      batch_size=args.batch_size, seed=args.seed, desc=name, finished=finished[name],
+                                      code_limits=sandbox.Limits(timeout=args.code_timeout))
                        for name, problems in benchmarks.items()}
     except KeyboardInterrupt:
         print(f"\neval.py: interrupted; {_keep_finished(out, config, finished, args.k, args.seed)}", file=sys.stderr)

@@ -19,7 +19,8 @@ hides a correct answer, a false positive teaches the policy to game the checker,
 Model text never reaches eval, exec or sympify: a recursive-descent parser builds sympy objects from
 whitelisted tokens and refuses numbers too large to build. Workers are processes, so the timeout
 works from any thread (signal.alarm only works in the main one). `python reward.py PRED GOLD` shows
-the verdict and both sides as extracted and normalized.
+the verdict and both sides as extracted and normalized. reward() also takes problem records as
+references and routes each by its task: a code problem is graded by running its program (sandbox.py).
 """
 
 import atexit
@@ -904,12 +905,19 @@ def has_format(completion: str, answer_format: str | None) -> bool:
     return {"boxed": boxed, "answer": answer_line, None: boxed or answer_line}[answer_format]
 
 
-def reward(completions: list[str], references: list[str], *, format_weight: float = 0.0,
+def reward(completions: list[str], references: list, *, format_weight: float = 0.0,
            answer_format: str | None = None, open_thought: bool = False, workers: int = 2,
-           timeout: float = TIMEOUT_S, rel_tol: float = REL_TOL) -> list[float]:
+           timeout: float = TIMEOUT_S, rel_tol: float = REL_TOL, code_fraction: bool = False, code_limits=None,
+           grades: list | None = None) -> list[float]:
     """Per completion: 1.0 if its answer is correct else 0.0, plus format_weight if has_format(...).
     Only what follows the last </think> is read, and a completion whose thought never closes (open_thought:
     the prompt opened it) earns 0, format bonus included (split_thinking).
+
+    A reference is a math answer (text) or a problem record. A record whose "task" is "code" is graded by
+    running the program of the completion's answer part against its tests (sandbox.reward: 1.0 when all
+    pass, the share passed with code_fraction, within code_limits, a sandbox.Limits); any other record by its
+    "answer". So one call grades a batch that mixes math and code. `grades`, a list, receives per completion
+    its sandbox.Grade (None for math): the reasons and test counts behind the code metrics.
     The format term is separate from correctness (a correct answer in the wrong format still earns 1.0),
     so format_weight = 0 gives the pure verifiable reward. Symbolic checks run in `workers` processes;
     rel_tol only applies to constants that are not both rational (sqrt(2) + sqrt(3) vs sqrt(5 + 2 sqrt(6)))."""
@@ -920,11 +928,35 @@ def reward(completions: list[str], references: list[str], *, format_weight: floa
     if workers < 1 or timeout <= 0 or rel_tol < 0 or format_weight < 0:
         raise ValueError(f"need workers >= 1, timeout > 0, rel_tol >= 0, format_weight >= 0; got "
                          f"workers={workers}, timeout={timeout}, rel_tol={rel_tol}, format_weight={format_weight}")
-    for name, texts in (("completions", completions), ("references", references)):
-        for i, text in enumerate(texts):
+    code = [i for i, r in enumerate(references) if isinstance(r, dict) and r.get("task") == "code"]
+    answers = {i: r.get("answer") if isinstance(r, dict) else r for i, r in enumerate(references) if i not in code}
+    for i, r in enumerate(references):
+        if isinstance(r, dict) and i in answers and not isinstance(answers[i], str):
+            raise ValueError(f"references[{i}] is a problem with neither a text \"answer\" nor \"task\": \"code\"")
+    for name, texts in (("completions", dict(enumerate(completions))), ("references", answers)):
+        for i, text in texts.items():
             if not isinstance(text, str):
                 raise ValueError(f"{name}[{i}] is {type(text).__name__}, expected str")
-    answers = [split_thinking(c, open_thought).answer for c in completions]
+    finals = [split_thinking(c, open_thought).answer for c in completions]  # None: a thought never closed
+    values = dict(zip(answers, _math_reward([finals[i] for i in answers], list(answers.values()),
+                                            format_weight, answer_format, workers, timeout, rel_tol)))
+    found = [None] * len(completions)
+    if code:
+        import sandbox  # its pool starts on first use: a math-only run never starts one
+
+        programs, limits = [], code_limits or sandbox.Limits()
+        scores = sandbox.reward([finals[i] or "" for i in code], [references[i] for i in code],
+                                fraction=code_fraction, limits=limits, grades=programs)
+        values |= dict(zip(code, scores))
+        for i, grade in zip(code, programs):
+            found[i] = grade
+    if grades is not None:
+        grades.extend(found)
+    return [values[i] for i in range(len(completions))]
+
+
+def _math_reward(answers: list[str | None], references: list[str], format_weight: float, answer_format: str | None,
+                 workers: int, timeout: float, rel_tol: float) -> list[float]:
     correct = [a is not None and _grade_fast(a, r) for a, r in zip(answers, references)]
     if slow := [i for i, verdict in enumerate(correct) if isinstance(verdict, tuple)]:  # only these need sympy
         for i, verdict in zip(slow, _POOL.run([correct[i] for i in slow], workers, timeout, rel_tol)):
@@ -933,12 +965,18 @@ def reward(completions: list[str], references: list[str], *, format_weight: floa
             for ok, a in zip(correct, answers)]
 
 
-def math_reward(completions: list[str], answer: list[str], open_thought: list[bool] | None = None,
+def math_reward(completions: list[str], answer: list[str | None], open_thought: list[bool] | None = None,
                 **columns) -> list[float]:
     """The built-in reward as a reward function (TRL's signature, see scoring.py): per completion 1.0 if its
     final answer, after its thought, equals its row's reference answer (the dataset's "answer" column), else
-    0.0. open_thought, a column train.py passes: the prompts opened a thought (split_thinking)."""
-    return reward(completions, answer, open_thought=bool(open_thought and open_thought[0]))
+    0.0. open_thought, a column train.py passes: the prompts opened a thought (split_thinking). A code row
+    (task "code", with its tests) is graded as reward() routes it: 1.0 when its program passes every test,
+    so this one function grades a set that mixes math and code. train.py runs it once per step itself, with
+    the run's --code-reward and --code-timeout, and hands its values to scoring.py."""
+    named = {"answer": answer, **columns}
+    rows = [{key: values[i] for key, values in named.items() if values[i] is not None} for i in range(len(completions))]
+    return reward(completions, [row if row.get("task") == "code" else row.get("answer") for row in rows],
+                  open_thought=bool(open_thought and open_thought[0]))
 
 
 # ----------------------------------------------------------------------------- command line

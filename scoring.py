@@ -11,8 +11,9 @@ returning one float per completion.
 A function receives prompts (each problem as the template poses it), completions (text), completion_ids
 (token ids) and every column of its rows' problems by name: problem, answer, source, and whatever else the
 dataset holds (None where a row lacks it). It returns one number per completion, or None where it does not
-apply (it then adds nothing, as in TRL). The step's reward is the weighted sum; the built-in math reward,
-reward.math_reward, is one such function and the default.
+apply (it then adds nothing, as in TRL). The step's reward is the weighted sum; the built-in reward,
+reward.math_reward (a math problem's answer checked, a code problem's tests run), is one such function and
+the default.
 
 A function of reward.py runs in the trainer's process: it bounds its own time. Any other runs in a worker
 process, so that a slow one is bounded like the answer checker: a call on N completions may take N x
@@ -239,16 +240,18 @@ class RewardFunctions:
         """The metric name of `function` among these, or None when it is not one of them."""
         return next((name for name, f in zip(self.names, self.functions) if f is function), None)
 
-    def __call__(self, completions: list[str], columns: dict[str, list], where: str = "",
-                 group_size: int = 1) -> tuple[list[float], dict[str, list[float]]]:
+    def __call__(self, completions: list[str], columns: dict[str, list], where: str = "", group_size: int = 1,
+                 given: dict[Callable, list[float]] | None = None) -> tuple[list[float], dict[str, list[float]]]:
         """(the weighted sum per completion, each function's values by name, None read as 0).
 
         columns holds the keyword arguments besides completions (prompts, completion_ids, the dataset's
-        columns), each a list aligned with completions. where and group_size name a failing row."""
-        totals, by_name = [0.0] * len(completions), {}
+        columns), each a list aligned with completions. where and group_size name a failing row. given holds
+        the values of functions the caller has already computed (train.py grades the built-in reward itself,
+        with the run's code settings); those are not called again."""
+        totals, by_name, given = [0.0] * len(completions), {}, given or {}
         for spec, function, name, weight in zip(self.specs, self.functions, self.names, self.weights):
-            values = self._call(spec, function, {"completions": completions, **columns}, len(completions),
-                                where, group_size)
+            values = given[function] if function in given else self._call(
+                spec, function, {"completions": completions, **columns}, len(completions), where, group_size)
             by_name[name] = [0.0 if v is None else v for v in values]
             totals = [total + weight * v for total, v in zip(totals, by_name[name])]
         return totals, by_name

@@ -41,6 +41,14 @@ PAPER_VALUES = [
 # GPPO's run on every weight states what the LoRA preset states, in a file of its own
 PAPER_VALUES += [("gppo-qwen3-8b-full", name, value, source) for preset, name, value, source in PAPER_VALUES
                  if preset == "gppo-qwen3-8b"]
+# GPPO's code run states 600 steps, its reward and its evaluation sets; the rest as the math run
+PAPER_VALUES += [("gppo-qwen3-8b-code", name, value, source) for preset, name, value, source in PAPER_VALUES
+                 if preset == "gppo-qwen3-8b" and name != "steps"]
+PAPER_VALUES += [
+    ("gppo-qwen3-8b-code", "steps", 600, "GPPO: 600 steps for code"),
+    ("gppo-qwen3-8b-code", "code_reward", "binary", "GPPO: the reward is 1 when every test passes"),
+    ("gppo-qwen3-8b-code", "eval_dataset", "codeforces,code_contests,taco,apps", "GPPO: the code results table"),
+]
 # the 8B twin of ATR-GRPO states the same setup as the 1.7B run, in a file of its own
 PAPER_VALUES += [("atr-grpo-qwen3-8b", name, value, source) for preset, name, value, source in PAPER_VALUES
                  if preset == "atr-grpo-qwen3-1.7b" and name != "model"]

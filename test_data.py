@@ -606,6 +606,175 @@ def test_stop_ids_join_the_checkpoint_end_tokens_and_the_tokenizer_eos(tokenizer
         stop_ids(ModelConfig(eos_token_id=None), no_eos)
 
 
+# ---------------------------------------------------------------- code datasets: local copies of each Hub layout
+
+
+def lcb_packed(tests: list[dict]) -> str:
+    """LiveCodeBench's encoding of private tests: a pickled JSON string, zlib-compressed, base64."""
+    import base64
+    import pickle
+    import zlib
+
+    return base64.b64encode(zlib.compress(pickle.dumps(json.dumps(tests)))).decode()
+
+
+APPS_ROWS = [
+    {"problem_id": 4000, "question": "Read a and b and print a + b.", "solutions": "[]", "difficulty": "introductory",
+     "url": "https://codeforces.com", "starter_code": "",
+     "input_output": json.dumps({"inputs": ["1 2\n", ["3", "4"]], "outputs": ["3\n", ["7"]]})},
+    {"problem_id": 4001, "question": "Return the list doubled.", "solutions": "[]", "difficulty": "introductory",
+     "url": "https://www.codewars.com", "starter_code": "def double(xs):\n\t",
+     "input_output": json.dumps({"fn_name": "double", "inputs": [[[1, 2]], [[]]], "outputs": [[[2, 4]], [[]]]})},
+    {"problem_id": 4002, "question": "No tests here.", "solutions": "[]", "difficulty": "interview", "url": "",
+     "starter_code": "", "input_output": ""},
+]
+CODE_COPIES = {  # name -> (rows in its Hub layout, file suffix, [(style, fn_name, tests, tolerance, id)], solutions)
+    "apps": (APPS_ROWS, ".jsonl", [
+        ("stdio", None, [{"input": "1 2\n", "output": "3\n"}, {"input": "3\n4", "output": "7"}], None, "4000"),
+        ("call", "double", [{"input": [[1, 2]], "output": [2, 4]}, {"input": [[]], "output": []}], None, "4001")],
+        ["a, b = map(int, open(0).read().split())\nprint(a + b)", "def double(xs):\n    return [2 * x for x in xs]"]),
+    "taco": ([{**row, "name": f"p{i}", "source": "codewars", "time_limit": "1 second", "tags": "[]"}
+              for i, row in enumerate(({k: v for k, v in r.items() if k != "problem_id"} for r in APPS_ROWS))],
+             ".parquet", [
+        ("stdio", None, [{"input": "1 2\n", "output": "3\n"}, {"input": "3\n4", "output": "7"}], None, "0"),
+        ("call", "double", [{"input": [[1, 2]], "output": [2, 4]}, {"input": [[]], "output": []}], None, "1")],
+        ["a, b = map(int, open(0).read().split())\nprint(a + b)", "def double(xs):\n    return [2 * x for x in xs]"]),
+    "code_contests": ([
+        {"name": "1_A. Third", "description": "Print a / b. Your answer is correct if its absolute or relative error "
+         "does not exceed 10^{-6}.", "public_tests": {"input": ["1 3\n"], "output": ["0.3333333333\n"]},
+         "private_tests": {"input": ["2 4\n"], "output": ["0.5\n"]}, "generated_tests": {"input": ["9 9\n"],
+                                                                                      "output": ["1.0\n"]},
+         "source": 2, "difficulty": 7, "input_file": "", "output_file": "", "time_limit": {"seconds": 2, "nanos": 0}},
+        {"name": "2_B. Files", "description": "Read input.txt.", "public_tests": {"input": ["1\n"], "output": ["1\n"]},
+         "private_tests": {"input": [], "output": []}, "generated_tests": {"input": [], "output": []}, "source": 2,
+         "difficulty": 7, "input_file": "input.txt", "output_file": "output.txt", "time_limit": None}],
+        ".parquet", [("stdio", None, [{"input": "1 3\n", "output": "0.3333333333\n"},
+                                     {"input": "2 4\n", "output": "0.5\n"}, {"input": "9 9\n", "output": "1.0\n"}],
+                      1e-6, "1_A. Third")],
+        ["a, b = map(int, input().split())\nprint(round(a / b, 7))"]),
+    "codeforces": ([
+        {"id": "2000A", "title": "Double", "description": "Given n, print 2n.", "input_format": "One integer n.",
+         "output_format": "One integer.", "interaction_format": None, "note": None,
+         "examples": [{"input": "2\n", "output": "4\n"}], "official_tests": [{"input": "2\n", "output": "4\n"},
+                                                                           {"input": "7\n", "output": "14\n"}],
+         "official_tests_complete": True, "input_mode": "stdio", "generated_checker": None, "rating": 800},
+        {"id": "2000B", "title": "Guess", "description": "Guess the number.", "input_format": "", "output_format": "",
+         "interaction_format": "Ask queries.", "note": None, "examples": [], "official_tests": [],
+         "official_tests_complete": True, "input_mode": "stdio", "generated_checker": None, "rating": 1200},
+        {"id": "2000C", "title": "Any", "description": "Print any divisor.", "input_format": "", "output_format": "",
+         "interaction_format": None, "note": None, "examples": [],
+         "official_tests": [{"input": "6\n", "output": "2\n"}],
+         "official_tests_complete": True, "input_mode": "stdio", "generated_checker": "import sys", "rating": 900}],
+        ".parquet", [("stdio", None, [{"input": "2\n", "output": "4\n"}, {"input": "7\n", "output": "14\n"}], None,
+                      "2000A")], ["print(2 * int(input()))"]),
+    "livecodebench": ([
+        {"question_title": "Triple", "question_content": "Print 3n.", "platform": "atcoder", "question_id": "abc1_a",
+         "contest_id": "abc1", "contest_date": "2024-08-03T00:00:00", "starter_code": "", "difficulty": "easy",
+         "public_test_cases": json.dumps([{"input": "2\n", "output": "6\n", "testtype": "stdin"}]),
+         "private_test_cases": lcb_packed([{"input": "5\n", "output": "15\n", "testtype": "stdin"}]),
+         "metadata": "{}"},
+        {"question_title": "Two Sum", "question_content": "Return the indices.", "platform": "leetcode",
+         "question_id": "1", "contest_id": "w1", "contest_date": "2024-08-04T00:00:00", "difficulty": "easy",
+         "starter_code": "class Solution:\n    def twoSum(self, nums: List[int], target: int) -> List[int]:\n        ",
+         "public_test_cases": json.dumps([{"input": "[2, 7, 11, 15]\n9", "output": "[0, 1]",
+                                           "testtype": "functional"}]),
+         "private_test_cases": json.dumps([{"input": "[3, 3]\n6", "output": "[0, 1]", "testtype": "functional"}]),
+         "metadata": json.dumps({"func_name": "twoSum"})}],
+        ".jsonl", [("stdio", None, [{"input": "2\n", "output": "6\n"}, {"input": "5\n", "output": "15\n"}], None,
+                    "abc1_a"),
+                   ("call", "twoSum", [{"input": [[2, 7, 11, 15], 9], "output": [0, 1]},
+                                       {"input": [[3, 3], 6], "output": [0, 1]}], None, "1")],
+        ["print(3 * int(input()))",
+         "class Solution:\n    def twoSum(self, nums: List[int], target: int) -> List[int]:\n        return [0, 1]"]),
+}
+
+
+@pytest.mark.parametrize("name", list(CODE_COPIES))
+def test_code_layouts_convert_local_copies(tmp_path, name, capsys):
+    rows, suffix, expected, _ = CODE_COPIES[name]
+    source = write_copy(tmp_path / f"copy{suffix}", rows)
+    prepare.main(["--from", str(source), "--out", name, "--data-dir", str(tmp_path)])
+    problems = load_problems(name, data_dir=tmp_path)
+    assert [(p["style"], p.get("fn_name"), p["tests"], p.get("tolerance"), p["id"]) for p in problems] == expected
+    assert all(p["task"] == "code" and p["source"] == str(source) for p in problems)
+    for p, (style, fn_name, *_rest) in zip(problems, expected):
+        assert (prepare.STDIO_NOTE in p["problem"]) == (style == "stdio")
+        assert fn_name is None or f"Complete this code; each test calls {fn_name}" in p["problem"]
+    if len(rows) > len(expected):
+        assert "skipped" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", list(CODE_COPIES))
+def test_converted_code_problems_grade_their_reference_solutions(tmp_path, name):
+    """A right solution passes every converted test, and a wrong one does not: the layouts keep tests gradable."""
+    import sandbox
+
+    rows, suffix, _, solutions = CODE_COPIES[name]
+    prepare.main(["--from", str(write_copy(tmp_path / f"copy{suffix}", rows)), "--out", name,
+                  "--data-dir", str(tmp_path)])
+    problems = load_problems(name, data_dir=tmp_path)
+    try:
+        grades = sandbox.grade(solutions + ["print(0)"] * len(problems), problems * 2, workers=2)
+    except sandbox.SandboxUnavailable as error:
+        pytest.skip(str(error))
+    assert [g.reason for g in grades[:len(problems)]] == [None] * len(problems)
+    assert all(g.reason is not None for g in grades[len(problems):])
+
+
+def test_livecodebench_pickles_never_build_objects(tmp_path, capsys):
+    import base64
+    import pickle
+    import zlib
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("built",))
+
+    row = {**CODE_COPIES["livecodebench"][0][0],
+           "private_test_cases": base64.b64encode(zlib.compress(pickle.dumps(Payload()))).decode()}
+    source = write_copy(tmp_path / "lcb.jsonl", [row])
+    err = run_cli(["--from", str(source), "--out", "livecodebench", "--data-dir", str(tmp_path)], capsys)
+    assert "refusing to build builtins.print" in err and f"{source}:1" in err
+    assert not (tmp_path / "livecodebench.jsonl").exists()
+
+
+def test_tolerance_is_read_from_the_statement():
+    for statement, tolerance in [("absolute or relative error does not exceed $$$10^{-6}$$$", 1e-6),
+                                 ("The relative error must be at most 1e-4.", 1e-4),
+                                 ("if the absolute error is less than 10^(-9)", 1e-9),
+                                 ("Print the answer modulo 10^9+7.", None), ("no numbers", None)]:
+        assert prepare.tolerance_of(statement) == tolerance, statement
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"problem": "p", "task": "code", "tests": []}, "non-empty list"),
+    ({"problem": "p", "task": "code", "tests": [{"input": "1"}]}, "test 0"),
+    ({"problem": "", "task": "code", "tests": [{"input": "1", "output": "1"}]}, "empty or non-text problem"),
+    ({"problem": "p", "task": "code", "style": "call", "tests": [{"input": [1], "output": 2}]}, "fn_name"),
+])
+def test_malformed_code_records_name_file_and_line(tmp_path, record, message):
+    path = write_lines(tmp_path / "bad.jsonl", [json.dumps({"problem": "ok", "answer": "1"}), json.dumps(record)])
+    with pytest.raises(ValueError, match=f"bad.jsonl:2: .*{message}"):
+        load_problems(path)
+
+
+def test_code_problems_are_generated_split_and_gradable():
+    train, test = load_problems("code"), load_problems("code_test")
+    assert len(train) > 100 and len(test) > 20 and not {p["problem"] for p in train} & {p["problem"] for p in test}
+    assert load_problems("code_test") == test  # the same problems, tests included, every time
+    assert all(p["task"] == "code" and len(p["tests"]) == 5 for p in train + test)
+    from data.programs import code_problems
+
+    assert code_problems("train", n=300, seed=1)[:10] == code_problems("train", n=300, seed=1)[:10]
+    with pytest.raises(ValueError, match="n must be in"):
+        code_problems("test", n=1000)
+
+
+def test_code_template_poses_its_example_in_code(tokenizer):
+    text = tokenizer.decode(render_prompt(tokenizer, "Read an integer n and print n + 1.", "code", system="S"))
+    assert text.count("python code block") == 2  # the worked example is posed the way the problem is
+    assert text.count("<|im_start|> assistant") == 2 and text.rstrip().endswith("assistant")
+
 
 # ---------------------------------------------------------------- files as people have them
 

@@ -475,6 +475,39 @@ def test_the_batch_size_bounds_memory_and_changes_no_sample(tiny_model_dir):
     assert len({c for p in whole.problems for c in p.completions}) > 1, "sampling, not one repeated answer"
 
 
+def test_code_benchmarks_report_pass_and_mean_at_k(tiny_model_dir, monkeypatch):
+    """On a code set each sample is graded by running its program; Pass@k and Mean@k follow from those flags."""
+    import types
+
+    import sandbox
+    import torch
+    from weights import from_pretrained, load_tokenizer
+
+    tests = {"task": "code", "style": "stdio",
+             "tests": [{"input": "2\n", "output": "4"}, {"input": "5\n", "output": "10"}]}
+    problems = [{"id": "a", "problem": "Double n.", **tests}, {"id": "b", "problem": "Also double n.", **tests}]
+    right, wrong = "```python\nprint(2 * int(input()))\n```", "```python\nprint(int(input()) + 2)\n```"
+    texts = [right, wrong, "no code", wrong, wrong, wrong]  # problem a: 1 of 3 right, problem b: none
+
+    def generate(model, prompts, samples_per_prompt, **_):
+        rows = len(prompts) * samples_per_prompt
+        return types.SimpleNamespace(texts=texts[:rows], completion_mask=torch.ones(rows, 4, dtype=torch.bool),
+                                     truncated=torch.zeros(rows, dtype=torch.bool))
+
+    monkeypatch.setattr(ev.rollout, "generate", generate)
+    model, tokenizer = from_pretrained(str(tiny_model_dir)), load_tokenizer(str(tiny_model_dir))
+    try:
+        run = ev.evaluate(model, tokenizer, problems, k=2, n=3, temperature=1.0, max_new_tokens=4, template="code",
+                          batch_size=2, progress=False)
+    except sandbox.SandboxUnavailable as error:
+        pytest.skip(str(error))
+    assert [p.correct for p in run.problems] == [[True, False, False], [False, False, False]]
+    assert run.problems[0].reference == "2 stdio tests" and run.problems[0].answers[2] is None
+    assert run.problems[0].answers[0] == "print(2 * int(input()))"
+    assert run.summary["mean@k"].mean == pytest.approx(1 / 6)
+    assert run.summary["pass@k"].mean == pytest.approx((1 - 1 / 3) / 2)  # a: 1 - C(2, 2) / C(3, 2)
+
+
 def fake_run(path: Path, **settings) -> Path:
     """A run directory as train.py leaves it, without weights: config.json, a best adapter, a summary."""
     saved = {"model": "some/model", "template": "equation", "system_prompt": "Be brief.", "eval_temperature": 1.0,

@@ -23,6 +23,7 @@ import train
 import weights
 
 TIMING_KEYS = {"step_seconds", "rollout_tokens_per_s", "reward_seconds", "train_tokens_per_s"}
+REAL_REWARD = train.reward.reward  # before varied_rewards replaces it
 
 
 @pytest.fixture(autouse=True)
@@ -245,7 +246,7 @@ def sampled_step(tiny_model_dir, tmp_path, monkeypatch, *flags):
     monkeypatch.setattr(train, "stop_ids", lambda config, tok: list(range(0, len(tok), 4)))
     problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
     out = train.sample(model, tokenizer, problems, cfg, step=1)
-    rewards, _, _ = train.score(out, problems, cfg)
+    rewards, *_ = train.score(out, problems, cfg)
     assert out.completion_mask.sum(1).unique().numel() > 1
     return cfg, out, train.loss.advantages(rewards, cfg.group_size, cfg.loss)
 
@@ -454,6 +455,8 @@ def test_train_py_asks_for_expandable_segments_before_cuda_starts():
     kept = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent,
                           env={**env, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}, capture_output=True, text=True)
     assert kept.stdout.strip() == "max_split_size_mb:64", kept.stderr
+
+
 # ----------------------------------------------------------------------------- epochs, schedules, the start
 
 
@@ -556,3 +559,43 @@ def test_thought_lengths_count_unclosed_thoughts_and_split_the_rest():
     stats = train.thought_lengths(out, tokenizer, open_thought=False).tolist()
     answer = len(tokenizer.encode("\n12", add_special_tokens=False)) + 1
     assert stats == [[1.0, lengths[0], 0.0], [0.0, lengths[1] - answer, answer], [0.0, 0.0, lengths[2]]]
+def test_score_grades_a_step_that_mixes_math_and_code(monkeypatch):
+    """Each problem routes by its task: math by its answer, code by running the program; code metrics count why."""
+    import types
+
+    import sandbox
+
+    monkeypatch.setattr(train.reward, "reward", REAL_REWARD)
+    code = {"task": "code", "problem": "Double n.", "tests": [{"input": "2\n", "output": "4"},
+                                                               {"input": "5\n", "output": "10"}]}
+    problems = [{"problem": "What is 2 + 2?", "answer": "4"}, code, code]
+    texts = ["#### 4", "#### 5",  # math: right, wrong
+             "```python\nprint(2 * int(input()))\n```", "```python\nprint(4)\n```",  # code: right, 1 of 2 tests
+             "```python\nwhile True: pass\n```", "no program"]
+    out = types.SimpleNamespace(texts=texts, completions=[[0]] * 6, old_logp=torch.zeros(6, 1))
+    cfg = dataclasses.replace(train.Config(), group_size=2, code_timeout=0.5)
+    try:
+        rewards, correct, _, code_rows = train.score(out, problems, cfg)
+    except sandbox.SandboxUnavailable as error:
+        pytest.skip(str(error))
+    assert rewards.tolist() == [1, 0, 1, 0, 0, 0] and correct.tolist() == rewards.tolist()
+    metrics = train.code_metrics(code_rows)
+    assert metrics["code_tests_passed"] == pytest.approx((1 + 0.5 + 0 + 0) / 4)
+    assert (metrics["code_wrong_answer"], metrics["code_timeout"], metrics["code_no_code_block"]) == (0.25, 0.25, 0.25)
+    assert train.code_metrics(code_rows[:2]) == {}  # a math-only step logs no code metrics
+    fraction = dataclasses.replace(cfg, code_reward="fraction")
+    assert train.score(out, problems, fraction)[0].tolist() == [1, 0, 1, 0.5, 0, 0]
+
+
+def test_a_code_run_trains_and_logs_its_code_metrics(tiny_model_dir, tmp_path, monkeypatch):
+    import sandbox
+
+    monkeypatch.setattr(train.reward, "reward", REAL_REWARD)
+    try:
+        sandbox.grade(["print(1)"], [{"tests": [{"input": "", "output": "1"}]}], workers=1)
+    except sandbox.SandboxUnavailable as error:
+        pytest.skip(str(error))
+    run_training(tiny_args(tiny_model_dir, tmp_path, "code", "--steps", "1", "--dataset", "code", "--eval-dataset",
+                           "code_test", "--template", "{problem}"))  # the code template outgrows its context
+    (line,) = metric_lines(tmp_path / "code")
+    assert line["code_no_code_block"] == 1.0 and line["code_tests_passed"] == 0.0  # a random model writes no code

@@ -51,6 +51,7 @@ import memory  # noqa: E402
 import reward  # noqa: E402
 import rollout  # noqa: E402
 import rundir  # noqa: E402
+import sandbox  # noqa: E402
 import scoring  # noqa: E402
 import weights  # noqa: E402
 from config import Config  # noqa: E402
@@ -75,12 +76,12 @@ def train_step(model, optimizer, tokenizer, problems: list[dict], cfg: Config, s
     out = sample(model, tokenizer, problems[mine], cfg, step, first_prompt=mine.start, pool=pool)
     watch.lap("rollout")
     open_thought = opens_thought(tokenizer, cfg.thinking == "on")
-    rewards, correct, by_function = score(out, problems[mine], cfg, step, open_thought)
+    rewards, correct, by_function, code = score(out, problems[mine], cfg, step, open_thought)
     watch.lap("reward")
     lengths = out.completion_mask.sum(1).float()
     columns = [rewards, correct, lengths, out.truncated.float(), *thought_lengths(out, tokenizer, open_thought).T,
                *by_function.values()]
-    rows = world.cat(torch.stack(columns, 1))  # [N of the step, 7 + reward functions]
+    rows = world.cat(torch.cat([torch.stack(columns, 1), code], 1))  # [N of the step, 7 + functions + code]
     # from the whole step's rewards: one process's advantages, whatever they normalize over
     my_rows = slice(mine.start * cfg.group_size, mine.stop * cfg.group_size)
     advantages = loss.advantages(rows[:, 0], cfg.group_size, cfg.loss)[my_rows]  # [N of this rank]
@@ -92,9 +93,10 @@ def train_step(model, optimizer, tokenizer, problems: list[dict], cfg: Config, s
     slowest, tokens = world.max(seconds), world.sum(tokens)
     records = [] if records is None else sum(world.gather(records), [])
     (reward_mean, accuracy, completion_length, truncated, unclosed, think_length, answer_length,
-     *function_means) = rows.mean(0).tolist()
+     *function_means) = rows[:, :len(columns)].mean(0).tolist()
     return {"step": step, "reward": reward_mean, "accuracy": accuracy,
             **{f"rewards/{name}": mean for name, mean in zip(by_function, function_means)},
+            **code_metrics(rows[:, len(columns):]),
             "completion_length": completion_length, "truncated": truncated, "think_unclosed_frac": unclosed,
             "think_length": think_length, "answer_length": answer_length, **update,
             "step_seconds": watch.total, "reward_seconds": watch.laps["reward"],
@@ -123,30 +125,51 @@ def sample(model, tokenizer, problems: list[dict], cfg: Config, step: int, first
 
 
 def score(out: rollout.Rollout, problems: list[dict], cfg: Config, step: int = 0, open_thought: bool = False
-          ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """(rewards [N], correct [N], {name: values [N]} of each reward function when there are several), on the
-    model's device. The reward is the weighted sum of the --reward-fn functions (scoring.py) plus the format
-    bonus; correct is the answer checker's verdict, whatever the reward is made of. The checker and the format
-    bonus read only what follows a completion's last </think> (open_thought: the prompt opened a thought);
-    a function of your own gets the whole completion and the open_thought column (reward.split_thinking)."""
+          ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """(rewards [N], correct [N], {name: values [N]} of each reward function when there are several, code
+    [N, 2 + reasons]), on the model's device. The reward is the weighted sum of the --reward-fn functions
+    (scoring.py) plus the format bonus. correct is the built-in reward's verdict, whatever the reward is made
+    of: the answer checker's on a math problem, every test passed on a code problem (task "code", run in
+    sandbox.py within --code-timeout). It is graded here once, with --code-reward, and is reward.math_reward's
+    value when that is among the functions. The checker, the sandbox and the format bonus read only what
+    follows a completion's last </think> (open_thought: the prompt opened a thought); a function of your own
+    gets the whole completion and the open_thought column (reward.split_thinking). code holds, per row: is it
+    a code problem, the share of its tests passed, and a one-hot of why it failed (sandbox.REASONS)."""
     rows = [p for p in problems for _ in range(cfg.group_size)]
+    grades = []  # per row, a code problem's sandbox.Grade (None for math): the code metrics
+    verdicts = reward.reward(out.texts, rows, open_thought=open_thought, code_fraction=cfg.code_reward == "fraction",
+                             code_limits=sandbox.Limits(timeout=cfg.code_timeout), grades=grades)
     functions = scoring.functions(cfg.reward_fn, cfg.reward_weights, cfg.reward_timeout)
     columns = {"prompts": [user_message(p["problem"], cfg.template) for p in rows], "completion_ids": out.completions,
                **scoring.columns_of(rows), "open_thought": [open_thought] * len(rows)}
-    totals, by_name = functions(out.texts, columns, where=f"step {step}", group_size=cfg.group_size)
-    checked = functions.name_of(reward.math_reward)  # the checker already ran: its verdicts are the accuracy
-    correct = by_name[checked] if checked else reward.reward(out.texts, [p["answer"] for p in rows],
-                                                             open_thought=open_thought)
+    totals, by_name = functions(out.texts, columns, where=f"step {step}", group_size=cfg.group_size,
+                                given={reward.math_reward: verdicts})
     if cfg.format_weight:
         answers = [reward.split_thinking(text, open_thought).answer for text in out.texts]
         totals = [total + cfg.format_weight * (answer is not None and reward.has_format(answer, cfg.template))
                   for total, answer in zip(totals, answers)]
+    code = [[0.0] * (2 + len(sandbox.REASONS)) for _ in rows]  # built here, then one copy to the device
+    for row, grade in zip(code, grades):
+        if grade is not None:
+            row[:2] = [1.0, grade.passed / grade.total]
+            if grade.reason is not None:
+                row[2 + sandbox.REASONS.index(grade.reason)] = 1.0
 
-    def tensor(values: list[float]) -> torch.Tensor:
+    def tensor(values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=out.old_logp.device)
 
     by_function = {name: tensor(values) for name, values in by_name.items()} if len(by_name) > 1 else {}
-    return tensor(totals), (tensor(correct) >= 1).float(), by_function
+    return tensor(totals), (tensor(verdicts) >= 1).float(), by_function, tensor(code)
+
+
+def code_metrics(code: torch.Tensor) -> dict:
+    """The step's code rows [N, 2 + reasons] as metrics: the share of tests passed and, for each reason, the
+    share of code completions that failed for it (code_no_code_block, code_timeout, ...); none without code."""
+    rows = code[code[:, 0] == 1]
+    if not len(rows):
+        return {}
+    return {"code_tests_passed": float(rows[:, 1].mean()),
+            **{f"code_{reason}": float(rows[:, 2 + i].mean()) for i, reason in enumerate(sandbox.REASONS)}}
 
 
 def thought_lengths(out: rollout.Rollout, tokenizer, open_thought: bool) -> torch.Tensor:
@@ -581,6 +604,7 @@ def _held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: Config, d
             if hi > lo:
                 with oom_hint(f"evaluation on {name}", f"lower --eval-batch (now {cfg.eval_batch} prompts per call)"):
                     mine = evaluation.evaluate(policy, tokenizer, problems[lo:hi], k=cfg.eval_k,
+                                               code_limits=sandbox.Limits(timeout=cfg.code_timeout),
                                                temperature=cfg.eval_temperature, top_p=cfg.top_p,
                                                max_new_tokens=cfg.max_new_tokens, template=cfg.template,
                                                system=cfg.system_prompt, thinking=cfg.thinking == "on",

@@ -4,21 +4,26 @@
     problems = load_problems("math500")                  # after `python data/prepare.py math500`
     ids = render_prompt(tokenizer, problems[0]["problem"], "boxed")
 
-arithmetic.py generates the offline demo's problems (with worked solutions), prepare.py reads, converts and
-downloads dataset files, templates.py turns a problem into chat-formatted token ids, a worked solution into the
-reply the supervised stage trains on, and names the tokens that end a reply.
+arithmetic.py generates the offline demo's problems (with worked solutions) and programs.py small programming
+problems with tests, prepare.py reads, converts and downloads dataset files, templates.py turns a problem into
+chat-formatted token ids, a worked solution into the reply the supervised stage trains on, and names the tokens
+that end a reply.
 """
 
 from pathlib import Path
 
 from .arithmetic import DEFAULT_KINDS, KINDS, TWO_DIGIT_KINDS, arithmetic_problems
 from .prepare import DATA_DIR, FORMATS, HUB, read_problems
+from .programs import code_problems
 from .templates import (TEMPLATES, opens_thought, render_prompt, render_solution, stop_ids, takes_thinking,
                         thinking_note, user_message)
 
-GENERATED = {  # name -> (split, kinds), made on the fly
-    "arithmetic": ("train", DEFAULT_KINDS), "arithmetic_test": ("test", DEFAULT_KINDS),
-    "two_digit": ("train", TWO_DIGIT_KINDS), "two_digit_test": ("test", TWO_DIGIT_KINDS),
+GENERATED = {  # name -> the problems, made on the fly
+    "arithmetic": lambda: arithmetic_problems("train", DEFAULT_KINDS),
+    "arithmetic_test": lambda: arithmetic_problems("test", DEFAULT_KINDS),
+    "two_digit": lambda: arithmetic_problems("train", TWO_DIGIT_KINDS),
+    "two_digit_test": lambda: arithmetic_problems("test", TWO_DIGIT_KINDS),
+    "code": lambda: code_problems("train"), "code_test": lambda: code_problems("test"),
 }
 
 
@@ -33,8 +38,9 @@ def load_problems(
 
     Names: the Hub datasets of prepare.py (files data_dir/NAME.jsonl that it writes), any other
     NAME.jsonl in data_dir (e.g. written by `prepare.py --from FILE --out NAME`), and
-    arithmetic / arithmetic_test (the demo's train and held-out splits of the default kinds) and
-    two_digit / two_digit_test (study.py's harder task), generated, no file needed.
+    arithmetic / arithmetic_test (the demo's train and held-out splits of the default kinds),
+    two_digit / two_digit_test (study.py's harder task) and code / code_test (small programming problems with
+    tests, programs.py), generated, no file needed.
     Malformed records are a ValueError naming file and line (see prepare.read_problems); keys may be
     dotted to reach nested fields ("reward_model.ground_truth").
     """
@@ -42,7 +48,7 @@ def load_problems(
     if name.endswith(tuple(FORMATS)):  # a path, not a name
         return read_problems(name, problem_key, answer_key)
     if name in GENERATED:
-        return arithmetic_problems(*GENERATED[name])
+        return GENERATED[name]()
     path = Path(data_dir) / f"{name}.jsonl"
     if path.is_file():
         return read_problems(path, problem_key, answer_key)
@@ -62,6 +68,7 @@ __all__ = [
     "KINDS",
     "TEMPLATES",
     "arithmetic_problems",
+    "code_problems",
     "load_problems",
     "opens_thought",
     "read_problems",

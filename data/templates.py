@@ -9,6 +9,9 @@ here, because the reward has to parse exactly that presentation:
   by restating the equation ("2 + 3 = 5"). Tiny chat models follow examples far better than
   instructions: SmolLM2-135M-Instruct ignores "answer with the number only" and explains at length,
   while after this one turn it usually answers in about ten tokens.
+- "code": a programming problem; the program comes in a ```python block, which sandbox.py runs against the
+  problem's tests. Its worked exchange (a chat model sees it; a base model gets the instruction alone) is one
+  such program, which a 135M model needs to answer in code at all.
 A template's reply ends at one of stop_ids(): where sampling stops is part of how a problem is posed.
 
 Thinking mode: Qwen3's chat template opens a <think> block unless it is rendered with
@@ -31,10 +34,12 @@ TEMPLATES = {
     "boxed": "{problem}\nPlease reason step by step, and put your final answer within \\boxed{}.",
     "plain": "{problem} Answer with the number only.",
     "equation": "{problem}",
+    "code": "{problem}\n\nWrite the solution in Python 3, and put the complete program in one ```python code block.",
 }
-# worked (question, answer) turns placed before the problem, per template
+# worked (question, answer) turns placed before the problem, per template; the question is posed by the template
 EXAMPLES = {
     "equation": [("What is 2 + 3?", "2 + 3 = 5")],
+    "code": [("Read an integer n and print 2 * n + 1.", "```python\nn = int(input())\nprint(2 * n + 1)\n```")],
 }
 
 
@@ -67,7 +72,8 @@ def render_prompt(tokenizer, problem: str, template: str = "boxed", system: str 
         return tokenizer.encode(text)
     messages = [{"role": "system", "content": system}] if system is not None else []
     for question, answer in EXAMPLES.get(template, []):
-        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        messages += [{"role": "user", "content": user_message(question, template)},
+                     {"role": "assistant", "content": answer}]
     messages.append({"role": "user", "content": message})
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                          enable_thinking=thinking)
