@@ -43,7 +43,7 @@ PAPER_VALUES += [("gppo-qwen3-8b-full", name, value, source) for preset, name, v
                  if preset == "gppo-qwen3-8b"]
 # GPPO's code run states 600 steps, its reward and its evaluation sets; the rest as the math run
 PAPER_VALUES += [("gppo-qwen3-8b-code", name, value, source) for preset, name, value, source in PAPER_VALUES
-                 if preset == "gppo-qwen3-8b" and name != "steps"]
+                 if preset == "gppo-qwen3-8b" and name not in ("steps", "eval_dataset")]
 PAPER_VALUES += [
     ("gppo-qwen3-8b-code", "steps", 600, "GPPO: 600 steps for code"),
     ("gppo-qwen3-8b-code", "code_reward", "binary", "GPPO: the reward is 1 when every test passes"),

@@ -200,6 +200,21 @@ def test_reward_extracts_and_reports(available):
     assert [g.reason for g in grades] == [None, "no_code_block", "wrong_answer"]
 
 
+def test_a_program_is_read_after_the_thought_and_an_unclosed_thought_runs_nothing(available):
+    """reward.reward routes a code problem to the sandbox with the answer part only (reward.split_thinking)."""
+    import reward
+
+    problem = {"task": "code", "problem": "Add the two numbers.", **STDIO}
+    program = f"```python\n{ADD}```"
+    completions = [f"<think>\nfirst try:\n{program}\n</think>\nno program here", f"<think>\nplan\n</think>\n{program}",
+                   f"<think>\nstill thinking\n{program}"]
+    grades = []
+    assert reward.reward(completions, [problem] * 3, grades=grades) == [0.0, 1.0, 0.0]
+    assert reward.reward([program], [problem]) == [1.0]
+    assert reward.reward([program], [problem], open_thought=True, grades=grades) == [0.0]  # all of it thought
+    assert [g.reason for g in grades] == ["no_code_block", None, "no_code_block", "no_code_block"]
+
+
 def test_not_root_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(sandbox, "_POOL", sandbox._Pool())
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
