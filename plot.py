@@ -82,7 +82,8 @@ def load_run(path: Path, name: str) -> Run:
             raise ValueError(f"{metrics}:{number}: invalid JSON ({error.msg})") from None
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
             raise ValueError(f"{metrics}:{number}: expected a JSON object with an integer \"step\"")
-        by_step[record["step"]] = record
+        if "event" not in record:  # a resume's note of changed settings, not a step
+            by_step[record["step"]] = record
     summary_file = path / "summary.json"
     try:
         summary = json.loads(summary_file.read_text(encoding="utf-8")) if summary_file.is_file() else {}

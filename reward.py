@@ -29,7 +29,9 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass
+from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
 
@@ -41,6 +43,7 @@ MAX_NESTING = 50  # so are answers with brackets nested deeper than this
 MAX_POWER_BITS = 100_000  # refuse to build a power with more bits than this: 10^{10^{10}} stays unbuilt
 MAX_FACTORIAL = 10_000  # 2006! is fine, (10^8)! is refused
 MAX_SUM_TERMS = 1_000  # \sum_{k=1}^{100} k^2 is added up term by term (nested sums share this); no symbolic bounds
+MAX_NUMBER_DIGITS = 30_000  # longer numbers (about MAX_POWER_BITS) compare as canonical text, still exactly
 WORKER_MEMORY_BYTES = 2 << 30  # a runaway expression hits MemoryError in its worker, not the machine
 TAIL_CHARS = 4000  # fallback extraction (last number / math segment) only looks at the end of a text
 ANSWER_FORMATS = ("boxed", "answer")  # the formats has_format checks, named as the templates that ask for them
@@ -114,12 +117,21 @@ def _is_prose(text: str) -> bool:
 
 
 def _last_math_or_number(text: str) -> str | None:
-    """The last $...$ segment if nothing numeric follows it, else the last number."""
-    text = text[-TAIL_CHARS:]
-    numbers, segments = list(_NUMBER_IN_TEXT_RE.finditer(text)), list(_MATH_SEGMENT_RE.finditer(text))
+    """The last $...$ segment if nothing numeric follows it, else the last number (whole, however long)."""
+    offset = max(0, len(text) - TAIL_CHARS)
+    tail = text[offset:]
+    numbers, segments = list(_NUMBER_IN_TEXT_RE.finditer(tail)), list(_MATH_SEGMENT_RE.finditer(tail))
     if segments and (not numbers or numbers[-1].end() <= segments[-1].end()):
         return next(g for g in segments[-1].groups() if g is not None).strip()
-    return numbers[-1].group() if numbers else None
+    if not numbers:
+        return None
+    if numbers[-1].start() == 0 and offset:  # the tail may start inside this number: read it from its start
+        start = len(text[:offset].rstrip("0123456789.,"))
+        start -= text[start - 1 : start] == "-"
+        whole = _NUMBER_IN_TEXT_RE.search(text, start)
+        if whole and whole.end() == offset + numbers[-1].end():
+            return whole.group()
+    return numbers[-1].group()
 
 
 def _clean(candidate: str) -> str | None:
@@ -133,7 +145,9 @@ def _phrase_answer(text: str, start: int) -> str | None:
     """The answer stated right after an answer phrase: a math segment, else the rest of its sentence."""
     if m := _MATH_START_RE.match(text, start):
         return next(g for g in m.groups() if g is not None).strip() or None
-    return _clean(_SENTENCE_END_RE.split(text[start : start + 500], 1)[0])
+    end = start + 500  # a sentence; the window ends at a space, so a long number is never cut in two
+    end = re.compile(r"\S*").match(text, end).end() if end < len(text) else end
+    return _clean(_SENTENCE_END_RE.split(text[start:end], 1)[0])
 
 
 def extract_answer(text: str) -> str | None:
@@ -188,7 +202,8 @@ _REWRITES = [(re.compile(pattern), template) for pattern, template in [  # appli
     (r"\\sqrt\s*([^\s{\\\[])", r"\\sqrt{\1}"),
 ]]
 _UNIT_RE = re.compile(r"(?<=[\d}])\s+[^\W\d_]{2,}\.?(?:\s*\^\{?\d\}?)?$")  # 5 cents, 15 cm^2, 64 square feet
-_MIXED_RE = re.compile(r"([-+]?)(\d+)\s*\\frac\{(\d+)\}\{(\d+)\}|([-+]?)(\d+) (\d+)/(\d+)")  # 1\frac{4}{5}, 4 4/9
+_MIXED_RE = re.compile(r"([-+]?)(\d{1,99})\s*\\frac\{(\d{1,99})\}\{(\d{1,99})\}|"
+                       r"([-+]?)(\d{1,99}) (\d{1,99})/(\d{1,99})")  # 1\frac{4}{5}, 4 4/9
 _THOUSANDS_RE = re.compile(r"-?[1-9]\d{0,2}(?:(?:,\d{3})+|(?: \d{3})+)(?:\.\d+)?")  # 7,425,000 and 1 000 (not 0,111)
 _BASE_RE = re.compile(r"(\d+)_\{?(\d{1,2})\}?")  # 52_8: the digits are the answer
 _CHOICE_RE = re.compile(r"\(([A-Ea-e])\)")
@@ -419,15 +434,39 @@ def _squash(s: str) -> str:
     return s.replace(" ", "")
 
 
+def _int(digits: str) -> int | None:
+    """The integer a digit string writes, through Decimal: int(str) refuses more than 4,300 digits. None
+    past MAX_NUMBER_DIGITS, where building it would take longer than comparing the text."""
+    return int(Decimal(digits)) if len(digits) <= MAX_NUMBER_DIGITS else None
+
+
 def _rational(s: str) -> Fraction | None:
     """Exact value of a plain number ("004", ".35625", "-\\frac{3}{8}", "14/3"), else None."""
     s = _squash(s)
     if _DECIMAL_RE.fullmatch(s):
-        return Fraction(s)
-    if (m := _FRACTION_RE.fullmatch(s)) and int(m[3] or m[5]) != 0:
-        value = Fraction(int(m[2] or m[4]), int(m[3] or m[5]))
+        return Fraction(Decimal(s)) if len(s) <= MAX_NUMBER_DIGITS else None
+    if m := _FRACTION_RE.fullmatch(s):
+        numerator, denominator = _int(m[2] or m[4]), _int(m[3] or m[5])
+        if numerator is None or not denominator:
+            return None
+        value = Fraction(numerator, denominator)
         return -value if m[1] == "-" else value
     return None
+
+
+def _literal(s: str) -> str | None:
+    """A number literal's canonical text (sign, no leading or trailing zeros): "-0012.50" -> "-12.5", "\\frac{06}{4}"
+    -> "6/4", else None. Numbers too long to compute compare by it, exactly for integers and decimals."""
+    s = _squash(s)
+    if m := _FRACTION_RE.fullmatch(s):
+        numerator, denominator = _literal(m[2] or m[4]), _literal(m[3] or m[5])
+        return f"{'-' if m[1] == '-' else ''}{numerator}/{denominator}"
+    if not (m := re.fullmatch(r"([-+]?)(\d*)(?:\.(\d*))?", s)) or not (m[2] or m[3]):
+        return None
+    whole, decimals = m[2].lstrip("0"), (m[3] or "").rstrip("0")
+    if not whole and not decimals:
+        return "0"
+    return f"{'-' if m[1] == '-' else ''}{whole or '0'}{'.' + decimals if decimals else ''}"
 
 
 def _rounding_tolerance(x: str, y: str) -> Fraction:
@@ -452,6 +491,8 @@ class _FastJudge:
             return True
         qx, qy = _rational(x), _rational(y)
         if qx is None or qy is None:
+            if max(len(x), len(y)) > MAX_NUMBER_DIGITS and (lx := _literal(x)) and (ly := _literal(y)):
+                return lx == ly
             return None
         return abs(qx - qy) <= _rounding_tolerance(x, y)
 
@@ -834,9 +875,48 @@ def _nesting(s: str) -> int:
 _PLAIN_NUMBER_RE = re.compile(r"-?(?:\d+(?:\.\d+)?|\.\d+)")
 
 
-def _grade_fast(completion: str, reference: str) -> bool | tuple[str, str]:
+# an arithmetic expression: numbers, operations and brackets, nothing else ("7+6", "2^{10}", "(3+4)\\times5")
+_ARITHMETIC_RE = re.compile(r"(?:\d+(?:\.\d+)?|\.\d+|[-+*/^!()\[\]{}]|\\times|\\cdot|\\div|\\frac)+")
+_OPERATION_RE = re.compile(r"[-+*/^!]|\\times|\\cdot|\\div|\\frac")
+_NUMBER_RE = re.compile(r"\d+(?:\.\d+)?|\.\d+")
+
+
+def _after_last_equals(s: str) -> str:
+    """What follows the last "=" outside brackets: the value an equation states ("7 + 6 = 13" -> "13")."""
+    return _split_top(s, {"="})[0][-1]
+
+
+def _unevaluated(s: str) -> list[str] | None:
+    """The numbers of an arithmetic expression that still holds an operation ("7 + 6", "2^{10}", "12/4",
+    "5!"), else None: a number, a fraction in lowest terms, anything with a letter or a function."""
+    s = _squash(_after_last_equals(s))
+    if not _ARITHMETIC_RE.fullmatch(s) or not _OPERATION_RE.search(s.lstrip("+-")):
+        return None
+    if m := _FRACTION_RE.fullmatch(s):  # 3/4 is a value; 12/4 still has a division to carry out
+        numerator, denominator = _int(m[2] or m[4]), _int(m[3] or m[5])
+        if numerator is not None and denominator and denominator > 1 and math.gcd(numerator, denominator) == 1:
+            return None
+    return _NUMBER_RE.findall(s)
+
+
+def restates_problem(answer: str, reference: str, problem: str) -> bool:
+    """Whether a normalized answer restates the problem's arithmetic instead of carrying it out: an
+    unevaluated expression over the problem's own numbers (and 0 and 1, which change nothing), against
+    a reference that is a value. "7 + 6" to "What is 7 + 6?" is no answer, though it equals 13; "10 + 3"
+    would be (it is work the problem did not show), and so is "2^{10}" when the reference is "2^{10}"."""
+    numbers = _unevaluated(answer)
+    if numbers is None or _unevaluated(reference) is not None:
+        return False
+    own = {Decimal(n) for n in _NUMBER_RE.findall(re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", problem))}
+    return all(Decimal(n) in own | {Decimal(0), Decimal(1)} for n in numbers)
+
+
+def _grade_fast(completion: str, reference: str, problem: str | None = None,
+                template: str | None = None) -> bool | tuple[str, str]:
     """The verdict where exact text or rationals decide, else the normalized (answer, reference) for sympy."""
     answer = extract_answer(completion)
+    if answer is not None and template == "equation":  # the template's answer: "2 + 3 = 5" states 5
+        answer = _after_last_equals(normalize(answer)) or None
     if answer is None:
         return False
     reference = _reference_answer(reference)
@@ -845,7 +925,7 @@ def _grade_fast(completion: str, reference: str) -> bool | tuple[str, str]:
     if max(len(answer), len(reference)) > MAX_ANSWER_CHARS:  # no real answer is this long
         return answer.strip() == reference.strip()
     a, r = normalize(answer), normalize(reference)
-    if not a or not r:
+    if not a or not r or (problem is not None and restates_problem(a, r, problem)):
         return False
     if max(_nesting(a), _nesting(r)) > MAX_NESTING:  # each level rescans the text: cost grows with depth^2
         return a == r
@@ -857,10 +937,14 @@ def _grade_fast(completion: str, reference: str) -> bool | tuple[str, str]:
     return (a, r) if not ok and judge.undecided else ok
 
 
-def grade(answer_text: str, reference: str, *, timeout: float = TIMEOUT_S, rel_tol: float = REL_TOL) -> bool:
-    """True when the final answer in answer_text (a completion or a bare answer) equals reference.
-    Never raises on model output; finishes within about `timeout` seconds."""
-    return reward([answer_text], [reference], workers=1, timeout=timeout, rel_tol=rel_tol)[0] == 1.0
+def grade(answer_text: str, reference: str, *, problem: str | None = None, template: str | None = None,
+          timeout: float = TIMEOUT_S, rel_tol: float = REL_TOL) -> bool:
+    """True when the final answer in answer_text (a completion or a bare answer) equals reference; with the
+    problem, an answer that restates it is wrong (see reward). Never raises on model output; finishes
+    within about `timeout` seconds."""
+    problems = None if problem is None else [problem]
+    return reward([answer_text], [reference], problems=problems, template=template, workers=1, timeout=timeout,
+                  rel_tol=rel_tol)[0] == 1.0
 
 
 def has_format(completion: str, answer_format: str | None) -> bool:
@@ -871,25 +955,33 @@ def has_format(completion: str, answer_format: str | None) -> bool:
     return {"boxed": boxed, "answer": answer_line, None: boxed or answer_line}[answer_format]
 
 
-def reward(completions: list[str], references: list[str], *, format_weight: float = 0.0,
-           answer_format: str | None = None, workers: int = 2, timeout: float = TIMEOUT_S,
-           rel_tol: float = REL_TOL) -> list[float]:
+def reward(completions: list[str], references: list[str], *, problems: list[str] | None = None,
+           template: str | None = None, format_weight: float = 0.0, answer_format: str | None = None,
+           workers: int = 2, timeout: float = TIMEOUT_S, rel_tol: float = REL_TOL) -> list[float]:
     """Per completion: 1.0 if its answer is correct else 0.0, plus format_weight if has_format(...).
+
+    problems (the question each completion answers) make an answer that restates its question's arithmetic
+    wrong ("7 + 6" to "What is 7 + 6?", see restates_problem): without them an echo earns full reward.
+    template "equation" grades what follows the last "=" of the answer, as that template asks.
     The format term is separate from correctness (a correct answer in the wrong format still earns 1.0),
     so format_weight = 0 gives the pure verifiable reward. Symbolic checks run in `workers` processes;
-    rel_tol only applies to constants that are not both rational (sqrt(2) + sqrt(3) vs sqrt(5 + 2 sqrt(6)))."""
-    if len(completions) != len(references):
-        raise ValueError(f"completions and references differ in length: {len(completions)} vs {len(references)}")
+    rel_tol only applies to constants that are not both rational (sqrt(2) + sqrt(3) vs sqrt(5 + 2 sqrt(6))).
+    A checker error on one completion (a bug: no string should cause one) makes it wrong, with a warning,
+    rather than ending a training run."""
+    for name, texts in (("references", references), ("problems", completions if problems is None else problems)):
+        if len(texts) != len(completions):
+            raise ValueError(f"completions and {name} differ in length: {len(completions)} vs {len(texts)}")
     if answer_format is not None and answer_format not in ANSWER_FORMATS:
         raise ValueError(f"answer_format must be None or one of {ANSWER_FORMATS}, got {answer_format!r}")
     if workers < 1 or timeout <= 0 or rel_tol < 0 or format_weight < 0:
         raise ValueError(f"need workers >= 1, timeout > 0, rel_tol >= 0, format_weight >= 0; got "
                          f"workers={workers}, timeout={timeout}, rel_tol={rel_tol}, format_weight={format_weight}")
-    for name, texts in (("completions", completions), ("references", references)):
+    for name, texts in (("completions", completions), ("references", references), ("problems", problems or [])):
         for i, text in enumerate(texts):
             if not isinstance(text, str):
                 raise ValueError(f"{name}[{i}] is {type(text).__name__}, expected str")
-    correct = [_grade_fast(c, r) for c, r in zip(completions, references)]
+    correct = [_guarded(_grade_fast, c, r, p, template)
+               for c, r, p in zip(completions, references, problems or [None] * len(completions))]
     if slow := [i for i, verdict in enumerate(correct) if isinstance(verdict, tuple)]:  # only these need sympy
         for i, verdict in zip(slow, _POOL.run([correct[i] for i in slow], workers, timeout, rel_tol)):
             correct[i] = verdict
@@ -897,20 +989,45 @@ def reward(completions: list[str], references: list[str], *, format_weight: floa
             for ok, c in zip(correct, completions)]
 
 
+def _guarded(grade_one, completion: str, *args):
+    """grade_one's verdict; an exception (a checker bug) is a wrong answer and a warning naming the text."""
+    try:
+        return grade_one(completion, *args)
+    except Exception as error:  # noqa: BLE001 - one sample must never end a run
+        warnings.warn(f"reward: the checker failed on {completion[:80]!r} ({type(error).__name__}: {error}); "
+                      "graded wrong", stacklevel=3)
+        return False
+
+
 # ----------------------------------------------------------------------------- command line
 
 def main(argv: list[str]) -> int:
-    """python reward.py PRED GOLD: the verdict, and both sides as extracted and as normalized, so that a
-    score of 0 can be traced to the step that lost the answer."""
-    if len(argv) != 2:
-        print("usage: python reward.py PRED GOLD\n  PRED: a completion or a bare answer; GOLD: the reference answer\n"
-              "prints the verdict and the extracted and normalized forms of both sides")
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
-    prediction, gold = argv
-    print(f"verdict: {'correct' if grade(prediction, gold) else 'wrong'}")
-    for side, extracted in (("prediction", extract_answer(prediction)), ("reference", _reference_answer(gold))):
-        normalized = None if extracted is None else normalize(extracted)
-        print(f"{side}:\n  extracted:  {extracted!r}\n  normalized: {normalized!r}")
+    """python reward.py PRED GOLD [--problem TEXT] [--template NAME]: the verdict, and both sides as extracted
+    and as normalized, so that a score of 0 can be traced to the step that lost the answer."""
+    import argparse
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str):
+            self.exit(2, f"reward.py: {message} (see --help)\n")
+
+    parser = Parser(usage="python reward.py PRED GOLD [--problem TEXT] [--template NAME]", allow_abbrev=False,
+                    description="Prints the verdict and the extracted and normalized forms of both sides.")
+    parser.add_argument("prediction", metavar="PRED", help="a completion or a bare answer")
+    parser.add_argument("gold", metavar="GOLD", help="the reference answer")
+    parser.add_argument("--problem", help="the question answered: an answer restating its arithmetic is wrong")
+    parser.add_argument("--template", help="the prompt template of data/templates.py that posed it (equation: the "
+                                           "answer is what follows the last '=')")
+    args = parser.parse_args(argv)
+    verdict = grade(args.prediction, args.gold, problem=args.problem, template=args.template)
+    print(f"verdict: {'correct' if verdict else 'wrong'}")
+    sides = {"prediction": extract_answer(args.prediction), "reference": _reference_answer(args.gold)}
+    normalized = {side: None if text is None else normalize(text) for side, text in sides.items()}
+    if normalized["prediction"] is not None and args.template == "equation":
+        normalized["prediction"] = _after_last_equals(normalized["prediction"])
+    for side, extracted in sides.items():
+        print(f"{side}:\n  extracted:  {extracted!r}\n  normalized: {normalized[side]!r}")
+    if args.problem is not None and normalized["prediction"] and restates_problem(*normalized.values(), args.problem):
+        print("restates the problem: an unevaluated expression over the problem's own numbers is not an answer")
     return 0
 
 

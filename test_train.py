@@ -52,8 +52,14 @@ def launch(args: list[str], log: Path) -> subprocess.Popen:
 
 
 def metric_lines(run_dir: Path) -> list[dict]:
+    """The steps' lines of metrics.jsonl, without their timings (a resume's event lines are not steps)."""
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in line.items() if k not in TIMING_KEYS} for line in lines]
+    return [{k: v for k, v in line.items() if k not in TIMING_KEYS} for line in lines if "event" not in line]
+
+
+def event_lines(run_dir: Path) -> list[dict]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [line for line in lines if "event" in line]
 
 
 def test_two_steps_train_log_and_checkpoint(tiny_model_dir, tmp_path):
@@ -89,6 +95,8 @@ def test_resume_reproduces_an_uninterrupted_run(tiny_model_dir, tmp_path):
     straight, split = metric_lines(tmp_path / "straight"), metric_lines(tmp_path / "split")
     assert [line["step"] for line in split] == [1, 2, 3, 4]
     assert split == straight
+    assert event_lines(tmp_path / "split") == [{"step": 2, "event": "resume", "changed": {"steps": [2, 4]}}]
+    assert json.loads((tmp_path / "split" / "config.json").read_text())["steps"] == 4
 
 
 def test_sigkill_loses_only_steps_after_the_last_checkpoint(tiny_model_dir, tmp_path):
@@ -122,7 +130,9 @@ def test_ctrl_c_checkpoints_the_step_in_progress_and_resumes(tiny_model_dir, tmp
         time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=60)
-    assert proc.returncode == 0, (tmp_path / "interrupted.log").read_text()[-2000:]
+    log = (tmp_path / "interrupted.log").read_text()
+    assert proc.returncode == 130 and "Traceback" not in log, log[-2000:]  # stopped, not finished
+    assert log.strip().splitlines()[-1].endswith(f"continue with: python train.py --resume {tmp_path / 'interrupted'}")
     saved_step = _latest_step(tmp_path / "interrupted")  # no periodic checkpoint was due: Ctrl-C wrote it
     assert saved_step >= 2 and len(metric_lines(tmp_path / "interrupted")) == saved_step
     state = run_training(["--resume", str(tmp_path / "interrupted"), "--steps", str(saved_step + 1)])
@@ -141,7 +151,7 @@ def test_ctrl_c_during_an_evaluation_exits_cleanly_and_the_run_resumes(tiny_mode
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in log.read_text(), log.read_text()[-2000:]
-    assert "--resume" in log.read_text().splitlines()[-1]
+    assert log.read_text().splitlines()[-1].endswith(f"--resume {tmp_path / 'eval-stop'}")  # the run, not "RUN"
     state = run_training(["--resume", str(tmp_path / "eval-stop"), "--eval-problems", "2"])
     assert state["step"] == 1 and state["before"]["problems"] == 2
 
@@ -257,10 +267,10 @@ def test_the_first_minibatch_logs_the_numerical_floor_of_the_ratio(tiny_model_di
 def test_the_inert_trust_region_is_announced_exactly_when_it_is_inert():
     cfg, _, _ = config.parse_args([])
     with pytest.warns(UserWarning, match="every clip rule gives the same update"):
-        train.warn_if_inert(cfg)
+        config.warn_if_inert(cfg)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        train.warn_if_inert(dataclasses.replace(cfg, updates_per_rollout=2))
+        config.warn_if_inert(dataclasses.replace(cfg, updates_per_rollout=2))
 
 
 def test_token_records_are_written_every_step(tiny_model_dir, tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import signal
 import sys
 import time
@@ -96,9 +97,11 @@ def sample(model, tokenizer, problems: list[dict], cfg: Config, step: int, first
 def score(out: rollout.Rollout, problems: list[dict], cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
     """(rewards [N], correct [N]) on the model's device; the format bonus is below 1, so correct = reward >= 1."""
     references = [p["answer"] for p in problems for _ in range(cfg.group_size)]
+    questions = [p["problem"] for p in problems for _ in range(cfg.group_size)]  # an echoed question is wrong
     answer_format = cfg.template if cfg.format_weight else None
-    rewards = torch.tensor(reward.reward(out.texts, references, format_weight=cfg.format_weight,
-                                         answer_format=answer_format), device=out.old_logp.device)
+    rewards = torch.tensor(reward.reward(out.texts, references, problems=questions, template=cfg.template,
+                                         format_weight=cfg.format_weight, answer_format=answer_format),
+                           device=out.old_logp.device)
     return rewards, (rewards >= 1).float()
 
 
@@ -282,29 +285,65 @@ class Stopwatch:
 def train(cfg: Config, world: distributed.World | None = None) -> dict:
     """Run (or resume) training; returns the final state with the before/after evaluations.
 
-    With several processes every rank runs this loop in step; rank 0 alone writes files (metrics,
-    checkpoints, exports), and the other ranks wait for it at a barrier before they go on.
+    Every check that can run before the weights load does (settings, data, the model's context and
+    shape, paths); then the run directory's lock is taken, and a start that fails before the first
+    checkpoint removes the folder it created. With several processes every rank runs this loop in
+    step; rank 0 alone holds the lock and writes files (metrics, checkpoints, exports), and the other
+    ranks wait for it at a barrier before they go on. Raises Stopped after a checkpoint on Ctrl-C.
     """
     world = world or distributed.SOLO
     writer = world.rank == 0
+    start = check_start(cfg)
+    run_dir = rundir.run_path(cfg)
+    with rundir.RunLock(run_dir, resume=bool(cfg.resume), active=writer) as lock:
+        # also the point no rank passes before rank 0 holds the run directory
+        distributed.check_same_settings(world, config.flat_config(cfg))
+        try:
+            model, tokenizer, optimizer = build(cfg, start["model_dir"])
+            cfg = resolve_sizes(cfg, model, tokenizer, start["train_set"], world)
+            if writer:
+                config.warn_if_inert(cfg)
+
+            def save(state: dict) -> None:
+                if writer:
+                    rundir.save_checkpoint(run_dir, model, optimizer, state)
+                world.barrier("waiting for rank 0 to write a checkpoint")
+
+            state = open_run(cfg, run_dir, model, optimizer, world, save)
+        except BaseException:
+            lock.discard()  # nothing to resume yet: a retry finds no folder in its way
+            raise
+        try:
+            return run(cfg, world, run_dir, model, tokenizer, optimizer, state, start, save)
+        except rundir.WriteError as error:  # the run has a checkpoint to continue from
+            error.run_dir = run_dir
+            raise
+        except KeyboardInterrupt:
+            raise Interrupted(run_dir) from None
+
+
+def check_start(cfg: Config) -> dict:
+    """What a run needs before its weights load, each checked: the settings, the datasets (every prompt
+    fits the model's context, or its file and line is named), the model's config.json and tokenizer
+    (the context, the LoRA rank), the export folder. Returns the data, the model directory and tokenizer."""
     config.validate(cfg)
     train_set, eval_sets = load_problems(cfg.dataset), load_eval_sets(cfg)
-    run_dir = rundir.prepare_run_dir(cfg)
-    # also the point no rank passes before every rank has checked its run directory
-    distributed.check_same_settings(world, config.flat_config(cfg))
-    model, tokenizer, optimizer = build(cfg)
-    cfg = resolve_sizes(cfg, model, tokenizer, train_set, world)
-    if writer:
-        warn_if_inert(cfg)
-        run_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed start leaves no empty run directory
-    metrics_file = run_dir / "metrics.jsonl"
+    if cfg.export:
+        weights.check_export_dir(cfg.export)  # before training, not after it
+    model_dir = weights.resolve_checkpoint(cfg.model)  # the default converts once; a hub id downloads once
+    model_cfg = memory.model_config(str(model_dir))
+    config.check_model(cfg, model_cfg)
+    tokenizer = weights.load_tokenizer(str(model_dir))
+    for name, problems in [(cfg.dataset, train_set), *eval_sets.items()]:
+        config.check_prompts(cfg, problems, tokenizer, model_cfg.max_position_embeddings, name)
+    return {"train_set": train_set, "eval_sets": eval_sets, "model_dir": model_dir}
 
-    def save(state: dict) -> None:
-        if writer:
-            rundir.save_checkpoint(run_dir, model, optimizer, state)
-        world.barrier("waiting for rank 0 to write a checkpoint")
 
-    state = open_run(cfg, run_dir, model, optimizer, world, save)
+def run(cfg: Config, world: distributed.World, run_dir: Path, model, tokenizer, optimizer, state: dict,
+        start: dict, save) -> dict:
+    """The loop of a started run: the evaluation before, the steps, the evaluation after, the summary."""
+    writer = world.rank == 0
+    train_set, eval_sets = start["train_set"], start["eval_sets"]
     with StopRequest() as stop:
         if state["before"] is None:
             with stop.immediate():
@@ -317,25 +356,23 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
             record, records = train_step(model, optimizer, tokenizer, problems, cfg, step, world)
             state.update(step=step, data_position=state["data_position"] + cfg.prompts_per_step)
             if records and writer:
-                loss.write_token_records(run_dir / "tokens" / f"step-{step:06d}.npz", records, cfg.log_tokens,
-                                         seed=cfg.seed * 1_000_003 + step)
+                path = run_dir / "tokens" / f"step-{step:06d}.npz"
+                with rundir.writing(path):
+                    loss.write_token_records(path, records, cfg.log_tokens, seed=cfg.seed * 1_000_003 + step)
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 with stop.immediate():
                     record["eval"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, f"eval step {step}", world)
                 rundir.keep_best(run_dir, model, state, record["eval"], writer)
             if writer:
-                with metrics_file.open("a") as f:
-                    f.write(rundir.to_json(record) + "\n")
+                rundir.append_metrics(run_dir / "metrics.jsonl", record)
             bar.set_postfix(reward=f"{record['reward']:.2f}", acc=f"{record['accuracy']:.2f}")
             # every rank stops after the same step, whichever of them the signal reached first
             stopping = bool(world.max(torch.tensor(float(stop.requested), device="cpu")))
             if step % cfg.checkpoint_every == 0 or stopping:
                 save(state)
             if stopping:
-                if writer:
-                    print(f"stopped at step {step}; continue with: python train.py --resume {run_dir}",
-                          file=sys.stderr)
-                return state
+                bar.close()
+                raise Stopped(run_dir, step)
         with stop.immediate():
             state["after"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, "eval after", world)
     rundir.keep_best(run_dir, model, state, state["after"], writer)
@@ -343,24 +380,50 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
     if writer:
         rundir.write_json(run_dir / "summary.json", {k: state[k] for k in ("before", "after", "best")})
         if cfg.export:
-            weights.save_pretrained(model, cfg.export, tokenizer=tokenizer)
+            with rundir.writing(Path(cfg.export)):
+                weights.save_pretrained(model, cfg.export, tokenizer=tokenizer)
             print(f"exported merged weights to {cfg.export}", file=sys.stderr)
         print(f"run directory: {run_dir}", file=sys.stderr)
     world.barrier("waiting for rank 0 to write the summary and the export")
     return state
 
 
+class Stopped(Exception):
+    """The loop stopped after a step on Ctrl-C (or SIGTERM), with a checkpoint of that step."""
+
+    def __init__(self, run_dir: Path, step: int):
+        super().__init__(f"stopped at step {step}; continue with: python train.py --resume {run_dir}")
+        self.run_dir, self.step = run_dir, step
+
+
+class Interrupted(KeyboardInterrupt):
+    """A Ctrl-C that could not wait for the step to end (a second one, or one during an evaluation): the
+    run keeps its last checkpoint."""
+
+    def __init__(self, run_dir: Path):
+        super().__init__(f"interrupted; the last checkpoint is kept: continue with python train.py --resume "
+                         f"{run_dir}")
+        self.run_dir = run_dir
+
+
 def open_run(cfg: Config, run_dir: Path, model, optimizer, world: distributed.World, save) -> dict:
     """The state a run starts from: a resumed run's checkpoint (the same on every rank, whatever the
     world size), or step 0 of a new run, checkpointed at once so a run stopped before its first step
-    can resume."""
+    can resume. A resume that changes settings records them (rundir.record_resume)."""
     writer = world.rank == 0
     if cfg.resume:
         state = rundir.load_checkpoint(run_dir, model, optimizer)
         world.barrier("loading the checkpoint")  # before rank 0 may write the next one
         if writer:
             rundir.truncate_metrics(run_dir / "metrics.jsonl", state["step"])
-            print(f"resumed {run_dir} at step {state['step']}", file=sys.stderr)
+            saved = config.saved_config(run_dir)
+            changed = config.changed_settings(saved, cfg)
+            if changed:
+                rundir.record_resume(run_dir, state["step"], changed,
+                                     {**config.flat_config(cfg), "resume": saved.get("resume")})
+            shown = ", ".join(f"--{name.replace('_', '-')} {old} -> {new}" for name, (old, new) in changed.items())
+            print(f"resumed {run_dir} at step {state['step']}" + (f"; changed: {shown}" if shown else ""),
+                  file=sys.stderr)
         return state
     state = {"step": 0, "data_position": 0, "before": None, "best": None}
     if writer:
@@ -428,13 +491,6 @@ def evaluate_held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: C
             "problems": sum(p["problems"] for p in parts), "k": cfg.eval_k, "sets": results}
 
 
-def warn_if_inert(cfg: Config) -> None:
-    if cfg.updates_per_rollout == 1:
-        warnings.warn("--updates-per-rollout 1: every update starts from the weights that sampled its rollout, so "
-                      "the ratio w is 1 up to rounding and every clip rule gives the same update; use several "
-                      "updates per rollout to compare rules", stacklevel=2)
-
-
 class StopRequest:
     """While active, the first Ctrl-C (or SIGTERM) asks the loop to stop after the current step and
     checkpoint; a second one interrupts at once, and the last checkpoint stays as it was. Inside
@@ -489,11 +545,12 @@ def resolve_sizes(cfg: Config, model, tokenizer, train_set: list[dict], world: d
 # ----------------------------------------------------------------------------- building the model
 
 
-def build(cfg: Config):
-    """Model with fresh LoRA adapters, tokenizer and optimizer."""
+def build(cfg: Config, model_dir: Path | None = None):
+    """Model with fresh LoRA adapters, tokenizer and optimizer (from model_dir, cfg.model resolved, if given)."""
     device, dtype = config.resolve_device(cfg)
-    model = weights.from_pretrained(cfg.model, dtype=dtype, device=device)
-    tokenizer = weights.load_tokenizer(cfg.model)
+    source = cfg.model if model_dir is None else str(model_dir)
+    model = weights.from_pretrained(source, dtype=dtype, device=device)
+    tokenizer = weights.load_tokenizer(source)
     model.requires_grad_(False)
     torch.manual_seed(cfg.seed)  # adapter initialization
     lora.inject(model, cfg.lora_rank, cfg.lora_alpha, targets=tuple(cfg.lora_targets.split(",")),
@@ -563,34 +620,49 @@ def plan(cfg: Config) -> bool:
 # ----------------------------------------------------------------------------- command line
 
 
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError)
+USER_ERRORS = (ValueError, OSError, rundir.RunInUse)  # OSError: missing files, full disks, read-only folders
 
 
 def main(argv: list[str] | None = None) -> None:
     """Settings, data and paths are checked before anything loads; a mistake there prints one line and
-    exits with status 2. A Ctrl-C exits with 130 and says how to continue."""
+    exits with status 2, as does a file that cannot be written later (naming it). A Ctrl-C exits with
+    130, also when the run stopped cleanly after its step, and says how to continue."""
     warnings.formatwarning = lambda message, category, *_, **__: f"warning: {message}\n"  # no source line
+    first_rank = os.environ.get("RANK", "0") == "0"
     try:
         cfg, given, show_plan = config.parse_args(argv, description=__doc__)
-        if show_plan:
-            sys.exit(0 if plan(cfg) else 1)
         if cfg.resume:
             cfg = config.resumed_config(cfg, given)
+        if show_plan:
+            sys.exit(0 if plan(cfg) else 1)
         with distributed.joined(config.resolve_device(cfg)[0], cfg.dist_timeout) as world:
             state = train(cfg, world)
     except USER_ERRORS as error:
         if _inside_training(error):
             raise
-        print(f"train.py: {error}", file=sys.stderr)
+        print(f"train.py: {_one_line(error)}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print("\ninterrupted; the last checkpoint is kept (python train.py --resume RUN continues it)", file=sys.stderr)
+    except Stopped as stop:
+        if first_rank:
+            print(str(stop), file=sys.stderr)
         sys.exit(130)
-    if "after" in state and world.rank == 0:
+    except KeyboardInterrupt as interrupt:
+        if first_rank:
+            print(f"\n{interrupt}" if isinstance(interrupt, Interrupted) else
+                  "\ninterrupted before the run started: nothing was written", file=sys.stderr)
+        sys.exit(130)
+    if world.rank == 0:
         before, after, best = state["before"], state["after"], state["best"]
         print(f"best held-out accuracy {100 * best['accuracy']:.1f}% at step {best['step']}")
         print(f"held-out accuracy: before {100 * before['accuracy']:.1f}% -> after {100 * after['accuracy']:.1f}% "
               f"(n={after['problems']}, k={after['k']}, se {100 * (after['se'] or 0):.1f})")
+
+
+def _one_line(error: BaseException) -> str:
+    """An error as one line: an OSError from the system as "PATH: reason", not "[Errno 13] ...: 'PATH'"."""
+    if isinstance(error, OSError) and not isinstance(error, rundir.WriteError) and error.filename and error.strerror:
+        return f"{error.filename}: {error.strerror}"
+    return str(error).replace("\n", " ")
 
 
 def _inside_training(error: BaseException) -> bool:

@@ -11,7 +11,7 @@ dataset files, templates.py turns a problem into chat-formatted token ids and na
 from pathlib import Path
 
 from .arithmetic import DEFAULT_KINDS, KINDS, TWO_DIGIT_KINDS, arithmetic_problems
-from .prepare import DATA_DIR, FORMATS, HUB, read_problems
+from .prepare import DATA_DIR, FORMATS, HUB, read_problems, read_rows
 from .templates import TEMPLATES, render_prompt, stop_ids, user_message
 
 GENERATED = {  # name -> (split, kinds), made on the fly
@@ -55,12 +55,25 @@ def load_problems(
     )
 
 
+def problem_location(name_or_path: str | Path, index: int, *, data_dir: str | Path = DATA_DIR) -> str:
+    """Where problem `index` of load_problems(name_or_path) comes from: "FILE:LINE" (or the item or row of a
+    .json or .parquet file), or "NAME, problem N" for a generated set. Read again only for an error message."""
+    name = str(name_or_path)
+    path = Path(name) if name.endswith(tuple(FORMATS)) else Path(data_dir) / f"{name}.jsonl"
+    if name not in GENERATED and path.is_file():
+        for position, (where, _) in enumerate(read_rows(path)):
+            if position == index:
+                return where
+    return f"{name}, problem {index + 1}"
+
+
 __all__ = [
     "DEFAULT_KINDS",
     "KINDS",
     "TEMPLATES",
     "arithmetic_problems",
     "load_problems",
+    "problem_location",
     "read_problems",
     "render_prompt",
     "stop_ids",
