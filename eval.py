@@ -371,7 +371,7 @@ def load_run(path: str | Path) -> dict[str, Evaluation]:
         return {name: Evaluation(int(e["k"]), [ProblemResult(**p) for p in e["problems"]],
                                  {m: _estimate(s) for m, s in e["summary"].items()})
                 for name, e in benchmarks.items()}
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
+    except (ValueError, KeyError, TypeError, AttributeError) as error:  # ValueError: bad JSON or not UTF-8 text
         raise ValueError(f"{path}: not a run file written by eval.py ({type(error).__name__}: {error})") from None
 
 
@@ -447,10 +447,11 @@ def evaluate(model, tokenizer, problems: Sequence[Mapping], *, k: int, n: int | 
                                    top_p=top_p, stop_ids=stops, seed=seed, first_prompt=first_problem + start,
                                    tokenizer=tokenizer)
             references = [p["answer"] for p in batch for _ in range(n)]  # rows are prompt-major
-            correct = [score == 1.0 for score in reward.reward(out.texts, references)]
+            questions = [p["problem"] for p in batch for _ in range(n)]  # an answer that echoes its question is wrong
+            correct = [score == 1.0 for score in reward.reward(out.texts, references, problems=questions,
+                                                               template=template)]
             # Maj@k votes on the normalized spelling, so "\dfrac12" and "\frac{1}{2}" count as one answer
-            answers = [None if (a := reward.extract_answer(t)) is None else reward.normalize(a) or None
-                       for t in out.texts]
+            answers = [reward.answer_of(t, template) for t in out.texts]
             lengths, truncated = out.completion_mask.sum(1).tolist(), out.truncated.tolist()
             for i, p in enumerate(batch):
                 rows = slice(i * n, (i + 1) * n)
@@ -475,7 +476,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The flags, each checked here with a message naming it and its allowed values, before anything loads."""
-    parser = _Parser(description=__doc__.strip().splitlines()[0])
+    parser = _Parser(description=__doc__.strip().splitlines()[0], allow_abbrev=False)
     parser.add_argument("--model", default=None, help="model directory or hub id (default: the offline "
                         "SmolLM2-135M-Instruct)")
     parser.add_argument("--adapter", default=None, help="LoRA adapter directory (PEFT format) to load on the model")
@@ -579,7 +580,7 @@ def _load_baseline(path: str) -> dict:
         raise FileNotFoundError(f"--baseline: {path} does not exist")
     try:
         return json.loads(Path(path).read_text())
-    except json.JSONDecodeError as error:
+    except ValueError as error:  # bad JSON, or not UTF-8 text
         raise ValueError(f"--baseline: {path} is not valid JSON ({error})") from None
 
 

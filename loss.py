@@ -977,9 +977,11 @@ def calibration_report(records: dict[str, np.ndarray], rules: list[str], target_
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="loss.py", description="Tools on a run's per-token records.")
+    parser = argparse.ArgumentParser(prog="loss.py", description="Tools on a run's per-token records.",
+                                     allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
-    calibrate = commands.add_parser("calibrate", help="compare rules at equal clip rate on a run's records")
+    calibrate = commands.add_parser("calibrate", help="compare rules at equal clip rate on a run's records",
+                                    allow_abbrev=False)
     calibrate.add_argument("run_dir", type=Path, help="a run directory with tokens/step-*.npz (train.py --log-tokens)")
     calibrate.add_argument("--rules", default="grpo,atr,kl-atomic,interval", help="comma-separated rules")
     calibrate.add_argument("--target-rate", type=float, required=True, help="clip rate to calibrate each delta to")

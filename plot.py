@@ -266,7 +266,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: Sequence[str] | None = None) -> list[Path]:
-    parser = _Parser(description=__doc__.strip().splitlines()[0])
+    parser = _Parser(description=__doc__.strip().splitlines()[0], allow_abbrev=False)
     parser.add_argument("runs", nargs="+", type=Path, help="run directories written by train.py (runs/NAME)")
     parser.add_argument("--out", type=Path, default=None, help="folder for the PNG files (default: RUN/plots for "
                         "one run, plots-A-vs-B beside the first run for several)")

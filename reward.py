@@ -911,6 +911,16 @@ def restates_problem(answer: str, reference: str, problem: str) -> bool:
     return all(Decimal(n) in own | {Decimal(0), Decimal(1)} for n in numbers)
 
 
+def answer_of(completion: str, template: str | None = None) -> str | None:
+    """The completion's final answer as graded, normalized ("\\dfrac12" -> "\\frac{1}{2}"; with the equation
+    template, what follows the last "="), or None when it has none: what Maj@k votes on."""
+    answer = extract_answer(completion)
+    normalized = None if answer is None else normalize(answer)
+    if normalized and template == "equation":
+        normalized = _after_last_equals(normalized)
+    return normalized or None
+
+
 def _grade_fast(completion: str, reference: str, problem: str | None = None,
                 template: str | None = None) -> bool | tuple[str, str]:
     """The verdict where exact text or rationals decide, else the normalized (answer, reference) for sympy."""
@@ -1021,9 +1031,7 @@ def main(argv: list[str]) -> int:
     verdict = grade(args.prediction, args.gold, problem=args.problem, template=args.template)
     print(f"verdict: {'correct' if verdict else 'wrong'}")
     sides = {"prediction": extract_answer(args.prediction), "reference": _reference_answer(args.gold)}
-    normalized = {side: None if text is None else normalize(text) for side, text in sides.items()}
-    if normalized["prediction"] is not None and args.template == "equation":
-        normalized["prediction"] = _after_last_equals(normalized["prediction"])
+    normalized = {"prediction": answer_of(args.prediction, args.template), "reference": normalize(sides["reference"])}
     for side, extracted in sides.items():
         print(f"{side}:\n  extracted:  {extracted!r}\n  normalized: {normalized[side]!r}")
     if args.problem is not None and normalized["prediction"] and restates_problem(*normalized.values(), args.problem):

@@ -102,7 +102,7 @@ class RunLock:
         if not self.active:
             return self
         try:
-            with writing(self.run_dir / LOCK_FILE):
+            with writing(self.run_dir):
                 while self.fd is None:
                     try:
                         self.run_dir.mkdir(parents=True)

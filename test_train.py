@@ -1,7 +1,9 @@
 """The training loop end to end on a tiny random model: it trains, logs, checkpoints and resumes exactly."""
 
 import dataclasses
+import errno
 import json
+import os
 import re
 import signal
 import subprocess
@@ -99,7 +101,10 @@ def test_resume_reproduces_an_uninterrupted_run(tiny_model_dir, tmp_path):
     assert json.loads((tmp_path / "split" / "config.json").read_text())["steps"] == 4
 
 
-def test_sigkill_loses_only_steps_after_the_last_checkpoint(tiny_model_dir, tmp_path):
+def test_a_run_has_one_writer_and_sigkill_loses_only_steps_after_the_last_checkpoint(tiny_model_dir, tmp_path,
+                                                                                      capsys):
+    """While a run trains, a second start of it, a resume and an export are refused in one line naming its
+    process; once that process is killed, its lock is gone with it and the run resumes."""
     args = tiny_args(tiny_model_dir, tmp_path, "killed", "--steps", "1000000", "--checkpoint-every", "1",
                      "--eval-problems", "1", "--eval-k", "1")
     proc = launch(args, tmp_path / "killed.log")
@@ -109,6 +114,14 @@ def test_sigkill_loses_only_steps_after_the_last_checkpoint(tiny_model_dir, tmp_
         while not (run_dir / "latest").exists() or _latest_step(run_dir) < 3:
             assert proc.poll() is None and time.time() < deadline, "training did not reach step 3"
             time.sleep(0.2)
+        for second in (args, ["--resume", str(run_dir)], ["--resume", str(run_dir), "--export", str(tmp_path / "x")]):
+            with pytest.raises(SystemExit) as exit_info:
+                train.main(second)
+            err = capsys.readouterr().err.strip()
+            assert exit_info.value.code == 2 and err == (
+                f"train.py: {run_dir} is in use by process {proc.pid} (a train.py run, resume or export writes it); "
+                "wait for that process to end, or stop it"), err
+        assert proc.poll() is None and not (tmp_path / "x").exists()
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -299,6 +312,17 @@ def test_a_resumed_run_refuses_settings_that_name_another_run(tiny_model_dir, tm
     (["--format-weight", "1", "--template", "boxed"], "--format-weight"),
     (["--rule", "nope"], "rule"), (["--dual-clip", "0.5,x"], "--dual-clip"),
     (["--ratio-limits", "2,1"], "ratio.limits"), (["--aggregation", "token-mean", "--rule", "gspo"], "--aggregation"),
+    (["--updates-per-rollout", "0"], "^train.py: --updates-per-rollout 0: must be between 1 and the 64 rows"),
+    (["--template", "foo"], "^train.py: --template 'foo': expected one of answer, boxed, plain, equation"),
+    (["--seed", "-1"], r"^train.py: --seed -1: must be in \[0, 2\^32\)$"),
+    (["--steps", "-1"], "^train.py: --steps -1: must be >= 0$"),  # the one flag at fault, no other
+    (["--grad-clip", "0"], "^train.py: --grad-clip 0.0: must be > 0"),
+    (["--run-name", "../escape"], "^train.py: --run-name '../escape': must be one folder name, inside --out-dir"),
+    (["--kl-cov-coef", "nan"], "^train.py: --kl-cov-coef nan: must be a finite number$"),
+    (["--step", "2"], "^train.py: unrecognized arguments: --step 2$"),  # not taken for --steps
+    (["--rule", "interval", "--delta", "0.1"], "^train.py: --delta 0.1: --rule interval has no trust-region size"),
+    (["--norm-len", "8"], "^train.py: --norm-len 8: only --aggregation seq-mean-token-sum-norm divides by it"),
+    (["--lora-targets", "q_proj,attn"], "^train.py: --lora-targets q_proj,attn: expected distinct names among"),
 ])
 def test_each_bad_flag_fails_in_one_line_before_the_model_loads(tmp_path, capsys, flags, message):
     """The model path does not exist: an error about the flag proves the check came first."""
@@ -307,6 +331,54 @@ def test_each_bad_flag_fails_in_one_line_before_the_model_loads(tmp_path, capsys
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(lines) == 1 and re.search(message, lines[0]), lines
     assert not any(tmp_path.iterdir()), "a failed start leaves nothing behind"
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Loading weights fails the test: these checks must come before it."""
+    monkeypatch.setattr(train.weights, "from_pretrained", lambda *_, **__: pytest.fail("the weights loaded"))
+
+
+def test_a_missing_model_is_named_by_its_flag(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train.main(["--model", str(tmp_path / "no-model"), "--out-dir", str(tmp_path)])
+    assert capsys.readouterr().err == f"train.py: --model {tmp_path / 'no-model'}: neither a local directory nor a " \
+                                      "hub id (owner/name)\n"
+
+
+def test_what_needs_the_models_shape_is_checked_before_its_weights_load(tiny_model_dir, tmp_path, capsys, no_weights):
+    """The tiny model has a context of 256 tokens and k_proj of 32 x 16."""
+    long_problem = "What is " + " + ".join(["1"] * 200) + "?"
+    train_file = tmp_path / "long.jsonl"
+    train_file.write_text("".join(json.dumps({"problem": p, "answer": "2"}) + "\n"
+                                  for p in ("What is 1 + 1?", "What is 2 + 0?", long_problem)))
+    out = tmp_path / "runs"
+    cases = [
+        (["--max-new-tokens", "256"], "--max-new-tokens 256: the model's context is 256 tokens, prompt included"),
+        (["--lora-rank", "17"], "--lora-rank 17: above the 16 dimensions of k_proj in this model"),
+        (["--dataset", str(train_file)], f"{train_file}:3: the prompt has "),
+        (["--eval-dataset", f"arithmetic_test,{train_file}"], f"{train_file}:3: the prompt has "),
+        (["--export", "/proc/no-export"], "--export /proc/no-export: cannot write in /proc"),
+    ]
+    for flags, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            train.main(tiny_args(tiny_model_dir, out, "shape", *flags))
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2 and err.startswith(f"train.py: {message}") and "\n" not in err, err
+    assert not out.exists(), "a failed start leaves nothing behind"
+
+
+def test_an_unwritable_out_dir_fails_before_the_weights_load(tiny_model_dir, tmp_path, capsys, no_weights):
+    if os.geteuid() == 0:
+        out = Path("/proc/no-runs")  # root may write anywhere else
+    else:
+        out = tmp_path / "read-only"
+        out.mkdir(mode=0o555)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(tiny_args(tiny_model_dir, out, "ro"))
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and err.startswith(f"train.py: cannot write {out}") and "\n" not in err, err
+    assert not (tmp_path / "read-only" / "ro").exists()
 
 
 def test_bad_data_and_runs_fail_before_training(tiny_model_dir, tmp_path):
@@ -373,3 +445,93 @@ def test_a_plan_that_does_not_fit_says_which_phase_and_exits_1():
     last = proc.stdout.strip().splitlines()[-1]
     assert proc.returncode == 1 and last.startswith("plan: peak") and "of 1.5 GB (does not fit: " in last, proc.stdout
     assert "--grad-accum" in last or "--lora-rank" in last
+
+
+def test_a_resume_records_what_it_changes_and_refuses_what_the_adapters_cannot_follow(tiny_model_dir, tmp_path,
+                                                                                      capsys):
+    run_training(tiny_args(tiny_model_dir, tmp_path, "changed", "--steps", "2"))
+    run_dir = tmp_path / "changed"
+    with pytest.raises(ValueError, match="--lora-rank cannot change them"):
+        run_training(["--resume", str(run_dir), "--lora-rank", "8"])
+    run_training(["--resume", str(run_dir), "--steps", "3", "--lr", "0.005", "--lora-rank", "4"])  # 4: the run's own
+    assert "; changed: --steps 2 -> 3, --lr 0.01 -> 0.005" in capsys.readouterr().err
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["lr"] == 0.005 and saved["steps"] == 3 and saved["resume"] is None
+    run_training(["--resume", str(run_dir), "--steps", "4"])  # a plain resume keeps the new learning rate
+    assert event_lines(run_dir) == [{"step": 2, "event": "resume", "changed": {"steps": [2, 3], "lr": [0.01, 0.005]}},
+                                    {"step": 3, "event": "resume", "changed": {"steps": [3, 4]}}]
+    assert [line["step"] for line in metric_lines(run_dir)] == [1, 2, 3, 4]
+
+
+def test_plan_with_resume_plans_the_run(tiny_model_dir, tmp_path, capsys):
+    run_training(tiny_args(tiny_model_dir, tmp_path, "planned", "--steps", "1", "--lora-rank", "3"))
+    with pytest.raises(SystemExit):
+        train.main(["--plan", "--resume", str(tmp_path / "planned")])
+    out = capsys.readouterr().out
+    assert "r3 on 7 targets" in out and "2 prompts x 2 samples x 4 new tokens" in out, out
+
+
+def test_a_resume_without_latest_takes_the_newest_checkpoint(tiny_model_dir, tmp_path):
+    run_training(tiny_args(tiny_model_dir, tmp_path, "pointer", "--steps", "2"))
+    (tmp_path / "pointer" / "latest").unlink()
+    with pytest.warns(UserWarning, match="latest is missing; resuming from the newest checkpoint folder, "
+                                         "checkpoint-000002"):
+        state = run_training(["--resume", str(tmp_path / "pointer"), "--steps", "3"])
+    assert state["step"] == 3
+
+
+def test_a_damaged_config_json_is_named(tiny_model_dir, tmp_path, capsys):
+    run_training(tiny_args(tiny_model_dir, tmp_path, "damaged", "--steps", "1"))
+    saved = tmp_path / "damaged" / "config.json"
+    capsys.readouterr()
+    for text, message in (('{"steps": 2', "not valid JSON"), ('{"stepz": 2}', "unknown settings stepz")):
+        saved.write_text(text)
+        with pytest.raises(SystemExit) as exit_info:
+            train.main(["--resume", str(tmp_path / "damaged")])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.startswith(f"train.py: {saved}: {message}") and err.count("\n") == 1
+
+
+def test_a_full_disk_is_one_line_naming_the_file_and_the_run_resumes(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    real_save = train.rundir.torch.save
+
+    def save(obj, f):
+        if obj["state"]["step"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(obj, f)
+    monkeypatch.setattr(train.rundir.torch, "save", save)
+    run_dir = tmp_path / "full"
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(tiny_args(tiny_model_dir, tmp_path, "full", "--steps", "3"))
+    assert exit_info.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == (
+        f"train.py: cannot write {run_dir / 'checkpoint-000002'}: No space left on device; the run keeps its last "
+        f"checkpoint: continue with python train.py --resume {run_dir}")
+    assert not list(run_dir.glob(".*.tmp")) and _latest_step(run_dir) == 0
+    monkeypatch.setattr(train.rundir.torch, "save", real_save)
+    assert run_training(["--resume", str(run_dir)])["step"] == 3
+
+
+def test_rewriting_the_metrics_on_a_full_disk_leaves_no_temporary_file(tmp_path, monkeypatch):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1}\n{"step": 2}\n')
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(train.rundir.WriteError, match=f"cannot write {metrics}: No space left on device"):
+        train.rundir.truncate_metrics(metrics, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    with pytest.raises(train.rundir.WriteError, match="metrics.jsonl"):
+        monkeypatch.setattr(Path, "open", lambda *_, **__: full(None))
+        train.rundir.append_metrics(metrics, {"step": 3})
+
+
+def test_saved_files_follow_the_umask(tiny_model_dir, tmp_path):
+    previous = os.umask(0o022)
+    try:
+        run_training(tiny_args(tiny_model_dir, tmp_path, "shared", "--steps", "1", "--export", str(tmp_path / "x")))
+    finally:
+        os.umask(previous)
+    for path in [tmp_path / "x", tmp_path / "shared" / "best", *(tmp_path / "x").iterdir(),
+                 *(tmp_path / "shared" / "best").iterdir(), *(tmp_path / "shared").glob("checkpoint-*/adapter/*")]:
+        assert path.stat().st_mode & 0o777 == (0o755 if path.is_dir() else 0o644), path

@@ -243,7 +243,8 @@ HEADER = (f"{'model':<11} {'phase':<50} {'side':<20} {'seconds':>8} {'tokens/s':
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--out", required=True, help="directory for gpu_check.json")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--models", nargs="+", choices=list(QWEN3), default=["Qwen3-1.7B"])

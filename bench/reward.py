@@ -40,7 +40,8 @@ def measure(completions: list[str], references: list[str], workers: int) -> tupl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--workers", type=int, default=2, help="sympy worker processes (default 2)")
     workers = parser.parse_args().workers
     if workers < 1:

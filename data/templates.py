@@ -10,11 +10,19 @@ here, because the reward has to parse exactly that presentation:
   instructions: SmolLM2-135M-Instruct ignores "answer with the number only" and explains at length,
   while after this one turn it usually answers in about ten tokens.
 A template's reply ends at one of stop_ids(): where sampling stops is part of how a problem is posed.
+
+    python data/templates.py --template boxed "What is 7 + 6?"   # the turns a model is shown
 """
 
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .prepare import DAPO_PREFIX, DAPO_SUFFIX
+if __package__ in (None, ""):  # run as a script: import as the data package's module (PEP 366)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "data"
+
+from .prepare import DAPO_PREFIX, DAPO_SUFFIX  # noqa: E402
 
 if TYPE_CHECKING:  # data/ stays importable without torch
     from model import ModelConfig
@@ -75,3 +83,25 @@ def stop_ids(model_config: "ModelConfig", tokenizer) -> list[int]:
     if not ids:
         raise ValueError("neither the model config nor the tokenizer names an EOS token to stop sampling at")
     return sorted(ids)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the turns a template poses a problem with (system and chat formatting aside)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="data/templates.py", description=main.__doc__, allow_abbrev=False)
+    parser.add_argument("problem", nargs="?", default="What is 7 + 6?", help="a bare problem (default: %(default)s)")
+    parser.add_argument("--template", default="boxed", help=f"one of {', '.join(TEMPLATES)}, or a string with "
+                                                            "{problem} (default: %(default)s)")
+    args = parser.parse_args(argv)
+    try:
+        message = user_message(args.problem, args.template)
+    except ValueError as error:
+        parser.exit(2, f"data/templates.py: --template: {error}\n")
+    for question, answer in EXAMPLES.get(args.template, []):
+        print(f"user: {question}\nassistant: {answer}")
+    print(f"user: {message}")
+
+
+if __name__ == "__main__":
+    main()
