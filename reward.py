@@ -875,8 +875,9 @@ def _nesting(s: str) -> int:
 _PLAIN_NUMBER_RE = re.compile(r"-?(?:\d+(?:\.\d+)?|\.\d+)")
 
 
-# an arithmetic expression: numbers, operations and brackets, nothing else ("7+6", "2^{10}", "(3+4)\\times5")
-_ARITHMETIC_RE = re.compile(r"(?:\d+(?:\.\d+)?|\.\d+|[-+*/^!()\[\]{}]|\\times|\\cdot|\\div|\\frac)+")
+# an arithmetic expression: digits, points, operations and brackets, nothing else ("7+6", "2^{10}", "(3+4)\\times5");
+# one character or command per repetition, so a long run of digits cannot make the match backtrack
+_ARITHMETIC_RE = re.compile(r"(?:[\d.\-+*/^!()\[\]{}]|\\times|\\cdot|\\div|\\frac)+")
 _OPERATION_RE = re.compile(r"[-+*/^!]|\\times|\\cdot|\\div|\\frac")
 _NUMBER_RE = re.compile(r"\d+(?:\.\d+)?|\.\d+")
 
