@@ -2,6 +2,8 @@
 
 import json
 import re
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -540,3 +542,13 @@ def test_stop_ids_join_the_checkpoint_end_tokens_and_the_tokenizer_eos(tokenizer
     assert stop_ids(ModelConfig(eos_token_id=5), no_eos) == [5]
     with pytest.raises(ValueError, match="neither the model config nor the tokenizer names an EOS"):
         stop_ids(ModelConfig(eos_token_id=None), no_eos)
+
+
+def test_the_templates_module_runs_as_a_script():
+    run = lambda *args: subprocess.run([sys.executable, "data/templates.py", *args], capture_output=True, text=True,
+                                       cwd=Path(__file__).parent, timeout=60)
+    assert run("--help").returncode == 0 and run("--help").stdout.startswith("usage: data/templates.py")
+    assert run("--template", "equation", "What is 7 + 6?").stdout.splitlines() == [
+        "user: What is 2 + 3?", "assistant: 2 + 3 = 5", "user: What is 7 + 6?"]
+    bad = run("--template", "nope")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and bad.stderr.startswith("data/templates.py: --template")

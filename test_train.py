@@ -64,10 +64,11 @@ def event_lines(run_dir: Path) -> list[dict]:
     return [line for line in lines if "event" in line]
 
 
-def test_two_steps_train_log_and_checkpoint(tiny_model_dir, tmp_path):
+def test_two_steps_train_log_and_checkpoint(tiny_model_dir, tmp_path, capsys):
     state = run_training(tiny_args(tiny_model_dir, tmp_path, "smoke", "--steps", "2",
                                    "--export", str(tmp_path / "export")))
     run_dir = tmp_path / "smoke"
+    assert capsys.readouterr().err.count(f"run directory: {run_dir}\n") == 2  # at the start and at the end
     lines = metric_lines(run_dir)
     assert [line["step"] for line in lines] == [1, 2]
     for key in ("reward", "accuracy", "entropy", "completion_length", "truncated", "clip_low_frac",
@@ -150,6 +151,25 @@ def test_ctrl_c_checkpoints_the_step_in_progress_and_resumes(tiny_model_dir, tmp
     assert saved_step >= 2 and len(metric_lines(tmp_path / "interrupted")) == saved_step
     state = run_training(["--resume", str(tmp_path / "interrupted"), "--steps", str(saved_step + 1)])
     assert state["step"] == saved_step + 1
+
+
+def test_a_second_ctrl_c_interrupts_at_once_without_a_traceback(tiny_model_dir, tmp_path):
+    args = tiny_args(tiny_model_dir, tmp_path, "twice", "--steps", "1000000", "--eval-problems", "1", "--eval-k", "1",
+                     "--max-new-tokens", "64")
+    log = tmp_path / "twice.log"
+    proc = launch(args, log)
+    metrics = tmp_path / "twice" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not metrics.exists() or not metrics.read_text():
+        assert proc.poll() is None and time.time() < deadline, log.read_text()[-2000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in log.read_text(), log.read_text()[-2000:]
+    assert log.read_text().strip().splitlines()[-1].endswith(f"--resume {tmp_path / 'twice'}")
+    assert run_training(["--resume", str(tmp_path / "twice"), "--steps", "1"])["step"] >= 1
 
 
 def test_ctrl_c_during_an_evaluation_exits_cleanly_and_the_run_resumes(tiny_model_dir, tmp_path):
