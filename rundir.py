@@ -184,13 +184,14 @@ def save_checkpoint(run_dir: Path, model, optimizer, state: dict) -> Path:
     name = f"checkpoint-{state['step']:06d}"
     tmp, final, pointer = run_dir / f".{name}.tmp", run_dir / name, run_dir / ".latest.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    with writing(final, tmp, pointer):
+    with writing(final, tmp):
         tmp.mkdir(parents=True)
         lora.save(model, tmp / "adapter")
         with open(tmp / "trainer.pt", "wb") as f:  # a Python file: a full disk is an OSError, not torch's message
             torch.save({"optimizer": optimizer.state_dict(), "state": state, "rng": _rng_state()}, f)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+    with writing(run_dir / "latest", pointer):  # failing here, `latest` still names the checkpoint before
         pointer.write_text(name)
         os.replace(pointer, run_dir / "latest")
     for old in sorted(run_dir.glob("checkpoint-*"))[:-2]:
