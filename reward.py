@@ -966,7 +966,7 @@ def has_format(completion: str, answer_format: str | None) -> bool:
     return {"boxed": boxed, "answer": answer_line, None: boxed or answer_line}[answer_format]
 
 
-def reward(completions: list[str], references: list[str], *, problems: list[str] | None = None,
+def reward(completions: list[str], references: list[str], *, problems: list[str | None] | None = None,
            template: str | None = None, format_weight: float = 0.0, answer_format: str | None = None,
            workers: int = 2, timeout: float = TIMEOUT_S, rel_tol: float = REL_TOL) -> list[float]:
     """Per completion: 1.0 if its answer is correct else 0.0, plus format_weight if has_format(...).
@@ -989,7 +989,7 @@ def reward(completions: list[str], references: list[str], *, problems: list[str]
                          f"workers={workers}, timeout={timeout}, rel_tol={rel_tol}, format_weight={format_weight}")
     for name, texts in (("completions", completions), ("references", references), ("problems", problems or [])):
         for i, text in enumerate(texts):
-            if not isinstance(text, str):
+            if not isinstance(text, str) and not (name == "problems" and text is None):  # a row without one
                 raise ValueError(f"{name}[{i}] is {type(text).__name__}, expected str")
     correct = [_guarded(_grade_fast, c, r, p, template)
                for c, r, p in zip(completions, references, problems or [None] * len(completions))]
@@ -1008,6 +1008,15 @@ def _guarded(grade_one, completion: str, *args):
         warnings.warn(f"reward: the checker failed on {completion[:80]!r} ({type(error).__name__}: {error}); "
                       "graded wrong", stacklevel=3)
         return False
+
+
+def math_reward(completions: list[str], answer: list[str], problem: list[str | None] | None = None,
+                template: list[str] | None = None, **columns) -> list[float]:
+    """The built-in reward as a reward function (TRL's signature, see scoring.py): per completion 1.0 if its
+    final answer equals its row's reference answer (the dataset's "answer" column), else 0.0. The rows'
+    problems (the "problem" column) make an answer that restates its problem wrong, and the template that
+    posed them (train.py's template column) says where the answer is (see reward)."""
+    return reward(completions, answer, problems=problem, template=template[0] if template else None)
 
 
 # ----------------------------------------------------------------------------- command line
