@@ -15,6 +15,7 @@ import difflib
 import json
 import math
 import tomllib
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import lora
 import loss
 import reward
 import scoring
+from data import TEMPLATES, problem_location, render_prompt
 
 
 def opt(default, help: str, choices: tuple[str, ...] | None = None):
@@ -211,74 +213,16 @@ def _model_checks(cfg, need_device: bool) -> list[tuple[bool, str]]:
          f"--device {device}: no CUDA GPU is visible to torch on this machine; use --device cpu"),
         (0 <= cfg.lora_dropout < 1, f"--lora-dropout {cfg.lora_dropout}: must be in [0, 1)"),
         (cfg.lr > 0 and math.isfinite(cfg.lr), f"--lr {cfg.lr}: must be a positive number"),
-        (cfg.weight_decay >= 0 and cfg.grad_clip > 0, f"--weight-decay {cfg.weight_decay} must be >= 0 and "
-                                                      f"--grad-clip {cfg.grad_clip} > 0"),
+        (cfg.weight_decay >= 0, f"--weight-decay {cfg.weight_decay}: must be >= 0"),
+        (cfg.grad_clip > 0, f"--grad-clip {cfg.grad_clip}: must be > 0 (the largest gradient norm an update keeps)"),
         (cfg.epochs >= 1, f"--epochs {cfg.epochs}: must be >= 1"),
     ]
 
 
 def validate(cfg: Config, need_device: bool = True) -> None:
-    """Every setting that would fail after the model loads fails here, naming the flag and what it accepts."""
-    rows = cfg.prompts_per_step * cfg.group_size
-    device, processes = cfg.device, distributed.world_size()
-    # the processes running (torchrun's) and those the run is planned for (--world-size) must both split a step
-    split = next((n for n in (processes, cfg.world_size) if n and cfg.prompts_per_step % n), processes)
-    for ok, message in (
-        *_model_checks(cfg, need_device),
-        (cfg.prompts_per_step % split == 0,
-         f"--prompts-per-step {cfg.prompts_per_step} does not split over {split} processes: each samples whole "
-         "prompts (a prompt's G completions share one process, where its advantages are computed); use a multiple "
-         f"of {split}"),
-        (processes == 1 or not device.startswith("cuda:"),
-         f"--device {device}: under torchrun each process takes the GPU of its LOCAL_RANK; use --device auto or cuda"),
-        (cfg.group_size >= 2, f"--group-size {cfg.group_size}: GRPO compares at least 2 samples per prompt"),
-        (cfg.prompts_per_step >= 1, f"--prompts-per-step {cfg.prompts_per_step}: must be >= 1"),
-        (cfg.max_new_tokens >= 1, f"--max-new-tokens {cfg.max_new_tokens}: must be >= 1"),
-        (cfg.temperature > 0 and math.isfinite(cfg.temperature),
-         f"--temperature {cfg.temperature}: training needs sampling (> 0); greedy samples of a prompt are "
-         "identical and carry no signal"),
-        (0 < cfg.top_p <= 1, f"--top-p {cfg.top_p}: must be in (0, 1]"),
-        (cfg.top_k >= 0, f"--top-k {cfg.top_k}: must be >= 0 (0 = off)"),
-        (cfg.lora_rank >= 0 and cfg.lora_alpha > 0, f"--lora-rank {cfg.lora_rank} must be >= 0 (0 trains every "
-                                                    f"weight) and --lora-alpha {cfg.lora_alpha} > 0"),
-        (cfg.world_size >= 0, f"--world-size {cfg.world_size}: must be >= 0 (0 = torchrun's)"),
-        (1 <= cfg.updates_per_rollout <= rows, f"--updates-per-rollout {cfg.updates_per_rollout}: must be between 1 "
-                                               f"and the {rows} rows of a step (--prompts-per-step x --group-size)"),
-        (0 <= cfg.warmup_steps <= max(cfg.steps, 0), f"--warmup-steps {cfg.warmup_steps}: must be between 0 and "
-                                                     f"--steps {cfg.steps}"),
-        (not cfg.init_adapter or cfg.lora_rank >= 1,
-         "--init-adapter starts from LoRA adapters; with --lora-rank 0 every weight trains and there are none"),
-        (not cfg.init_adapter or not cfg.loss.kl_beta,
-         "--init-adapter with --kl-beta: the KL reference is the frozen base model (adapters off), not the "
-         "adapter's policy; a penalty towards the base is not what a run from an SFT adapter wants"),
-        (0 <= cfg.grad_accum <= max(1, rows // cfg.updates_per_rollout),
-         f"--grad-accum {cfg.grad_accum}: must be between 0 (automatic) and the {rows // cfg.updates_per_rollout} "
-         "rows of a mini-batch"),
-        (cfg.rollout_batch >= 0 and cfg.eval_batch >= 0 and cfg.kv_blocks >= 0,
-         "--rollout-batch, --eval-batch and --kv-blocks must be >= 0 (0 = automatic)"),
-        (cfg.kv_blocks != 1, "--kv-blocks 1: block 0 is reserved, so a pool needs at least 2"),
-        (cfg.checkpoint_every >= 1, f"--checkpoint-every {cfg.checkpoint_every}: must be >= 1"),
-        (cfg.steps >= 0 and cfg.eval_every >= 0 and cfg.eval_problems >= 0 and cfg.eval_k >= 1,
-         "--steps, --eval-every and --eval-problems must be >= 0 and --eval-k >= 1"),
-        (cfg.eval_temperature >= 0, f"--eval-temperature {cfg.eval_temperature}: must be >= 0 (0 = greedy)"),
-        (cfg.log_tokens >= 0, f"--log-tokens {cfg.log_tokens}: must be >= 0"),
-        (cfg.dist_timeout > 0, f"--dist-timeout {cfg.dist_timeout}: must be > 0 seconds"),
-        (cfg.gpu_memory is None or cfg.gpu_memory > 0, f"--gpu-memory {cfg.gpu_memory}: must be > 0 GB"),
-        (0 <= cfg.format_weight < 1, f"--format-weight {cfg.format_weight}: must be in [0, 1), below a correct "
-                                     "answer's reward"),
-        (not cfg.format_weight or cfg.template in reward.ANSWER_FORMATS,
-         f"--format-weight needs a template that asks for a format ({', '.join(reward.ANSWER_FORMATS)}), "
-         f"not {cfg.template!r}"),
-        (cfg.code_timeout > 0 and math.isfinite(cfg.code_timeout),
-         f"--code-timeout {cfg.code_timeout}: must be a positive number of seconds"),
-        (len(cfg.reward_fn) >= 1, "--reward-fn: give at least one reward function (module:function)"),
-        (cfg.reward_weights is None or len(cfg.reward_weights) == len(cfg.reward_fn),
-         f"--reward-weights {_text(cfg.reward_weights)}: {len(cfg.reward_weights or ())} weights for "
-         f"{len(cfg.reward_fn)} --reward-fn functions ({', '.join(cfg.reward_fn)}); give one weight per function"),
-        (cfg.reward_weights is None or all(math.isfinite(w) for w in cfg.reward_weights),
-         f"--reward-weights {_text(cfg.reward_weights)}: weights must be finite numbers"),
-        (cfg.reward_timeout > 0, f"--reward-timeout {cfg.reward_timeout}: must be > 0 seconds"),
-    ):
+    """Every setting that would fail after the model loads fails here, naming the one flag at fault and what
+    it accepts. (What needs the model's shape, its context and LoRA rank, is checked by check_model.)"""
+    for ok, message in _checks(cfg, need_device):
         if not ok:
             raise ValueError(message)
     for spec in cfg.reward_fn:
@@ -324,6 +268,156 @@ def _text(values) -> str:
     return "" if values is None else ",".join(f"{v:g}" for v in values)
 
 
+def _checks(cfg: Config, need_device: bool):
+    """(ok, message) pairs in order; a generator, so that a message is built only once the checks before it
+    hold (the rows of a mini-batch divide by --updates-per-rollout, checked first)."""
+    device, processes = cfg.device, distributed.world_size()
+    # the processes running (torchrun's) and those the run is planned for (--world-size) must both split a step
+    split = next((n for n in (processes, cfg.world_size) if n and cfg.prompts_per_step % n), processes)
+    for name in TRAIN_FIELDS:  # nan and infinities are no setting's value
+        value = getattr(cfg, name)
+        if isinstance(value, float):
+            yield math.isfinite(value), f"{_flag(name)} {value}: must be a finite number"
+    yield from _model_checks(cfg, need_device)
+    yield (cfg.prompts_per_step % split == 0,
+           f"--prompts-per-step {cfg.prompts_per_step} does not split over {split} processes: each samples whole "
+           "prompts (a prompt's G completions share one process, where its advantages are computed); use a multiple "
+           f"of {split}")
+    yield (processes == 1 or not device.startswith("cuda:"),
+           f"--device {device}: under torchrun each process takes the GPU of its LOCAL_RANK; use --device auto or cuda")
+    yield cfg.group_size >= 2, f"--group-size {cfg.group_size}: GRPO compares at least 2 samples per prompt"
+    yield cfg.prompts_per_step >= 1, f"--prompts-per-step {cfg.prompts_per_step}: must be >= 1"
+    yield cfg.max_new_tokens >= 1, f"--max-new-tokens {cfg.max_new_tokens}: must be >= 1"
+    yield (cfg.temperature > 0, f"--temperature {cfg.temperature}: training needs sampling (> 0); greedy samples of "
+                                "a prompt are identical and carry no signal")
+    yield 0 < cfg.top_p <= 1, f"--top-p {cfg.top_p}: must be in (0, 1]"
+    yield cfg.top_k >= 0, f"--top-k {cfg.top_k}: must be >= 0 (0 = off)"
+    yield cfg.lora_rank >= 0, f"--lora-rank {cfg.lora_rank}: must be >= 0 (0 trains every weight)"
+    yield cfg.lora_alpha > 0, f"--lora-alpha {cfg.lora_alpha}: must be > 0"
+    yield cfg.world_size >= 0, f"--world-size {cfg.world_size}: must be >= 0 (0 = torchrun's)"
+    targets = [t.strip() for t in cfg.lora_targets.split(",")]
+    yield (all(t in LORA_TARGETS for t in targets) and len(set(targets)) == len(targets),
+           f"--lora-targets {cfg.lora_targets}: expected distinct names among {', '.join(LORA_TARGETS)}, "
+           "separated by commas")
+    rows = cfg.prompts_per_step * cfg.group_size
+    yield (1 <= cfg.updates_per_rollout <= rows, f"--updates-per-rollout {cfg.updates_per_rollout}: must be between "
+                                                 f"1 and the {rows} rows of a step (--prompts-per-step x --group-size)")
+    yield (0 <= cfg.grad_accum <= max(1, rows // cfg.updates_per_rollout),
+           f"--grad-accum {cfg.grad_accum}: must be between 0 (automatic) and the {rows // cfg.updates_per_rollout} "
+           "rows of a mini-batch")
+    yield cfg.rollout_batch >= 0, f"--rollout-batch {cfg.rollout_batch}: must be >= 0 (0 = automatic)"
+    yield cfg.eval_batch >= 0, f"--eval-batch {cfg.eval_batch}: must be >= 0 (0 = automatic)"
+    yield cfg.kv_blocks >= 0, f"--kv-blocks {cfg.kv_blocks}: must be >= 0 (0 = automatic)"
+    yield cfg.kv_blocks != 1, "--kv-blocks 1: block 0 is reserved, so a pool needs at least 2"
+    yield (0 <= cfg.warmup_steps <= max(cfg.steps, 0), f"--warmup-steps {cfg.warmup_steps}: must be between 0 and "
+                                                       f"--steps {cfg.steps}")
+    yield (not cfg.init_adapter or cfg.lora_rank >= 1,
+           "--init-adapter starts from LoRA adapters; with --lora-rank 0 every weight trains and there are none")
+    yield (not cfg.init_adapter or not cfg.loss.kl_beta,
+           "--init-adapter with --kl-beta: the KL reference is the frozen base model (adapters off), not the "
+           "adapter's policy; a penalty towards the base is not what a run from an SFT adapter wants")
+    yield cfg.checkpoint_every >= 1, f"--checkpoint-every {cfg.checkpoint_every}: must be >= 1"
+    yield cfg.steps >= 0, f"--steps {cfg.steps}: must be >= 0"
+    yield cfg.eval_every >= 0, f"--eval-every {cfg.eval_every}: must be >= 0 (0 = only before and after training)"
+    yield cfg.eval_problems >= 0, f"--eval-problems {cfg.eval_problems}: must be >= 0 (0 = all)"
+    yield cfg.eval_k >= 1, f"--eval-k {cfg.eval_k}: must be >= 1"
+    yield cfg.eval_temperature >= 0, f"--eval-temperature {cfg.eval_temperature}: must be >= 0 (0 = greedy)"
+    yield cfg.log_tokens >= 0, f"--log-tokens {cfg.log_tokens}: must be >= 0"
+    yield cfg.dist_timeout > 0, f"--dist-timeout {cfg.dist_timeout}: must be > 0 seconds"
+    yield cfg.gpu_memory is None or cfg.gpu_memory > 0, f"--gpu-memory {cfg.gpu_memory}: must be > 0 GB"
+    yield 0 <= cfg.seed < 2**32, f"--seed {cfg.seed}: must be in [0, 2^32)"
+    yield (cfg.template in TEMPLATES or "{problem}" in cfg.template,
+           f"--template {cfg.template!r}: expected one of {', '.join(TEMPLATES)}, or a string containing '{{problem}}'")
+    yield (0 <= cfg.format_weight < 1, f"--format-weight {cfg.format_weight}: must be in [0, 1), below a correct "
+                                       "answer's reward")
+    yield (not cfg.format_weight or cfg.template in reward.ANSWER_FORMATS,
+           f"--format-weight needs a template that asks for a format ({', '.join(reward.ANSWER_FORMATS)}), "
+           f"not {cfg.template!r}")
+    yield cfg.code_timeout > 0, f"--code-timeout {cfg.code_timeout}: must be a positive number of seconds"
+    yield len(cfg.reward_fn) >= 1, "--reward-fn: give at least one reward function (module:function)"
+    yield (cfg.reward_weights is None or len(cfg.reward_weights) == len(cfg.reward_fn),
+           f"--reward-weights {_text(cfg.reward_weights)}: {len(cfg.reward_weights or ())} weights for "
+           f"{len(cfg.reward_fn)} --reward-fn functions ({', '.join(cfg.reward_fn)}); give one weight per function")
+    yield (cfg.reward_weights is None or all(math.isfinite(w) for w in cfg.reward_weights),
+           f"--reward-weights {_text(cfg.reward_weights)}: weights must be finite numbers")
+    yield cfg.reward_timeout > 0, f"--reward-timeout {cfg.reward_timeout}: must be > 0 seconds"
+    name = cfg.run_name
+    yield (name is None or (name not in ("", ".", "..") and Path(name).name == name and "\\" not in name),
+           f"--run-name {name!r}: must be one folder name, inside --out-dir (no '/', '.' or '..')")
+
+
+LORA_TARGETS = (*lora.DEFAULT_TARGETS, "lm_head")  # the linear layers of a decoder that can take an adapter
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_model(cfg: Config, model_cfg) -> None:
+    """The settings against the model's shape, read from its config.json before any weight loads: the
+    completion fits the context, and the LoRA rank is below every targeted layer's smaller dimension."""
+    context = model_cfg.max_position_embeddings
+    if cfg.max_new_tokens >= context:
+        raise ValueError(f"--max-new-tokens {cfg.max_new_tokens}: the model's context is {context} tokens, prompt "
+                         "included; use fewer")
+    dims = {"q_proj": model_cfg.num_heads * model_cfg.head_dim, "k_proj": model_cfg.num_kv_heads * model_cfg.head_dim,
+            "v_proj": model_cfg.num_kv_heads * model_cfg.head_dim, "o_proj": model_cfg.num_heads * model_cfg.head_dim,
+            "gate_proj": model_cfg.intermediate_size, "up_proj": model_cfg.intermediate_size,
+            "down_proj": model_cfg.intermediate_size, "lm_head": model_cfg.vocab_size}
+    for target in cfg.lora_targets.split(",") if cfg.lora_rank else ():  # rank 0: no adapters, every weight trains
+        smallest = min(model_cfg.hidden_size, dims[target.strip()])
+        if cfg.lora_rank > smallest:
+            raise ValueError(f"--lora-rank {cfg.lora_rank}: above the {smallest} dimensions of {target.strip()} in "
+                             f"this model, where no update has a higher rank; use at most {smallest}")
+
+
+def check_prompts(cfg: Config, problems: list[dict], tokenizer, context: int, dataset: str) -> None:
+    """Every prompt of a dataset leaves room for --max-new-tokens in the context; the first that does not is
+    named by file and line. A prompt has at most one token per byte (byte-level BPE), plus the template's
+    own tokens, so only prompts long enough to overflow are tokenized."""
+    room = context - cfg.max_new_tokens
+    frame = len(render_prompt(tokenizer, "", cfg.template, cfg.system_prompt)) + 8
+    for index, problem in enumerate(problems):
+        if len(problem["problem"].encode()) + frame <= room:
+            continue
+        tokens = len(render_prompt(tokenizer, problem["problem"], cfg.template, cfg.system_prompt))
+        if tokens > room:
+            raise ValueError(f"{problem_location(dataset, index)}: the prompt has {tokens} tokens, and with "
+                             f"--max-new-tokens {cfg.max_new_tokens} it does not fit the model's context of "
+                             f"{context}; shorten or drop it, or lower --max-new-tokens")
+
+
+# the settings that choose a clip rule: a run that sets one asks for a trust region
+CLIP_SETTINGS = ("rule", "delta", "delta_high", "dual_clip", "ratio_limits", "tv_half", "kl_two_sided", "sapo_tau_pos",
+                 "sapo_tau_neg", "cov_ratio", "clip_cov_bounds", "kl_cov_coef")
+
+
+def warn_if_inert(cfg: Config) -> None:
+    """Say once, at the start, when the settings make a chosen trust region do nothing (the default run,
+    which chooses none, says nothing)."""
+    default = loss.LossConfig()
+    chosen = any(getattr(cfg.loss, name) != getattr(default, name) for name in CLIP_SETTINGS)
+    if cfg.updates_per_rollout * cfg.epochs == 1 and chosen:
+        warnings.warn("one optimizer step per rollout (--updates-per-rollout 1, --epochs 1): every update starts "
+                      "from the weights that sampled its rollout, so the ratio w is 1 up to rounding and every "
+                      "clip rule gives the same update; use several updates or epochs per rollout to compare "
+                      "rules", stacklevel=2)
+    if cfg.loss.rule == "interval" and cfg.loss.ratio_limits is None and cfg.loss.dual_clip is None:
+        warnings.warn("--rule interval clips only at --ratio-limits or --dual-clip, and neither is set: no token "
+                      "loses its gradient (the importance-weighted policy gradient, unclipped)", stacklevel=2)
+
+
+def check_given(cfg: Config, given: set[str]) -> None:
+    """A flag given on the command line that does nothing with the others can only be a mistake: an error.
+    (A settings file holds every setting, those that do nothing under its rule included: not checked.)"""
+    for name, why in loss.inert_settings(cfg.loss).items():
+        if name in given:
+            value = getattr(cfg.loss, name)
+            shown = "" if isinstance(value, bool) else " " + (",".join(f"{v:g}" for v in value)
+                                                               if isinstance(value, tuple) else f"{value}")
+            raise ValueError(f"{_flag(name)}{shown}: {why}; leave it out")
+
+
 # ----------------------------------------------------------------------------- the command line
 
 
@@ -340,7 +434,7 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     Returns the config, the names of the fields given explicitly (by flag or file: they win over a resumed
     run's) and whether --plan was asked. --print-config prints the resolved settings as TOML and exits.
     """
-    parser = OneLineErrors(prog="train.py", description=description,
+    parser = OneLineErrors(prog="train.py", description=description, allow_abbrev=False,  # --step is not --steps
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan", action="store_true", help="print the GPU memory of each phase and exit "
                                                             "(0: fits, 1: does not); loads no weights")
@@ -356,6 +450,8 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     if preset is not None and preset not in PRESETS:
         parser.error(f"--preset {preset!r} is unknown; known presets: {', '.join(PRESETS)} (files in {CONFIGS})")
     cfg = make_config({**PRESETS.get(preset, {}), **from_file, **given})
+    if "resume" not in given:  # a resume checks them against the run's own settings (resumed_config)
+        check_given(cfg, set(given))  # the flags typed, not a settings file's every value
     given = set(from_file) | set(given)
     if print_config:
         print(to_toml(resumed_config(cfg, given) if cfg.resume else cfg), end="")
@@ -459,19 +555,26 @@ def _parser_of(f: dataclasses.Field):
     return (lambda value: None if value == "" else parse(value)) if optional else parse
 
 
+# What a resumed run keeps: the flags that name the run, and those its adapters were built with (the
+# checkpoint loads into no other shape or base).
+NAMES_THE_RUN = ("preset", "run_name", "out_dir")
+FIXED_ON_RESUME = ("model", "lora_rank", "lora_alpha", "lora_targets")
+
+
 def resumed_config(cfg: Config | SFTConfig, given: set[str]) -> Config | SFTConfig:
     """The saved run's config, with the flags given on this command line on top (e.g. more --steps); sft.py's
-    runs too."""
+    runs too.
+
+    Flags that would name another run, or that the run's adapters cannot follow, are refused when they
+    differ from the run's own. What the resumed run changes is recorded in the run by train.open_run."""
     run_dir = Path(cfg.resume)
-    saved_file = run_dir / "config.json"
-    if not saved_file.is_file():
-        raise FileNotFoundError(f"--resume {run_dir}: not a run directory (no config.json)")
-    saved = json.loads(saved_file.read_text())
-    current = flat_config(cfg)
+    saved = saved_config(run_dir)
+    current = json.loads(json.dumps(flat_config(cfg)))  # tuples as JSON lists, as the saved values are
     # the run's own config.toml given with --config names the run as it is: only a change is refused
-    refused = {name for name in given & {"preset", "run_name", "out_dir"} if current[name] != saved.get(name)}
+    refused = [name for name in NAMES_THE_RUN if name in given and current[name] != saved.get(name)] + [
+        name for name in FIXED_ON_RESUME if name in given and current[name] != saved.get(name, current[name])]
     if refused:
-        flags = ", ".join("--" + name.replace("_", "-") for name in sorted(refused))
+        flags = ", ".join(_flag(name) for name in refused)
         raise ValueError(f"--resume {run_dir} continues that run with its own settings; {flags} cannot change them")
     if isinstance(cfg, SFTConfig):
         return make_sft_config({**saved, **{name: current[name] for name in given}, "run_name": run_dir.name,
@@ -479,12 +582,38 @@ def resumed_config(cfg: Config | SFTConfig, given: set[str]) -> Config | SFTConf
     if "steps" in given and cfg.steps == 0 and not cfg.export:
         raise ValueError(f"--resume {run_dir} --steps 0 trains and evaluates nothing; add --export DIR to export "
                          "the run's last checkpoint")
-    if "lora_rank" in given and cfg.lora_rank != saved.get("lora_rank", cfg.lora_rank):
-        raise ValueError(f"--resume {run_dir}: the run trains with --lora-rank {saved['lora_rank']} and its "
-                         f"checkpoints hold those weights; --lora-rank {cfg.lora_rank} cannot change it")
     merged = {**saved, **{name: current[name] for name in given}}
     merged.update(run_name=run_dir.name, out_dir=str(run_dir.parent), resume=str(run_dir))
-    return make_config(merged)
+    try:
+        resumed = make_config(merged)
+    except ValueError as error:
+        raise ValueError(f"--resume {run_dir}: {error}") from None
+    check_given(resumed, {name for name in given if current[name] != saved.get(name, current[name])})  # new ones
+    return resumed
+
+
+def saved_config(run_dir: Path) -> dict:
+    """A run's config.json, checked: valid JSON holding only known settings (the file is named if not)."""
+    saved_file = run_dir / "config.json"
+    if not saved_file.is_file():
+        raise FileNotFoundError(f"--resume {run_dir}: not a run directory (no config.json)")
+    try:
+        saved = json.loads(saved_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{saved_file}: not valid JSON ({error}); it holds the run's settings: restore it") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{saved_file}: expected a JSON object of settings, got {type(saved).__name__}")
+    unknown = sorted(saved.keys() - TRAIN_FIELDS.keys() - LOSS_FIELDS.keys())
+    if unknown:
+        raise ValueError(f"{saved_file}: unknown settings {', '.join(unknown)}")
+    return saved
+
+
+def changed_settings(saved: dict, cfg: Config) -> dict[str, list]:
+    """{name: [saved value, new value]} for every setting of cfg that differs from the saved run's."""
+    current = json.loads(json.dumps(flat_config(cfg)))
+    return {name: [saved.get(name), value] for name, value in current.items()
+            if name != "resume" and saved.get(name) != value}
 
 
 # ----------------------------------------------------------------------------- settings files

@@ -376,7 +376,7 @@ def load_run(path: str | Path) -> dict[str, Evaluation]:
         return {name: Evaluation(int(e["k"]), [ProblemResult(**p) for p in e["problems"]],
                                  {m: _estimate(s) for m, s in e["summary"].items()})
                 for name, e in benchmarks.items()}
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
+    except (ValueError, KeyError, TypeError, AttributeError) as error:  # ValueError: bad JSON or not UTF-8 text
         raise ValueError(f"{path}: not a run file written by eval.py ({type(error).__name__}: {error})") from None
 
 
@@ -461,10 +461,12 @@ def evaluate(model, tokenizer, problems: Sequence[Mapping], *, k: int, n: int | 
                                    temperature=temperature, top_p=top_p, stop_ids=stops, seed=seed,
                                    first_prompt=first_problem + start, tokenizer=tokenizer, pool=pool)
             references = [p for p in batch for _ in range(n)]  # rows are prompt-major; reward routes by task
-            correct = [score == 1.0 for score in reward.reward(out.texts, references, open_thought=open_thought,
+            questions = [p["problem"] for p in references]  # an answer that echoes its question is wrong
+            correct = [score == 1.0 for score in reward.reward(out.texts, references, problems=questions,
+                                                               template=template, open_thought=open_thought,
                                                                code_limits=code_limits)]
             finals = [reward.split_thinking(t, open_thought).answer for t in out.texts]
-            answers = [None if f is None else _answer(f, p) for f, p in zip(finals, references)]
+            answers = [None if f is None else _answer(f, p, template) for f, p in zip(finals, references)]
             lengths, truncated = out.completion_mask.sum(1).tolist(), out.truncated.tolist()
             for i, p in enumerate(batch):
                 rows = slice(i * n, (i + 1) * n)
@@ -478,14 +480,13 @@ def evaluate(model, tokenizer, problems: Sequence[Mapping], *, k: int, n: int | 
     return Evaluation(k, results, summarize(results, k, seed=seed))
 
 
-def _answer(text: str, problem: Mapping) -> str | None:
-    """What Maj@k votes on: a math answer's normalized spelling, so "\\dfrac12" and "\\frac{1}{2}" count as one
-    answer; a code completion's program, stripped."""
+def _answer(text: str, problem: Mapping, template: str) -> str | None:
+    """What Maj@k votes on: a math answer's normalized spelling as graded (reward.answer_of), so "\\dfrac12"
+    and "\\frac{1}{2}" count as one answer; a code completion's program, stripped."""
     if problem.get("task") == "code":
         program = sandbox.extract_program(text)
         return None if program is None else program.strip()
-    answer = reward.extract_answer(text)
-    return None if answer is None else reward.normalize(answer) or None
+    return reward.answer_of(text, template) or None
 
 
 def _reference(problem: Mapping) -> str:
@@ -518,7 +519,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The flags, each checked here with a message naming it and its allowed values, before anything loads.
 
     With --run, the flags not given take the run's settings (args.from_run lists them), then the defaults."""
-    parser = _Parser(description=__doc__.strip().splitlines()[0])
+    parser = _Parser(description=__doc__.strip().splitlines()[0], allow_abbrev=False)
     parser.add_argument("--run", default=None, metavar="RUN", help="a train.py run directory: its model, template, "
                         "system prompt, sampling, held-out sets, k and best adapter, unless flags say otherwise")
     parser.add_argument("--model", default=None, help="model directory or hub id (default: the offline "
@@ -713,7 +714,7 @@ def _load_baseline(path: str) -> dict:
         raise FileNotFoundError(f"--baseline: {path} does not exist")
     try:
         return json.loads(Path(path).read_text())
-    except json.JSONDecodeError as error:
+    except ValueError as error:  # bad JSON, or not UTF-8 text
         raise ValueError(f"--baseline: {path} is not valid JSON ({error})") from None
 
 

@@ -14,8 +14,11 @@ key names, so `peft.PeftModel.from_pretrained` loads it onto the transformers mo
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -172,8 +175,6 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def save(model: nn.Module, path: str | Path, base_model_name_or_path: str | None = None) -> None:
     """Write the adapters as a PEFT LoRA checkpoint (adapter_config.json + adapter_model.safetensors)."""
-    from safetensors.torch import save_file
-
     modules = lora_modules(model)
     if not modules:
         raise ValueError("save(): the model has no LoRA adapters; call inject() first")
@@ -200,12 +201,35 @@ def save(model: nn.Module, path: str | Path, base_model_name_or_path: str | None
         tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = module.lora_B.weight.detach().contiguous()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, path / WEIGHTS_FILE, metadata={"format": "pt"})
+    save_safetensors(tensors, path / WEIGHTS_FILE)
     (path / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file, with two fixes: the file gets the user's umask like every other file (save_file
+    creates it 0600, unreadable to the others on a shared machine), and a failed write (a full disk) is an
+    OSError naming the file, not a SafetensorError."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, path, metadata={"format": "pt"})
+    except SafetensorError as error:  # "... I/O error: No space left on device (os error 28)"
+        code = int(m[1]) if (m := re.search(r"os error (\d+)", str(error))) else errno.EIO
+        raise OSError(code, os.strerror(code), str(path)) from None
+    os.chmod(path, 0o666 & ~current_umask())
+
+
+def current_umask() -> int:
+    """The process's umask (reading it means setting it: set it straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def load(model: nn.Module, path: str | Path) -> nn.Module:
     """Load a PEFT LoRA checkpoint (ours or PEFT's) into model, injecting adapters first if it has none."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -219,12 +243,20 @@ def load(model: nn.Module, path: str | Path) -> nn.Module:
         if (module.rank, module.alpha) != (config["r"], config["lora_alpha"]):
             raise ValueError(f"{config_file}: r={config['r']}, lora_alpha={config['lora_alpha']} differ from the "
                              f"model's adapters (r={module.rank}, alpha={module.alpha})")
-    tensors = load_file(weights_file)
-    expected = {f"{PEFT_PREFIX}{name}.lora_{ab}.weight" for name in modules for ab in "AB"}
-    if set(tensors) != expected:
-        missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    try:
+        tensors = load_file(weights_file)
+    except SafetensorError as error:  # truncated or not a safetensors file at all
+        raise ValueError(f"{weights_file}: not a readable safetensors file ({error})") from None
+    expected = {f"{PEFT_PREFIX}{name}.lora_{ab}.weight": getattr(module, f"lora_{ab}").weight
+                for name, module in modules.items() for ab in "AB"}
+    if set(tensors) != set(expected):
+        missing, unexpected = sorted(expected.keys() - tensors.keys()), sorted(tensors.keys() - expected.keys())
         raise ValueError(f"{weights_file}: keys do not match the model's adapters; "
                          f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+    for key, weight in expected.items():
+        if tensors[key].shape != weight.shape:
+            raise ValueError(f"{weights_file}: {key} has shape {list(tensors[key].shape)}, the model's adapter "
+                             f"{list(weight.shape)}: an adapter of another model?")
     with torch.no_grad():
         for name, module in modules.items():
             module.lora_A.weight.copy_(tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"])
@@ -242,8 +274,10 @@ def read_config(path: str | Path) -> dict:
             raise FileNotFoundError(f"{file}: not found; an adapter directory holds {CONFIG_FILE} and {WEIGHTS_FILE}")
     try:
         config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"{config_file}: not valid JSON ({error})") from None
+    if not isinstance(config, dict) or not all(key in config for key in ("r", "lora_alpha")):
+        raise ValueError(f"{config_file}: not an adapter config (it needs r and lora_alpha)")
     _check_supported(config, config_file)
     return config
 

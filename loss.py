@@ -283,6 +283,11 @@ class LossConfig:
         self._validate()
 
     def _validate(self):
+        for f in dataclasses.fields(self):  # nan is no value; a scalar size or weight is finite too
+            value = getattr(self, f.name)
+            if isinstance(value, tuple) and any(isinstance(v, float) and math.isnan(v) for v in value) or \
+                    isinstance(value, float) and not math.isfinite(value):
+                raise _invalid(f.name, value, "must be a finite number")
         limits, dual, window = self.ratio_limits, self.dual_clip, self.clip_cov_bounds
         for name, ok, why in (
             ("delta", self.delta is None or self.delta >= 0, "must be >= 0"),
@@ -302,6 +307,7 @@ class LossConfig:
             ("cov_ratio", 0 < self.cov_ratio <= 1, "must be in (0, 1]"),
             ("clip_cov_bounds", isinstance(window, tuple) and len(window) == 2 and window[0] < window[1],
              "expected lo,hi with lo < hi"),
+            ("kl_cov_coef", self.kl_cov_coef >= 0, "must be >= 0"),
         ):
             if not ok:
                 raise _invalid(name, getattr(self, name), why)
@@ -765,6 +771,33 @@ def get_rule(rule: str | tuple[str, str]) -> Rule:
     return RULES[rule]
 
 
+def inert_settings(cfg: LossConfig) -> dict[str, str]:
+    """The fields that change nothing with this rule and aggregation, each with the reason: a flag given
+    for one of them can only be a mistake (config.check_given refuses it)."""
+    name, rule = cfg.rule, get_rule(cfg.rule)
+    shown = "-".join(name) if isinstance(name, tuple) else name
+    divergence = name[0] if isinstance(name, tuple) else None
+    inert = {}
+    if rule.delta is None and divergence is None:
+        inert["delta"] = f"--rule {shown} has no trust-region size"
+    if rule.bounds not in (_interval_bounds, _gmpo_bounds, _dcpo_bounds):
+        inert["delta_high"] = f"--rule {shown} has no separate upper size (grpo, dapo, dcpo, gspo, gmpo and " \
+                              "clip_cov do)"
+    for field_name, owner in (("tv_half", "tv"), ("kl_two_sided", "kl")):
+        if divergence != owner:
+            inert[field_name] = f"only the {owner} cells of the GPPO grid read it, not --rule {shown}"
+    for field_name, owners in (("sapo_tau_pos", ("sapo",)), ("sapo_tau_neg", ("sapo",)),
+                               ("cov_ratio", ("clip_cov", "kl_cov")), ("clip_cov_bounds", ("clip_cov",)),
+                               ("kl_cov_coef", ("kl_cov",))):
+        if name not in owners:
+            inert[field_name] = f"only --rule {' or '.join(owners)} reads it, not --rule {shown}"
+    if cfg.aggregation != "seq-mean-token-sum-norm":
+        inert["norm_len"] = f"only --aggregation seq-mean-token-sum-norm divides by it, not {cfg.aggregation}"
+    if cfg.kl_beta == 0:
+        inert["kl_estimator"] = "the KL penalty is off (--kl-beta 0)"
+    return inert
+
+
 # ----------------------------------------------------------------------------- intervals and calibration
 
 
@@ -968,9 +1001,11 @@ def calibration_report(records: dict[str, np.ndarray], rules: list[str], target_
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="loss.py", description="Tools on a run's per-token records.")
+    parser = argparse.ArgumentParser(prog="loss.py", description="Tools on a run's per-token records.",
+                                     allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
-    calibrate = commands.add_parser("calibrate", help="compare rules at equal clip rate on a run's records")
+    calibrate = commands.add_parser("calibrate", help="compare rules at equal clip rate on a run's records",
+                                    allow_abbrev=False)
     calibrate.add_argument("run_dir", type=Path, help="a run directory with tokens/step-*.npz (train.py --log-tokens)")
     calibrate.add_argument("--rules", default="grpo,atr,kl-atomic,interval", help="comma-separated rules")
     calibrate.add_argument("--target-rate", type=float, required=True, help="clip rate to calibrate each delta to")

@@ -762,7 +762,7 @@ def _fit(planner: Planner, work: Workload, budget_bytes: int, free: tuple[str, .
     usable = usable_bytes(budget_bytes)
     for name in ("weights", state_phase(work)):
         if planner.peak(name) > usable:
-            raise ValueError(_no_fit(name, planner.peak(name), usable, budget_bytes, PHASE_FLAGS[name]))
+            raise ValueError(_no_fit(name, planner.peak(name), usable, budget_bytes, _what_lowers(name, work)))
     T = work.prompt_len + work.max_new_tokens
     micro = work.micro_batch_rows
     if "micro_batch_rows" in free:
@@ -875,16 +875,23 @@ def report(model_cfg: ModelConfig, work: Workload, budget_bytes: int,
     worst = max(measured, key=lambda name: sum(measured[name]))
     peak = sum(measured[worst])
     fits = peak <= usable
-    verdict = "fits" if fits else f"does not fit: {worst} needs {peak / GB:.1f} GB; {PHASE_FLAGS[worst]}"
+    verdict = "fits" if fits else f"does not fit: {worst} needs {peak / GB:.1f} GB; {_what_lowers(worst, work)}"
     lines.append(f"plan: peak {peak / GB:.1f} GB of {budget_bytes / GB:.1f} GB ({verdict})")
     return "\n".join(lines), fits
+
+
+def _what_lowers(phase: str, work: Workload) -> str:
+    """PHASE_FLAGS' advice, without --dtype bfloat16 for weights that are already 16-bit."""
+    if phase == "weights" and work.dtype.itemsize <= 2:
+        return "use a smaller model"
+    return PHASE_FLAGS[phase]
 
 
 def gpu_memory_bytes(device: str | None, given_gb: float | None) -> int:
     """The memory budget: given_gb (--gpu-memory) when given, else the GPU's total memory, else 80 GB."""
     if given_gb is not None:
-        if given_gb <= 0:
-            raise ValueError(f"--gpu-memory must be > 0 GB, got {given_gb}")
+        if given_gb * GB <= RESERVED:
+            raise ValueError(f"--gpu-memory {given_gb}: not above the {RESERVED / GB:g} GB the CUDA context takes")
         return int(given_gb * GB)
     target = torch.device(device) if device not in (None, "auto") else torch.device("cuda")
     if target.type == "cuda" and torch.cuda.is_available():

@@ -94,7 +94,8 @@ def load_run(path: Path, name: str) -> Run:
             raise ValueError(f"{metrics}:{number}: invalid JSON ({error.msg})") from None
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
             raise ValueError(f"{metrics}:{number}: expected a JSON object with an integer \"step\"")
-        by_step[record["step"]] = record
+        if "event" not in record:  # a resume's note of changed settings, not a step
+            by_step[record["step"]] = record
     summary_file = path / "summary.json"
     try:
         summary = json.loads(summary_file.read_text(encoding="utf-8")) if summary_file.is_file() else {}
@@ -331,7 +332,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: Sequence[str] | None = None) -> list[Path]:
-    parser = _Parser(description=__doc__.strip().splitlines()[0])
+    parser = _Parser(description=__doc__.strip().splitlines()[0], allow_abbrev=False)
     parser.add_argument("runs", nargs="+", type=Path, help="run directories written by train.py (runs/NAME)")
     parser.add_argument("--out", type=Path, default=None, help="folder for the PNG files (default: RUN/plots for "
                         "one run, plots-A-vs-B beside the first run for several)")

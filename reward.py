@@ -32,7 +32,9 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass
+from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
 from typing import NamedTuple
@@ -45,6 +47,7 @@ MAX_NESTING = 50  # so are answers with brackets nested deeper than this
 MAX_POWER_BITS = 100_000  # refuse to build a power with more bits than this: 10^{10^{10}} stays unbuilt
 MAX_FACTORIAL = 10_000  # 2006! is fine, (10^8)! is refused
 MAX_SUM_TERMS = 1_000  # \sum_{k=1}^{100} k^2 is added up term by term (nested sums share this); no symbolic bounds
+MAX_NUMBER_DIGITS = 30_000  # longer numbers (about MAX_POWER_BITS) compare as canonical text, still exactly
 WORKER_MEMORY_BYTES = 2 << 30  # a runaway expression hits MemoryError in its worker, not the machine
 TAIL_CHARS = 4000  # fallback extraction (last number / math segment) only looks at the end of a text
 ANSWER_FORMATS = ("boxed", "answer")  # the formats has_format checks, named as the templates that ask for them
@@ -148,12 +151,21 @@ def _is_prose(text: str) -> bool:
 
 
 def _last_math_or_number(text: str) -> str | None:
-    """The last $...$ segment if nothing numeric follows it, else the last number."""
-    text = text[-TAIL_CHARS:]
-    numbers, segments = list(_NUMBER_IN_TEXT_RE.finditer(text)), list(_MATH_SEGMENT_RE.finditer(text))
+    """The last $...$ segment if nothing numeric follows it, else the last number (whole, however long)."""
+    offset = max(0, len(text) - TAIL_CHARS)
+    tail = text[offset:]
+    numbers, segments = list(_NUMBER_IN_TEXT_RE.finditer(tail)), list(_MATH_SEGMENT_RE.finditer(tail))
     if segments and (not numbers or numbers[-1].end() <= segments[-1].end()):
         return next(g for g in segments[-1].groups() if g is not None).strip()
-    return numbers[-1].group() if numbers else None
+    if not numbers:
+        return None
+    if numbers[-1].start() == 0 and offset:  # the tail may start inside this number: read it from its start
+        start = len(text[:offset].rstrip("0123456789.,"))
+        start -= text[start - 1 : start] == "-"
+        whole = _NUMBER_IN_TEXT_RE.search(text, start)
+        if whole and whole.end() == offset + numbers[-1].end():
+            return whole.group()
+    return numbers[-1].group()
 
 
 def _clean(candidate: str) -> str | None:
@@ -167,7 +179,9 @@ def _phrase_answer(text: str, start: int) -> str | None:
     """The answer stated right after an answer phrase: a math segment, else the rest of its sentence."""
     if m := _MATH_START_RE.match(text, start):
         return next(g for g in m.groups() if g is not None).strip() or None
-    return _clean(_SENTENCE_END_RE.split(text[start : start + 500], 1)[0])
+    end = start + 500  # a sentence; the window ends at a space, so a long number is never cut in two
+    end = re.compile(r"\S*").match(text, end).end() if end < len(text) else end
+    return _clean(_SENTENCE_END_RE.split(text[start:end], 1)[0])
 
 
 def extract_answer(text: str) -> str | None:
@@ -222,7 +236,8 @@ _REWRITES = [(re.compile(pattern), template) for pattern, template in [  # appli
     (r"\\sqrt\s*([^\s{\\\[])", r"\\sqrt{\1}"),
 ]]
 _UNIT_RE = re.compile(r"(?<=[\d}])\s+[^\W\d_]{2,}\.?(?:\s*\^\{?\d\}?)?$")  # 5 cents, 15 cm^2, 64 square feet
-_MIXED_RE = re.compile(r"([-+]?)(\d+)\s*\\frac\{(\d+)\}\{(\d+)\}|([-+]?)(\d+) (\d+)/(\d+)")  # 1\frac{4}{5}, 4 4/9
+_MIXED_RE = re.compile(r"([-+]?)(\d{1,99})\s*\\frac\{(\d{1,99})\}\{(\d{1,99})\}|"
+                       r"([-+]?)(\d{1,99}) (\d{1,99})/(\d{1,99})")  # 1\frac{4}{5}, 4 4/9
 _THOUSANDS_RE = re.compile(r"-?[1-9]\d{0,2}(?:(?:,\d{3})+|(?: \d{3})+)(?:\.\d+)?")  # 7,425,000 and 1 000 (not 0,111)
 _BASE_RE = re.compile(r"(\d+)_\{?(\d{1,2})\}?")  # 52_8: the digits are the answer
 _CHOICE_RE = re.compile(r"\(([A-Ea-e])\)")
@@ -453,15 +468,39 @@ def _squash(s: str) -> str:
     return s.replace(" ", "")
 
 
+def _int(digits: str) -> int | None:
+    """The integer a digit string writes, through Decimal: int(str) refuses more than 4,300 digits. None
+    past MAX_NUMBER_DIGITS, where building it would take longer than comparing the text."""
+    return int(Decimal(digits)) if len(digits) <= MAX_NUMBER_DIGITS else None
+
+
 def _rational(s: str) -> Fraction | None:
     """Exact value of a plain number ("004", ".35625", "-\\frac{3}{8}", "14/3"), else None."""
     s = _squash(s)
     if _DECIMAL_RE.fullmatch(s):
-        return Fraction(s)
-    if (m := _FRACTION_RE.fullmatch(s)) and int(m[3] or m[5]) != 0:
-        value = Fraction(int(m[2] or m[4]), int(m[3] or m[5]))
+        return Fraction(Decimal(s)) if len(s) <= MAX_NUMBER_DIGITS else None
+    if m := _FRACTION_RE.fullmatch(s):
+        numerator, denominator = _int(m[2] or m[4]), _int(m[3] or m[5])
+        if numerator is None or not denominator:
+            return None
+        value = Fraction(numerator, denominator)
         return -value if m[1] == "-" else value
     return None
+
+
+def _literal(s: str) -> str | None:
+    """A number literal's canonical text (sign, no leading or trailing zeros): "-0012.50" -> "-12.5", "\\frac{06}{4}"
+    -> "6/4", else None. Numbers too long to compute compare by it, exactly for integers and decimals."""
+    s = _squash(s)
+    if m := _FRACTION_RE.fullmatch(s):
+        numerator, denominator = _literal(m[2] or m[4]), _literal(m[3] or m[5])
+        return f"{'-' if m[1] == '-' else ''}{numerator}/{denominator}"
+    if not (m := re.fullmatch(r"([-+]?)(\d*)(?:\.(\d*))?", s)) or not (m[2] or m[3]):
+        return None
+    whole, decimals = m[2].lstrip("0"), (m[3] or "").rstrip("0")
+    if not whole and not decimals:
+        return "0"
+    return f"{'-' if m[1] == '-' else ''}{whole or '0'}{'.' + decimals if decimals else ''}"
 
 
 def _rounding_tolerance(x: str, y: str) -> Fraction:
@@ -486,6 +525,8 @@ class _FastJudge:
             return True
         qx, qy = _rational(x), _rational(y)
         if qx is None or qy is None:
+            if max(len(x), len(y)) > MAX_NUMBER_DIGITS and (lx := _literal(x)) and (ly := _literal(y)):
+                return lx == ly
             return None
         return abs(qx - qy) <= _rounding_tolerance(x, y)
 
@@ -868,9 +909,59 @@ def _nesting(s: str) -> int:
 _PLAIN_NUMBER_RE = re.compile(r"-?(?:\d+(?:\.\d+)?|\.\d+)")
 
 
-def _grade_fast(completion: str, reference: str) -> bool | tuple[str, str]:
+# an arithmetic expression: digits, points, operations and brackets, nothing else ("7+6", "2^{10}", "(3+4)\\times5");
+# one character or command per repetition, so a long run of digits cannot make the match backtrack
+_ARITHMETIC_RE = re.compile(r"(?:[\d.\-+*/^!()\[\]{}]|\\times|\\cdot|\\div|\\frac)+")
+_OPERATION_RE = re.compile(r"[-+*/^!]|\\times|\\cdot|\\div|\\frac")
+_NUMBER_RE = re.compile(r"\d+(?:\.\d+)?|\.\d+")
+
+
+def _after_last_equals(s: str) -> str:
+    """What follows the last "=" outside brackets: the value an equation states ("7 + 6 = 13" -> "13")."""
+    return _split_top(s, {"="})[0][-1]
+
+
+def _unevaluated(s: str) -> list[str] | None:
+    """The numbers of an arithmetic expression that still holds an operation ("7 + 6", "2^{10}", "12/4",
+    "5!"), else None: a number, a fraction in lowest terms, anything with a letter or a function."""
+    s = _squash(_after_last_equals(s))
+    if not _ARITHMETIC_RE.fullmatch(s) or not _OPERATION_RE.search(s.lstrip("+-")):
+        return None
+    if m := _FRACTION_RE.fullmatch(s):  # 3/4 is a value; 12/4 still has a division to carry out
+        numerator, denominator = _int(m[2] or m[4]), _int(m[3] or m[5])
+        if numerator is not None and denominator and denominator > 1 and math.gcd(numerator, denominator) == 1:
+            return None
+    return _NUMBER_RE.findall(s)
+
+
+def restates_problem(answer: str, reference: str, problem: str) -> bool:
+    """Whether a normalized answer restates the problem's arithmetic instead of carrying it out: an
+    unevaluated expression over the problem's own numbers (and 0 and 1, which change nothing), against
+    a reference that is a value. "7 + 6" to "What is 7 + 6?" is no answer, though it equals 13; "10 + 3"
+    would be (it is work the problem did not show), and so is "2^{10}" when the reference is "2^{10}"."""
+    numbers = _unevaluated(answer)
+    if numbers is None or _unevaluated(reference) is not None:
+        return False
+    own = {Decimal(n) for n in _NUMBER_RE.findall(re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", problem))}
+    return all(Decimal(n) in own | {Decimal(0), Decimal(1)} for n in numbers)
+
+
+def answer_of(completion: str, template: str | None = None) -> str | None:
+    """The completion's final answer as graded, normalized ("\\dfrac12" -> "\\frac{1}{2}"; with the equation
+    template, what follows the last "="), or None when it has none: what Maj@k votes on."""
+    answer = extract_answer(completion)
+    normalized = None if answer is None else normalize(answer)
+    if normalized and template == "equation":
+        normalized = _after_last_equals(normalized)
+    return normalized or None
+
+
+def _grade_fast(completion: str, reference: str, problem: str | None = None,
+                template: str | None = None) -> bool | tuple[str, str]:
     """The verdict where exact text or rationals decide, else the normalized (answer, reference) for sympy."""
     answer = extract_answer(completion)
+    if answer is not None and template == "equation":  # the template's answer: "2 + 3 = 5" states 5
+        answer = _after_last_equals(normalize(answer)) or None
     if answer is None:
         return False
     reference = _reference_answer(reference)
@@ -879,7 +970,7 @@ def _grade_fast(completion: str, reference: str) -> bool | tuple[str, str]:
     if max(len(answer), len(reference)) > MAX_ANSWER_CHARS:  # no real answer is this long
         return answer.strip() == reference.strip()
     a, r = normalize(answer), normalize(reference)
-    if not a or not r:
+    if not a or not r or (problem is not None and restates_problem(a, r, problem)):
         return False
     if max(_nesting(a), _nesting(r)) > MAX_NESTING:  # each level rescans the text: cost grows with depth^2
         return a == r
@@ -891,10 +982,14 @@ def _grade_fast(completion: str, reference: str) -> bool | tuple[str, str]:
     return (a, r) if not ok and judge.undecided else ok
 
 
-def grade(answer_text: str, reference: str, *, timeout: float = TIMEOUT_S, rel_tol: float = REL_TOL) -> bool:
-    """True when the final answer in answer_text (a completion or a bare answer) equals reference.
-    Never raises on model output; finishes within about `timeout` seconds."""
-    return reward([answer_text], [reference], workers=1, timeout=timeout, rel_tol=rel_tol)[0] == 1.0
+def grade(answer_text: str, reference: str, *, problem: str | None = None, template: str | None = None,
+          timeout: float = TIMEOUT_S, rel_tol: float = REL_TOL) -> bool:
+    """True when the final answer in answer_text (a completion or a bare answer) equals reference; with the
+    problem, an answer that restates it is wrong (see reward). Never raises on model output; finishes
+    within about `timeout` seconds."""
+    problems = None if problem is None else [problem]
+    return reward([answer_text], [reference], problems=problems, template=template, workers=1, timeout=timeout,
+                  rel_tol=rel_tol)[0] == 1.0
 
 
 def has_format(completion: str, answer_format: str | None) -> bool:
@@ -905,13 +1000,17 @@ def has_format(completion: str, answer_format: str | None) -> bool:
     return {"boxed": boxed, "answer": answer_line, None: boxed or answer_line}[answer_format]
 
 
-def reward(completions: list[str], references: list, *, format_weight: float = 0.0,
-           answer_format: str | None = None, open_thought: bool = False, workers: int = 2,
-           timeout: float = TIMEOUT_S, rel_tol: float = REL_TOL, code_fraction: bool = False, code_limits=None,
-           grades: list | None = None) -> list[float]:
+def reward(completions: list[str], references: list, *, problems: list[str | None] | None = None,
+           template: str | None = None, format_weight: float = 0.0, answer_format: str | None = None,
+           open_thought: bool = False, workers: int = 2, timeout: float = TIMEOUT_S, rel_tol: float = REL_TOL,
+           code_fraction: bool = False, code_limits=None, grades: list | None = None) -> list[float]:
     """Per completion: 1.0 if its answer is correct else 0.0, plus format_weight if has_format(...).
     Only what follows the last </think> is read, and a completion whose thought never closes (open_thought:
     the prompt opened it) earns 0, format bonus included (split_thinking).
+
+    problems (the question each completion answers) make an answer that restates its question's arithmetic
+    wrong ("7 + 6" to "What is 7 + 6?", see restates_problem): without them an echo earns full reward.
+    template "equation" grades what follows the last "=" of the answer, as that template asks.
 
     A reference is a math answer (text) or a problem record. A record whose "task" is "code" is graded by
     running the program of the completion's answer part against its tests (sandbox.reward: 1.0 when all
@@ -920,9 +1019,12 @@ def reward(completions: list[str], references: list, *, format_weight: float = 0
     its sandbox.Grade (None for math): the reasons and test counts behind the code metrics.
     The format term is separate from correctness (a correct answer in the wrong format still earns 1.0),
     so format_weight = 0 gives the pure verifiable reward. Symbolic checks run in `workers` processes;
-    rel_tol only applies to constants that are not both rational (sqrt(2) + sqrt(3) vs sqrt(5 + 2 sqrt(6)))."""
-    if len(completions) != len(references):
-        raise ValueError(f"completions and references differ in length: {len(completions)} vs {len(references)}")
+    rel_tol only applies to constants that are not both rational (sqrt(2) + sqrt(3) vs sqrt(5 + 2 sqrt(6))).
+    A checker error on one completion (a bug: no string should cause one) makes it wrong, with a warning,
+    rather than ending a training run."""
+    for name, texts in (("references", references), ("problems", completions if problems is None else problems)):
+        if len(texts) != len(completions):
+            raise ValueError(f"completions and {name} differ in length: {len(completions)} vs {len(texts)}")
     if answer_format is not None and answer_format not in ANSWER_FORMATS:
         raise ValueError(f"answer_format must be None or one of {ANSWER_FORMATS}, got {answer_format!r}")
     if workers < 1 or timeout <= 0 or rel_tol < 0 or format_weight < 0:
@@ -933,13 +1035,16 @@ def reward(completions: list[str], references: list, *, format_weight: float = 0
     for i, r in enumerate(references):
         if isinstance(r, dict) and i in answers and not isinstance(answers[i], str):
             raise ValueError(f"references[{i}] is a problem with neither a text \"answer\" nor \"task\": \"code\"")
-    for name, texts in (("completions", dict(enumerate(completions))), ("references", answers)):
+    questions = dict(enumerate(problems or []))
+    for name, texts in (("completions", dict(enumerate(completions))), ("references", answers),
+                        ("problems", questions)):
         for i, text in texts.items():
-            if not isinstance(text, str):
+            if not isinstance(text, str) and not (name == "problems" and text is None):  # a row without one
                 raise ValueError(f"{name}[{i}] is {type(text).__name__}, expected str")
     finals = [split_thinking(c, open_thought).answer for c in completions]  # None: a thought never closed
     values = dict(zip(answers, _math_reward([finals[i] for i in answers], list(answers.values()),
-                                            format_weight, answer_format, workers, timeout, rel_tol)))
+                                            [questions.get(i) for i in answers], template, format_weight,
+                                            answer_format, workers, timeout, rel_tol)))
     found = [None] * len(completions)
     if code:
         import sandbox  # its pool starts on first use: a math-only run never starts one
@@ -955,9 +1060,11 @@ def reward(completions: list[str], references: list, *, format_weight: float = 0
     return [values[i] for i in range(len(completions))]
 
 
-def _math_reward(answers: list[str | None], references: list[str], format_weight: float, answer_format: str | None,
-                 workers: int, timeout: float, rel_tol: float) -> list[float]:
-    correct = [a is not None and _grade_fast(a, r) for a, r in zip(answers, references)]
+def _math_reward(answers: list[str | None], references: list[str], problems: list[str | None],
+                 template: str | None, format_weight: float, answer_format: str | None, workers: int,
+                 timeout: float, rel_tol: float) -> list[float]:
+    correct = [a is not None and _guarded(_grade_fast, a, r, p, template)
+               for a, r, p in zip(answers, references, problems)]
     if slow := [i for i, verdict in enumerate(correct) if isinstance(verdict, tuple)]:  # only these need sympy
         for i, verdict in zip(slow, _POOL.run([correct[i] for i in slow], workers, timeout, rel_tol)):
             correct[i] = verdict
@@ -965,37 +1072,65 @@ def _math_reward(answers: list[str | None], references: list[str], format_weight
             for ok, a in zip(correct, answers)]
 
 
-def math_reward(completions: list[str], answer: list[str | None], open_thought: list[bool] | None = None,
+def _guarded(grade_one, completion: str, *args):
+    """grade_one's verdict; an exception (a checker bug) is a wrong answer and a warning naming the text."""
+    try:
+        return grade_one(completion, *args)
+    except Exception as error:  # noqa: BLE001 - one sample must never end a run
+        warnings.warn(f"reward: the checker failed on {completion[:80]!r} ({type(error).__name__}: {error}); "
+                      "graded wrong", stacklevel=3)
+        return False
+
+
+def math_reward(completions: list[str], answer: list[str | None], problem: list[str | None] | None = None,
+                template: list[str] | None = None, open_thought: list[bool] | None = None,
                 **columns) -> list[float]:
     """The built-in reward as a reward function (TRL's signature, see scoring.py): per completion 1.0 if its
     final answer, after its thought, equals its row's reference answer (the dataset's "answer" column), else
-    0.0. open_thought, a column train.py passes: the prompts opened a thought (split_thinking). A code row
-    (task "code", with its tests) is graded as reward() routes it: 1.0 when its program passes every test,
-    so this one function grades a set that mixes math and code. train.py runs it once per step itself, with
-    the run's --code-reward and --code-timeout, and hands its values to scoring.py."""
-    named = {"answer": answer, **columns}
+    0.0. The rows' problems (the "problem" column) make an answer that restates its problem wrong, and the
+    template that posed them (train.py's template column) says where the answer is (see reward);
+    open_thought, a column train.py passes: the prompts opened a thought (split_thinking). A code row (task
+    "code", with its tests) is graded as reward() routes it: 1.0 when its program passes every test, so this
+    one function grades a set that mixes math and code. train.py runs it once per step itself, with the
+    run's --code-reward and --code-timeout, and hands its values to scoring.py."""
+    named = {"answer": answer, "problem": problem or [None] * len(completions), **columns}
     rows = [{key: values[i] for key, values in named.items() if values[i] is not None} for i in range(len(completions))]
     return reward(completions, [row if row.get("task") == "code" else row.get("answer") for row in rows],
+                  problems=problem, template=template[0] if template else None,
                   open_thought=bool(open_thought and open_thought[0]))
 
 
 # ----------------------------------------------------------------------------- command line
 
 def main(argv: list[str]) -> int:
-    """python reward.py PRED GOLD: the verdict, and both sides as extracted and as normalized, so that a
-    score of 0 can be traced to the step that lost the answer."""
-    if len(argv) != 2:
-        print("usage: python reward.py PRED GOLD\n  PRED: a completion or a bare answer; GOLD: the reference answer\n"
-              "prints the verdict and the extracted and normalized forms of both sides")
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
-    prediction, gold = argv
-    print(f"verdict: {'correct' if grade(prediction, gold) else 'wrong'}")
-    answer = split_thinking(prediction).answer
+    """python reward.py PRED GOLD [--problem TEXT] [--template NAME]: the verdict, and both sides as extracted
+    and as normalized, so that a score of 0 can be traced to the step that lost the answer."""
+    import argparse
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str):
+            self.exit(2, f"reward.py: {message} (see --help)\n")
+
+    parser = Parser(usage="python reward.py PRED GOLD [--problem TEXT] [--template NAME]", allow_abbrev=False,
+                    description="Prints the verdict and the extracted and normalized forms of both sides.")
+    parser.add_argument("prediction", metavar="PRED", help="a completion or a bare answer")
+    parser.add_argument("gold", metavar="GOLD", help="the reference answer")
+    parser.add_argument("--problem", help="the question answered: an answer restating its arithmetic is wrong")
+    parser.add_argument("--template", help="the prompt template of data/templates.py that posed it (equation: the "
+                                           "answer is what follows the last '=')")
+    args = parser.parse_args(argv)
+    verdict = grade(args.prediction, args.gold, problem=args.problem, template=args.template)
+    print(f"verdict: {'correct' if verdict else 'wrong'}")
+    answer = split_thinking(args.prediction).answer
     if answer is None:
         print(f"prediction: its thought never closes ({THINK_CLOSE} missing), so it has no answer")
-    for side, extracted in (("prediction", answer and extract_answer(answer)), ("reference", _reference_answer(gold))):
-        normalized = None if extracted is None else normalize(extracted)
-        print(f"{side}:\n  extracted:  {extracted!r}\n  normalized: {normalized!r}")
+    sides = {"prediction": answer and extract_answer(answer), "reference": _reference_answer(args.gold)}
+    normalized = {"prediction": answer and answer_of(answer, args.template),
+                  "reference": normalize(sides["reference"])}
+    for side, extracted in sides.items():
+        print(f"{side}:\n  extracted:  {extracted!r}\n  normalized: {normalized[side]!r}")
+    if args.problem is not None and normalized["prediction"] and restates_problem(*normalized.values(), args.problem):
+        print("restates the problem: an unevaluated expression over the problem's own numbers is not an answer")
     return 0
 
 

@@ -869,8 +869,12 @@ def main(argv: list[str] | None = None) -> None:
     import weights
     from data import TEMPLATES, opens_thought, render_prompt, stop_ids, thinking_note
 
-    parser = argparse.ArgumentParser(prog="rollout.py", description=main.__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str):  # one line, not the usage block
+            self.exit(2, f"rollout.py: {message}\n")
+
+    parser = Parser(prog="rollout.py", description=main.__doc__, allow_abbrev=False,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt", nargs="*", help="the problem; read from stdin when not given")
     parser.add_argument("--model", default=None, help="model directory or hub id (default: the offline SmolLM2)")
     parser.add_argument("--adapter", default=None, help="a LoRA adapter directory, e.g. runs/NAME/best")
@@ -886,34 +890,38 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="(default: 0)")
     parser.add_argument("--answer", default=None, help="reference answer: grade each completion against it")
     args = parser.parse_args(argv)
-    problem = " ".join(args.prompt) or sys.stdin.read().strip()
-    if not problem:
-        parser.error("no prompt: give it as an argument or on stdin")
-    if args.template not in TEMPLATES and "{problem}" not in args.template:
-        parser.error(f"--template {args.template!r}: expected one of {', '.join(TEMPLATES)} "
-                     "or a string with {problem}")
-    if args.adapter is not None and not Path(args.adapter).is_dir():
-        parser.error(f"--adapter {args.adapter}: no such directory")
-    model = weights.from_pretrained(args.model)
-    tokenizer = weights.load_tokenizer(args.model)
-    if args.adapter is not None:
-        lora.load(model, args.adapter)
-    thinking = args.thinking == "on"
-    if note := thinking_note(tokenizer, thinking):
-        print(f"rollout.py: {note}", file=sys.stderr)
-    prompt = render_prompt(tokenizer, problem, args.template, args.system, thinking)
-    open_thought = opens_thought(tokenizer, thinking)
     try:
+        problem = " ".join(args.prompt) or sys.stdin.read().strip()
+        if not problem:
+            parser.error("no prompt: give it as an argument or on stdin")
+        if args.template not in TEMPLATES and "{problem}" not in args.template:
+            parser.error(f"--template {args.template!r}: expected one of {', '.join(TEMPLATES)} "
+                         "or a string with {problem}")
+        if args.adapter is not None and not Path(args.adapter).is_dir():
+            parser.error(f"--adapter {args.adapter}: no such directory")
+        model = weights.from_pretrained(args.model)
+        tokenizer = weights.load_tokenizer(args.model)
+        if args.adapter is not None:
+            lora.load(model, args.adapter)
+        thinking = args.thinking == "on"
+        if note := thinking_note(tokenizer, thinking):
+            print(f"rollout.py: {note}", file=sys.stderr)
+        prompt = render_prompt(tokenizer, problem, args.template, args.system, thinking)
+        open_thought = opens_thought(tokenizer, thinking)
         out = generate(model, [prompt], samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                        stop_ids=stop_ids(model.config, tokenizer), seed=args.seed, tokenizer=tokenizer)
-    except ValueError as error:
+    except (ValueError, OSError) as error:
         parser.error(str(error))
-    grades = None if args.answer is None else reward.reward(out.texts, [args.answer] * len(out.texts),
-                                                            open_thought=open_thought)
+    except KeyboardInterrupt:
+        print("\nrollout.py: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+    grades = None if args.answer is None else reward.reward(
+        out.texts, [args.answer] * len(out.texts), problems=[problem] * len(out.texts), template=args.template,
+        open_thought=open_thought)
     for i, text in enumerate(out.texts):
         final = reward.split_thinking(text, open_thought).answer
-        extracted = "thought never closes" if final is None else repr(reward.extract_answer(final))
+        extracted = "thought never closes" if final is None else repr(reward.answer_of(final, args.template))
         verdict = "" if grades is None else f" [{'correct' if grades[i] == 1.0 else 'wrong'}: {extracted}]"
         print(f"--- sample {i + 1}{' (truncated)' if out.truncated[i] else ''}{verdict}\n{text or '(empty)'}")
     if grades is not None:

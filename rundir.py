@@ -1,9 +1,10 @@
-"""The run directory on disk: checkpoints written atomically and read back with a fallback, the metrics
-file trimmed for a resume, strict JSON files, and the best adapter.
+"""The run directory on disk: one writer at a time, checkpoints written atomically and read back with a
+fallback, the metrics file trimmed for a resume, strict JSON files, and the best adapter.
 
-    runs/NAME/config.json        the settings the run started with
+    runs/NAME/.lock              held (flock) by the one process writing the run; it names that process
+    runs/NAME/config.json        the run's settings, rewritten when a resume changes them
     runs/NAME/config.toml        the settings of its latest start or resume, as `train.py --config` reads them
-    runs/NAME/metrics.jsonl      one JSON line per step
+    runs/NAME/metrics.jsonl      one JSON line per step; a resume that changes settings adds an event line
     runs/NAME/checkpoint-STEP/   adapter (PEFT format) + trainer.pt (optimizer, state, RNG); the two newest
                                  (a full run: shards/ + trainer.pt, see below)
     runs/NAME/latest             the name of the newest complete checkpoint
@@ -12,7 +13,8 @@ file trimmed for a resume, strict JSON files, and the best adapter.
     runs/NAME/summary.json       before / after / best, written at the end
 
 Every file is written under a temporary name and renamed into place, so a crash at any moment leaves
-the previous good state readable.
+the previous good state readable; a write that fails (a full disk, a read-only folder) removes its
+temporary file and raises WriteError naming the file.
 
 A full-parameter run (--lora-rank 0) keeps its weights and AdamW's moments sharded over the ranks
 (fsdp.py), and every rank writes its own shards with torch.distributed.checkpoint into the
@@ -22,12 +24,15 @@ so a run resumes on any number of processes, each reading the slices of the tens
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import random
 import shutil
 import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +49,130 @@ import lora
 import weights
 from config import Config
 
+LOCK_FILE = ".lock"
+
+
+class RunInUse(RuntimeError):
+    """Another process holds the run directory's lock."""
+
+
+class WriteError(OSError):
+    """A file of the run could not be written. Says which, why, and (once the run has a checkpoint to
+    continue from, run_dir) how to continue."""
+
+    run_dir: Path | None = None
+
+    def __str__(self) -> str:
+        text = f"cannot write {self.filename}: {self.strerror}"
+        if self.run_dir is not None:
+            text += f"; the run keeps its last checkpoint: continue with python train.py --resume {self.run_dir}"
+        return text
+
+
+@contextmanager
+def writing(path: Path, *temporary: Path):
+    """A write of `path`: an OSError inside (ENOSPC, EACCES, ...) removes the temporary files or folders
+    and becomes a WriteError naming the path; torch's and safetensors' own write errors arrive as OSError
+    (save_checkpoint hands torch a Python file, lora.save_safetensors converts)."""
+    try:
+        yield
+    except OSError as error:
+        for leftover in temporary:
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
+        code = error.errno or errno.EIO
+        raise WriteError(code, error.strerror or os.strerror(code), str(error.filename or path)) from None
+
+
+# ----------------------------------------------------------------------------- one writer
+
+
+def run_path(cfg: Config) -> Path:
+    """The run directory the settings name (config.validate keeps --run-name one folder inside --out-dir)."""
+    return Path(cfg.out_dir) / (cfg.run_name or time.strftime("%Y%m%d-%H%M%S"))
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    """Whether the folder holds a run to continue: a `latest` pointer or any checkpoint."""
+    return (run_dir / "latest").exists() or any(run_dir.glob("checkpoint-*"))
+
+
+class RunLock:
+    """An exclusive lock on a run directory for the life of a process: train, resume and export take it
+    before they write anything there, so two processes never write one run. flock is released by the
+    kernel when the process ends, however it ends, so a lock left by a crash is never in the way; the
+    file keeps the holder's pid for the message another process prints.
+
+    A new run creates its folder here; if it fails before its first checkpoint, discard() removes the
+    folder again, so the failed start leaves nothing behind that would block a retry.
+    """
+
+    def __init__(self, run_dir: Path, resume: bool, active: bool = True):
+        self.run_dir, self.resume, self.active = run_dir, resume, active  # inactive: not the writing rank
+        self.created, self.fd = False, None
+
+    def __enter__(self) -> RunLock:
+        if not self.active:
+            return self
+        try:
+            with writing(self.run_dir):
+                while self.fd is None:
+                    try:
+                        self.run_dir.mkdir(parents=True)
+                        self.created = True
+                    except FileExistsError:
+                        pass
+                    self.fd = self._take(self.run_dir / LOCK_FILE)
+            if not self.resume and has_checkpoint(self.run_dir):  # checked under the lock: no two runs pass
+                raise FileExistsError(f"{self.run_dir} already holds a run: continue it with --resume "
+                                      f"{self.run_dir}, or pick another --run-name")
+            with writing(self.run_dir / LOCK_FILE):
+                os.ftruncate(self.fd, 0)
+                os.write(self.fd, f"{os.getpid()}\n".encode())
+        except BaseException:
+            self.discard()
+            self.__exit__()
+            raise
+        return self
+
+    def _take(self, path: Path) -> int | None:
+        """The locked file's descriptor; None when the file was removed or replaced before the lock was
+        taken (a failed start discarding its folder), so the caller takes the new one."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except FileNotFoundError:
+            return None  # the folder went away meanwhile
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunInUse(f"{self.run_dir} is in use by process {holder} (a train.py run, resume or export writes "
+                           "it); wait for that process to end, or stop it") from None
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            os.close(fd)
+            return None
+        return fd
+
+    def discard(self) -> None:
+        """Remove the folder this lock created, while still holding the lock: a start that failed."""
+        if self.active and self.created and not has_checkpoint(self.run_dir):
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # releases the flock
+            self.fd = None
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
 
 def keep_best(run_dir: Path, model, state: dict, result: dict, write: bool = True, tokenizer=None) -> None:
     """Keep the policy with the best held-out accuracy in run_dir/best (the papers report best and last):
@@ -56,13 +185,15 @@ def keep_best(run_dir: Path, model, state: dict, result: dict, write: bool = Tru
         if not write:
             return
         if not lora.lora_modules(model):
-            weights.save_pretrained(whole_model, run_dir / "best", tokenizer=tokenizer)  # replaces itself atomically
+            with writing(run_dir / "best"):  # replaces itself atomically
+                weights.save_pretrained(whole_model, run_dir / "best", tokenizer=tokenizer)
             return
         tmp = run_dir / ".best.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        lora.save(model, tmp)
-        shutil.rmtree(run_dir / "best", ignore_errors=True)
-        os.replace(tmp, run_dir / "best")
+        with writing(run_dir / "best", tmp):
+            lora.save(model, tmp)
+            shutil.rmtree(run_dir / "best", ignore_errors=True)
+            os.replace(tmp, run_dir / "best")
 
 
 def save_checkpoint(run_dir: Path, model, optimizer, state: dict, world: distributed.World = distributed.SOLO) -> Path:
@@ -73,25 +204,28 @@ def save_checkpoint(run_dir: Path, model, optimizer, state: dict, world: distrib
     rank 0 writes the files, and each rank its shards of a sharded model; the others wait for rank 0.
     """
     name = f"checkpoint-{state['step']:06d}"
-    tmp, final = run_dir / f".{name}.tmp", run_dir / name
+    tmp, final, pointer = run_dir / f".{name}.tmp", run_dir / name, run_dir / ".latest.tmp"
     sharded, writer = fsdp.is_sharded(model), world.rank == 0
+    with writing(final, *([tmp] if writer else [])):
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        if sharded:
+            world.barrier("waiting for rank 0 to start a checkpoint")
+            has_moments = _save_shards(model, optimizer, tmp / SHARDS)
+            world.barrier("waiting for every rank to write its shards")
+        if writer:
+            if not sharded:
+                lora.save(model, tmp / "adapter")
+            optimizer_state = {"has_moments": has_moments} if sharded else optimizer.state_dict()
+            with open(tmp / "trainer.pt", "wb") as f:  # a Python file: a full disk is an OSError, not torch's
+                torch.save({"optimizer": optimizer_state, "state": state, "rng": _rng_state()}, f)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
     if writer:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    if sharded:
-        world.barrier("waiting for rank 0 to start a checkpoint")
-        has_moments = _save_shards(model, optimizer, tmp / SHARDS)
-        world.barrier("waiting for every rank to write its shards")
-    if writer:
-        if not sharded:
-            lora.save(model, tmp / "adapter")
-        optimizer_state = {"has_moments": has_moments} if sharded else optimizer.state_dict()
-        torch.save({"optimizer": optimizer_state, "state": state, "rng": _rng_state()}, tmp / "trainer.pt")
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        pointer = run_dir / ".latest.tmp"
-        pointer.write_text(name)
-        os.replace(pointer, run_dir / "latest")
+        with writing(run_dir / "latest", pointer):  # failing here, `latest` still names the checkpoint before
+            pointer.write_text(name)
+            os.replace(pointer, run_dir / "latest")
         for old in sorted(run_dir.glob("checkpoint-*"))[:-2]:
             shutil.rmtree(old, ignore_errors=True)
     world.barrier("waiting for rank 0 to write a checkpoint")
@@ -99,13 +233,18 @@ def save_checkpoint(run_dir: Path, model, optimizer, state: dict, world: distrib
 
 
 def load_checkpoint(run_dir: Path, model, optimizer) -> dict:
-    """Restore the newest readable checkpoint (falling back to the one before, with a warning). Every rank
+    """Restore the newest readable checkpoint (falling back to the one before, with a warning). Without a
+    `latest` pointer (lost or deleted) the newest checkpoint folder is taken, with a warning. Every rank
     calls it; a sharded model's ranks read their own slices of the shards together."""
-    latest = run_dir / "latest"
-    if not latest.is_file():
-        raise FileNotFoundError(f"--resume {run_dir}: no checkpoint found (missing {latest})")
-    newest = run_dir / latest.read_text().strip()
-    candidates = [newest, *sorted((p for p in run_dir.glob("checkpoint-*") if p != newest), reverse=True)]
+    latest, found = run_dir / "latest", sorted(run_dir.glob("checkpoint-*"), reverse=True)
+    if latest.is_file():
+        newest = run_dir / latest.read_text().strip()
+        candidates = [newest, *(p for p in found if p != newest)]
+    elif found:
+        warnings.warn(f"{latest} is missing; resuming from the newest checkpoint folder, {found[0].name}")
+        candidates = found
+    else:
+        raise FileNotFoundError(f"--resume {run_dir}: no checkpoint found (no {latest.name} and no checkpoint-*)")
     for ckpt_dir in candidates:
         try:
             saved = torch.load(ckpt_dir / "trainer.pt", weights_only=False)
@@ -167,6 +306,9 @@ def _set_rng_state(rng: dict) -> None:
         torch.cuda.set_rng_state_all(rng["cuda"])
 
 
+# ----------------------------------------------------------------------------- metrics and JSON files
+
+
 def truncate_metrics(path: Path, last_step: int) -> None:
     """Drop lines logged after the checkpoint we resume from; they will be produced again.
 
@@ -186,9 +328,21 @@ def truncate_metrics(path: Path, last_step: int) -> None:
             raise ValueError(f"{path}:{number}: not a JSON line; fix or remove it before resuming") from None
         if record["step"] <= last_step:
             kept.append(line)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    write_text(path, "".join(line + "\n" for line in kept))
+
+
+def append_metrics(path: Path, record: dict) -> None:
+    """One line more in metrics.jsonl (a step, or a resume's event line)."""
+    with writing(path), path.open("a") as f:
+        f.write(to_json(record) + "\n")
+
+
+def record_resume(run_dir: Path, step: int, changed: dict[str, list], settings: dict) -> None:
+    """A resume that changed settings says so in the run: config.json holds the settings now in force, and
+    metrics.jsonl an event line {"step", "event": "resume", "changed": {name: [before, now]}} at the step
+    the new settings start after. Readers of metrics.jsonl skip lines with an "event"."""
+    write_json(run_dir / "config.json", settings)
+    append_metrics(run_dir / "metrics.jsonl", {"step": step, "event": "resume", "changed": changed})
 
 
 def to_json(value) -> str:
@@ -201,18 +355,10 @@ def write_json(path: Path, value) -> None:
 
 
 def write_text(path: Path, text: str) -> None:
-    """Write a file under a temporary name and rename it into place: never half a file."""
+    """Write text to path through a temporary file renamed into place: never half a file, and a failed
+    write leaves neither."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    with writing(path, tmp):
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
 
-
-def prepare_run_dir(cfg: Config) -> Path:
-    """The run directory, after checking that starting or resuming there loses nothing."""
-    run_dir = Path(cfg.out_dir) / (cfg.run_name or time.strftime("%Y%m%d-%H%M%S"))
-    if not cfg.resume and (run_dir / "latest").exists():
-        raise FileExistsError(f"{run_dir} already holds a run: continue it with --resume {run_dir}, "
-                              "or pick another --run-name")
-    if cfg.export:
-        weights.check_export_dir(cfg.export)  # before training, not after it
-    return run_dir

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+import config
+import rundir
 from eval import strict_json
 from loss import MU_LABELS  # the old-probability buckets of the metrics
 
@@ -177,7 +179,7 @@ def run_command(run_dir: Path, arm: str, seed: int, shared: list[str]) -> list[s
     if (run_dir / "summary.json").is_file():
         return None
     train = [sys.executable, str(HERE / "train.py")]
-    if (run_dir / "latest").is_file():  # it has a checkpoint: continue from there
+    if rundir.has_checkpoint(run_dir):  # continue from there
         return train + ["--resume", str(run_dir)]
     shutil.rmtree(run_dir, ignore_errors=True)  # a start that died before its first checkpoint
     return train + shared + ARMS[arm] + ["--seed", str(seed), "--run-name", run_dir.name,
@@ -208,6 +210,9 @@ def run_train(command: list[str], log: Path) -> None:
     again = "Run the same command again to continue the study."
     if stop:
         raise SystemExit(f"study.py: stopped; the run checkpointed (output in {log}). {again}")
+    if code == 2:  # train.py refused its settings or a file: running it again would not help
+        last = log.read_text().strip().splitlines()[-1:] or ["(no output)"]
+        raise SystemExit(f"study.py: a run refused to start: {last[0]} (output in {log})")
     if code != 0:
         raise SystemExit(f"study.py: a run failed (exit status {code}); its output is in {log}. {again}")
 
@@ -217,10 +222,23 @@ def read_run(run_dir: Path) -> dict:
     return run_numbers(metrics, json.loads((run_dir / "summary.json").read_text()))
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """Every arm's train.py command is parsed and checked as train.py would, before anything is written:
+    a bad flag is one line now, not a failed run and a study folder holding the bad flags."""
+    for arm in args.arms:
+        try:
+            config.parse_args([*train_flags(args), *ARMS[arm], "--seed", str(args.seeds - 1)])
+        except ValueError as error:
+            print(f"study.py: arm {arm}: {error}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+
 def check_settings(out: Path, settings: dict) -> None:
-    """A study directory holds one grid's settings; other settings there would mix runs silently."""
+    """A study directory holds one grid's settings; other settings there would mix runs silently (a
+    folder none of whose runs got to a checkpoint takes new settings)."""
     path = out / "study.json"
-    if path.is_file():
+    started = any(rundir.has_checkpoint(run) or (run / "summary.json").is_file() for run in out.glob("runs/*"))
+    if path.is_file() and started:
         before = json.loads(path.read_text())
         if before["train_flags"] != settings["train_flags"]:
             raise SystemExit(f"study.py: {out} holds a study run with other train.py flags "
@@ -230,6 +248,7 @@ def check_settings(out: Path, settings: dict) -> None:
 
 
 def run_grid(args: argparse.Namespace) -> dict[str, dict[int, dict]]:
+    check_flags(args)
     shared = train_flags(args)
     check_settings(args.out, {"train_flags": shared, "arms": {arm: ARMS[arm] for arm in args.arms}})
     (args.out / "logs").mkdir(exist_ok=True)
@@ -257,7 +276,7 @@ def plot(out: Path, arms: list[str], seeds: int) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="study.py", description=__doc__.split("\n")[0],
+    parser = config.OneLineErrors(prog="study.py", description=__doc__.split("\n")[0], allow_abbrev=False,
                                      epilog="Flags after -- are passed to every train.py run.")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per arm, 0..N-1 (default: %(default)s)")
     parser.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated, of {', '.join(ARMS)} "

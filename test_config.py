@@ -4,6 +4,7 @@ import math
 import re
 import subprocess
 import sys
+import warnings
 import tomllib
 from pathlib import Path
 
@@ -104,15 +105,51 @@ FLAG_VALUES = {  # a value for every loss setting, other than its default, and w
 }
 
 
+# the flags under which a setting acts (given alone, the others would be refused as doing nothing)
+ACTIVE_WITH = {"tv_half": ["--rule", "tv-mc"], "kl_two_sided": ["--rule", "kl-mc"], "sapo_tau_pos": ["--rule", "sapo"],
+               "sapo_tau_neg": ["--rule", "sapo"], "cov_ratio": ["--rule", "kl_cov"],
+               "clip_cov_bounds": ["--rule", "clip_cov"], "kl_cov_coef": ["--rule", "kl_cov"],
+               "norm_len": ["--aggregation", "seq-mean-token-sum-norm"], "kl_estimator": ["--kl-beta", "0.1"]}
+
+
 def test_every_loss_setting_reaches_the_loss_config():
     assert FLAG_VALUES.keys() == config.LOSS_FIELDS.keys(), "a new LossConfig field needs a row here"
-    argv = []
-    for name, (text, _) in FLAG_VALUES.items():
+    for name, (text, value) in FLAG_VALUES.items():
         flag = "--" + name.replace("_", "-")
-        argv += [flag] if text is True else ["--no-" + flag[2:]] if text is False else [flag, text]
-    cfg, _, _ = config.parse_args(argv)
-    for name, (_, value) in FLAG_VALUES.items():
+        argv = [flag] if text is True else ["--no-" + flag[2:]] if text is False else [flag, text]
+        cfg, _, _ = config.parse_args(ACTIVE_WITH.get(name, []) + argv)
         assert getattr(cfg.loss, name) == value, name
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--rule", "interval", "--delta", "0.1"], "--delta 0.1: --rule interval has no trust-region size"),
+    (["--rule", "atr", "--delta-high", "0.1"], "--delta-high 0.1: --rule atr has no separate upper size"),
+    (["--sapo-tau-pos", "2"], "--sapo-tau-pos 2.0: only --rule sapo reads it, not --rule grpo"),
+    (["--tv-half"], "--tv-half: only the tv cells of the GPPO grid read it, not --rule grpo"),
+    (["--rule", "kl-atomic", "--tv-half"], "--tv-half: only the tv cells .* not --rule kl-atomic"),
+    (["--norm-len", "5"], "--norm-len 5: only --aggregation seq-mean-token-sum-norm divides by it, not token-mean"),
+    (["--kl-estimator", "k2"], "--kl-estimator k2: the KL penalty is off"),
+    (["--rule", "clip_cov", "--kl-cov-coef", "2"], "--kl-cov-coef 2.0: only --rule kl_cov reads it"),
+])
+def test_a_flag_that_does_nothing_with_the_others_is_refused(flags, message):
+    with pytest.raises(ValueError, match=message):
+        config.parse_args(flags)
+
+
+def test_settings_that_leave_the_trust_region_inert_warn_once():
+    cfg, _, _ = config.parse_args(["--rule", "interval", "--updates-per-rollout", "2"])
+    with pytest.warns(UserWarning, match="no token loses its gradient") as caught:
+        config.warn_if_inert(cfg)
+    assert len(caught) == 1
+    for flags in (["--rule", "interval", "--ratio-limits", "0.5,10"], ["--rule", "interval", "--dual-clip", "3"]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            config.warn_if_inert(config.parse_args([*flags, "--updates-per-rollout", "2"])[0])
+
+
+def test_flags_are_never_abbreviations():
+    with pytest.raises(SystemExit):
+        config.parse_args(["--step", "2"])  # not --steps 2
 
 
 # ----------------------------------------------------------------------------- settings files
@@ -150,7 +187,8 @@ def test_a_config_file_holds_any_flags_and_explicit_flags_override_it(tmp_path):
 @pytest.mark.parametrize("argv", [[], *[["--preset", name] for name in config.PRESETS],
                                   ["--system-prompt", 'say "hi"\n\tthen «stop» \\ done', "--reward-fn", "a.b:c",
                                    "--reward-fn", "d.py:e", "--dual-clip", "0.5,10", "--norm-len", "7",
-                                   "--gpu-memory", "40", "--no-kl-two-sided"]])
+                                   "--gpu-memory", "40", "--no-kl-two-sided", "--rule", "kl-mc",  # where they act
+                                   "--aggregation", "seq-mean-token-sum-norm"]])
 def test_the_written_toml_reads_back_as_the_same_config(tmp_path, argv):
     cfg, _, _ = config.parse_args(argv)
     path = tmp_path / "config.toml"

@@ -2,6 +2,8 @@
 
 import json
 import re
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -774,6 +776,14 @@ def test_code_template_poses_its_example_in_code(tokenizer):
     text = tokenizer.decode(render_prompt(tokenizer, "Read an integer n and print n + 1.", "code", system="S"))
     assert text.count("python code block") == 2  # the worked example is posed the way the problem is
     assert text.count("<|im_start|> assistant") == 2 and text.rstrip().endswith("assistant")
+def test_the_templates_module_runs_as_a_script():
+    run = lambda *args: subprocess.run([sys.executable, "data/templates.py", *args], capture_output=True, text=True,
+                                       cwd=Path(__file__).parent, timeout=60)
+    assert run("--help").returncode == 0 and run("--help").stdout.startswith("usage: data/templates.py")
+    assert run("--template", "equation", "What is 7 + 6?").stdout.splitlines() == [
+        "user: What is 2 + 3?", "assistant: 2 + 3 = 5", "user: What is 7 + 6?"]
+    bad = run("--template", "nope")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and bad.stderr.startswith("data/templates.py: --template")
 
 
 # ---------------------------------------------------------------- files as people have them

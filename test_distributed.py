@@ -6,11 +6,11 @@ Each test starts its ranks as fresh processes; they meet through a local TCP por
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import config
@@ -20,29 +20,30 @@ import train
 TIMING_KEYS = {"step_seconds", "rollout_tokens_per_s", "reward_seconds", "train_tokens_per_s"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(worker, size: int, *args) -> list[int]:
     """worker(rank, size, port, *args) in `size` spawned processes; their exit codes. Each is joined on its
-    own, so one rank failing does not kill the others before they report."""
-    context = mp.start_processes(worker, args=(size, free_port(), *args), nprocs=size, join=False,
+    own, so one rank failing does not kill the others before they report.
+
+    The ranks meet at a TCP store this process holds, as torchrun's agent holds it: its port is bound here
+    before any rank starts and stays open until every rank has ended. (Picking a free port for rank 0 to
+    bind later leaves the port to whoever takes it first on a busy machine, and a store hosted by rank 0
+    goes away when rank 0 exits, while rank 1 may still be shutting down.)"""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    context = mp.start_processes(worker, args=(size, store.port, *args), nprocs=size, join=False,
                                  start_method="spawn")
     for process in context.processes:
         process.join(600)
     for process in context.processes:
         if process.is_alive():  # hung: the test fails with exit code None, and leaves nothing running
             process.kill()
+    del store  # only now: the ranks are gone
     return [process.exitcode for process in context.processes]
 
 
 def join_as(rank: int, size: int, port: int) -> None:
-    """The environment torchrun gives each process."""
+    """The environment torchrun gives each process, the store held by the launcher (run_ranks)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(size))
+                      WORLD_SIZE=str(size), TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(1)
 
 
@@ -130,8 +131,9 @@ def run_worker(rank, size, port, argv):
 
 
 def metric_lines(run_dir: Path) -> list[dict]:
+    """The steps' lines, without timings (a resume's event line is not a step)."""
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in line.items() if k not in TIMING_KEYS} for line in lines]
+    return [{k: v for k, v in line.items() if k not in TIMING_KEYS} for line in lines if "event" not in line]
 
 
 def test_a_run_started_on_two_ranks_resumes_on_one(tiny_model_dir, tmp_path, monkeypatch):

@@ -506,6 +506,27 @@ def test_code_benchmarks_report_pass_and_mean_at_k(tiny_model_dir, monkeypatch):
     assert run.problems[0].answers[0] == "print(2 * int(input()))"
     assert run.summary["mean@k"].mean == pytest.approx(1 / 6)
     assert run.summary["pass@k"].mean == pytest.approx((1 - 1 / 3) / 2)  # a: 1 - C(2, 2) / C(3, 2)
+def test_a_damaged_or_foreign_adapter_and_a_binary_run_file_are_one_line_errors(tiny_model_dir, tmp_path, capsys):
+    import lora
+    from conftest import make_tiny_checkpoint
+    from weights import from_pretrained
+
+    bench = write_jsonl(tmp_path / "one.jsonl", [{"problem": "What is 2 + 2?", "answer": "4"}])
+    args = ["--model", str(tiny_model_dir), "--bench", str(bench), "--out", str(tmp_path / "run.json")]
+    truncated = tmp_path / "truncated"
+    lora.save(lora.inject(from_pretrained(str(tiny_model_dir)), rank=2, alpha=4), truncated)
+    weights_file = truncated / lora.WEIGHTS_FILE
+    weights_file.write_bytes(weights_file.read_bytes()[:100])
+    assert "not a readable safetensors file" in user_error([*args, "--adapter", str(truncated)], capsys)
+    foreign = tmp_path / "foreign"  # an adapter of a wider model
+    wide = from_pretrained(str(make_tiny_checkpoint(tmp_path / "wide", hidden_size=64)))
+    lora.save(lora.inject(wide, rank=2, alpha=4), foreign)
+    capsys.readouterr()  # transformers' own progress lines while saving the wide model
+    err = user_error([*args, "--adapter", str(foreign)], capsys)
+    assert "has shape" in err and "an adapter of another model?" in err
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\x00\xff\xfe")
+    assert f"{binary}: not a run file" in user_error(["--compare", str(binary), str(binary)], capsys)
 
 
 def fake_run(path: Path, **settings) -> Path:

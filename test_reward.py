@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -711,6 +712,96 @@ def test_references_route_by_task_so_math_and_code_mix():
     assert grades[:2] == [None, None] and [g.reason for g in grades[2:]] == [None, "wrong_answer"]
     with pytest.raises(ValueError, match=r"references\[0\] is a problem with neither"):
         reward.reward(["x"], [{"problem": "no answer"}])
+# ----------------------------------------------------------------------------- answers that restate the problem
+
+# (completion, reference, problem, template, expected)
+ECHO_CASES = [
+    ("7 + 6", "13", "What is 7 + 6?", None, False),  # the question restated is no answer
+    ("7 + 6", "13", None, None, True),  # ... though it equals 13, which is all a checker without the question sees
+    ("15 - 7", "8", "What is 15 - 7?", None, False),
+    ("6 + 7", "13", "What is 7 + 6?", None, False),  # commuted: still only the question's numbers
+    ("7 + 6 + 0", "13", "What is 7 + 6?", None, False),  # 0 and 1 change nothing
+    ("7 × 6 × 1", "42", "What is 7 × 6?", None, False),
+    ("1 + 1", "2", "What is 1 + 1?", None, False),  # a truncated "1 + 1 = 2"
+    ("x = 7 + 6", "13", "What is 7 + 6?", None, False),
+    ("13 = 7 + 6", "13", "What is 7 + 6?", "equation", False),
+    ("\\boxed{2^{10}}", "1024", "Compute $2^{10}$.", None, False),
+    ("\\boxed{12/4}", "3", "What is 12 divided by 4?", None, False),  # a division still to carry out
+    ("\\boxed{5!}", "120", "How many orders of 5 books are there?", None, False),
+    ("7 + 6 = 13", "13", "What is 7 + 6?", "equation", True),  # the equation template's answer: after the last "="
+    ("7 + 6 = 12 + 1 = 13", "13", "What is 7 + 6?", "equation", True),
+    ("5 x 4 = 20", "20", "What is 5 × 4?", "equation", True),  # a letter x on the left is no longer in the way
+    ("7 + 6 = 14", "13", "What is 7 + 6?", "equation", False),
+    ("7 + 6 =", "13", "What is 7 + 6?", "equation", False),  # nothing after the "="
+    ("13", "13", "What is 7 + 6?", "equation", True),
+    ("10 + 3", "13", "What is 7 + 6?", None, True),  # an expression over other numbers is work shown, not an echo
+    ("\\boxed{3/4}", "0.75", "What is 3 divided by 4?", None, True),  # a fraction in lowest terms is a value
+    ("\\boxed{2^{10}}", "2^{10}", "Compute $2^{10}$.", None, True),  # written so by the reference too
+    ("\\boxed{-5}", "-5", "What is 2 - 7?", None, True),  # a sign is no operation
+    ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt{3}}{2}", "Find sin 60, given 3 and 2.", None, True),
+    ("The answer is 1,234 + 1", "1235", "Add 1,234 and 1.", None, False),  # thousands separators are one number
+]
+
+
+@pytest.mark.parametrize("completion, reference, problem, template, expected", ECHO_CASES)
+def test_an_answer_that_restates_the_problem_is_wrong(completion, reference, problem, template, expected):
+    assert grade(completion, reference, problem=problem, template=template) is expected
+
+
+def test_the_equation_template_grades_what_follows_the_last_equals_sign():
+    assert reward.answer_of("7 + 6 = 13", "equation") == "13" and reward.answer_of("7 + 6 = 13") == "7 + 6 = 13"
+    assert reward.reward(["7 + 6", "13"], ["13", "13"], problems=["What is 7 + 6?"] * 2, template="equation") == [0, 1]
+    with pytest.raises(ValueError, match="completions and problems differ in length"):
+        reward.reward(["1"], ["1"], problems=[])
+
+
+def test_the_command_line_grades_in_the_problems_context():
+    run = lambda *args: subprocess.run([sys.executable, "reward.py", *args], cwd=Path(__file__).parent,
+                                       capture_output=True, text=True, timeout=60)
+    out = run("7 + 6", "13", "--problem", "What is 7 + 6?", "--template", "equation")
+    assert out.returncode == 0 and out.stdout.splitlines()[0] == "verdict: wrong"
+    assert out.stdout.splitlines()[-1].startswith("restates the problem")
+    assert run("7 + 6 = 13", "13", "--problem", "What is 7 + 6?", "--template", "equation").stdout.splitlines()[:4] == [
+        "verdict: correct", "prediction:", "  extracted:  '7 + 6 = 13'", "  normalized: '13'"]
+    assert run("7 + 6", "13").stdout.startswith("verdict: correct\n")  # without the problem nothing says it is one
+    bad = run("1", "2", "--prob", "x")
+    assert bad.returncode == 2 and bad.stderr == "reward.py: unrecognized arguments: --prob x (see --help)\n"
+
+
+# ----------------------------------------------------------------------------- numbers of any length, hostile text
+
+@pytest.mark.parametrize("digits", [4_200, 4_299, 4_301, 5_000, 40_000])
+def test_huge_integers_compare_exactly_and_never_raise(digits):
+    n = "7" * digits
+    for completion in (n, f"\\boxed{{{n}}}", f"The answer is {n}.", "so " * 2_000 + n, f"-{n}"):
+        sign = "-" if completion.startswith("-") else ""
+        assert grade(completion, sign + n), completion[:20]
+        assert not grade(completion, sign + n[:-1] + "8"), completion[:20]
+    assert grade(f"{n}.50", f"{n}.5") and grade(f"{n}/3", f"{n}/3")
+    assert not grade(n, n + "7")
+
+
+def hostile_texts(seed: int = 0, count: int = 300) -> list[str]:
+    """Random concatenations of the pieces answers are parsed from: brackets, commands, numbers of every size."""
+    pieces = ["\\boxed{", "}", "{", "(", ")", "[", "]", "\\frac", "\\sqrt", "^", "_", "=", "<", "\\le", ",", ";",
+              "\\pm", "$", "$$", "\\(", "\\)", "#### ", "Answer:", "The final answer is ", "x", " ", "\n", "-", "+",
+              "/", "!", ".", "\\text{and}", "\\begin{pmatrix}", "\\end{pmatrix}", "&", "\\\\", "e", "i", "\\infty",
+              "1", "0", "9" * 50, "7" * 4_400, "3" * 31_000, "1e9999", "0." + "3" * 5_000, "\\ud800", "\x00", "答案是"]
+    rng = random.Random(seed)
+    return ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 12))) for _ in range(count)]
+
+
+def test_no_string_makes_the_checker_raise():
+    """Extraction, normalization and the exact comparisons run in this process: none may raise (the guard in
+    reward() would turn it into a warning). A few dozen pairs also reach the sympy workers."""
+    texts = hostile_texts()
+    for text, reference, problem in zip(texts, texts[::-1], texts[1:] + texts[:1]):
+        reward._grade_fast(text, reference, problem, "equation")
+        reward.answer_of(text, "equation")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scores = reward.reward(texts[:40], texts[:40][::-1], problems=texts[1:41], template="equation", timeout=1.0)
+    assert set(scores) <= {0.0, 1.0}
 
 
 def test_the_benchmark_finds_its_data_or_fails_saying_where_it_looked(tmp_path):

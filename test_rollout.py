@@ -556,3 +556,23 @@ def test_the_command_line_samples_a_prompt_and_grades_it(tiny_model_dir):
     assert piped.stdout == proc.stdout, "stdin gives the same prompt"
     bad = subprocess.run([*args, "--adapter", "nowhere", "x"], cwd=Path(__file__).parent, capture_output=True, text=True)
     assert bad.returncode == 2 and "--adapter nowhere" in bad.stderr
+
+
+def test_the_command_line_fails_in_one_line_and_a_ctrl_c_exits_130(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    import rollout
+
+    (tmp_path / "empty").mkdir()  # an adapter folder without its files
+    args = ["--model", str(tiny_model_dir), "--max-new-tokens", "4", "What is 2 + 2?"]
+    for extra, message in ((["--adapter", str(tmp_path / "empty")], "adapter_config.json: not found"),
+                           (["--max-new-tokens", "300"], "exceeds the model's context")):
+        with pytest.raises(SystemExit) as exit_info:
+            rollout.main([*args, *extra])
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
+
+    def interrupted(*_, **__):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(rollout, "generate", interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        rollout.main(args)
+    assert exit_info.value.code == 130 and capsys.readouterr().err.strip() == "rollout.py: interrupted"

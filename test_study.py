@@ -73,6 +73,9 @@ def test_runs_resume_from_what_they_left(tmp_path):
     (checkpointed / "latest").write_text("checkpoint-000002")
     assert study.run_command(done, "grpo", 0, []) is None
     assert study.run_command(checkpointed, "atr", 0, ["--steps", "9"])[2:] == ["--resume", str(checkpointed)]
+    (checkpointed / "latest").unlink()  # a lost pointer: the checkpoint folders still make it a run
+    (checkpointed / "checkpoint-000002").mkdir()
+    assert study.run_command(checkpointed, "atr", 0, ["--steps", "9"])[2:] == ["--resume", str(checkpointed)]
     fresh = study.run_command(died, "dapo", 0, ["--steps", "9"])
     assert not died.exists()  # a start that left no checkpoint begins again
     assert fresh[2:] == ["--steps", "9", "--rule", "dapo", "--seed", "0", "--run-name", "dapo-s0",
@@ -97,11 +100,31 @@ def test_stopping_the_study_lets_the_run_checkpoint(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
-def test_other_settings_in_the_same_directory_are_refused(tmp_path):
+def test_other_settings_in_the_same_directory_are_refused_once_a_run_started(tmp_path):
     study.check_settings(tmp_path, {"train_flags": ["--steps", "2"], "arms": {}})
-    study.check_settings(tmp_path, {"train_flags": ["--steps", "2"], "arms": {"grpo": []}})  # more arms: fine
+    study.check_settings(tmp_path, {"train_flags": ["--steps", "3"], "arms": {}})  # no run started: new settings
+    (tmp_path / "runs" / "grpo-s0" / "checkpoint-000001").mkdir(parents=True)
+    study.check_settings(tmp_path, {"train_flags": ["--steps", "3"], "arms": {"grpo": []}})  # more arms: fine
     with pytest.raises(SystemExit, match="other train.py flags"):
-        study.check_settings(tmp_path, {"train_flags": ["--steps", "3"], "arms": {}})
+        study.check_settings(tmp_path, {"train_flags": ["--steps", "2"], "arms": {}})
+
+
+def test_bad_train_flags_fail_in_one_line_before_anything_is_written(tmp_path, capsys):
+    out = tmp_path / "study"
+    for extra, message in ((["--", "--top-k", "-3"], "study.py: arm grpo: --top-k -3: must be >= 0"),
+                           (["--", "--bogus"], "train.py: unrecognized arguments: --bogus")):
+        with pytest.raises(SystemExit) as exit_info:
+            study.main(["--arms", "grpo", "--out", str(out), *extra])
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2 and err.startswith(message), err
+    assert not out.exists()
+
+
+def test_a_run_that_refuses_to_start_is_not_run_again(tmp_path):
+    log = tmp_path / "log"
+    refuse = "import sys; print('train.py: --model x: neither a local directory nor a hub id'); sys.exit(2)"
+    with pytest.raises(SystemExit, match="a run refused to start: train.py: --model x: neither"):
+        study.run_train([sys.executable, "-c", refuse], log)
 
 
 def test_bad_arms_are_refused_before_anything_runs(capsys):

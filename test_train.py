@@ -1,11 +1,12 @@
 """The training loop end to end on a tiny random model: it trains, logs, checkpoints and resumes exactly."""
 
 import dataclasses
-import math
+import errno
 import json
+import math
+import os
 import re
 import signal
-import os
 import subprocess
 import sys
 import time
@@ -55,14 +56,21 @@ def launch(args: list[str], log: Path) -> subprocess.Popen:
 
 
 def metric_lines(run_dir: Path) -> list[dict]:
+    """The steps' lines of metrics.jsonl, without their timings (a resume's event lines are not steps)."""
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in line.items() if k not in TIMING_KEYS} for line in lines]
+    return [{k: v for k, v in line.items() if k not in TIMING_KEYS} for line in lines if "event" not in line]
 
 
-def test_two_steps_train_log_and_checkpoint(tiny_model_dir, tmp_path):
+def event_lines(run_dir: Path) -> list[dict]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [line for line in lines if "event" in line]
+
+
+def test_two_steps_train_log_and_checkpoint(tiny_model_dir, tmp_path, capsys):
     state = run_training(tiny_args(tiny_model_dir, tmp_path, "smoke", "--steps", "2",
                                    "--export", str(tmp_path / "export")))
     run_dir = tmp_path / "smoke"
+    assert capsys.readouterr().err.count(f"run directory: {run_dir}\n") == 2  # at the start and at the end
     lines = metric_lines(run_dir)
     assert [line["step"] for line in lines] == [1, 2]
     for key in ("reward", "accuracy", "entropy", "completion_length", "truncated", "clip_low_frac",
@@ -145,9 +153,14 @@ def test_resume_reproduces_an_uninterrupted_run(tiny_model_dir, tmp_path):
     straight, split = metric_lines(tmp_path / "straight"), metric_lines(tmp_path / "split")
     assert [line["step"] for line in split] == [1, 2, 3, 4]
     assert split == straight
+    assert event_lines(tmp_path / "split") == [{"step": 2, "event": "resume", "changed": {"steps": [2, 4]}}]
+    assert json.loads((tmp_path / "split" / "config.json").read_text())["steps"] == 4
 
 
-def test_sigkill_loses_only_steps_after_the_last_checkpoint(tiny_model_dir, tmp_path):
+def test_a_run_has_one_writer_and_sigkill_loses_only_steps_after_the_last_checkpoint(tiny_model_dir, tmp_path,
+                                                                                      capsys):
+    """While a run trains, a second start of it, a resume and an export are refused in one line naming its
+    process; once that process is killed, its lock is gone with it and the run resumes."""
     args = tiny_args(tiny_model_dir, tmp_path, "killed", "--steps", "1000000", "--checkpoint-every", "1",
                      "--eval-problems", "1", "--eval-k", "1")
     proc = launch(args, tmp_path / "killed.log")
@@ -157,6 +170,14 @@ def test_sigkill_loses_only_steps_after_the_last_checkpoint(tiny_model_dir, tmp_
         while not (run_dir / "latest").exists() or _latest_step(run_dir) < 3:
             assert proc.poll() is None and time.time() < deadline, "training did not reach step 3"
             time.sleep(0.2)
+        for second in (args, ["--resume", str(run_dir)], ["--resume", str(run_dir), "--export", str(tmp_path / "x")]):
+            with pytest.raises(SystemExit) as exit_info:
+                train.main(second)
+            err = capsys.readouterr().err.strip()
+            assert exit_info.value.code == 2 and err == (
+                f"train.py: {run_dir} is in use by process {proc.pid} (a train.py run, resume or export writes it); "
+                "wait for that process to end, or stop it"), err
+        assert proc.poll() is None and not (tmp_path / "x").exists()
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -179,7 +200,8 @@ def test_ctrl_c_checkpoints_the_step_in_progress_and_resumes(tiny_model_dir, tmp
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=60)
     log = (tmp_path / "interrupted.log").read_text()
-    assert proc.returncode == 0, log[-2000:]
+    assert proc.returncode == 130 and "Traceback" not in log, log[-2000:]  # stopped, not finished
+    assert log.strip().splitlines()[-1].endswith(f"continue with: python train.py --resume {tmp_path / 'interrupted'}")
     # a redirected log gets plain lines: no progress bar's carriage returns or cursor moves
     assert "\r" not in log and "\x1b" not in log and re.search(r"^step 2/1000000: reward \S+, accuracy \S+, \S+ s$",
                                                                 log, re.M), log[-2000:]
@@ -187,6 +209,25 @@ def test_ctrl_c_checkpoints_the_step_in_progress_and_resumes(tiny_model_dir, tmp
     assert saved_step >= 2 and len(metric_lines(tmp_path / "interrupted")) == saved_step
     state = run_training(["--resume", str(tmp_path / "interrupted"), "--steps", str(saved_step + 1)])
     assert state["step"] == saved_step + 1
+
+
+def test_a_second_ctrl_c_interrupts_at_once_without_a_traceback(tiny_model_dir, tmp_path):
+    args = tiny_args(tiny_model_dir, tmp_path, "twice", "--steps", "1000000", "--eval-problems", "1", "--eval-k", "1",
+                     "--max-new-tokens", "64")
+    log = tmp_path / "twice.log"
+    proc = launch(args, log)
+    metrics = tmp_path / "twice" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not metrics.exists() or not metrics.read_text():
+        assert proc.poll() is None and time.time() < deadline, log.read_text()[-2000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in log.read_text(), log.read_text()[-2000:]
+    assert log.read_text().strip().splitlines()[-1].endswith(f"--resume {tmp_path / 'twice'}")
+    assert run_training(["--resume", str(tmp_path / "twice"), "--steps", "1"])["step"] >= 1
 
 
 def test_ctrl_c_during_an_evaluation_exits_cleanly_and_the_run_resumes(tiny_model_dir, tmp_path):
@@ -201,7 +242,7 @@ def test_ctrl_c_during_an_evaluation_exits_cleanly_and_the_run_resumes(tiny_mode
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in log.read_text(), log.read_text()[-2000:]
-    assert "--resume" in log.read_text().splitlines()[-1]
+    assert log.read_text().splitlines()[-1].endswith(f"--resume {tmp_path / 'eval-stop'}")  # the run, not "RUN"
     state = run_training(["--resume", str(tmp_path / "eval-stop"), "--eval-problems", "2"])
     assert state["step"] == 1 and state["before"]["problems"] == 2
 
@@ -317,14 +358,14 @@ def test_the_first_minibatch_logs_the_numerical_floor_of_the_ratio(tiny_model_di
 
 def test_the_inert_trust_region_is_announced_when_a_chosen_rule_cannot_act():
     with pytest.warns(UserWarning, match="one optimizer step per rollout.*every clip rule gives the same update"):
-        train.warn_if_inert(config.parse_args(["--rule", "atr"])[0])
+        config.warn_if_inert(config.parse_args(["--rule", "atr"])[0])
     with pytest.warns(UserWarning, match="every clip rule gives the same update"):
-        train.warn_if_inert(config.parse_args(["--delta", "0.3"])[0])
+        config.warn_if_inert(config.parse_args(["--delta", "0.3"])[0])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        train.warn_if_inert(config.parse_args([])[0])  # the default command says nothing about its own defaults
-        train.warn_if_inert(config.parse_args(["--rule", "atr", "--updates-per-rollout", "2"])[0])
-        train.warn_if_inert(config.parse_args(["--rule", "atr", "--epochs", "2"])[0])
+        config.warn_if_inert(config.parse_args([])[0])  # the default command says nothing about its own defaults
+        config.warn_if_inert(config.parse_args(["--rule", "atr", "--updates-per-rollout", "2"])[0])
+        config.warn_if_inert(config.parse_args(["--rule", "atr", "--epochs", "2"])[0])
 
 
 def test_token_records_are_written_every_step(tiny_model_dir, tmp_path):
@@ -354,6 +395,17 @@ def test_a_resumed_run_refuses_settings_that_name_another_run(tiny_model_dir, tm
     (["--rule", "nope"], "rule"), (["--dual-clip", "0.5,x"], "--dual-clip"),
     (["--ratio-limits", "2,1"], "ratio.limits"), (["--aggregation", "token-mean", "--rule", "gspo"], "--aggregation"),
     (["--kv-blocks", "1"], "--kv-blocks"), (["--kv-blocks", "-2"], "--kv-blocks"),
+    (["--updates-per-rollout", "0"], "^train.py: --updates-per-rollout 0: must be between 1 and the 64 rows"),
+    (["--template", "foo"], "^train.py: --template 'foo': expected one of answer, boxed, plain, equation"),
+    (["--seed", "-1"], r"^train.py: --seed -1: must be in \[0, 2\^32\)$"),
+    (["--steps", "-1"], "^train.py: --steps -1: must be >= 0$"),  # the one flag at fault, no other
+    (["--grad-clip", "0"], "^train.py: --grad-clip 0.0: must be > 0"),
+    (["--run-name", "../escape"], "^train.py: --run-name '../escape': must be one folder name, inside --out-dir"),
+    (["--kl-cov-coef", "nan"], "^train.py: --kl-cov-coef nan: must be a finite number$"),
+    (["--step", "2"], "^train.py: unrecognized arguments: --step 2$"),  # not taken for --steps
+    (["--rule", "interval", "--delta", "0.1"], "^train.py: --delta 0.1: --rule interval has no trust-region size"),
+    (["--norm-len", "8"], "^train.py: --norm-len 8: only --aggregation seq-mean-token-sum-norm divides by it"),
+    (["--lora-targets", "q_proj,attn"], "^train.py: --lora-targets q_proj,attn: expected distinct names among"),
     (["--reward-weights", "1,2"], "--reward-weights 1,2: 2 weights for 1 --reward-fn"),
     (["--reward-fn", "no_colon"], "--reward-fn 'no_colon': expected module:function"),
     (["--reward-fn", "no_such_module_xyz:f"], "--reward-fn no_such_module_xyz:f: cannot import"),
@@ -366,6 +418,54 @@ def test_each_bad_flag_fails_in_one_line_before_the_model_loads(tmp_path, capsys
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(lines) == 1 and re.search(message, lines[0]), lines
     assert not any(tmp_path.iterdir()), "a failed start leaves nothing behind"
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Loading weights fails the test: these checks must come before it."""
+    monkeypatch.setattr(train.weights, "from_pretrained", lambda *_, **__: pytest.fail("the weights loaded"))
+
+
+def test_a_missing_model_is_named_by_its_flag(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train.main(["--model", str(tmp_path / "no-model"), "--out-dir", str(tmp_path)])
+    assert capsys.readouterr().err == f"train.py: --model {tmp_path / 'no-model'}: neither a local directory nor a " \
+                                      "hub id (owner/name)\n"
+
+
+def test_what_needs_the_models_shape_is_checked_before_its_weights_load(tiny_model_dir, tmp_path, capsys, no_weights):
+    """The tiny model has a context of 256 tokens and k_proj of 32 x 16."""
+    long_problem = "What is " + " + ".join(["1"] * 200) + "?"
+    train_file = tmp_path / "long.jsonl"
+    train_file.write_text("".join(json.dumps({"problem": p, "answer": "2"}) + "\n"
+                                  for p in ("What is 1 + 1?", "What is 2 + 0?", long_problem)))
+    out = tmp_path / "runs"
+    cases = [
+        (["--max-new-tokens", "256"], "--max-new-tokens 256: the model's context is 256 tokens, prompt included"),
+        (["--lora-rank", "17"], "--lora-rank 17: above the 16 dimensions of k_proj in this model"),
+        (["--dataset", str(train_file)], f"{train_file}:3: the prompt has "),
+        (["--eval-dataset", f"arithmetic_test,{train_file}"], f"{train_file}:3: the prompt has "),
+        (["--export", "/proc/no-export"], "--export /proc/no-export: cannot write in /proc"),
+    ]
+    for flags, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            train.main(tiny_args(tiny_model_dir, out, "shape", *flags))
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2 and err.startswith(f"train.py: {message}") and "\n" not in err, err
+    assert not out.exists(), "a failed start leaves nothing behind"
+
+
+def test_an_unwritable_out_dir_fails_before_the_weights_load(tiny_model_dir, tmp_path, capsys, no_weights):
+    if os.geteuid() == 0:
+        out = Path("/proc/no-runs")  # root may write anywhere else
+    else:
+        out = tmp_path / "read-only"
+        out.mkdir(mode=0o555)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(tiny_args(tiny_model_dir, out, "ro"))
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and err.startswith(f"train.py: cannot write {out}") and "\n" not in err, err
+    assert not (tmp_path / "read-only" / "ro").exists()
 
 
 def test_bad_data_and_runs_fail_before_training(tiny_model_dir, tmp_path):
@@ -559,6 +659,8 @@ def test_thought_lengths_count_unclosed_thoughts_and_split_the_rest():
     stats = train.thought_lengths(out, tokenizer, open_thought=False).tolist()
     answer = len(tokenizer.encode("\n12", add_special_tokens=False)) + 1
     assert stats == [[1.0, lengths[0], 0.0], [0.0, lengths[1] - answer, answer], [0.0, 0.0, lengths[2]]]
+
+
 def test_score_grades_a_step_that_mixes_math_and_code(monkeypatch):
     """Each problem routes by its task: math by its answer, code by running the program; code metrics count why."""
     import types
@@ -599,3 +701,93 @@ def test_a_code_run_trains_and_logs_its_code_metrics(tiny_model_dir, tmp_path, m
                            "code_test", "--template", "{problem}"))  # the code template outgrows its context
     (line,) = metric_lines(tmp_path / "code")
     assert line["code_no_code_block"] == 1.0 and line["code_tests_passed"] == 0.0  # a random model writes no code
+
+
+def test_a_resume_records_what_it_changes_and_refuses_what_the_adapters_cannot_follow(tiny_model_dir, tmp_path,
+                                                                                      capsys):
+    run_training(tiny_args(tiny_model_dir, tmp_path, "changed", "--steps", "2"))
+    run_dir = tmp_path / "changed"
+    with pytest.raises(ValueError, match="--lora-rank cannot change them"):
+        run_training(["--resume", str(run_dir), "--lora-rank", "8"])
+    run_training(["--resume", str(run_dir), "--steps", "3", "--lr", "0.005", "--lora-rank", "4"])  # 4: the run's own
+    assert "; changed: --steps 2 -> 3, --lr 0.01 -> 0.005" in capsys.readouterr().err
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["lr"] == 0.005 and saved["steps"] == 3 and saved["resume"] is None
+    run_training(["--resume", str(run_dir), "--steps", "4"])  # a plain resume keeps the new learning rate
+    assert event_lines(run_dir) == [{"step": 2, "event": "resume", "changed": {"steps": [2, 3], "lr": [0.01, 0.005]}},
+                                    {"step": 3, "event": "resume", "changed": {"steps": [3, 4]}}]
+    assert [line["step"] for line in metric_lines(run_dir)] == [1, 2, 3, 4]
+
+
+def test_plan_with_resume_plans_the_run(tiny_model_dir, tmp_path, capsys):
+    run_training(tiny_args(tiny_model_dir, tmp_path, "planned", "--steps", "1", "--lora-rank", "3"))
+    with pytest.raises(SystemExit):
+        train.main(["--plan", "--resume", str(tmp_path / "planned")])
+    out = capsys.readouterr().out
+    assert "r3 on 7 targets" in out and "2 prompts x 2 samples x 4 new tokens" in out, out
+
+
+def test_a_resume_without_latest_takes_the_newest_checkpoint(tiny_model_dir, tmp_path):
+    run_training(tiny_args(tiny_model_dir, tmp_path, "pointer", "--steps", "2"))
+    (tmp_path / "pointer" / "latest").unlink()
+    with pytest.warns(UserWarning, match="latest is missing; resuming from the newest checkpoint folder, "
+                                         "checkpoint-000002"):
+        state = run_training(["--resume", str(tmp_path / "pointer"), "--steps", "3"])
+    assert state["step"] == 3
+
+
+def test_a_damaged_config_json_is_named(tiny_model_dir, tmp_path, capsys):
+    run_training(tiny_args(tiny_model_dir, tmp_path, "damaged", "--steps", "1"))
+    saved = tmp_path / "damaged" / "config.json"
+    capsys.readouterr()
+    for text, message in (('{"steps": 2', "not valid JSON"), ('{"stepz": 2}', "unknown settings stepz")):
+        saved.write_text(text)
+        with pytest.raises(SystemExit) as exit_info:
+            train.main(["--resume", str(tmp_path / "damaged")])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.startswith(f"train.py: {saved}: {message}") and err.count("\n") == 1
+
+
+def test_a_full_disk_is_one_line_naming_the_file_and_the_run_resumes(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    real_save = train.rundir.torch.save
+
+    def save(obj, f):
+        if obj["state"]["step"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(obj, f)
+    monkeypatch.setattr(train.rundir.torch, "save", save)
+    run_dir = tmp_path / "full"
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(tiny_args(tiny_model_dir, tmp_path, "full", "--steps", "3"))
+    assert exit_info.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == (
+        f"train.py: cannot write {run_dir / 'checkpoint-000002'}: No space left on device; the run keeps its last "
+        f"checkpoint: continue with python train.py --resume {run_dir}")
+    assert not list(run_dir.glob(".*.tmp")) and _latest_step(run_dir) == 0
+    monkeypatch.setattr(train.rundir.torch, "save", real_save)
+    assert run_training(["--resume", str(run_dir)])["step"] == 3
+
+
+def test_rewriting_the_metrics_on_a_full_disk_leaves_no_temporary_file(tmp_path, monkeypatch):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1}\n{"step": 2}\n')
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(train.rundir.WriteError, match=f"cannot write {metrics}: No space left on device"):
+        train.rundir.truncate_metrics(metrics, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    with pytest.raises(train.rundir.WriteError, match="metrics.jsonl"):
+        monkeypatch.setattr(Path, "open", lambda *_, **__: full(None))
+        train.rundir.append_metrics(metrics, {"step": 3})
+
+
+def test_saved_files_follow_the_umask(tiny_model_dir, tmp_path):
+    previous = os.umask(0o022)
+    try:
+        run_training(tiny_args(tiny_model_dir, tmp_path, "shared", "--steps", "1", "--export", str(tmp_path / "x")))
+    finally:
+        os.umask(previous)
+    for path in [tmp_path / "x", tmp_path / "shared" / "best", *(tmp_path / "x").iterdir(),
+                 *(tmp_path / "shared" / "best").iterdir(), *(tmp_path / "shared").glob("checkpoint-*/adapter/*")]:
+        assert path.stat().st_mode & 0o777 == (0o755 if path.is_dir() else 0o644), path

@@ -137,11 +137,14 @@ def score(out: rollout.Rollout, problems: list[dict], cfg: Config, step: int = 0
     a code problem, the share of its tests passed, and a one-hot of why it failed (sandbox.REASONS)."""
     rows = [p for p in problems for _ in range(cfg.group_size)]
     grades = []  # per row, a code problem's sandbox.Grade (None for math): the code metrics
-    verdicts = reward.reward(out.texts, rows, open_thought=open_thought, code_fraction=cfg.code_reward == "fraction",
+    # an answer that restates its question is wrong (reward.reward): each row's problem goes with it
+    verdicts = reward.reward(out.texts, rows, problems=[p["problem"] for p in rows], template=cfg.template,
+                             open_thought=open_thought, code_fraction=cfg.code_reward == "fraction",
                              code_limits=sandbox.Limits(timeout=cfg.code_timeout), grades=grades)
     functions = scoring.functions(cfg.reward_fn, cfg.reward_weights, cfg.reward_timeout)
     columns = {"prompts": [user_message(p["problem"], cfg.template) for p in rows], "completion_ids": out.completions,
-               **scoring.columns_of(rows), "open_thought": [open_thought] * len(rows)}
+               "template": [cfg.template] * len(rows), **scoring.columns_of(rows),
+               "open_thought": [open_thought] * len(rows)}
     totals, by_name = functions(out.texts, columns, where=f"step {step}", group_size=cfg.group_size,
                                 given={reward.math_reward: verdicts})
     if cfg.format_weight:
@@ -410,37 +413,75 @@ class Stopwatch:
 def train(cfg: Config, world: distributed.World | None = None) -> dict:
     """Run (or resume) training; returns the final state with the before/after evaluations.
 
-    With several processes every rank runs this loop in step; rank 0 alone writes files (metrics,
-    checkpoints, exports), and the other ranks wait for it at a barrier before they go on.
+    Every check that can run before the weights load does (settings, reward functions, data, the model's
+    context and shape, paths); then the run directory's lock is taken, and a start that fails before the
+    first checkpoint removes the folder it created. With several processes every rank runs this loop in
+    step; rank 0 alone holds the lock and writes files (metrics, checkpoints, exports), and the other
+    ranks wait for it at a barrier before they go on. Raises Stopped after a checkpoint on Ctrl-C.
     """
     world = world or distributed.SOLO
     writer = world.rank == 0
+    start = check_start(cfg)
+    run_dir = rundir.run_path(cfg)
+    with rundir.RunLock(run_dir, resume=bool(cfg.resume), active=writer) as lock:
+        # also the point no rank passes before rank 0 holds the run directory
+        distributed.check_same_settings(world, config.flat_config(cfg))
+        try:
+            model, tokenizer, optimizer, reference = build(cfg, cfg.init_adapter, start["model_dir"])
+            if cfg.resume and cfg.steps == 0 and cfg.export:  # export only: no training, no evaluation
+                with rundir.writing(Path(cfg.export)):
+                    return export_run(cfg, run_dir, model, tokenizer, optimizer, world)
+            cfg = resolve_sizes(cfg, model, tokenizer, start["train_set"], world, start["eval_sets"])
+            pool = sampler_pool(cfg, model, tokenizer, start["train_set"], start["eval_sets"])
+            if writer:
+                config.warn_if_inert(cfg)
+                if note := thinking_note(tokenizer, cfg.thinking == "on"):
+                    warnings.warn(note)
+                if cfg.world_size and cfg.world_size != world.size:
+                    warnings.warn(f"--world-size {cfg.world_size}: the run is meant for {cfg.world_size} processes "
+                                  f"and runs on {world.size}; every size the memory plan chooses is for {world.size}")
+
+            def save(state: dict) -> None:
+                rundir.save_checkpoint(run_dir, model, optimizer, state, world)
+
+            state = open_run(cfg, run_dir, model, optimizer, world, save)
+        except BaseException:
+            lock.discard()  # nothing to resume yet: a retry finds no folder in its way
+            raise
+        try:
+            return run(cfg, world, run_dir, model, tokenizer, optimizer, reference, state, start, save, pool)
+        except (rundir.WriteError, scoring.RewardFunctionError) as error:  # the run has a checkpoint to continue from
+            error.run_dir = run_dir
+            raise
+        except KeyboardInterrupt:
+            raise Interrupted(run_dir) from None
+
+
+def check_start(cfg: Config) -> dict:
+    """What a run needs before its weights load, each checked: the settings and reward functions, the
+    datasets (every prompt fits the model's context, or its file and line is named), the model's
+    config.json and tokenizer (the context, the LoRA rank), the export folder. Returns the data and the
+    model directory."""
     config.validate(cfg)
     config.check_init_adapter(cfg)
     scoring.functions(cfg.reward_fn, cfg.reward_weights, cfg.reward_timeout)  # imports them: a typo fails now
     train_set, eval_sets = load_problems(cfg.dataset), load_eval_sets(cfg)
-    run_dir = rundir.prepare_run_dir(cfg)
-    # also the point no rank passes before every rank has checked its run directory
-    distributed.check_same_settings(world, config.flat_config(cfg))
-    model, tokenizer, optimizer, reference = build(cfg, cfg.init_adapter)
-    if cfg.resume and cfg.steps == 0 and cfg.export:  # export only: no training, no evaluation
-        return export_run(cfg, run_dir, model, tokenizer, optimizer, world)
-    cfg = resolve_sizes(cfg, model, tokenizer, train_set, world, eval_sets)
-    pool = sampler_pool(cfg, model, tokenizer, train_set, eval_sets)
-    if writer:
-        warn_if_inert(cfg)
-        if note := thinking_note(tokenizer, cfg.thinking == "on"):
-            warnings.warn(note)
-        if cfg.world_size and cfg.world_size != world.size:
-            warnings.warn(f"--world-size {cfg.world_size}: the run is meant for {cfg.world_size} processes and runs on "
-                          f"{world.size}; every size the memory plan chooses is for {world.size}")
-        run_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed start leaves no empty run directory
-    metrics_file = run_dir / "metrics.jsonl"
+    if cfg.export:
+        weights.check_export_dir(cfg.export)  # before training, not after it
+    model_dir = weights.resolve_checkpoint(cfg.model)  # the default converts once; a hub id downloads once
+    model_cfg = memory.model_config(str(model_dir))
+    config.check_model(cfg, model_cfg)
+    tokenizer = weights.load_tokenizer(str(model_dir))
+    for name, problems in [(cfg.dataset, train_set), *eval_sets.items()]:
+        config.check_prompts(cfg, problems, tokenizer, model_cfg.max_position_embeddings, name)
+    return {"train_set": train_set, "eval_sets": eval_sets, "model_dir": model_dir}
 
-    def save(state: dict) -> None:
-        rundir.save_checkpoint(run_dir, model, optimizer, state, world)
 
-    state = open_run(cfg, run_dir, model, optimizer, world, save)
+def run(cfg: Config, world: distributed.World, run_dir: Path, model, tokenizer, optimizer, reference, state: dict,
+        start: dict, save, pool: rollout.Pool) -> dict:
+    """The loop of a started run: the evaluation before, the steps, the evaluation after, the summary."""
+    writer = world.rank == 0
+    train_set, eval_sets = start["train_set"], start["eval_sets"]
     with StopRequest() as stop, contextlib.closing(open_trackers(cfg, run_dir, state, list(eval_sets), writer)) \
             as trackers:
         if state["before"] is None:
@@ -459,16 +500,16 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
             record["lr"] = lr
             state.update(step=step, data_position=state["data_position"] + cfg.prompts_per_step)
             if records and writer:
-                loss.write_token_records(run_dir / "tokens" / f"step-{step:06d}.npz", records, cfg.log_tokens,
-                                         seed=cfg.seed * 1_000_003 + step)
+                path = run_dir / "tokens" / f"step-{step:06d}.npz"
+                with rundir.writing(path):
+                    loss.write_token_records(path, records, cfg.log_tokens, seed=cfg.seed * 1_000_003 + step)
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 with stop.immediate():
                     record["eval"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, f"eval step {step}", world,
                                                        pool)
                 rundir.keep_best(run_dir, model, state, record["eval"], writer, tokenizer)
             if writer:
-                with metrics_file.open("a") as f:
-                    f.write(rundir.to_json(record) + "\n")
+                rundir.append_metrics(run_dir / "metrics.jsonl", record)
                 trackers.log_step(record)
                 if bar.disable:  # a log file gets one plain line per step instead of the bar
                     print(f"step {step}/{cfg.steps}: reward {record['reward']:.3f}, accuracy {record['accuracy']:.3f}, "
@@ -479,10 +520,8 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
             if step % cfg.checkpoint_every == 0 or stopping:
                 save(state)
             if stopping:
-                if writer:
-                    print(f"stopped at step {step}; continue with: python train.py --resume {run_dir}",
-                          file=sys.stderr)
-                return state
+                bar.close()
+                raise Stopped(run_dir, step)
         with stop.immediate():
             state["after"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, "eval after", world, pool)
         trackers.log_eval(state["after"], state["step"], "after")
@@ -493,7 +532,8 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
     if cfg.export:
         with fsdp.whole(model) as whole_model:  # a sharded model is gathered on every rank, for rank 0 to write
             if writer:
-                weights.save_pretrained(whole_model, cfg.export, tokenizer=tokenizer)
+                with rundir.writing(Path(cfg.export)):
+                    weights.save_pretrained(whole_model, cfg.export, tokenizer=tokenizer)
                 print(f"exported {'merged ' if cfg.lora_rank else ''}weights to {cfg.export}", file=sys.stderr)
     if writer:
         print(f"run directory: {run_dir}", file=sys.stderr)
@@ -501,10 +541,28 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
     return state
 
 
+class Stopped(Exception):
+    """The loop stopped after a step on Ctrl-C (or SIGTERM), with a checkpoint of that step."""
+
+    def __init__(self, run_dir: Path, step: int):
+        super().__init__(f"stopped at step {step}; continue with: python train.py --resume {run_dir}")
+        self.run_dir, self.step = run_dir, step
+
+
+class Interrupted(KeyboardInterrupt):
+    """A Ctrl-C that could not wait for the step to end (a second one, or one during an evaluation): the
+    run keeps its last checkpoint."""
+
+    def __init__(self, run_dir: Path):
+        super().__init__(f"interrupted; the last checkpoint is kept: continue with python train.py --resume "
+                         f"{run_dir}")
+        self.run_dir = run_dir
+
+
 def open_run(cfg: Config, run_dir: Path, model, optimizer, world: distributed.World, save) -> dict:
     """The state a run starts from: a resumed run's checkpoint (the same on every rank, whatever the
     world size), or step 0 of a new run, checkpointed at once so a run stopped before its first step
-    can resume."""
+    can resume. A resume that changes settings records them (rundir.record_resume)."""
     writer = world.rank == 0
     if cfg.resume:
         state = rundir.load_checkpoint(run_dir, model, optimizer)
@@ -512,7 +570,14 @@ def open_run(cfg: Config, run_dir: Path, model, optimizer, world: distributed.Wo
         if writer:
             rundir.truncate_metrics(run_dir / "metrics.jsonl", state["step"])
             rundir.write_text(run_dir / "config.toml", config.to_toml(cfg))  # the settings it now runs with
-            print(f"resumed {run_dir} at step {state['step']}", file=sys.stderr)
+            saved = config.saved_config(run_dir)
+            changed = config.changed_settings(saved, cfg)
+            if changed:
+                rundir.record_resume(run_dir, state["step"], changed,
+                                     {**config.flat_config(cfg), "resume": saved.get("resume")})
+            shown = ", ".join(f"--{name.replace('_', '-')} {old} -> {new}" for name, (old, new) in changed.items())
+            print(f"resumed {run_dir} at step {state['step']}" + (f"; changed: {shown}" if shown else ""),
+                  file=sys.stderr)
         return state
     state = {"step": 0, "data_position": 0, "before": None, "best": None}
     if writer:
@@ -624,10 +689,6 @@ def _held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: Config, d
             "problems": sum(p["problems"] for p in parts), "k": cfg.eval_k, "sets": results}
 
 
-CLIP_SETTINGS = ("rule", "delta", "delta_high", "dual_clip", "ratio_limits", "tv_half", "kl_two_sided", "sapo_tau_pos",
-                 "sapo_tau_neg", "cov_ratio", "clip_cov_bounds", "kl_cov_coef")
-
-
 def learning_rate(peak: float, schedule: str, warmup_steps: int, total_steps: int, step: int) -> float:
     """The rate of step `step` (1-based): linear warmup to `peak` over warmup_steps, then constant, or a
     cosine or linear decay that would reach 0 one step after the last (so the last step still learns)."""
@@ -637,17 +698,6 @@ def learning_rate(peak: float, schedule: str, warmup_steps: int, total_steps: in
         return peak
     progress = (step - warmup_steps - 1) / max(1, total_steps - warmup_steps)  # 0 at the first decayed step
     return peak * (0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress)
-
-
-def warn_if_inert(cfg: Config) -> None:
-    """A clip rule chosen for a run where no rule can act is said at the start; the default run says nothing."""
-    default = loss.LossConfig()
-    chosen = any(getattr(cfg.loss, name) != getattr(default, name) for name in CLIP_SETTINGS)
-    if cfg.updates_per_rollout * cfg.epochs == 1 and chosen:
-        warnings.warn("one optimizer step per rollout (--updates-per-rollout 1, --epochs 1): every update starts "
-                      "from the weights that sampled its rollout, so the ratio w is 1 up to rounding and every "
-                      "clip rule gives the same update; use several updates or epochs per rollout to compare "
-                      "rules", stacklevel=2)
 
 
 class StopRequest:
@@ -707,8 +757,8 @@ def resolve_sizes(cfg: Config, model, tokenizer, train_set: list[dict], world: d
 # ----------------------------------------------------------------------------- building the model
 
 
-def build(cfg: Config, init_adapter: str | None = None):
-    """Model, tokenizer, optimizer and reference policy.
+def build(cfg: Config, init_adapter: str | None = None, model_dir: Path | None = None):
+    """Model, tokenizer, optimizer and reference policy (from model_dir, cfg.model resolved, when given).
 
     With LoRA: fresh adapters (or those of init_adapter) on the frozen base, which is also the reference
     policy (None is returned).
@@ -717,10 +767,11 @@ def build(cfg: Config, init_adapter: str | None = None):
     copy in the compute dtype when the loss needs ref_logp, else None.
     """
     device, dtype = config.resolve_device(cfg)
-    tokenizer = weights.load_tokenizer(cfg.model)
+    source = cfg.model if model_dir is None else str(model_dir)
+    tokenizer = weights.load_tokenizer(source)
     reference = None
     if cfg.lora_rank:
-        model = weights.from_pretrained(cfg.model, dtype=dtype, device=device)
+        model = weights.from_pretrained(source, dtype=dtype, device=device)
         model.requires_grad_(False)
         torch.manual_seed(cfg.seed)  # adapter initialization
         lora.inject(model, cfg.lora_rank, cfg.lora_alpha, targets=tuple(cfg.lora_targets.split(",")),
@@ -728,9 +779,9 @@ def build(cfg: Config, init_adapter: str | None = None):
         if init_adapter:  # a resumed run's checkpoint then replaces these weights
             lora.load(model, init_adapter)
     else:
-        model = fsdp.shard(weights.from_pretrained(cfg.model, dtype=fsdp.master_dtype(dtype), device=device), dtype)
+        model = fsdp.shard(weights.from_pretrained(source, dtype=fsdp.master_dtype(dtype), device=device), dtype)
         if "ref_logp" in loss.required_inputs(cfg.loss):
-            frozen = weights.from_pretrained(cfg.model, dtype=dtype, device=device).requires_grad_(False)
+            frozen = weights.from_pretrained(source, dtype=dtype, device=device).requires_grad_(False)
             reference = fsdp.shard(frozen, dtype)
     model.gradient_checkpointing = cfg.gradient_checkpointing == "on" or (
         cfg.gradient_checkpointing == "auto" and device.type == "cuda")
@@ -863,38 +914,53 @@ def plan(cfg: Config) -> bool:
 # ----------------------------------------------------------------------------- command line
 
 
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError)
+USER_ERRORS = (ValueError, OSError, rundir.RunInUse)  # OSError: missing files, full disks, read-only folders
 
 
 def main(argv: list[str] | None = None) -> None:
     """Settings, data and paths are checked before anything loads; a mistake there prints one line and
-    exits with status 2. A Ctrl-C exits with 130 and says how to continue."""
+    exits with status 2, as does a file that cannot be written later (naming it). A Ctrl-C exits with
+    130, also when the run stopped cleanly after its step, and says how to continue."""
     warnings.formatwarning = lambda message, category, *_, **__: f"warning: {message}\n"  # no source line
+    first_rank = os.environ.get("RANK", "0") == "0"
     try:
         cfg, given, show_plan = config.parse_args(argv, description=__doc__)
-        if show_plan:
-            sys.exit(0 if plan(cfg) else 1)
         if cfg.resume:
             cfg = config.resumed_config(cfg, given)
+        if show_plan:
+            sys.exit(0 if plan(cfg) else 1)
         with distributed.joined(config.resolve_device(cfg)[0], cfg.dist_timeout, group=not cfg.lora_rank) as world:
             state = train(cfg, world)
     except USER_ERRORS as error:
         if _inside_training(error):
             raise
-        print(f"train.py: {error}", file=sys.stderr)
+        print(f"train.py: {_one_line(error)}", file=sys.stderr)
         sys.exit(2)
     except scoring.RewardFunctionError as error:  # the user's function, not the trainer: no traceback
-        print(f"train.py: {error}; the last checkpoint is kept (python train.py --resume RUN continues it)",
-              file=sys.stderr)
+        print(f"train.py: {error}; the last checkpoint is kept: continue with python train.py --resume "
+              f"{error.run_dir}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:
-        print("\ninterrupted; the last checkpoint is kept (python train.py --resume RUN continues it)", file=sys.stderr)
+    except Stopped as stop:
+        if first_rank:
+            print(str(stop), file=sys.stderr)
         sys.exit(130)
-    if "after" in state and world.rank == 0:
+    except KeyboardInterrupt as interrupt:
+        if first_rank:
+            print(f"\n{interrupt}" if isinstance(interrupt, Interrupted) else
+                  "\ninterrupted before the run started: nothing was written", file=sys.stderr)
+        sys.exit(130)
+    if "after" in state and world.rank == 0:  # an export-only resume trained and evaluated nothing
         before, after, best = state["before"], state["after"], state["best"]
         print(f"best held-out accuracy {100 * best['accuracy']:.1f}% at step {best['step']}")
         print(f"held-out accuracy: before {100 * before['accuracy']:.1f}% -> after {100 * after['accuracy']:.1f}% "
               f"(n={after['problems']}, k={after['k']}, se {100 * (after['se'] or 0):.1f})")
+
+
+def _one_line(error: BaseException) -> str:
+    """An error as one line: an OSError from the system as "PATH: reason", not "[Errno 13] ...: 'PATH'"."""
+    if isinstance(error, OSError) and not isinstance(error, rundir.WriteError) and error.filename and error.strerror:
+        return f"{error.filename}: {error.strerror}"
+    return str(error).replace("\n", " ")
 
 
 def _inside_training(error: BaseException, functions: tuple[str, ...] = ("train_step", "evaluate_held_out")) -> bool:

@@ -83,9 +83,9 @@ def resolve_checkpoint(path_or_id: str | None) -> Path:
     if path.is_file() and path.suffix == ".gguf":
         return converted_gguf(path, cache_dir() / path.stem.lower())
     if path.exists():
-        raise ValueError(f"path_or_id: {path} is a file; pass the model directory (or a .gguf file)")
+        raise ValueError(f"--model {path}: is a file; pass the model directory (or a .gguf file)")
     if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", str(path_or_id)):
-        raise FileNotFoundError(f"path_or_id: {path_or_id!r} is neither a local directory nor a hub id (owner/name)")
+        raise FileNotFoundError(f"--model {path_or_id}: neither a local directory nor a hub id (owner/name)")
     return _download(str(path_or_id))
 
 
@@ -103,7 +103,7 @@ def _download(repo_id: str) -> Path:
         return Path(snapshot_download(repo_id, allow_patterns=wanted))
     except LocalEntryNotFoundError as err:
         raise FileNotFoundError(
-            f"path_or_id: {repo_id!r} is not a local directory and cannot be downloaded: this machine is offline "
+            f"--model {repo_id}: not a local directory, and it cannot be downloaded: this machine is offline "
             f"(the Hugging Face hub is unreachable) and the hub cache has no copy. Pass a local model directory."
         ) from err
 
@@ -131,6 +131,7 @@ def converted_gguf(gguf_file: Path, out_dir: Path) -> Path:
     print(f"converting {gguf_file.name} to a Hugging Face checkpoint in {out_dir} (once, about 10 s)",
           file=sys.stderr, flush=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    os.chmod(tmp, 0o777 & ~lora.current_umask())
     try:
         convert_gguf(gguf_file, tmp)
         tmp.rename(out_dir)
@@ -157,7 +158,6 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> None:
     import gguf
     import numpy as np
     from gguf.quants import dequantize
-    from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
     reader = gguf.GGUFReader(gguf_file)
@@ -203,7 +203,7 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> None:
         pad_token_id=meta("tokenizer.ggml.padding_token_id", required=False),
     )
     config = {**cfg.to_hf(), "dtype": "float32"}  # dequantized values are exact in fp32, not in bf16
-    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    lora.save_safetensors(tensors, out_dir / "model.safetensors")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
     if tokenizer.chat_template is None or tokenizer.eos_token_id != cfg.eos_token_id:
@@ -239,11 +239,13 @@ def check_export_dir(path: str | Path) -> None:
     that can be written. Cheap, so a trainer calls it before hours of work rather than after."""
     path = Path(path)
     if path.exists() and not (path.is_dir() and (not any(path.iterdir()) or (path / EXPORT_MARKER).is_file())):
-        raise ValueError(f"export: {path} exists and is not an earlier export (no {EXPORT_MARKER} file); "
+        raise ValueError(f"--export {path}: exists and is not an earlier export (no {EXPORT_MARKER} file); "
                          f"refusing to replace it: pass a new or empty directory")
     parent = next((p for p in path.absolute().parents if p.exists()), Path("/"))
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise PermissionError(f"export: cannot write {path}: {parent} is not writable")
+    try:  # a real write, not os.access: root passes every access check, and /proc refuses anyway
+        tempfile.TemporaryDirectory(dir=parent).cleanup()
+    except OSError as error:
+        raise PermissionError(f"--export {path}: cannot write in {parent} ({error.strerror})") from None
 
 
 def save_pretrained(model: Transformer, path: str | Path, tokenizer=None) -> None:
@@ -255,17 +257,16 @@ def save_pretrained(model: Transformer, path: str | Path, tokenizer=None) -> Non
     temporary sibling folder that then replaces `path`, so an interrupted export never leaves a
     half-written model where a complete one was.
     """
-    from safetensors.torch import save_file
-
     path = Path(path)
     check_export_dir(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    os.chmod(tmp, 0o777 & ~lora.current_umask())  # mkdtemp's 0700 would hide the export from other users
     try:
         state = lora.merged_state_dict(model)
         if model.config.tie_word_embeddings:
             del state["lm_head.weight"]  # the same tensor as the embedding; safetensors refuses shared storage
-        save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
+        lora.save_safetensors({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors")
         config = {**model.config.to_hf(), "dtype": str(model.dtype).removeprefix("torch.")}
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if tokenizer is not None:

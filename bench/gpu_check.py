@@ -329,7 +329,8 @@ HEADER = (f"{'model':<11} {'phase':<52} {'side':<20} {'seconds':>8} {'tokens/s':
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"directory for gpu_check.json (default: {DEFAULT_OUT})")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--models", nargs="+", choices=list(QWEN3), default=list(QWEN3))

@@ -226,7 +226,8 @@ def check_on_meta(models: list[str]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--device", choices=["cpu", "cuda", "meta"], default="cpu")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per side; the best one counts")
     parser.add_argument("--models", nargs="+", choices=list(QWEN3), default=list(QWEN3),

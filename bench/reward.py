@@ -52,7 +52,8 @@ def measure(completions: list[str], references: list[str], workers: int) -> tupl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--workers", type=int, default=2, help="sympy worker processes (default 2)")
     parser.add_argument("--data", type=Path, default=None, help="folder with gsm8k.jsonl (or gsm8k_test.jsonl) "
                         "and math500.jsonl (default: data/, else ../shared/data)")

@@ -265,7 +265,8 @@ def build_on_meta(models: list[str]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--device", choices=["cpu", "cuda", "meta"], default="cpu")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per sampler; the best one counts")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")

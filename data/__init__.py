@@ -13,7 +13,7 @@ that end a reply.
 from pathlib import Path
 
 from .arithmetic import DEFAULT_KINDS, KINDS, TWO_DIGIT_KINDS, arithmetic_problems
-from .prepare import DATA_DIR, FORMATS, HUB, read_problems
+from .prepare import DATA_DIR, FORMATS, HUB, read_problems, read_rows
 from .programs import code_problems
 from .templates import (TEMPLATES, opens_thought, render_prompt, render_solution, stop_ids, takes_thinking,
                         thinking_note, user_message)
@@ -63,6 +63,18 @@ def load_problems(
     )
 
 
+def problem_location(name_or_path: str | Path, index: int, *, data_dir: str | Path = DATA_DIR) -> str:
+    """Where problem `index` of load_problems(name_or_path) comes from: "FILE:LINE" (or the item or row of a
+    .json or .parquet file), or "NAME, problem N" for a generated set. Read again only for an error message."""
+    name = str(name_or_path)
+    path = Path(name) if name.endswith(tuple(FORMATS)) else Path(data_dir) / f"{name}.jsonl"
+    if name not in GENERATED and path.is_file():
+        for position, (where, _) in enumerate(read_rows(path)):
+            if position == index:
+                return where
+    return f"{name}, problem {index + 1}"
+
+
 __all__ = [
     "DEFAULT_KINDS",
     "KINDS",
@@ -71,6 +83,7 @@ __all__ = [
     "code_problems",
     "load_problems",
     "opens_thought",
+    "problem_location",
     "read_problems",
     "render_prompt",
     "render_solution",

@@ -660,7 +660,7 @@ def _write_checked(problems: Iterable[dict], path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("names", nargs="*", help=f"Hub datasets to download: {', '.join(HUB)}, or all")
     parser.add_argument("--from", dest="source", metavar="FILE",
                         help="convert this local .jsonl, .json or .parquet file")

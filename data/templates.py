@@ -18,13 +18,21 @@ Thinking mode: Qwen3's chat template opens a <think> block unless it is rendered
 enable_thinking=False, which writes an empty thought into the prompt instead. render_prompt passes the
 switch to every template (one that does not read it ignores it); thinking_note says in one line when
 the switch cannot act, and opens_thought whether a prompt leaves a thought open for the completion.
+
+    python data/templates.py --template boxed "What is 7 + 6?"   # the turns a model is shown
 """
 
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from reward import THINK_CLOSE, THINK_OPEN, split_thinking
+if __package__ in (None, ""):  # run as a script: import as the data package's module (PEP 366)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "data"
 
-from .prepare import DAPO_PREFIX, DAPO_SUFFIX
+from reward import THINK_CLOSE, THINK_OPEN, split_thinking  # noqa: E402
+
+from .prepare import DAPO_PREFIX, DAPO_SUFFIX  # noqa: E402
 
 if TYPE_CHECKING:  # data/ stays importable without torch
     from model import ModelConfig
@@ -149,3 +157,25 @@ def stop_ids(model_config: "ModelConfig", tokenizer) -> list[int]:
     if not ids:
         raise ValueError("neither the model config nor the tokenizer names an EOS token to stop sampling at")
     return sorted(ids)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the turns a template poses a problem with (system and chat formatting aside)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="data/templates.py", description=main.__doc__, allow_abbrev=False)
+    parser.add_argument("problem", nargs="?", default="What is 7 + 6?", help="a bare problem (default: %(default)s)")
+    parser.add_argument("--template", default="boxed", help=f"one of {', '.join(TEMPLATES)}, or a string with "
+                                                            "{problem} (default: %(default)s)")
+    args = parser.parse_args(argv)
+    try:
+        message = user_message(args.problem, args.template)
+    except ValueError as error:
+        parser.exit(2, f"data/templates.py: --template: {error}\n")
+    for question, answer in EXAMPLES.get(args.template, []):
+        print(f"user: {question}\nassistant: {answer}")
+    print(f"user: {message}")
+
+
+if __name__ == "__main__":
+    main()
