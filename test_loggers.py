@@ -177,7 +177,7 @@ log_project = "test-logged"
     err = capsys.readouterr().err
     assert (f"--adapter {run_dir / 'best'} --bench arithmetic_test --limit 3 --k 2 --temperature 1.0 --top-p 1.0 "
             f"--max-new-tokens 4 --template equation --system 'You are a helpful assistant.' --seed 0") in err
-    assert "from the run: model, template, system, temperature" in err
+    assert "from the run: model, template, system, thinking, temperature" in err
     saved = json.loads(out.read_text())
     assert saved["config"]["adapter"] == str(run_dir / "best") and saved["config"]["k"] == 2
     best = summary["best"]
