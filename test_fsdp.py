@@ -28,7 +28,7 @@ import rundir
 import train
 import weights
 from model import ModelConfig, Transformer
-from test_distributed import TIMING_KEYS, free_port, join_as, metric_lines, patch, run_ranks, tiny_args
+from test_distributed import TIMING_KEYS, join_as, metric_lines, patch, run_ranks, tiny_args
 
 FULL = ("--lora-rank", "0", "--lr", "1e-3")
 STEP_CASES = {  # token-mean in one-row micro-batches: the rank with fewer rows of a mini-batch runs idle passes
@@ -103,7 +103,9 @@ def ranks_worker(rank, size, port, second_port, model_dir, out_dir, result_file)
 def two_ranks(tiny_model_dir, tmp_path_factory) -> dict:
     out_dir = tmp_path_factory.mktemp("fsdp-ranks")
     result_file = out_dir / "results.pt"
-    assert run_ranks(ranks_worker, 2, free_port(), tiny_model_dir, out_dir, result_file) == [0, 0]
+    second = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the run's
+    assert run_ranks(ranks_worker, 2, second.port, tiny_model_dir, out_dir, result_file) == [0, 0]
+    del second  # only now: the ranks are gone
     return {**torch.load(result_file), "split": out_dir / "split"}
 
 
@@ -256,11 +258,11 @@ def test_a_checkpoint_killed_mid_write_is_ignored(tiny_model_dir, straight, tmp_
     patch(monkeypatch.setattr)
     save = torch.save
 
-    def killed_at_step_2(value, path, *args, **kwargs):
-        if ".checkpoint-000002.tmp" in str(path):
-            Path(path).write_bytes(b"trunc")
+    def killed_at_step_2(value, file, *args, **kwargs):
+        if ".checkpoint-000002.tmp" in str(getattr(file, "name", file)):  # rundir writes through an open file
+            file.write(b"trunc")
             raise KeyboardInterrupt  # as the process dies: nothing after this line runs
-        save(value, path, *args, **kwargs)
+        save(value, file, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", killed_at_step_2)
     with pytest.raises(SystemExit) as exit_info:
