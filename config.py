@@ -568,7 +568,7 @@ def resumed_config(cfg: Config | SFTConfig, given: set[str]) -> Config | SFTConf
     Flags that would name another run, or that the run's adapters cannot follow, are refused when they
     differ from the run's own. What the resumed run changes is recorded in the run by train.open_run."""
     run_dir = Path(cfg.resume)
-    saved = saved_config(run_dir)
+    saved = saved_config(run_dir, SFT_FIELDS.keys() if isinstance(cfg, SFTConfig) else None)
     current = json.loads(json.dumps(flat_config(cfg)))  # tuples as JSON lists, as the saved values are
     # the run's own config.toml given with --config names the run as it is: only a change is refused
     refused = [name for name in NAMES_THE_RUN if name in given and current[name] != saved.get(name)] + [
@@ -592,8 +592,9 @@ def resumed_config(cfg: Config | SFTConfig, given: set[str]) -> Config | SFTConf
     return resumed
 
 
-def saved_config(run_dir: Path) -> dict:
-    """A run's config.json, checked: valid JSON holding only known settings (the file is named if not)."""
+def saved_config(run_dir: Path, known: set[str] | None = None) -> dict:
+    """A run's config.json, checked: valid JSON holding only known settings (the file is named if not);
+    known: the settings of its command (train.py's by default, sft.py's for an SFT run)."""
     saved_file = run_dir / "config.json"
     if not saved_file.is_file():
         raise FileNotFoundError(f"--resume {run_dir}: not a run directory (no config.json)")
@@ -603,7 +604,7 @@ def saved_config(run_dir: Path) -> dict:
         raise ValueError(f"{saved_file}: not valid JSON ({error}); it holds the run's settings: restore it") from None
     if not isinstance(saved, dict):
         raise ValueError(f"{saved_file}: expected a JSON object of settings, got {type(saved).__name__}")
-    unknown = sorted(saved.keys() - TRAIN_FIELDS.keys() - LOSS_FIELDS.keys())
+    unknown = sorted(saved.keys() - (known or TRAIN_FIELDS.keys() | LOSS_FIELDS.keys()))
     if unknown:
         raise ValueError(f"{saved_file}: unknown settings {', '.join(unknown)}")
     return saved

@@ -157,26 +157,39 @@ def format_rate(texts: list[str], template: str, open_thought: bool = False) -> 
 
 def run(cfg: SFTConfig) -> dict:
     """Train (or resume) the supervised stage; returns the final state, with the before / after measures.
-    The adapter lands in RUN/adapter, the folder `train.py --init-adapter` takes."""
+    The adapter lands in RUN/adapter, the folder `train.py --init-adapter` takes. The run directory has one
+    writer (rundir.RunLock, as train.py's), and a start that fails before its first checkpoint leaves no
+    folder behind."""
     config.validate_sft(cfg)
     problems = load_problems(cfg.dataset)
     names = [name.strip() for name in cfg.eval_dataset.split(",") if name.strip()]
     eval_sets = {name: load_problems(name)[:cfg.eval_problems or None] for name in names}
-    run_dir = rundir.prepare_run_dir(cfg)
-    model, tokenizer, optimizer, _ = train.build(cfg)
-    examples, too_long = tokenize(problems, tokenizer, cfg)
-    if not examples:
-        raise ValueError(f"--max-length {cfg.max_length}: every one of the {len(problems)} examples is longer")
-    if too_long:
-        warnings.warn(f"{too_long} of {len(problems)} examples are longer than --max-length {cfg.max_length} "
-                      "tokens and are left out")
-    if note := thinking_note(tokenizer, cfg.thinking == "on"):
-        warnings.warn(note)
+    run_dir = rundir.run_path(cfg)
+    with rundir.RunLock(run_dir, resume=bool(cfg.resume)) as lock:
+        try:
+            model, tokenizer, optimizer, _ = train.build(cfg)
+            examples, too_long = tokenize(problems, tokenizer, cfg)
+            if not examples:
+                raise ValueError(f"--max-length {cfg.max_length}: every one of the {len(problems)} examples is "
+                                 "longer")
+            if too_long:
+                warnings.warn(f"{too_long} of {len(problems)} examples are longer than --max-length "
+                              f"{cfg.max_length} tokens and are left out")
+            if note := thinking_note(tokenizer, cfg.thinking == "on"):
+                warnings.warn(note)
+            state = open_run(cfg, run_dir, model, optimizer)
+        except BaseException:
+            lock.discard()  # nothing to resume yet: a retry finds no folder in its way
+            raise
+        return train_loop(cfg, run_dir, model, tokenizer, optimizer, state, examples, too_long, eval_sets)
+
+
+def train_loop(cfg: SFTConfig, run_dir: Path, model, tokenizer, optimizer, state: dict, examples: list[Example],
+               too_long: int, eval_sets: dict[str, list[dict]]) -> dict:
+    """The steps of a started run, between the measures before and after; then the adapter and summary."""
     batches = length_batches(examples, cfg.batch_tokens)
     steps_per_epoch = math.ceil(len(batches) / cfg.grad_accum)
     total_steps = min(cfg.max_steps or math.inf, cfg.epochs * steps_per_epoch)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    state = open_run(cfg, run_dir, model, optimizer)
     metrics_file = run_dir / "metrics.jsonl"
     with train.StopRequest() as stop:
         if state["before"] is None:
@@ -188,8 +201,7 @@ def run(cfg: SFTConfig) -> dict:
             step = state["step"] + 1
             record = sft_step(model, optimizer, examples, batches, cfg, step, steps_per_epoch, total_steps)
             state["step"] = step
-            with metrics_file.open("a") as f:
-                f.write(rundir.to_json(record) + "\n")
+            rundir.append_metrics(metrics_file, record)
             bar.set_postfix(loss=f"{record['loss']:.3f}")
             if bar.disable:  # a log file gets one plain line per step instead of the bar
                 print(f"step {step}/{total_steps}: loss {record['loss']:.4f}, lr {record['lr']:.3g}, "
@@ -207,7 +219,8 @@ def run(cfg: SFTConfig) -> dict:
                                                  "examples": len(examples), "left_out": too_long,
                                                  "steps": state["step"]})
     if cfg.export:
-        weights.save_pretrained(model, cfg.export, tokenizer=tokenizer)
+        with rundir.writing(Path(cfg.export)):
+            weights.save_pretrained(model, cfg.export, tokenizer=tokenizer)
         print(f"exported merged weights to {cfg.export}", file=sys.stderr)
     print(f"run directory: {run_dir}", file=sys.stderr)
     return state

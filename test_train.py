@@ -126,7 +126,8 @@ def test_a_failing_reward_function_stops_the_step_in_one_line(tiny_model_dir, tm
     assert exit_info.value.code == 1 and lines[-1] == (
         f"train.py: reward function {module}:on_step_one raised on row 0 of step 1 (prompt 0, completion 0: "
         f"{train.batch_of(train.load_problems('arithmetic'), 0, 2, 0)[0]['problem']!r}): ZeroDivisionError: "
-        "division by zero; the last checkpoint is kept (python train.py --resume RUN continues it)"), lines
+        "division by zero; the last checkpoint is kept: continue with python train.py --resume "
+        f"{tmp_path / 'broken'}"), lines
     assert (tmp_path / "broken" / "latest").is_file()
 
 
@@ -724,7 +725,8 @@ def test_plan_with_resume_plans_the_run(tiny_model_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         train.main(["--plan", "--resume", str(tmp_path / "planned")])
     out = capsys.readouterr().out
-    assert "r3 on 7 targets" in out and "2 prompts x 2 samples x 4 new tokens" in out, out
+    assert "r3 on 7 targets" in out and "up to 2 prompts x 2 samples in flight" in out, out
+    assert "4 new tokens" in out, out
 
 
 def test_a_resume_without_latest_takes_the_newest_checkpoint(tiny_model_dir, tmp_path):
