@@ -371,6 +371,22 @@ def check_model(cfg: Config, model_cfg) -> None:
                              f"this model, where no update has a higher rank; use at most {smallest}")
 
 
+BUILT_IN_REWARDS = {"reward:math_reward": "math", "sandbox:code_reward": "code"}  # a built-in -> what it grades
+
+
+def check_reward_functions(cfg: Config, problems: list[dict]) -> None:
+    """Each kind of training problem graded: with built-in reward functions only, a kind none of them grades
+    (code problems under the default reward:math_reward) would earn nothing, so it fails here. A function of
+    your own may grade any row, and is trusted to."""
+    if not set(cfg.reward_fn) <= BUILT_IN_REWARDS.keys():
+        return
+    kinds = {"code" if p.get("task") == "code" else "math" for p in problems}
+    for kind in sorted(kinds - {BUILT_IN_REWARDS[spec] for spec in cfg.reward_fn}):
+        spec = next(spec for spec, graded in BUILT_IN_REWARDS.items() if graded == kind)
+        raise ValueError(f"--dataset {cfg.dataset} holds {kind} problems, which no --reward-fn grades "
+                         f"({', '.join(cfg.reward_fn)}): add --reward-fn {spec}")
+
+
 def check_prompts(cfg: Config, problems: list[dict], tokenizer, context: int, dataset: str) -> None:
     """Every prompt of a dataset leaves room for --max-new-tokens in the context; the first that does not is
     named by file and line. A prompt has at most one token per byte (byte-level BPE), plus the template's

@@ -42,6 +42,7 @@ import lora
 import reward
 import rollout
 import sandbox
+import scoring
 from data import load_problems, opens_thought, render_prompt, stop_ids, thinking_note, user_message
 from weights import from_pretrained, load_tokenizer
 
@@ -460,11 +461,9 @@ def evaluate(model, tokenizer, problems: Sequence[Mapping], *, k: int, n: int | 
             out = rollout.generate(model, prompts, samples_per_prompt=n, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_p=top_p, stop_ids=stops, seed=seed,
                                    first_prompt=first_problem + start, tokenizer=tokenizer, pool=pool)
-            references = [p for p in batch for _ in range(n)]  # rows are prompt-major; reward routes by task
-            questions = [p["problem"] for p in references]  # an answer that echoes its question is wrong
-            correct = [score == 1.0 for score in reward.reward(out.texts, references, problems=questions,
-                                                               template=template, open_thought=open_thought,
-                                                               code_limits=code_limits)]
+            references = [p for p in batch for _ in range(n)]  # rows are prompt-major; graded by their task
+            correct = [score == 1.0 for score in scoring.verdicts(out.texts, references, template=template,
+                                                                  open_thought=open_thought, code_limits=code_limits)]
             finals = [reward.split_thinking(t, open_thought).answer for t in out.texts]
             answers = [None if f is None else _answer(f, p, template) for f, p in zip(finals, references)]
             lengths, truncated = out.completion_mask.sum(1).tolist(), out.truncated.tolist()

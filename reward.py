@@ -16,11 +16,11 @@ hides a correct answer, a false positive teaches the policy to game the checker,
      a persistent worker process that is killed on a hard timeout. Exact values compare exactly, however
      large; only a decimal of 4 or more significant digits stands for a rounded value (0.3333 = 1/3).
 
-Model text never reaches eval, exec or sympify: a recursive-descent parser builds sympy objects from
-whitelisted tokens and refuses numbers too large to build. Workers are processes, so the timeout
+Model text never reaches eval, exec or sympify: latex.py's recursive-descent parser builds sympy objects
+from whitelisted tokens and refuses numbers too large to build. Workers are processes, so the timeout
 works from any thread (signal.alarm only works in the main one). `python reward.py PRED GOLD` shows
-the verdict and both sides as extracted and normalized. reward() also takes problem records as
-references and routes each by its task: a code problem is graded by running its program (sandbox.py).
+the verdict and both sides as extracted and normalized. Code problems are sandbox.py's: scoring.verdicts
+grades a step that mixes the two, each row by its task.
 """
 
 import atexit
@@ -39,15 +39,14 @@ from fractions import Fraction
 from pathlib import Path
 from typing import NamedTuple
 
+import latex
+
 TIMEOUT_S = 2.0  # per symbolic comparison; a worker that takes longer is killed and the answer is wrong
 REL_TOL = 1e-12  # irrational constants this close (relative, at 40 digits) are equal: simplify may miss it
 MIN_SIGNIFICANT_DIGITS = 4  # a decimal stands for a rounded value only with this many digits: 3.142 ~ pi, 3.14 not
 MAX_ANSWER_CHARS = 2000  # longer answers are compared as exact strings only
 MAX_NESTING = 50  # so are answers with brackets nested deeper than this
-MAX_POWER_BITS = 100_000  # refuse to build a power with more bits than this: 10^{10^{10}} stays unbuilt
-MAX_FACTORIAL = 10_000  # 2006! is fine, (10^8)! is refused
-MAX_SUM_TERMS = 1_000  # \sum_{k=1}^{100} k^2 is added up term by term (nested sums share this); no symbolic bounds
-MAX_NUMBER_DIGITS = 30_000  # longer numbers (about MAX_POWER_BITS) compare as canonical text, still exactly
+MAX_NUMBER_DIGITS = 30_000  # longer numbers (about latex.MAX_POWER_BITS) compare as canonical text, still exactly
 WORKER_MEMORY_BYTES = 2 << 30  # a runaway expression hits MemoryError in its worker, not the machine
 TAIL_CHARS = 4000  # fallback extraction (last number / math segment) only looks at the end of a text
 ANSWER_FORMATS = ("boxed", "answer")  # the formats has_format checks, named as the templates that ask for them
@@ -416,7 +415,8 @@ def _coerce(a: Node, b: Node) -> Node:
         return interval
     if a.kind == "rel" and a.ends == "\\ne" and b.kind == "set" and _LABEL_RE.fullmatch(a.items[0]):
         point, infinity = _structure(a.items[1]), Node("expr", ("\\infty",))  # x \ne 2: (-\infty, 2) \cup (2, \infty)
-        return Node("set", (Node("seq", (Node("expr", ("-\\infty",)), point), "()"), Node("seq", (point, infinity), "()")))
+        below = Node("seq", (Node("expr", ("-\\infty",)), point), "()")
+        return Node("set", (below, Node("seq", (point, infinity), "()")))
     if a.kind == "matrix" and b.kind == "seq" and (len(a.items) == 1 or all(len(r) == 1 for r in a.items)):
         return Node("seq", tuple(x for row in a.items for x in row), "()")
     if a.kind == "set" and a.ends and b.kind == "expr" and "." in b.items[0] and _DECIMAL_RE.fullmatch(b.items[0]):
@@ -554,7 +554,7 @@ class _SympyJudge(_FastJudge):
     def parse(self, s: str):
         if len(s) > MAX_ANSWER_CHARS:
             raise ValueError("answer too long to parse")
-        return _Parser(s, self.sp).parse()
+        return latex.parse(s, self.sp)
 
     def expr(self, x: str, y: str) -> bool:
         if (verdict := self.fast_expr(x, y)) is not None:
@@ -612,187 +612,6 @@ class _SympyJudge(_FastJudge):
         if ratio.free_symbols or not ratio.is_finite or ratio.is_zero is not False:
             return False
         return op in ("=", "\\ne") or ratio.is_positive is True  # an inequality may only scale by a positive factor
-
-
-# ----------------------------------------------------------------------------- LaTeX -> sympy
-
-_TOKEN_RE = re.compile(r"\s*(\d+\.?\d*|\.\d+|\\[a-zA-Z]+|[a-zA-Z]|[-+*/^!(){}\[\]|_]|\S)")
-_FUNCTIONS = {"sin": "sin", "cos": "cos", "tan": "tan", "cot": "cot", "sec": "sec", "csc": "csc", "arcsin": "asin",
-              "arccos": "acos", "arctan": "atan", "ln": "log", "log": "log", "exp": "exp"}  # LaTeX -> sympy name
-_BARE_WORD_RE = re.compile(rf"(?<![\\a-zA-Z])({'|'.join([*_FUNCTIONS, 'sqrt', 'pi'])})(?![a-zA-Z])")  # sin x = \sin x
-_GREEK = set("alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa lambda mu nu xi rho "
-             "sigma tau phi varphi chi psi omega Gamma Delta Theta Lambda Xi Sigma Phi Psi Omega".split())
-_BRACKETS = {"(": ")", "[": "]", "{": "}"}
-_ATOM_STARTS = {*_BRACKETS, *("\\" + name for name in [*_FUNCTIONS, *_GREEK, "frac", "sqrt", "binom", "pi", "infty",
-                                                        "sum", "prod"])}
-
-
-class _Parser:
-    """Recursive descent over whitelisted tokens, building sympy objects directly (nothing is evaluated
-    as code). Grammar: sum := product (+|- product)*; product := signed ((*|/) signed | implicit power)*;
-    signed := (+|-) signed | power; power := atom !* (^ signed)?."""
-
-    def __init__(self, text: str | list[str], sp, bindings: dict | None = None, budget: list | None = None) -> None:
-        self.sp, self.bindings = sp, bindings or {}  # bindings: the value of a summation index
-        self.budget = budget or [MAX_SUM_TERMS]  # terms left to all sums of one answer, nested ones included
-        if isinstance(text, str):
-            text = _TOKEN_RE.findall(_BARE_WORD_RE.sub(lambda m: "\\" + m[1], text))
-        self.tokens = text
-        self.pos = 0
-
-    def peek(self) -> str | None:
-        return self.tokens[self.pos] if self.pos < len(self.tokens) else None
-
-    def take(self, expected: str | None = None) -> str:
-        token = self.peek()
-        if token is None or (expected is not None and token != expected):
-            raise ValueError(f"expected {expected or 'a token'}, got {token!r}")
-        self.pos += 1
-        return token
-
-    def accept(self, token: str) -> bool:
-        """Take token if it comes next."""
-        found = self.peek() == token
-        self.pos += found
-        return found
-
-    def starts_atom(self, token: str | None) -> bool:  # implicit multiplication: 2x, 3\sqrt{13}, (a+5)(b+2)
-        return token is not None and (token[0].isalnum() or token[0] == "." or token in _ATOM_STARTS)
-
-    def parse(self):
-        value = self.sum()
-        if self.peek() is not None:
-            raise ValueError(f"unexpected {self.peek()!r}")
-        return value
-
-    def sum(self):
-        value = self.product()
-        while self.peek() in ("+", "-"):
-            value = value + self.product() if self.take() == "+" else value - self.product()
-        return value
-
-    def product(self):
-        value = self.signed()
-        while True:
-            token = self.peek()
-            if token in ("*", "\\cdot", "\\times", "/", "\\div"):
-                self.take()
-                value = value / self.signed() if token in ("/", "\\div") else value * self.signed()
-            elif self.starts_atom(token):
-                value = value * self.power()
-            else:
-                return value
-
-    def signed(self):
-        if self.peek() in ("+", "-"):
-            return -self.signed() if self.take() == "-" else self.signed()
-        return self.power()
-
-    def power(self):
-        value = self.atom()
-        while self.accept("!"):
-            if value.is_number and not (value.is_Integer and 0 <= value <= MAX_FACTORIAL):
-                raise ValueError("factorial argument out of range")
-            value = self.sp.factorial(value)
-        return self.pow(value, self.signed()) if self.accept("^") else value
-
-    def pow(self, base, exponent):
-        """base ** exponent, refusing integer powers too large to compute (sympy would evaluate them)."""
-        if exponent.is_Rational and base.is_number and base not in (0, 1, -1):
-            bits_per_unit = max(abs(base.p).bit_length(), base.q.bit_length()) if base.is_Rational else 64
-            if abs(exponent) * bits_per_unit > MAX_POWER_BITS:
-                raise ValueError("power too large to evaluate")
-        return base**exponent
-
-    def until(self, closer: str):
-        value = self.sum()
-        self.take(closer)
-        return value
-
-    def group(self):
-        """A braced argument, or LaTeX's single-token argument."""
-        return self.until("}") if self.accept("{") else self.atom()
-
-    def atom(self):
-        sp, token = self.sp, self.take()
-        if token[0].isdigit() or token[0] == ".":
-            return sp.Rational(token)  # decimals stay exact
-        if token in _BRACKETS:
-            return self.until(_BRACKETS[token])
-        if token == "|":
-            return sp.Abs(self.until("|"))
-        if token.isalpha():
-            return self.symbol(token)
-        if token == "\\frac":
-            return self.group() / self.group()  # operands are evaluated left to right
-        if token == "\\sqrt":  # \sqrt{x} or \sqrt[3]{x}
-            degree = self.until("]") if self.accept("[") else None
-            return sp.sqrt(self.group()) if degree is None else sp.root(self.group(), degree)
-        if token == "\\binom":
-            n, k = self.group(), self.group()
-            if n.is_number and not (n.is_Integer and abs(n) <= MAX_FACTORIAL):
-                raise ValueError("binomial argument out of range")
-            return sp.binomial(n, k)
-        if token in ("\\pi", "\\infty"):
-            return sp.pi if token == "\\pi" else sp.oo
-        if token in ("\\sum", "\\prod"):
-            return self.big_operator(token)
-        if token[1:] in _GREEK:
-            return self.symbol(token[1:])
-        if token[1:] in _FUNCTIONS:
-            return self.function(token[1:])
-        raise ValueError(f"unsupported token {token!r}")
-
-    def big_operator(self, token: str):
-        """\\sum_{k=a}^{b} term or \\prod_{k=a}^{b} term with integer bounds: the term is parsed again for
-        each k, so every power and factorial in it passes the same size checks as a plain number."""
-        self.take("_")
-        self.take("{")
-        index = self.take()
-        if not index.isalpha():
-            raise ValueError(f"unsupported summation index {index!r}")
-        self.take("=")
-        low = self.until("}")
-        self.take("^")
-        high = self.group()
-        if not (low.is_Integer and high.is_Integer and 0 <= high - low < self.budget[0]):
-            raise ValueError(f"sum bounds must be integers, at most {MAX_SUM_TERMS} terms in all")
-        self.budget[0] -= int(high - low) + 1
-        start = self.pos
-        self.term()  # finds where the term ends
-        tokens = self.tokens[start : self.pos]
-        terms = [_Parser(tokens, self.sp, {**self.bindings, index: self.sp.Integer(k)}, self.budget).term()
-                 for k in range(int(low), int(high) + 1)]
-        if token == "\\sum":
-            return self.sp.Add(*terms)
-        if sum(max(abs(t.p).bit_length(), t.q.bit_length()) for t in terms if t.is_Rational) > MAX_POWER_BITS:
-            raise ValueError("product too large to evaluate")
-        return self.sp.Mul(*terms)
-
-    def term(self):
-        """A factor and the implicit products that follow it: the argument of \\sin 2x or of \\sum."""
-        value = self.power()
-        while self.starts_atom(self.peek()) and self.peek()[1:] not in _FUNCTIONS and self.peek() not in (
-                "\\sum", "\\prod"):
-            value = value * self.power()
-        return value
-
-    def symbol(self, name: str):
-        if self.accept("_"):  # a_1, a_{10}
-            subscript = "".join(iter(self.take, "}")) if self.accept("{") else self.take()
-            if not subscript.isalnum():
-                raise ValueError(f"unsupported subscript {subscript!r}")
-            return self.sp.Symbol(f"{name}_{subscript}")
-        if name in self.bindings:
-            return self.bindings[name]
-        return {"i": self.sp.I, "e": self.sp.E}.get(name) or self.sp.Symbol(name)  # i and e are the constants
-
-    def function(self, name: str):
-        exponent = self.group() if self.accept("^") else None  # \sin^2 x
-        base = self.group() if name == "log" and self.accept("_") else None  # \log_2 8
-        argument = self.atom() if self.peek() == "(" else self.term()  # \sin 2x means sin(2x)
-        value = self.sp.log(argument, base) if base is not None else getattr(self.sp, _FUNCTIONS[name])(argument)
-        return value if exponent is None else self.pow(value, exponent)
 
 
 # ----------------------------------------------------------------------------- worker processes
@@ -1000,10 +819,10 @@ def has_format(completion: str, answer_format: str | None) -> bool:
     return {"boxed": boxed, "answer": answer_line, None: boxed or answer_line}[answer_format]
 
 
-def reward(completions: list[str], references: list, *, problems: list[str | None] | None = None,
+def reward(completions: list[str], references: list[str], *, problems: list[str | None] | None = None,
            template: str | None = None, format_weight: float = 0.0, answer_format: str | None = None,
-           open_thought: bool = False, workers: int = 2, timeout: float = TIMEOUT_S, rel_tol: float = REL_TOL,
-           code_fraction: bool = False, code_limits=None, grades: list | None = None) -> list[float]:
+           open_thought: bool = False, workers: int = 2, timeout: float = TIMEOUT_S,
+           rel_tol: float = REL_TOL) -> list[float]:
     """Per completion: 1.0 if its answer is correct else 0.0, plus format_weight if has_format(...).
     Only what follows the last </think> is read, and a completion whose thought never closes (open_thought:
     the prompt opened it) earns 0, format bonus included (split_thinking).
@@ -1011,53 +830,25 @@ def reward(completions: list[str], references: list, *, problems: list[str | Non
     problems (the question each completion answers) make an answer that restates its question's arithmetic
     wrong ("7 + 6" to "What is 7 + 6?", see restates_problem): without them an echo earns full reward.
     template "equation" grades what follows the last "=" of the answer, as that template asks.
-
-    A reference is a math answer (text) or a problem record. A record whose "task" is "code" is graded by
-    running the program of the completion's answer part against its tests (sandbox.reward: 1.0 when all
-    pass, the share passed with code_fraction, within code_limits, a sandbox.Limits); any other record by its
-    "answer". So one call grades a batch that mixes math and code. `grades`, a list, receives per completion
-    its sandbox.Grade (None for math): the reasons and test counts behind the code metrics.
     The format term is separate from correctness (a correct answer in the wrong format still earns 1.0),
     so format_weight = 0 gives the pure verifiable reward. Symbolic checks run in `workers` processes;
-    rel_tol only applies to constants that are not both rational (sqrt(2) + sqrt(3) vs sqrt(5 + 2 sqrt(6))).
-    A checker error on one completion (a bug: no string should cause one) makes it wrong, with a warning,
-    rather than ending a training run."""
-    for name, texts in (("references", references), ("problems", completions if problems is None else problems)):
-        if len(texts) != len(completions):
-            raise ValueError(f"completions and {name} differ in length: {len(completions)} vs {len(texts)}")
+    rel_tol only applies to constants that are not both rational (sqrt(2) + sqrt(3) vs sqrt(5 + 2 sqrt(6)))."""
+    if len(completions) != len(references):
+        raise ValueError(f"completions and references differ in length: {len(completions)} vs {len(references)}")
+    if problems is not None and len(problems) != len(completions):
+        raise ValueError(f"completions and problems differ in length: {len(completions)} vs {len(problems)}")
     if answer_format is not None and answer_format not in ANSWER_FORMATS:
         raise ValueError(f"answer_format must be None or one of {ANSWER_FORMATS}, got {answer_format!r}")
     if workers < 1 or timeout <= 0 or rel_tol < 0 or format_weight < 0:
         raise ValueError(f"need workers >= 1, timeout > 0, rel_tol >= 0, format_weight >= 0; got "
                          f"workers={workers}, timeout={timeout}, rel_tol={rel_tol}, format_weight={format_weight}")
-    code = [i for i, r in enumerate(references) if isinstance(r, dict) and r.get("task") == "code"]
-    answers = {i: r.get("answer") if isinstance(r, dict) else r for i, r in enumerate(references) if i not in code}
-    for i, r in enumerate(references):
-        if isinstance(r, dict) and i in answers and not isinstance(answers[i], str):
-            raise ValueError(f"references[{i}] is a problem with neither a text \"answer\" nor \"task\": \"code\"")
-    questions = dict(enumerate(problems or []))
-    for name, texts in (("completions", dict(enumerate(completions))), ("references", answers),
-                        ("problems", questions)):
-        for i, text in texts.items():
+    for name, texts in (("completions", completions), ("references", references), ("problems", problems or [])):
+        for i, text in enumerate(texts):
             if not isinstance(text, str) and not (name == "problems" and text is None):  # a row without one
                 raise ValueError(f"{name}[{i}] is {type(text).__name__}, expected str")
-    finals = [split_thinking(c, open_thought).answer for c in completions]  # None: a thought never closed
-    values = dict(zip(answers, _math_reward([finals[i] for i in answers], list(answers.values()),
-                                            [questions.get(i) for i in answers], template, format_weight,
-                                            answer_format, workers, timeout, rel_tol)))
-    found = [None] * len(completions)
-    if code:
-        import sandbox  # its pool starts on first use: a math-only run never starts one
-
-        programs, limits = [], code_limits or sandbox.Limits()
-        scores = sandbox.reward([finals[i] or "" for i in code], [references[i] for i in code],
-                                fraction=code_fraction, limits=limits, grades=programs)
-        values |= dict(zip(code, scores))
-        for i, grade in zip(code, programs):
-            found[i] = grade
-    if grades is not None:
-        grades.extend(found)
-    return [values[i] for i in range(len(completions))]
+    answers = [split_thinking(c, open_thought).answer for c in completions]  # None: a thought never closed
+    return _math_reward(answers, references, problems or [None] * len(completions), template, format_weight,
+                        answer_format, workers, timeout, rel_tol)
 
 
 def _math_reward(answers: list[str | None], references: list[str], problems: list[str | None],
@@ -1084,20 +875,21 @@ def _guarded(grade_one, completion: str, *args):
 
 def math_reward(completions: list[str], answer: list[str | None], problem: list[str | None] | None = None,
                 template: list[str] | None = None, open_thought: list[bool] | None = None,
-                **columns) -> list[float]:
-    """The built-in reward as a reward function (TRL's signature, see scoring.py): per completion 1.0 if its
-    final answer, after its thought, equals its row's reference answer (the dataset's "answer" column), else
-    0.0. The rows' problems (the "problem" column) make an answer that restates its problem wrong, and the
+                task: list[str | None] | None = None, **columns) -> list[float | None]:
+    """The built-in reward of math problems as a reward function (TRL's signature, see scoring.py): per
+    completion 1.0 if its final answer, after its thought, equals its row's reference answer (the dataset's
+    "answer" column), else 0.0; None on a code problem's row (task "code": sandbox.code_reward grades those).
+    The rows' problems (the "problem" column) make an answer that restates its problem wrong, and the
     template that posed them (train.py's template column) says where the answer is (see reward);
-    open_thought, a column train.py passes: the prompts opened a thought (split_thinking). A code row (task
-    "code", with its tests) is graded as reward() routes it: 1.0 when its program passes every test, so this
-    one function grades a set that mixes math and code. train.py runs it once per step itself, with the
-    run's --code-reward and --code-timeout, and hands its values to scoring.py."""
-    named = {"answer": answer, "problem": problem or [None] * len(completions), **columns}
-    rows = [{key: values[i] for key, values in named.items() if values[i] is not None} for i in range(len(completions))]
-    return reward(completions, [row if row.get("task") == "code" else row.get("answer") for row in rows],
-                  problems=problem, template=template[0] if template else None,
-                  open_thought=bool(open_thought and open_thought[0]))
+    open_thought, a column train.py passes: the prompts opened a thought (split_thinking)."""
+    mine = [i for i in range(len(completions)) if not (task and task[i] == "code")]
+    values = reward([completions[i] for i in mine], [answer[i] for i in mine],
+                    problems=[problem[i] for i in mine] if problem else None,
+                    template=template[0] if template else None, open_thought=bool(open_thought and open_thought[0]))
+    graded: list[float | None] = [None] * len(completions)
+    for i, value in zip(mine, values):
+        graded[i] = value
+    return graded
 
 
 # ----------------------------------------------------------------------------- command line

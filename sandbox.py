@@ -666,6 +666,28 @@ def reward(completions: Sequence[str], problems: Sequence[Mapping], *, fraction:
     return [g.reward(fraction) for g in graded]
 
 
+def code_reward(completions: list[str], tests: list | None = None, task: list[str | None] | None = None,
+                style: list[str | None] | None = None, fn_name: list[str | None] | None = None,
+                tolerance: list[float | None] | None = None, open_thought: list[bool] | None = None,
+                **columns) -> list[float | None]:
+    """The built-in reward of code problems as a reward function (TRL's signature, see scoring.py): per
+    completion 1.0 when the program of its answer part (after its thought, reward.split_thinking) passes
+    every test of its row's problem, else 0.0; None on a row that is not a code problem (task "code"), which
+    reward.math_reward grades. train.py grades its code rows once itself, with --code-reward and
+    --code-timeout (scoring.verdicts), and hands the values over."""
+    import reward as math_checker  # split_thinking: one reading of a thought for every grader
+
+    mine = [i for i in range(len(completions)) if task and task[i] == "code"]
+    problems = [{"tests": tests[i], "style": (style and style[i]) or "stdio", "fn_name": fn_name and fn_name[i],
+                 "tolerance": tolerance and tolerance[i]} for i in mine]
+    opened = bool(open_thought and open_thought[0])
+    answers = [math_checker.split_thinking(completions[i], opened).answer or "" for i in mine]  # "": no program
+    values: list[float | None] = [None] * len(completions)
+    for i, value in zip(mine, reward(answers, problems)):
+        values[i] = value
+    return values
+
+
 def close() -> None:
     """Stop the pool's supervisors now (they also stop when this process exits)."""
     _POOL.close()

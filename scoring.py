@@ -11,9 +11,10 @@ returning one float per completion.
 A function receives prompts (each problem as the template poses it), completions (text), completion_ids
 (token ids) and every column of its rows' problems by name: problem, answer, source, and whatever else the
 dataset holds (None where a row lacks it). It returns one number per completion, or None where it does not
-apply (it then adds nothing, as in TRL). The step's reward is the weighted sum; the built-in reward,
-reward.math_reward (a math problem's answer checked, a code problem's tests run), is one such function and
-the default.
+apply (it then adds nothing, as in TRL). The step's reward is the weighted sum. The built-in rewards are
+two such functions: reward.math_reward (a math problem's answer checked; the default) and
+sandbox.code_reward (a code problem's program run against its tests), each None on the other's rows;
+verdicts, below, is the built-in verdict of a step that mixes them, which train.py hands both.
 
 A function of reward.py runs in the trainer's process: it bounds its own time. Any other runs in a worker
 process, so that a slow one is bounded like the answer checker: a call on N completions may take N x
@@ -42,7 +43,10 @@ import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-IN_PROCESS = ("reward",)  # modules whose functions bound their own time, called directly
+import reward
+import sandbox
+
+IN_PROCESS = ("reward", "sandbox")  # modules whose functions bound their own time, called directly
 _HERE = str(Path(__file__).resolve().parent)
 
 
@@ -335,3 +339,38 @@ def columns_of(rows: Sequence[dict]) -> dict[str, list]:
     """The dataset's columns of some problems by name, each a list aligned with the rows (None where absent)."""
     keys = dict.fromkeys(key for row in rows for key in row)
     return {key: [row.get(key) for row in rows] for key in keys}
+
+
+# ----------------------------------------------------------------------------- the built-in verdict
+
+def verdicts(completions: list[str], rows: Sequence[dict], *, template: str | None = None, open_thought: bool = False,
+             code_fraction: bool = False, code_limits: sandbox.Limits | None = None,
+             grades: list | None = None) -> list[float]:
+    """The built-in verdict of each completion, by its row's task: a math problem's answer checked against
+    its "answer" (reward.reward, an echo of the row's "problem" refused), a code problem's program (task
+    "code") run against its tests (sandbox.reward: 1.0 when every test passes, the share passed with
+    code_fraction, within code_limits). Only the answer part after a thought is read (reward.split_thinking).
+    This is what train.py's accuracy and eval.py's Mean@k count, whatever the reward functions are, and
+    what it hands reward.math_reward and sandbox.code_reward instead of calling them again. `grades`, a
+    list, receives each row's sandbox.Grade (None for math): the reasons behind the code metrics."""
+    code = [i for i, row in enumerate(rows) if row.get("task") == "code"]
+    math_rows = [i for i, row in enumerate(rows) if row.get("task") != "code"]
+    for i in math_rows:
+        if not isinstance(rows[i].get("answer"), str):
+            raise ValueError(f"row {i}: a problem with neither a text \"answer\" nor \"task\": \"code\"")
+    values, found = [0.0] * len(rows), [None] * len(rows)
+    checked = reward.reward([completions[i] for i in math_rows], [rows[i]["answer"] for i in math_rows],
+                            problems=[rows[i].get("problem") for i in math_rows], template=template,
+                            open_thought=open_thought)
+    for i, value in zip(math_rows, checked):
+        values[i] = value
+    if code:
+        answers = [reward.split_thinking(completions[i], open_thought).answer or "" for i in code]  # "": none
+        programs: list[sandbox.Grade] = []
+        run = sandbox.reward(answers, [rows[i] for i in code], fraction=code_fraction,
+                             limits=code_limits or sandbox.Limits(), grades=programs)
+        for i, value, grade in zip(code, run, programs):
+            values[i], found[i] = value, grade
+    if grades is not None:
+        grades.extend(found)
+    return values

@@ -696,22 +696,6 @@ def test_competition_integer_answers(shared_data):
     assert reward.reward([f"...\nAnswer: {a}" for a in dapo], dapo) == [1.0] * len(dapo)
 
 
-def test_references_route_by_task_so_math_and_code_mix():
-    """A reference is an answer, a math problem, or a code problem; code runs in sandbox.py, the rest is math."""
-    import sandbox
-
-    code = {"task": "code", "problem": "Print 7.", "tests": [{"input": "", "output": "7"}]}
-    completions = ["\\boxed{4}", "\\boxed{4}", "```python\nprint(7)\n```", "```python\nprint(8)\n```"]
-    references = ["4", {"problem": "2 + 2?", "answer": "5"}, code, code]
-    grades = []
-    try:
-        scores = reward.reward(completions, references, grades=grades)
-    except sandbox.SandboxUnavailable as error:
-        pytest.skip(str(error))
-    assert scores == [1.0, 0.0, 1.0, 0.0]
-    assert grades[:2] == [None, None] and [g.reason for g in grades[2:]] == [None, "wrong_answer"]
-    with pytest.raises(ValueError, match=r"references\[0\] is a problem with neither"):
-        reward.reward(["x"], [{"problem": "no answer"}])
 # ----------------------------------------------------------------------------- answers that restate the problem
 
 # (completion, reference, problem, template, expected)

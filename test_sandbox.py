@@ -201,18 +201,20 @@ def test_reward_extracts_and_reports(available):
 
 
 def test_a_program_is_read_after_the_thought_and_an_unclosed_thought_runs_nothing(available):
-    """reward.reward routes a code problem to the sandbox with the answer part only (reward.split_thinking)."""
-    import reward
+    """scoring.verdicts and sandbox.code_reward grade the answer part only (reward.split_thinking)."""
+    import scoring
 
     problem = {"task": "code", "problem": "Add the two numbers.", **STDIO}
     program = f"```python\n{ADD}```"
     completions = [f"<think>\nfirst try:\n{program}\n</think>\nno program here", f"<think>\nplan\n</think>\n{program}",
                    f"<think>\nstill thinking\n{program}"]
     grades = []
-    assert reward.reward(completions, [problem] * 3, grades=grades) == [0.0, 1.0, 0.0]
-    assert reward.reward([program], [problem]) == [1.0]
-    assert reward.reward([program], [problem], open_thought=True, grades=grades) == [0.0]  # all of it thought
+    assert scoring.verdicts(completions, [problem] * 3, grades=grades) == [0.0, 1.0, 0.0]
+    assert scoring.verdicts([program], [problem]) == [1.0]
+    assert scoring.verdicts([program], [problem], open_thought=True, grades=grades) == [0.0]  # all of it thought
     assert [g.reason for g in grades] == ["no_code_block", None, "no_code_block", "no_code_block"]
+    columns = {"task": ["code"] * 3 + [None], "tests": [STDIO["tests"]] * 3 + [None], "answer": [None] * 3 + ["7"]}
+    assert sandbox.code_reward(completions + ["7"], **columns) == [0.0, 1.0, 0.0, None]  # None: not its row
 
 
 def test_not_root_is_a_clear_error(monkeypatch):

@@ -85,6 +85,28 @@ def test_the_built_in_math_reward_is_one_such_function():
     assert functions.name_of(scoring.load("reward:math_reward")) == "math_reward"
 
 
+def test_verdicts_grade_each_row_by_its_task_so_math_and_code_mix():
+    """A math row by its answer (an echo of its problem refused), a code row by running its program in
+    sandbox.py; the two built-in reward functions each grade their own rows and leave the other's None."""
+    import sandbox
+
+    code = {"task": "code", "problem": "Print 7.", "tests": [{"input": "", "output": "7"}]}
+    rows = [{"problem": "What is 2 + 2?", "answer": "4"}, {"problem": "What is 2 + 3?", "answer": "5"}, code, code]
+    completions = ["\\boxed{4}", "2 + 3", "```python\nprint(7)\n```", "```python\nprint(8)\n```"]
+    grades = []
+    try:
+        assert scoring.verdicts(completions, rows, grades=grades) == [1.0, 0.0, 1.0, 0.0]
+    except sandbox.SandboxUnavailable as error:
+        pytest.skip(str(error))
+    assert grades[:2] == [None, None] and [g.reason for g in grades[2:]] == [None, "wrong_answer"]
+    functions = scoring.RewardFunctions(["reward:math_reward", "sandbox:code_reward"])
+    totals, by_name = functions(completions, scoring.columns_of(rows))
+    assert totals == [1.0, 0.0, 1.0, 0.0] and by_name == {"math_reward": [1.0, 0.0, 0.0, 0.0],
+                                                          "code_reward": [0.0, 0.0, 1.0, 0.0]}
+    with pytest.raises(ValueError, match="row 0: a problem with neither"):
+        scoring.verdicts(["x"], [{"problem": "no answer"}])
+
+
 def test_the_worked_examples():
     brevity, restates = scoring.load(f"{EXAMPLES}:brevity"), scoring.load(f"{EXAMPLES}:restates_the_question")
     assert brevity(["7", "7 + 5 = 12", "x" * 80], completion_ids=[[1], [1] * 9, [1] * 40]) == [0.0, -0.5, -1.0]

@@ -676,7 +676,8 @@ def test_score_grades_a_step_that_mixes_math_and_code(monkeypatch):
              "```python\nprint(2 * int(input()))\n```", "```python\nprint(4)\n```",  # code: right, 1 of 2 tests
              "```python\nwhile True: pass\n```", "no program"]
     out = types.SimpleNamespace(texts=texts, completions=[[0]] * 6, old_logp=torch.zeros(6, 1))
-    cfg = dataclasses.replace(train.Config(), group_size=2, code_timeout=0.5)
+    cfg = dataclasses.replace(train.Config(), group_size=2, code_timeout=0.5,
+                              reward_fn=("reward:math_reward", "sandbox:code_reward"))
     try:
         rewards, correct, _, code_rows = train.score(out, problems, cfg)
     except sandbox.SandboxUnavailable as error:
@@ -699,9 +700,20 @@ def test_a_code_run_trains_and_logs_its_code_metrics(tiny_model_dir, tmp_path, m
     except sandbox.SandboxUnavailable as error:
         pytest.skip(str(error))
     run_training(tiny_args(tiny_model_dir, tmp_path, "code", "--steps", "1", "--dataset", "code", "--eval-dataset",
-                           "code_test", "--template", "{problem}"))  # the code template outgrows its context
+                           "code_test", "--template", "{problem}",  # the code template outgrows its context
+                           "--reward-fn", "sandbox:code_reward"))
     (line,) = metric_lines(tmp_path / "code")
     assert line["code_no_code_block"] == 1.0 and line["code_tests_passed"] == 0.0  # a random model writes no code
+
+
+def test_code_problems_without_a_code_reward_fail_before_the_model_loads(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--model", str(tmp_path / "no-model"), "--out-dir", str(tmp_path), "--dataset", "code"])
+    assert exit_info.value.code == 2 and capsys.readouterr().err.strip() == (
+        "train.py: --dataset code holds code problems, which no --reward-fn grades (reward:math_reward): "
+        "add --reward-fn sandbox:code_reward")
+    cfg, _, _ = train.config.parse_args(["--dataset", "code", "--reward-fn", "my_rewards:anything"])
+    train.config.check_reward_functions(cfg, train.load_problems("code"))  # a function of your own may grade it
 
 
 def test_a_resume_records_what_it_changes_and_refuses_what_the_adapters_cannot_follow(tiny_model_dir, tmp_path,

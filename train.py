@@ -128,25 +128,27 @@ def score(out: rollout.Rollout, problems: list[dict], cfg: Config, step: int = 0
           ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """(rewards [N], correct [N], {name: values [N]} of each reward function when there are several, code
     [N, 2 + reasons]), on the model's device. The reward is the weighted sum of the --reward-fn functions
-    (scoring.py) plus the format bonus. correct is the built-in reward's verdict, whatever the reward is made
-    of: the answer checker's on a math problem, every test passed on a code problem (task "code", run in
-    sandbox.py within --code-timeout). It is graded here once, with --code-reward, and is reward.math_reward's
-    value when that is among the functions. The checker, the sandbox and the format bonus read only what
-    follows a completion's last </think> (open_thought: the prompt opened a thought); a function of your own
-    gets the whole completion and the open_thought column (reward.split_thinking). code holds, per row: is it
-    a code problem, the share of its tests passed, and a one-hot of why it failed (sandbox.REASONS)."""
+    (scoring.py) plus the format bonus. correct is the built-in verdict (scoring.verdicts), whatever the
+    reward is made of: the answer checker's on a math problem, every test passed on a code problem (task
+    "code", run in sandbox.py within --code-timeout). It is graded here once, with --code-reward, and is the
+    value of reward.math_reward and sandbox.code_reward when they are among the functions. The checker, the
+    sandbox and the format bonus read only what follows a completion's last </think> (open_thought: the
+    prompt opened a thought); a function of your own gets the whole completion and the open_thought column
+    (reward.split_thinking). code holds, per row: is it a code problem, the share of its tests passed, and a
+    one-hot of why it failed (sandbox.REASONS)."""
     rows = [p for p in problems for _ in range(cfg.group_size)]
     grades = []  # per row, a code problem's sandbox.Grade (None for math): the code metrics
-    # an answer that restates its question is wrong (reward.reward): each row's problem goes with it
-    verdicts = reward.reward(out.texts, rows, problems=[p["problem"] for p in rows], template=cfg.template,
-                             open_thought=open_thought, code_fraction=cfg.code_reward == "fraction",
-                             code_limits=sandbox.Limits(timeout=cfg.code_timeout), grades=grades)
+    verdicts = scoring.verdicts(out.texts, rows, template=cfg.template, open_thought=open_thought,
+                                code_fraction=cfg.code_reward == "fraction",
+                                code_limits=sandbox.Limits(timeout=cfg.code_timeout), grades=grades)
+    is_code = [grade is not None for grade in grades]
+    given = {reward.math_reward: [None if c else v for v, c in zip(verdicts, is_code)],
+             sandbox.code_reward: [v if c else None for v, c in zip(verdicts, is_code)]}
     functions = scoring.functions(cfg.reward_fn, cfg.reward_weights, cfg.reward_timeout)
     columns = {"prompts": [user_message(p["problem"], cfg.template) for p in rows], "completion_ids": out.completions,
                "template": [cfg.template] * len(rows), **scoring.columns_of(rows),
                "open_thought": [open_thought] * len(rows)}
-    totals, by_name = functions(out.texts, columns, where=f"step {step}", group_size=cfg.group_size,
-                                given={reward.math_reward: verdicts})
+    totals, by_name = functions(out.texts, columns, where=f"step {step}", group_size=cfg.group_size, given=given)
     if cfg.format_weight:
         answers = [reward.split_thinking(text, open_thought).answer for text in out.texts]
         totals = [total + cfg.format_weight * (answer is not None and reward.has_format(answer, cfg.template))
@@ -466,6 +468,7 @@ def check_start(cfg: Config) -> dict:
     config.check_init_adapter(cfg)
     scoring.functions(cfg.reward_fn, cfg.reward_weights, cfg.reward_timeout)  # imports them: a typo fails now
     train_set, eval_sets = load_problems(cfg.dataset), load_eval_sets(cfg)
+    config.check_reward_functions(cfg, train_set)
     if cfg.export:
         weights.check_export_dir(cfg.export)  # before training, not after it
     model_dir = weights.resolve_checkpoint(cfg.model)  # the default converts once; a hub id downloads once
