@@ -582,7 +582,7 @@ def resumed_config(cfg: Config | SFTConfig, given: set[str]) -> Config | SFTConf
     runs too.
 
     Flags that would name another run, or that the run's adapters cannot follow, are refused when they
-    differ from the run's own. What the resumed run changes is recorded in the run by train.open_run."""
+    differ from the run's own. What the resumed run changes is recorded in the run by rundir.open_run."""
     run_dir = Path(cfg.resume)
     saved = saved_config(run_dir, SFT_FIELDS.keys() if isinstance(cfg, SFTConfig) else None)
     current = json.loads(json.dumps(flat_config(cfg)))  # tuples as JSON lists, as the saved values are

@@ -38,11 +38,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import distributed
 import lora
 import reward
 import rollout
 import sandbox
 import scoring
+import sizes
+from config import Config
 from data import load_problems, opens_thought, render_prompt, stop_ids, thinking_note, user_message
 from weights import from_pretrained, load_tokenizer
 
@@ -493,6 +496,70 @@ def _reference(problem: Mapping) -> str:
     if problem.get("task") == "code":
         return f"{len(problem['tests'])} {problem.get('style', 'stdio')} tests"
     return problem["answer"]
+
+
+# -----------------------------------------------------------------------------
+# a training run's held-out sets
+
+
+def load_eval_sets(cfg: Config) -> dict[str, list[dict]]:
+    """The held-out sets by name, each cut to eval_problems when that is set."""
+    names = [name.strip() for name in cfg.eval_dataset.split(",") if name.strip()]
+    if not names:
+        raise ValueError("--eval-dataset: no dataset given")
+    sets = {name: load_problems(name) for name in names}
+    return {name: problems[:cfg.eval_problems] if cfg.eval_problems else problems for name, problems in sets.items()}
+
+
+def held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: Config, desc: str,
+                      world: distributed.World | None = None, pool: rollout.Pool | None = None) -> dict:
+    """A training run's held-out evaluation (train.py's before, every --eval-every steps and after): Mean@k
+    and Pass@k on each set, sampled as the run samples; with several sets, accuracy is their unweighted mean.
+
+    With several processes each rank evaluates a slice of each set (with the samples one process draws
+    for those problems) and the per-problem results are gathered.
+    """
+    world = world or distributed.SOLO
+    if world.rank == 0 and not sys.stderr.isatty():  # a log file has no progress bar: say what runs
+        counts = ", ".join(f"{len(problems)} of {name}" for name, problems in eval_sets.items())
+        print(f"{desc}: {counts} x {cfg.eval_k} samples", file=sys.stderr)
+    result = _held_out(model, tokenizer, eval_sets, cfg, desc, world, pool)
+    if world.rank == 0:
+        se = f"{100 * result['se']:.1f}" if result["se"] is not None and math.isfinite(result["se"]) else "undefined"
+        tqdm.write(f"{desc}: Mean@{cfg.eval_k} {100 * result['accuracy']:.1f}% (se {se}), Pass@{cfg.eval_k} "
+                   f"{100 * result['pass@k']:.1f}%, {result['problems']} problems", file=sys.stderr)
+    return result
+
+
+def _held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: Config, desc: str,
+              world: distributed.World, pool: rollout.Pool | None = None) -> dict:
+    results = {}
+    with sizes.sampling_policy(model, pool) as policy:  # a sharded model's weights, gathered once for every set
+        for name, problems in eval_sets.items():
+            lo, hi = (len(problems) * r // world.size for r in (world.rank, world.rank + 1))
+            mine = []
+            if hi > lo:
+                with sizes.oom_hint(f"evaluation on {name}",
+                                    f"lower --eval-batch (now {cfg.eval_batch} prompts per call)"):
+                    mine = evaluate(policy, tokenizer, problems[lo:hi], k=cfg.eval_k,
+                                               code_limits=sandbox.Limits(timeout=cfg.code_timeout),
+                                               temperature=cfg.eval_temperature, top_p=cfg.top_p,
+                                               max_new_tokens=cfg.max_new_tokens, template=cfg.template,
+                                               system=cfg.system_prompt, thinking=cfg.thinking == "on",
+                                               batch_size=cfg.eval_batch, seed=cfg.seed,
+                                               first_problem=lo, desc=f"{desc} {name}" if len(eval_sets) > 1 else desc,
+                                               progress=world.rank == 0, pool=pool).problems
+            summary = summarize(sum(world.gather(mine), []), cfg.eval_k, seed=cfg.seed)
+            mean = summary["mean@k"]
+            results[name] = {"accuracy": mean.mean, "se": mean.se, "pass@k": summary["pass@k"].mean,
+                             "problems": len(problems), "k": cfg.eval_k}
+    if len(results) == 1:
+        return next(iter(results.values()))
+    parts = list(results.values())
+    return {"accuracy": float(np.mean([p["accuracy"] for p in parts])),
+            "se": math.sqrt(sum(p["se"] ** 2 for p in parts)) / len(parts),
+            "pass@k": float(np.mean([p["pass@k"] for p in parts])),
+            "problems": sum(p["problems"] for p in parts), "k": cfg.eval_k, "sets": results}
 
 
 # -----------------------------------------------------------------------------

@@ -74,7 +74,7 @@ def step_scalars(record: dict) -> dict[str, float]:
 
 
 def eval_scalars(result: dict) -> dict[str, float]:
-    """A held-out result (train.evaluate_held_out) as scalars: eval/mean_at_k, and eval/SET/... for several sets."""
+    """A held-out result (eval.held_out) as scalars: eval/mean_at_k, and eval/SET/... for several sets."""
     scalars = {f"eval/{name}": float(result[key]) for key, name in EVAL_NAMES.items() if _number(result.get(key))}
     for set_name, part in result.get("sets", {}).items():
         scalars |= {f"eval/{set_name}/{name}": float(part[key]) for key, name in EVAL_NAMES.items()

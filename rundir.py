@@ -1,5 +1,7 @@
-"""The run directory on disk: one writer at a time, checkpoints written atomically and read back with a
-fallback, the metrics file trimmed for a resume, strict JSON files, and the best adapter.
+"""The run directory on disk: one writer at a time, the start of a run (a new run's first files, a resume's
+checkpoint and the record of what it changed, the trackers, an export-only resume), checkpoints written
+atomically and read back with a fallback, the metrics file trimmed for a resume, strict JSON files, and
+the best adapter.
 
     runs/NAME/.lock              held (flock) by the one process writing the run; it names that process
     runs/NAME/config.json        the run's settings, rewritten when a resume changes them
@@ -30,6 +32,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import time
 import warnings
 from contextlib import contextmanager
@@ -42,9 +45,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                      set_state_dict)
 
+import config
 import distributed
 import eval as evaluation
 import fsdp
+import loggers
 import lora
 import weights
 from config import Config
@@ -169,6 +174,66 @@ class RunLock:
         if self.fd is not None:
             os.close(self.fd)  # releases the flock
             self.fd = None
+
+
+# ----------------------------------------------------------------------------- starting a run
+
+
+def open_run(cfg: Config, run_dir: Path, model, optimizer, world: distributed.World, save) -> dict:
+    """The state a run starts from: a resumed run's checkpoint (the same on every rank, whatever the
+    world size), or step 0 of a new run, checkpointed at once so a run stopped before its first step
+    can resume. A resume that changes settings records them (record_resume)."""
+    writer = world.rank == 0
+    if cfg.resume:
+        state = load_checkpoint(run_dir, model, optimizer)
+        world.barrier("loading the checkpoint")  # before rank 0 may write the next one
+        if writer:
+            truncate_metrics(run_dir / "metrics.jsonl", state["step"])
+            write_text(run_dir / "config.toml", config.to_toml(cfg))  # the settings it now runs with
+            saved = config.saved_config(run_dir)
+            changed = config.changed_settings(saved, cfg)
+            if changed:
+                record_resume(run_dir, state["step"], changed,
+                                     {**config.flat_config(cfg), "resume": saved.get("resume")})
+            shown = ", ".join(f"--{name.replace('_', '-')} {old} -> {new}" for name, (old, new) in changed.items())
+            print(f"resumed {run_dir} at step {state['step']}" + (f"; changed: {shown}" if shown else ""),
+                  file=sys.stderr)
+        return state
+    state = {"step": 0, "data_position": 0, "before": None, "best": None}
+    if writer:
+        write_json(run_dir / "config.json", config.flat_config(cfg))
+        write_text(run_dir / "config.toml", config.to_toml(cfg))
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        print(f"run directory: {run_dir}", file=sys.stderr)
+    save(state)
+    return state
+
+
+def open_trackers(cfg: Config, run_dir: Path, state: dict, eval_sets: list[str], writer: bool) -> loggers.Loggers:
+    """The --log trackers of the writing process (none on the others), with the evaluations logged so far."""
+    earlier = [(state["before"], 0, "before")] if state["before"] else []
+    if cfg.resume and cfg.log and writer:  # the results table goes on from the run's earlier evaluations
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            if record.get("eval"):
+                earlier.append((record["eval"], record["step"], f"step {record['step']}"))
+        if state.get("after"):  # a finished run trained further: its final evaluation so far
+            earlier.append((state["after"], state["step"], "after"))
+    return loggers.Loggers(cfg.log if writer else "", run_dir, config.flat_config(cfg), config.to_toml(cfg),
+                           cfg.log_project, state["step"], bool(cfg.resume), eval_sets, earlier)
+
+
+def export_run(cfg: Config, run_dir: Path, model, tokenizer, optimizer, world: distributed.World) -> dict:
+    """--resume RUN --steps 0 --export DIR: the policy of the run's last checkpoint, merged and exported;
+    nothing trains, nothing is evaluated, and the run directory is left as it was."""
+    state = load_checkpoint(run_dir, model, optimizer)
+    with fsdp.whole(model) as whole_model:  # a sharded model is gathered on every rank, for rank 0 to write
+        if world.rank == 0:
+            weights.save_pretrained(whole_model, cfg.export, tokenizer=tokenizer)
+            print(f"exported the {'merged ' if cfg.lora_rank else ''}weights of {run_dir} at step {state['step']} "
+                  f"to {cfg.export}", file=sys.stderr)
+    world.barrier("waiting for rank 0 to write the export")
+    return state
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -41,6 +41,7 @@ import eval as evaluation
 import lora
 import reward
 import rundir
+import sizes
 import train
 import weights
 from config import SFTConfig
@@ -241,7 +242,7 @@ def sft_step(model, optimizer, examples: list[Example], batches: list[list[int]]
     model.train()
     total = torch.zeros((), device=model.device)
     for batch in micro:
-        with train.oom_hint(f"an SFT micro-batch of {batch[0].numel()} padded tokens",
+        with sizes.oom_hint(f"an SFT micro-batch of {batch[0].numel()} padded tokens",
                             f"lower --batch-tokens (now {cfg.batch_tokens})"):
             value = reply_loss(model, batch, step_tokens)
             value.backward()

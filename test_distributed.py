@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 
 import config
 import distributed
+import sizes
 import train
 
 TIMING_KEYS = {"step_seconds", "rollout_tokens_per_s", "reward_seconds", "train_tokens_per_s"}
@@ -84,7 +85,7 @@ def one_step(model_dir, out_dir, flags, world) -> dict:
     cfg, _, _ = config.parse_args(tiny_args(model_dir, out_dir, "step", *STEP_FLAGS, *flags))
     model, tokenizer, _, _ = train.build(cfg)
     model.to(torch.float64)  # the adapters too
-    cfg = train.resolve_sizes(cfg, model, tokenizer, [], world)
+    cfg = sizes.resolve_sizes(cfg, model, tokenizer, [], world)
     optimizer = RecordingSGD(train.lora.parameters(model))
     problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
     record, _ = train.train_step(model, optimizer, tokenizer, problems, cfg, 1, world)

@@ -25,6 +25,7 @@ import fsdp
 import lora
 import memory
 import rundir
+import sizes
 import train
 import weights
 from model import ModelConfig, Transformer
@@ -68,7 +69,7 @@ def one_full_step(model_dir, out_dir, flags, world, sharded: bool) -> dict:
     else:
         model, tokenizer = weights.from_pretrained(str(model_dir), dtype=torch.float64), weights.load_tokenizer(
             str(model_dir))
-    cfg = train.resolve_sizes(cfg, model, tokenizer, [], world)
+    cfg = sizes.resolve_sizes(cfg, model, tokenizer, [], world)
     optimizer = RecordingAdamW(train.trainable(model), lr=cfg.lr)
     problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
     record, _ = train.train_step(model, optimizer, tokenizer, problems, cfg, 1, world)
@@ -159,7 +160,7 @@ def test_a_full_step_is_the_loss_autograd_and_adamw_written_out(tiny_model_dir, 
     with distributed.joined(torch.device("cpu"), 60, group=True) as world:
         model, tokenizer, optimizer, _ = train.build(cfg)
         assert isinstance(optimizer, torch.optim.AdamW) and fsdp.is_sharded(model)
-        cfg = train.resolve_sizes(cfg, model, tokenizer, [], world)
+        cfg = sizes.resolve_sizes(cfg, model, tokenizer, [], world)
         problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
         out = train.sample(model, tokenizer, problems, cfg, step=1)
         advantages = train.loss.advantages(train.score(out, problems, cfg)[0], cfg.group_size, cfg.loss)
@@ -191,8 +192,8 @@ def test_a_full_run_samples_each_step_with_its_updated_weights_through_the_runs_
     with distributed.joined(torch.device("cpu"), 60, group=True) as world:
         model, tokenizer, optimizer, reference = train.build(cfg)
         train_set = train.load_problems(cfg.dataset)
-        cfg = train.resolve_sizes(cfg, model, tokenizer, train_set, world)
-        pool = train.sampler_pool(cfg, model, tokenizer, train_set, {})
+        cfg = sizes.resolve_sizes(cfg, model, tokenizer, train_set, world)
+        pool = sizes.sampler_pool(cfg, model, tokenizer, train_set, {})
         assert pool.model is None and pool.kv.k.dtype == torch.float64
         pool.graph_class = train.rollout.EagerGraph
         first = train.batch_of(train_set, 0, cfg.prompts_per_step, cfg.seed)
@@ -220,7 +221,7 @@ def test_rank_0_trains_every_weight_and_a_rank_only_its_adapters(tiny_model_dir,
                                                 "--lr", "1e-3"))
         with distributed.joined(torch.device("cpu"), 60, group=not rank) as world:
             model, tokenizer, optimizer, _ = train.build(cfg)
-            cfg = train.resolve_sizes(cfg, model, tokenizer, [], world)
+            cfg = sizes.resolve_sizes(cfg, model, tokenizer, [], world)
             before = {name: whole(p).detach().clone() for name, p in model.named_parameters()}
             stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
             problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)

@@ -14,7 +14,7 @@ import lora
 import loss
 import memory
 import rollout
-import train
+import sizes
 from model import ModelConfig, Transformer
 
 SMALL = ModelConfig(vocab_size=4096, hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4,
@@ -143,7 +143,7 @@ def long_tail_passes_before(work: memory.Workload, prompts_per_call: int) -> int
 ])
 def test_preset_plans_fit(preset, gpu_gb, chosen, before_calls, rows_at_least, fewer_passes, capsys):
     cfg, _, _ = config.parse_args(["--preset", preset, "--plan", "--gpu-memory", str(gpu_gb)])
-    assert train.plan(cfg)
+    assert sizes.plan(cfg)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "chosen: " + " ".join(f"--{name.replace('_', '-')} {value}" for name, value in chosen.items())
     assert re.fullmatch(rf"plan: peak \d+\.\d GB of {gpu_gb}\.0 GB \(fits\)", lines[-1])
@@ -153,7 +153,7 @@ def test_preset_plans_fit(preset, gpu_gb, chosen, before_calls, rows_at_least, f
     assert all(0 < float(row[2]) <= usable for row in table.values())
     estimate = re.search(r"rows in flight max (\d+), mean (\d+); ([\d,]+) decode passes", lines[9])
     rows_max, passes = int(estimate[1]), int(estimate[3].replace(",", ""))
-    before = long_tail_passes_before(train.workload(cfg), before_calls)  # the calls the plan chose before
+    before = long_tail_passes_before(sizes.workload(cfg), before_calls)  # the calls the plan chose before
     assert rows_max >= rows_at_least and passes <= before / fewer_passes, (rows_max, passes, before)
 
 
@@ -166,7 +166,7 @@ def test_the_plan_counts_old_hidden_and_the_evaluation_prompts():
     assert grown >= ATR.step_rows * ATR.max_new_tokens * 2048 * 2
     rule = config.parse_args(["--preset", "atr-grpo-qwen3-1.7b", "--rule", "kl_full"])[0]
     plain = config.parse_args(["--preset", "atr-grpo-qwen3-1.7b"])[0]
-    assert train.workload(rule).old_hidden and not train.workload(plain).old_hidden
+    assert sizes.workload(rule).old_hidden and not sizes.workload(plain).old_hidden
     longer_eval = dataclasses.replace(ATR, eval_prompt_len=1500)
     assert memory.Planner(cfg, longer_eval).floor_blocks(longer_eval) > planner.floor_blocks(ATR)
     assert memory.Planner(cfg, longer_eval).peak("eval", 30) > planner.peak("eval", 30)
@@ -240,7 +240,7 @@ def test_a_full_run_on_one_process_sizes_its_pool_beside_the_optimizer_state(cap
     resident when the kept pool is, so the pool is sized against the optimizer step as well as the passes."""
     cfg, _, _ = config.parse_args(["--preset", "atr-grpo-qwen3-1.7b", "--lora-rank", "0", "--plan",
                                    "--gpu-memory", "80"])
-    assert train.plan(cfg)
+    assert sizes.plan(cfg)
     lines = capsys.readouterr().out.splitlines()
     table = {line.split()[0]: line.split() for line in lines[3:10]}
     usable = memory.usable_bytes(80 * memory.GB) / memory.GB
@@ -256,7 +256,7 @@ def test_the_full_parameter_preset_plans_each_of_8_ranks_on_80_gb(capsys):
     cfg, _, _ = config.parse_args(["--preset", "gppo-qwen3-8b-full", "--plan", "--gpu-memory", "80",
                                    "--rollout-batch", "3", "--grad-accum", "4", "--eval-batch", "3"])
     assert cfg.world_size == 8 and cfg.lora_rank == 0 and cfg.lr == 1e-6
-    assert train.plan(cfg)
+    assert sizes.plan(cfg)
     lines = capsys.readouterr().out.splitlines()
     assert re.fullmatch(r"chosen: --rollout-batch 3 --grad-accum 4 --eval-batch 3 --kv-blocks \d+", lines[0])
     assert lines[1] == "per rank of 8 processes (FSDP2)"

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 import config
 import lora
+import sizes
 import train
 import weights
 
@@ -135,7 +136,7 @@ def test_a_finished_run_exports_again_without_training_or_evaluating(tiny_model_
     run_training(tiny_args(tiny_model_dir, tmp_path, "done", "--steps", "2"))
     run_dir = tmp_path / "done"
     before = {name: (run_dir / name).read_bytes() for name in ("metrics.jsonl", "summary.json", "config.toml")}
-    monkeypatch.setattr(train, "evaluate_held_out", lambda *a, **k: pytest.fail("an export-only run evaluated"))
+    monkeypatch.setattr(train.evaluation, "held_out", lambda *a, **k: pytest.fail("an export-only run evaluated"))
     monkeypatch.setattr(train, "train_step", lambda *a, **k: pytest.fail("an export-only run trained"))
     state = run_training(["--resume", str(run_dir), "--steps", "0", "--export", str(tmp_path / "export")])
     assert state["step"] == 2 and {name: (run_dir / name).read_bytes() for name in before} == before
@@ -284,7 +285,7 @@ def sampled_step(tiny_model_dir, tmp_path, monkeypatch, *flags):
     cfg, _, _ = config.parse_args(tiny_args(tiny_model_dir, tmp_path, "step", "--prompts-per-step", "4",
                                            "--max-new-tokens", "6", *flags))
     model, tokenizer, _, _ = train.build(cfg)
-    cfg = train.resolve_automatic(cfg, model, tokenizer, [])
+    cfg = sizes.resolve_automatic(cfg, model, tokenizer, [])
     monkeypatch.setattr(train, "stop_ids", lambda config, tok: list(range(0, len(tok), 4)))
     problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
     out = train.sample(model, tokenizer, problems, cfg, step=1)
@@ -324,13 +325,13 @@ def test_a_step_and_an_evaluation_create_every_tensor_on_the_model_device(tiny_m
     cfg, _, _ = config.parse_args(tiny_args(tiny_model_dir, tmp_path, "device", "--updates-per-rollout", "2",
                                            "--kl-beta", "0.1", "--rule", "kl_full", "--recompute-old-logp", "on"))
     model, tokenizer, optimizer, _ = train.build(cfg)
-    cfg = train.resolve_automatic(cfg, model, tokenizer, [])
+    cfg = sizes.resolve_automatic(cfg, model, tokenizer, [])
     problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
-    eval_sets = train.load_eval_sets(cfg)
+    eval_sets = train.evaluation.load_eval_sets(cfg)
     torch.set_default_device("meta")
     try:
         record, _ = train.train_step(model, optimizer, tokenizer, problems, cfg, step=1)
-        result = train.evaluate_held_out(model, tokenizer, eval_sets, cfg, "eval")
+        result = train.evaluation.held_out(model, tokenizer, eval_sets, cfg, "eval")
     finally:
         torch.set_default_device(None)
     assert record["skipped_updates"] == 0 and 0 <= result["accuracy"] <= 1
@@ -615,7 +616,7 @@ def test_an_entropy_bonus_changes_the_update(tiny_model_dir, tmp_path, monkeypat
         train.policy_update(model, optimizer, out, advantages, bonus, step=1)
         updated.append(torch.cat([p.detach().flatten() for p in lora.parameters(model)]))
     assert not torch.allclose(updated[0], updated[1])
-    assert train.workload(bonus).entropy_grad and not train.workload(cfg).entropy_grad
+    assert sizes.workload(bonus).entropy_grad and not sizes.workload(cfg).entropy_grad
 
 
 def test_a_run_starts_from_an_init_adapter_of_its_shape(tiny_model_dir, tmp_path):

@@ -11,7 +11,8 @@
 The file reads in the order a run executes: one step (prompts -> G completions each -> rewards ->
 group-normalized advantages -> optimizer steps over mini-batches of the rollout), then the loop around
 it (evaluation, logging, checkpoints), then building the model and the command line. The settings and
-their flags live in config.py, the files of a run directory in rundir.py. With LoRA only the
+their flags live in config.py, the run directory's files and a run's start in rundir.py, the sizes the
+memory plan chooses and the sampler's pool in sizes.py, the held-out evaluation in eval.py. With LoRA only the
 adapters train and the frozen base doubles as the reference policy; with --lora-rank 0 every weight
 trains, sharded by FSDP2 (fsdp.py), and the reference policy is a frozen copy kept only when the loss
 asks for it.
@@ -20,8 +21,6 @@ asks for it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import math
 import os
 import signal
@@ -44,7 +43,6 @@ import config  # noqa: E402
 import distributed  # noqa: E402
 import eval as evaluation  # noqa: E402
 import fsdp  # noqa: E402
-import loggers  # noqa: E402
 import lora  # noqa: E402
 import loss  # noqa: E402
 import memory  # noqa: E402
@@ -53,6 +51,7 @@ import rollout  # noqa: E402
 import rundir  # noqa: E402
 import sandbox  # noqa: E402
 import scoring  # noqa: E402
+import sizes  # noqa: E402
 import weights  # noqa: E402
 from config import Config  # noqa: E402
 from data import load_problems, opens_thought, render_prompt, stop_ids, thinking_note, user_message  # noqa: E402
@@ -114,8 +113,8 @@ def sample(model, tokenizer, problems: list[dict], cfg: Config, step: int, first
     prompts = [render_prompt(tokenizer, p["problem"], cfg.template, cfg.system_prompt, cfg.thinking == "on")
                for p in problems]
     model.eval()  # no LoRA dropout while sampling: the old log-probs must be the sampling policy's
-    with oom_hint("the rollout", f"lower --rollout-batch (now {cfg.rollout_batch} prompts in flight) or --kv-blocks "
-                                 f"(now {cfg.kv_blocks})"), sampling_policy(model, pool) as policy:
+    hint = f"lower --rollout-batch (now {cfg.rollout_batch} prompts in flight) or --kv-blocks (now {cfg.kv_blocks})"
+    with sizes.oom_hint("the rollout", hint), sizes.sampling_policy(model, pool) as policy:
         return rollout.generate(policy, prompts, samples_per_prompt=cfg.group_size,
                                 max_new_tokens=cfg.max_new_tokens,
                                 temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
@@ -234,7 +233,8 @@ def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tens
                 continue
             if idle:
                 rows = torch.zeros(1, dtype=torch.long, device=advantages.device)
-            with oom_hint(f"a training micro-batch of {len(rows)} rows", f"raise --grad-accum (now {cfg.grad_accum})"):
+            with sizes.oom_hint(f"a training micro-batch of {len(rows)} rows",
+                                f"raise --grad-accum (now {cfg.grad_accum})"):
                 value, micro_metrics = micro_batch_loss(model, out, advantages, inputs, rows, cfg, totals,
                                                         None if idle else records)
                 value = value * 0 if idle else value
@@ -384,15 +384,6 @@ def merge_metrics(metrics: list[dict]) -> dict:
     return merged
 
 
-@contextmanager
-def oom_hint(what: str, advice: str):
-    """Out of memory inside the block becomes an error that names the phase and the flag that lowers it."""
-    try:
-        yield
-    except torch.OutOfMemoryError as error:
-        raise torch.OutOfMemoryError(f"out of memory in {what}: {advice}") from error
-
-
 class Stopwatch:
     """Seconds per named stage of a step, as laps of one clock."""
 
@@ -432,9 +423,9 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
             model, tokenizer, optimizer, reference = build(cfg, cfg.init_adapter, start["model_dir"])
             if cfg.resume and cfg.steps == 0 and cfg.export:  # export only: no training, no evaluation
                 with rundir.writing(Path(cfg.export)):
-                    return export_run(cfg, run_dir, model, tokenizer, optimizer, world)
-            cfg = resolve_sizes(cfg, model, tokenizer, start["train_set"], world, start["eval_sets"])
-            pool = sampler_pool(cfg, model, tokenizer, start["train_set"], start["eval_sets"])
+                    return rundir.export_run(cfg, run_dir, model, tokenizer, optimizer, world)
+            cfg = sizes.resolve_sizes(cfg, model, tokenizer, start["train_set"], world, start["eval_sets"])
+            pool = sizes.sampler_pool(cfg, model, tokenizer, start["train_set"], start["eval_sets"])
             if writer:
                 config.warn_if_inert(cfg)
                 if note := thinking_note(tokenizer, cfg.thinking == "on"):
@@ -446,7 +437,7 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
             def save(state: dict) -> None:
                 rundir.save_checkpoint(run_dir, model, optimizer, state, world)
 
-            state = open_run(cfg, run_dir, model, optimizer, world, save)
+            state = rundir.open_run(cfg, run_dir, model, optimizer, world, save)
         except BaseException:
             lock.discard()  # nothing to resume yet: a retry finds no folder in its way
             raise
@@ -467,7 +458,7 @@ def check_start(cfg: Config) -> dict:
     config.validate(cfg)
     config.check_init_adapter(cfg)
     scoring.functions(cfg.reward_fn, cfg.reward_weights, cfg.reward_timeout)  # imports them: a typo fails now
-    train_set, eval_sets = load_problems(cfg.dataset), load_eval_sets(cfg)
+    train_set, eval_sets = load_problems(cfg.dataset), evaluation.load_eval_sets(cfg)
     config.check_reward_functions(cfg, train_set)
     if cfg.export:
         weights.check_export_dir(cfg.export)  # before training, not after it
@@ -485,11 +476,11 @@ def run(cfg: Config, world: distributed.World, run_dir: Path, model, tokenizer, 
     """The loop of a started run: the evaluation before, the steps, the evaluation after, the summary."""
     writer = world.rank == 0
     train_set, eval_sets = start["train_set"], start["eval_sets"]
-    with StopRequest() as stop, contextlib.closing(open_trackers(cfg, run_dir, state, list(eval_sets), writer)) \
+    with StopRequest() as stop, contextlib.closing(rundir.open_trackers(cfg, run_dir, state, list(eval_sets), writer)) \
             as trackers:
         if state["before"] is None:
             with stop.immediate():
-                state["before"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, "eval before", world, pool)
+                state["before"] = evaluation.held_out(model, tokenizer, eval_sets, cfg, "eval before", world, pool)
             trackers.log_eval(state["before"], 0, "before")
         bar = tqdm(range(state["step"], cfg.steps), desc="train", unit="step", initial=state["step"], total=cfg.steps,
                    disable=not (writer and sys.stderr.isatty()))  # no bar's escapes in a redirected log
@@ -508,8 +499,8 @@ def run(cfg: Config, world: distributed.World, run_dir: Path, model, tokenizer, 
                     loss.write_token_records(path, records, cfg.log_tokens, seed=cfg.seed * 1_000_003 + step)
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 with stop.immediate():
-                    record["eval"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, f"eval step {step}", world,
-                                                       pool)
+                    record["eval"] = evaluation.held_out(model, tokenizer, eval_sets, cfg, f"eval step {step}",
+                                                         world, pool)
                 rundir.keep_best(run_dir, model, state, record["eval"], writer, tokenizer)
             if writer:
                 rundir.append_metrics(run_dir / "metrics.jsonl", record)
@@ -526,7 +517,7 @@ def run(cfg: Config, world: distributed.World, run_dir: Path, model, tokenizer, 
                 bar.close()
                 raise Stopped(run_dir, step)
         with stop.immediate():
-            state["after"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, "eval after", world, pool)
+            state["after"] = evaluation.held_out(model, tokenizer, eval_sets, cfg, "eval after", world, pool)
         trackers.log_eval(state["after"], state["step"], "after")
     rundir.keep_best(run_dir, model, state, state["after"], writer, tokenizer)
     save(state)
@@ -562,63 +553,6 @@ class Interrupted(KeyboardInterrupt):
         self.run_dir = run_dir
 
 
-def open_run(cfg: Config, run_dir: Path, model, optimizer, world: distributed.World, save) -> dict:
-    """The state a run starts from: a resumed run's checkpoint (the same on every rank, whatever the
-    world size), or step 0 of a new run, checkpointed at once so a run stopped before its first step
-    can resume. A resume that changes settings records them (rundir.record_resume)."""
-    writer = world.rank == 0
-    if cfg.resume:
-        state = rundir.load_checkpoint(run_dir, model, optimizer)
-        world.barrier("loading the checkpoint")  # before rank 0 may write the next one
-        if writer:
-            rundir.truncate_metrics(run_dir / "metrics.jsonl", state["step"])
-            rundir.write_text(run_dir / "config.toml", config.to_toml(cfg))  # the settings it now runs with
-            saved = config.saved_config(run_dir)
-            changed = config.changed_settings(saved, cfg)
-            if changed:
-                rundir.record_resume(run_dir, state["step"], changed,
-                                     {**config.flat_config(cfg), "resume": saved.get("resume")})
-            shown = ", ".join(f"--{name.replace('_', '-')} {old} -> {new}" for name, (old, new) in changed.items())
-            print(f"resumed {run_dir} at step {state['step']}" + (f"; changed: {shown}" if shown else ""),
-                  file=sys.stderr)
-        return state
-    state = {"step": 0, "data_position": 0, "before": None, "best": None}
-    if writer:
-        rundir.write_json(run_dir / "config.json", config.flat_config(cfg))
-        rundir.write_text(run_dir / "config.toml", config.to_toml(cfg))
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-        print(f"run directory: {run_dir}", file=sys.stderr)
-    save(state)
-    return state
-
-
-def open_trackers(cfg: Config, run_dir: Path, state: dict, eval_sets: list[str], writer: bool) -> loggers.Loggers:
-    """The --log trackers of the writing process (none on the others), with the evaluations logged so far."""
-    earlier = [(state["before"], 0, "before")] if state["before"] else []
-    if cfg.resume and cfg.log and writer:  # the results table goes on from the run's earlier evaluations
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-            record = json.loads(line)
-            if record.get("eval"):
-                earlier.append((record["eval"], record["step"], f"step {record['step']}"))
-        if state.get("after"):  # a finished run trained further: its final evaluation so far
-            earlier.append((state["after"], state["step"], "after"))
-    return loggers.Loggers(cfg.log if writer else "", run_dir, config.flat_config(cfg), config.to_toml(cfg),
-                           cfg.log_project, state["step"], bool(cfg.resume), eval_sets, earlier)
-
-
-def export_run(cfg: Config, run_dir: Path, model, tokenizer, optimizer, world: distributed.World) -> dict:
-    """--resume RUN --steps 0 --export DIR: the policy of the run's last checkpoint, merged and exported;
-    nothing trains, nothing is evaluated, and the run directory is left as it was."""
-    state = rundir.load_checkpoint(run_dir, model, optimizer)
-    with fsdp.whole(model) as whole_model:  # a sharded model is gathered on every rank, for rank 0 to write
-        if world.rank == 0:
-            weights.save_pretrained(whole_model, cfg.export, tokenizer=tokenizer)
-            print(f"exported the {'merged ' if cfg.lora_rank else ''}weights of {run_dir} at step {state['step']} "
-                  f"to {cfg.export}", file=sys.stderr)
-    world.barrier("waiting for rank 0 to write the export")
-    return state
-
-
 def batch_of(problems: list[dict], position: int, size: int, seed: int) -> list[dict]:
     """Problems position .. position+size of an endless stream: a fresh seeded shuffle each epoch.
 
@@ -632,64 +566,6 @@ def batch_of(problems: list[dict], position: int, size: int, seed: int) -> list[
             orders[epoch] = torch.randperm(len(problems), generator=generator, device="cpu")
         batch.append(problems[int(orders[epoch][offset])])
     return batch
-
-
-def load_eval_sets(cfg: Config) -> dict[str, list[dict]]:
-    """The held-out sets by name, each cut to eval_problems when that is set."""
-    names = [name.strip() for name in cfg.eval_dataset.split(",") if name.strip()]
-    if not names:
-        raise ValueError("--eval-dataset: no dataset given")
-    sets = {name: load_problems(name) for name in names}
-    return {name: problems[:cfg.eval_problems] if cfg.eval_problems else problems for name, problems in sets.items()}
-
-
-def evaluate_held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: Config, desc: str,
-                      world: distributed.World | None = None, pool: rollout.Pool | None = None) -> dict:
-    """Mean@k and Pass@k on each held-out set; with several sets, accuracy is their unweighted mean.
-
-    With several processes each rank evaluates a slice of each set (with the samples one process draws
-    for those problems) and the per-problem results are gathered.
-    """
-    world = world or distributed.SOLO
-    if world.rank == 0 and not sys.stderr.isatty():  # a log file has no progress bar: say what runs
-        sizes = ", ".join(f"{len(problems)} of {name}" for name, problems in eval_sets.items())
-        print(f"{desc}: {sizes} x {cfg.eval_k} samples", file=sys.stderr)
-    result = _held_out(model, tokenizer, eval_sets, cfg, desc, world, pool)
-    if world.rank == 0:
-        se = f"{100 * result['se']:.1f}" if result["se"] is not None and math.isfinite(result["se"]) else "undefined"
-        tqdm.write(f"{desc}: Mean@{cfg.eval_k} {100 * result['accuracy']:.1f}% (se {se}), Pass@{cfg.eval_k} "
-                   f"{100 * result['pass@k']:.1f}%, {result['problems']} problems", file=sys.stderr)
-    return result
-
-
-def _held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: Config, desc: str,
-              world: distributed.World, pool: rollout.Pool | None = None) -> dict:
-    results = {}
-    with sampling_policy(model, pool) as policy:  # a sharded model's weights, gathered once for every set
-        for name, problems in eval_sets.items():
-            lo, hi = (len(problems) * r // world.size for r in (world.rank, world.rank + 1))
-            mine = []
-            if hi > lo:
-                with oom_hint(f"evaluation on {name}", f"lower --eval-batch (now {cfg.eval_batch} prompts per call)"):
-                    mine = evaluation.evaluate(policy, tokenizer, problems[lo:hi], k=cfg.eval_k,
-                                               code_limits=sandbox.Limits(timeout=cfg.code_timeout),
-                                               temperature=cfg.eval_temperature, top_p=cfg.top_p,
-                                               max_new_tokens=cfg.max_new_tokens, template=cfg.template,
-                                               system=cfg.system_prompt, thinking=cfg.thinking == "on",
-                                               batch_size=cfg.eval_batch, seed=cfg.seed,
-                                               first_problem=lo, desc=f"{desc} {name}" if len(eval_sets) > 1 else desc,
-                                               progress=world.rank == 0, pool=pool).problems
-            summary = evaluation.summarize(sum(world.gather(mine), []), cfg.eval_k, seed=cfg.seed)
-            mean = summary["mean@k"]
-            results[name] = {"accuracy": mean.mean, "se": mean.se, "pass@k": summary["pass@k"].mean,
-                             "problems": len(problems), "k": cfg.eval_k}
-    if len(results) == 1:
-        return next(iter(results.values()))
-    parts = list(results.values())
-    return {"accuracy": float(np.mean([p["accuracy"] for p in parts])),
-            "se": math.sqrt(sum(p["se"] ** 2 for p in parts)) / len(parts),
-            "pass@k": float(np.mean([p["pass@k"] for p in parts])),
-            "problems": sum(p["problems"] for p in parts), "k": cfg.eval_k, "sets": results}
 
 
 def learning_rate(peak: float, schedule: str, warmup_steps: int, total_steps: int, step: int) -> float:
@@ -740,23 +616,6 @@ class _Flag:
         setattr(self.owner, self.name, False)
 
 
-# ----------------------------------------------------------------------------- several processes
-
-
-def resolve_sizes(cfg: Config, model, tokenizer, train_set: list[dict], world: distributed.World,
-                  eval_sets: dict[str, list[dict]] | None = None) -> Config:
-    """resolve_automatic for one rank's share of a step (its prompts), the same on every rank: where the
-    sizes come from the memory plan, the most cautious rank's (GPUs may differ in memory)."""
-    share = dataclasses.replace(cfg, prompts_per_step=cfg.prompts_per_step // world.size, world_size=world.size)
-    share = resolve_automatic(share, model, tokenizer, train_set, eval_sets)
-    sizes = [share.rollout_batch, share.eval_batch, share.kv_blocks, -share.grad_accum]
-    # the fewest rows in flight, the smallest pool, the most micro-batches
-    rollout_batch, eval_batch, kv_blocks, negated_accum = world.min(torch.tensor(sizes, device="cpu")).tolist()
-    return dataclasses.replace(share, prompts_per_step=cfg.prompts_per_step, world_size=cfg.world_size,
-                               rollout_batch=rollout_batch, eval_batch=eval_batch, kv_blocks=kv_blocks,
-                               grad_accum=-negated_accum)
-
-
 # ----------------------------------------------------------------------------- building the model
 
 
@@ -797,123 +656,6 @@ def trainable(model) -> list[torch.nn.Parameter]:
     return list(lora.parameters(model)) if lora.lora_modules(model) else list(model.parameters())
 
 
-def prompt_lengths(cfg: Config, tokenizer, train_set: list[dict],
-                   eval_sets: dict[str, list[dict]] | None = None) -> tuple[int, int]:
-    """Tokens of the longest training prompt and of the longest evaluation prompt (the training one without
-    evaluation sets), as the sampler sees them."""
-    def longest(problems):
-        return max((len(render_prompt(tokenizer, p["problem"], cfg.template, cfg.system_prompt, cfg.thinking == "on"))
-                    for p in problems), default=1)
-    train_len = longest(train_set)
-    return train_len, max((longest(problems) for problems in (eval_sets or {}).values()), default=train_len)
-
-
-def resolve_automatic(cfg: Config, model, tokenizer, train_set: list[dict],
-                      eval_sets: dict[str, list[dict]] | None = None) -> Config:
-    """Fill the sizes left at 0: from the memory plan on a GPU; on the CPU all of a step's prompts in flight, one
-    micro-batch, 16 evaluation prompts per call and a pool that holds every row at full length."""
-    prompt_len, eval_len = prompt_lengths(cfg, tokenizer, train_set, eval_sets)
-    if model.device.type != "cuda":
-        cfg = dataclasses.replace(cfg, rollout_batch=cfg.rollout_batch or cfg.prompts_per_step,
-                                  grad_accum=cfg.grad_accum or 1, eval_batch=cfg.eval_batch or 16)
-        if not cfg.kv_blocks:
-            block = rollout.default_block_size(model)
-            need = max(cfg.rollout_batch * rollout.group_blocks(prompt_len, cfg.group_size, cfg.max_new_tokens, block),
-                       cfg.eval_batch * rollout.group_blocks(eval_len, cfg.eval_k, cfg.max_new_tokens, block))
-            cfg = dataclasses.replace(cfg, kv_blocks=1 + need)
-        return cfg
-    budget = memory.gpu_memory_bytes(str(model.device), cfg.gpu_memory)
-    return planned_config(cfg, model.config, budget, prompt_len=prompt_len, eval_prompt_len=eval_len)
-
-
-def sampler_pool(cfg: Config, model, tokenizer, train_set: list[dict],
-                 eval_sets: dict[str, list[dict]]) -> rollout.Pool:
-    """The run's KV pool: allocated once, before the first step, and reused by every rollout and evaluation.
-    A sharded model's pool is made for its gathered weights (their compute dtype) and released until each
-    rollout binds it (sampling_policy)."""
-    prompt_len, eval_len = prompt_lengths(cfg, tokenizer, train_set, eval_sets)
-    with oom_hint("the sampler's KV pool", f"lower --kv-blocks (now {cfg.kv_blocks})"), fsdp.whole(model) as policy:
-        pool = rollout.Pool(policy, cfg.kv_blocks, max_len=max(prompt_len, eval_len) + cfg.max_new_tokens)
-        if policy is not model:
-            pool.release()
-        return pool
-
-
-@contextmanager
-def sampling_policy(model, pool: rollout.Pool | None):
-    """The model to sample with, the pool bound to it: the model itself, or a sharded model's weights gathered
-    for the block (fsdp.whole). Those live only for the block, so the pool lets go of them on leaving (its
-    decode weights and graphs are built again at the next rollout; its blocks stay)."""
-    with fsdp.whole(model) as policy:
-        if pool is None or policy is model:
-            yield policy
-            return
-        pool.bind(policy)
-        try:
-            yield policy
-        finally:
-            pool.release()
-
-
-def planned_config(cfg: Config, model_cfg, budget: int, prompt_len: int = memory.Workload.prompt_len,
-                   eval_prompt_len: int = 0, planner: memory.Planner | None = None) -> Config:
-    """cfg with rollout_batch, grad_accum, eval_batch and kv_blocks chosen by the memory plan where they are 0."""
-    free = tuple(size for size, flag in (("micro_batch_rows", cfg.grad_accum), ("rollout_prompts", cfg.rollout_batch),
-                                         ("eval_prompts", cfg.eval_batch)) if not flag)
-    work = memory.fit(model_cfg, workload(cfg, prompt_len, eval_prompt_len), budget, free, planner)
-    return dataclasses.replace(cfg, rollout_batch=cfg.rollout_batch or work.rollout_prompts,
-                               grad_accum=cfg.grad_accum or math.ceil(work.minibatch_rows / work.micro_batch_rows),
-                               eval_batch=cfg.eval_batch or work.eval_prompts,
-                               kv_blocks=cfg.kv_blocks or work.pool_blocks)
-
-
-def workload(cfg: Config, prompt_len: int = memory.Workload.prompt_len, eval_prompt_len: int = 0) -> memory.Workload:
-    """What one step of this config asks of one GPU, its prompts_per_step being that rank's share; sizes left
-    at 0 start at their largest, for fit to choose."""
-    _, dtype = config.resolve_device(cfg)
-    minibatch_rows = math.ceil(cfg.prompts_per_step * cfg.group_size / cfg.updates_per_rollout)
-    needs = loss.required_inputs(cfg.loss)
-    return memory.Workload(
-        dtype=dtype, lora_rank=cfg.lora_rank, world_size=cfg.world_size or distributed.world_size(),
-        lora_targets=tuple(cfg.lora_targets.split(",")),
-        gradient_checkpointing=cfg.gradient_checkpointing != "off", prompt_len=prompt_len,
-        eval_prompt_len=eval_prompt_len, max_new_tokens=cfg.max_new_tokens, group_size=cfg.group_size,
-        prompts_per_step=cfg.prompts_per_step, updates_per_rollout=cfg.updates_per_rollout,
-        rollout_prompts=cfg.rollout_batch or cfg.prompts_per_step,
-        micro_batch_rows=math.ceil(minibatch_rows / cfg.grad_accum) if cfg.grad_accum else minibatch_rows,
-        pool_blocks=cfg.kv_blocks, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-        recompute_old_logp=cfg.recompute_old_logp == "on" or (cfg.recompute_old_logp == "auto"
-                                                             and dtype != torch.float32),
-        ref_logp="ref_logp" in needs, old_hidden="old_hidden" in needs, eval_prompts=cfg.eval_batch or 16,
-        entropy_grad="entropy" in needs,
-        eval_k=cfg.eval_k, eval_temperature=cfg.eval_temperature)
-
-
-def plan(cfg: Config) -> bool:
-    """Print the memory each phase of a step takes on the GPU (a CUDA one, bf16 unless --dtype says
-    otherwise), without loading weights; True if it fits. With several processes (--world-size, or
-    torchrun's), one rank's: its share of the step's prompts and, in a full run, its shards."""
-    config.validate(cfg, need_device=False)
-    processes = cfg.world_size or distributed.world_size()
-    cfg = dataclasses.replace(cfg, prompts_per_step=cfg.prompts_per_step // processes, world_size=processes)
-    if cfg.dtype == "auto":
-        cfg = dataclasses.replace(cfg, dtype="bfloat16")  # the plan is for a GPU, where auto means bf16
-    model_cfg = memory.model_config(cfg.model)
-    budget = memory.gpu_memory_bytes(None if cfg.device in ("auto", "cpu") else cfg.device, cfg.gpu_memory)
-    with memory.planning(model_cfg, workload(cfg)) as planner:  # one planner for the choice and the table
-        try:
-            chosen = planned_config(cfg, model_cfg, budget, planner=planner)
-        except ValueError as error:  # some phase does not fit even at one row or prompt per call
-            print(error)
-            chosen = cfg
-        else:
-            print(f"chosen: --rollout-batch {chosen.rollout_batch} --grad-accum {chosen.grad_accum} "
-                  f"--eval-batch {chosen.eval_batch} --kv-blocks {chosen.kv_blocks}")
-        text, fits = memory.report(model_cfg, workload(chosen), budget, planner)
-    print(text)  # its last line: plan: peak X GB of Y GB (fits), or (does not fit: ...)
-    return fits
-
-
 # ----------------------------------------------------------------------------- command line
 
 
@@ -931,7 +673,7 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.resume:
             cfg = config.resumed_config(cfg, given)
         if show_plan:
-            sys.exit(0 if plan(cfg) else 1)
+            sys.exit(0 if sizes.plan(cfg) else 1)
         with distributed.joined(config.resolve_device(cfg)[0], cfg.dist_timeout, group=not cfg.lora_rank) as world:
             state = train(cfg, world)
     except USER_ERRORS as error:
@@ -966,7 +708,7 @@ def _one_line(error: BaseException) -> str:
     return str(error).replace("\n", " ")
 
 
-def _inside_training(error: BaseException, functions: tuple[str, ...] = ("train_step", "evaluate_held_out")) -> bool:
+def _inside_training(error: BaseException, functions: tuple[str, ...] = ("train_step", "held_out")) -> bool:
     """Whether an error was raised inside a training step rather than by the checks before it: those are
     bugs or hardware trouble, and keep their traceback."""
     tb = error.__traceback__
