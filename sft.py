@@ -42,6 +42,7 @@ import lora
 import reward
 import rundir
 import sizes
+import stopping
 import train
 import weights
 from config import SFTConfig
@@ -192,7 +193,7 @@ def train_loop(cfg: SFTConfig, run_dir: Path, model, tokenizer, optimizer, state
     steps_per_epoch = math.ceil(len(batches) / cfg.grad_accum)
     total_steps = min(cfg.max_steps or math.inf, cfg.epochs * steps_per_epoch)
     metrics_file = run_dir / "metrics.jsonl"
-    with train.StopRequest() as stop:
+    with stopping.StopRequest() as stop:
         if state["before"] is None:
             with stop.immediate():
                 state["before"] = measure(model, tokenizer, eval_sets, cfg, "eval before") if eval_sets else {}

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import signal
 import sys
 import time
 import warnings
@@ -55,6 +54,7 @@ import sizes  # noqa: E402
 import weights  # noqa: E402
 from config import Config  # noqa: E402
 from data import load_problems, opens_thought, render_prompt, stop_ids, thinking_note, user_message  # noqa: E402
+from stopping import Interrupted, StopRequest, Stopped  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- one step
@@ -535,24 +535,6 @@ def run(cfg: Config, world: distributed.World, run_dir: Path, model, tokenizer, 
     return state
 
 
-class Stopped(Exception):
-    """The loop stopped after a step on Ctrl-C (or SIGTERM), with a checkpoint of that step."""
-
-    def __init__(self, run_dir: Path, step: int):
-        super().__init__(f"stopped at step {step}; continue with: python train.py --resume {run_dir}")
-        self.run_dir, self.step = run_dir, step
-
-
-class Interrupted(KeyboardInterrupt):
-    """A Ctrl-C that could not wait for the step to end (a second one, or one during an evaluation): the
-    run keeps its last checkpoint."""
-
-    def __init__(self, run_dir: Path):
-        super().__init__(f"interrupted; the last checkpoint is kept: continue with python train.py --resume "
-                         f"{run_dir}")
-        self.run_dir = run_dir
-
-
 def batch_of(problems: list[dict], position: int, size: int, seed: int) -> list[dict]:
     """Problems position .. position+size of an endless stream: a fresh seeded shuffle each epoch.
 
@@ -577,43 +559,6 @@ def learning_rate(peak: float, schedule: str, warmup_steps: int, total_steps: in
         return peak
     progress = (step - warmup_steps - 1) / max(1, total_steps - warmup_steps)  # 0 at the first decayed step
     return peak * (0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress)
-
-
-class StopRequest:
-    """While active, the first Ctrl-C (or SIGTERM) asks the loop to stop after the current step and
-    checkpoint; a second one interrupts at once, and the last checkpoint stays as it was. Inside
-    `immediate()` (evaluations, which hold nothing to save) the first one interrupts at once."""
-
-    def __enter__(self):
-        self.requested, self.interrupt_now = False, False
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    def immediate(self):
-        return _Flag(self, "interrupt_now")
-
-    def _handle(self, signum, frame):
-        if self.requested or self.interrupt_now:
-            raise KeyboardInterrupt
-        self.requested = True
-        print("\nstopping after this step (press Ctrl-C again to abort without saving)", file=sys.stderr)
-
-
-class _Flag:
-    """Sets an attribute to True for the duration of a with block."""
-
-    def __init__(self, owner, name: str):
-        self.owner, self.name = owner, name
-
-    def __enter__(self):
-        setattr(self.owner, self.name, True)
-
-    def __exit__(self, *exc):
-        setattr(self.owner, self.name, False)
 
 
 # ----------------------------------------------------------------------------- building the model
