@@ -13,7 +13,9 @@ test_memory holds the counts within 15% of the same tracker on real CPU runs of 
 Phases, each peak = weights + LoRA state + step data + the phase's own peak:
 - weights: the model in the run's dtype (resident throughout);
 - lora: adapters, their gradients and AdamW's two moments (fp32), plus the optimizer step's temporaries;
-- train: one micro-batch's forward and backward (model.hidden + model.hidden_logprobs + a loss);
+- train: one micro-batch's forward and backward (model.hidden or model.hidden_shared, hidden_logprobs, a
+  loss), at the largest of the layouts it can take (prompts_per_pass: rows run whole, or with each of
+  their prompts run once);
 - frozen: the no-grad passes that recompute old log-probs or the reference policy's, one micro-batch;
 - rollout: one sampler call on CUDA's fixed-shape path: KV cache, prefill and fork, the widest decode
   step and its sampling draw, and the first compaction (a second cache built while the first is alive);
@@ -120,6 +122,7 @@ class Workload:
     group_size: int = 8
     prompts_per_step: int = 8
     updates_per_rollout: int = 1  # mini-batches per step
+    shuffle: str = "rows"  # mini-batches of random rows, or of whole prompt groups ("groups")
     rollout_prompts: int = 8  # prompts per sampler call
     micro_batch_rows: int = 64  # rows per training micro-batch (and per frozen pass)
     temperature: float = 1.0
@@ -137,6 +140,8 @@ class Workload:
                      "updates_per_rollout", "rollout_prompts", "micro_batch_rows", "eval_prompts", "eval_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Workload.{name} must be >= 1, got {getattr(self, name)}")
+        if self.shuffle not in ("rows", "groups"):
+            raise ValueError(f"Workload.shuffle must be 'rows' or 'groups', got {self.shuffle!r}")
 
     @property
     def step_rows(self) -> int:
@@ -304,36 +309,67 @@ def _surrogate_loss(logp, old_logp, advantages, mask):
     return -torch.where(mask, objective, 0).sum() / mask.numel()
 
 
-def train_phase(model: Transformer, rows: int, work: Workload) -> int:
-    """One training micro-batch: forward, loss and backward into existing adapter gradients."""
+def prompts_per_pass(work: Workload, rows: int, phase: str) -> list[int]:
+    """The numbers of distinct prompts a pass of `rows` rows must be planned for: each layout of train.py's
+    policy_states that can occur and may be the largest. All distinct prompts run each row whole (as
+    many prompts as rows); otherwise each prompt runs once (model.hidden_shared), and the most prompts
+    are the most tokens. Frozen passes and --shuffle groups take consecutive rows of the prompt-major
+    rollout, from a group's first row: rows in whole groups span rows / G of them, other counts at
+    most one more. --shuffle rows draws rows at random: up to one prompt per row."""
+    G, prompts = work.group_size, work.prompts_per_step
+    if phase == "train" and work.shuffle == "rows":
+        most = min(rows, prompts)
+    else:
+        most = min(prompts, rows // G if rows % G == 0 else 1 + -(-(rows - 1) // G))
+    layouts = [rows] if most == rows else []  # every row alone
+    if rows > 1:
+        layouts.append(min(most, rows - 1))
+    return layouts
+
+
+def _policy_states(model: Transformer, rows: int, prompts: int, work: Workload):
+    """train.py's policy_states for rows of full prompts and completions: (h, ids, start)."""
     device, P, C = model.device, work.prompt_len, work.max_new_tokens
+    if prompts == rows:
+        ids = torch.zeros(rows, P + C, dtype=torch.long, device=device)
+        return model.hidden(ids, torch.ones(rows, P + C, dtype=torch.bool, device=device)), ids, P
+    completion_ids = torch.zeros(rows, C, dtype=torch.long, device=device)
+    h = model.hidden_shared(torch.zeros(prompts, P, dtype=torch.long, device=device),
+                            torch.ones(prompts, P, dtype=torch.bool, device=device),
+                            torch.arange(rows, device=device) % prompts, completion_ids,
+                            torch.ones(rows, C, dtype=torch.bool, device=device))
+    return h, torch.zeros(rows, 1 + C, dtype=torch.long, device=device), 1
+
+
+def train_phase(model: Transformer, rows: int, work: Workload, prompts: int | None = None) -> int:
+    """One training micro-batch of `rows` rows of `prompts` distinct prompts (default: all distinct):
+    forward, loss and backward into existing adapter gradients."""
+    device, C = model.device, work.max_new_tokens
     for p in lora.parameters(model):  # accumulation adds into the gradients a previous micro-batch left
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     model.train()
     with LiveBytes() as tracker:
-        ids = torch.zeros(rows, P + C, dtype=torch.long, device=device)
-        pad = torch.ones(rows, P + C, dtype=torch.bool, device=device)
         old_logp = torch.zeros(rows, C, device=device)
         mask = torch.ones(rows, C, dtype=torch.bool, device=device)
         advantages = torch.ones(rows, device=device)
-        h = model.hidden(ids, pad)
-        logp, entropy = model.hidden_logprobs(h, ids, start=P, temperature=work.temperature,
+        h, ids, start = _policy_states(model, rows, prompts or rows, work)
+        logp, entropy = model.hidden_logprobs(h, ids, start=start, temperature=work.temperature,
                                               with_entropy=work.with_entropy)
         _surrogate_loss(logp, old_logp, advantages, mask).backward()
         del h, logp, entropy
     return tracker.peak
 
 
-def frozen_phase(model: Transformer, rows: int, work: Workload) -> int:
+def frozen_phase(model: Transformer, rows: int, work: Workload, prompts: int | None = None) -> int:
     """One micro-batch of the no-grad passes (old log-probs, reference log-probs), as train.py runs them."""
-    device, T = model.device, work.prompt_len + work.max_new_tokens
     model.eval()
     with LiveBytes() as tracker, torch.no_grad():
-        ids = torch.zeros(rows, T, dtype=torch.long, device=device)
-        pad = torch.ones(rows, T, dtype=torch.bool, device=device)
-        kept = [model.token_logprobs(ids, pad, temperature=work.temperature)[0][:, work.prompt_len:]
-                for _ in range(work.recompute_old_logp + work.ref_logp)]
+        kept = []
+        for _ in range(work.recompute_old_logp + work.ref_logp):
+            h, ids, start = _policy_states(model, rows, prompts or rows, work)
+            kept.append(model.hidden_logprobs(h, ids, start=start, temperature=work.temperature)[0])
+            del h
         del kept
     return tracker.peak
 
@@ -471,11 +507,13 @@ class _MetaRun:
             if name == "lora":
                 return self.weights, self.lora_peak
             if name == "train":
-                return resident + self.step_data(w.step_rows), train_phase(model, size, w)
+                return resident + self.step_data(w.step_rows), max(
+                    train_phase(model, size, w, prompts) for prompts in prompts_per_pass(w, size, name))
             if name == "frozen":
                 if not (w.recompute_old_logp or w.ref_logp):
                     return 0, 0
-                return resident + self.step_data(w.step_rows), frozen_phase(model, size, w)
+                return resident + self.step_data(w.step_rows), max(
+                    frozen_phase(model, size, w, prompts) for prompts in prompts_per_pass(w, size, name))
             if name == "rollout":  # the results of the step's earlier sampler calls are kept
                 earlier = max(0, w.prompts_per_step - size) * w.group_size
                 return resident + self.step_data(earlier), sampling_phase(model, size, w.group_size, w, w.temperature)
@@ -548,7 +586,7 @@ def report(model_cfg: ModelConfig, work: Workload, budget_bytes: int) -> tuple[s
     holds = {
         "weights": f"{model_cfg.num_layers} layers x {model_cfg.hidden_size} in {str(w.dtype).removeprefix('torch.')}",
         "lora": f"r{w.lora_rank} on {len(w.lora_targets)} targets: fp32 adapters, gradients, AdamW moments",
-        "train": f"{w.micro_batch_rows} rows x {w.prompt_len + w.max_new_tokens} tokens, checkpointing "
+        "train": f"{w.micro_batch_rows} rows of {_layouts_text(w, 'train')}, checkpointing "
                  f"{'on' if w.gradient_checkpointing else 'off'}, step data",
         "frozen": "no-grad log-prob passes" if measured["frozen"][1] else "none needed",
         "rollout": f"{w.rollout_prompts} prompts x {w.group_size} samples x {w.max_new_tokens} new tokens per call",
@@ -565,6 +603,15 @@ def report(model_cfg: ModelConfig, work: Workload, budget_bytes: int) -> tuple[s
     verdict = "fits" if fits else f"does not fit: {worst} needs {peak / GB:.1f} GB; {PHASE_FLAGS[worst]}"
     lines.append(f"plan: peak {peak / GB:.1f} GB of {budget_bytes / GB:.1f} GB ({verdict})")
     return "\n".join(lines), fits
+
+
+def _layouts_text(w: Workload, phase: str) -> str:
+    """The layouts a pass is planned for, e.g. "512 + 4,096 tokens, or 2 prompts of 512 + 4,096 each"."""
+    rows = w.micro_batch_rows
+    texts = [f"{w.prompt_len:,} + {w.max_new_tokens:,} tokens" if prompts == rows else
+             f"{prompts} prompt{'s' * (prompts > 1)} of {w.prompt_len:,} + {w.max_new_tokens:,} tokens each"
+             for prompts in prompts_per_pass(w, rows, phase)]
+    return ", or ".join(texts)
 
 
 def gpu_memory_bytes(device: str | None, given_gb: float | None) -> int:

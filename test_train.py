@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 import lora
 import train
 import weights
+from conftest import assert_equal_to
 
 TIMING_KEYS = {"step_seconds", "rollout_tokens_per_s", "reward_seconds", "train_tokens_per_s"}
 
@@ -304,6 +305,22 @@ def test_atr_preset_steps_the_optimizer_on_32_completions():
     """ATR-GRPO's "batch 8, gradient accumulation 4" counts completions: 4 prompts x 8 per optimizer step."""
     cfg, _, _ = train.parse_args(["--preset", "atr-grpo-qwen3-1.7b"])
     assert cfg.prompts_per_step * cfg.group_size / cfg.updates_per_rollout == 32 and cfg.updates_per_rollout > 1
+    assert cfg.shuffle == "groups"  # whole prompts: 4 of them, with their 8 completions each
+
+
+@pytest.mark.parametrize("prompts, updates", [(16, 4), (5, 2), (3, 3)])
+def test_group_minibatches_hold_whole_prompts_and_every_row_once(prompts, updates):
+    cfg = train.make_config({"prompts_per_step": prompts, "group_size": 4, "updates_per_rollout": updates,
+                             "shuffle": "groups"})
+    minibatches = train.shuffled_minibatches(prompts * 4, cfg, step=3)
+    assert len(minibatches) == updates
+    assert sorted(torch.cat(minibatches).tolist()) == list(range(prompts * 4))
+    for rows in minibatches:
+        groups = rows.view(-1, 4)
+        assert (groups == groups[:, :1] + torch.arange(4)).all() and (groups[:, 0] % 4 == 0).all()
+    assert {len(rows) // 4 for rows in minibatches} <= {prompts // updates, -(-prompts // updates)}
+    by_rows = train.shuffled_minibatches(prompts * 4, dataclasses.replace(cfg, shuffle="rows"), step=3)
+    assert sorted(torch.cat(by_rows).tolist()) == list(range(prompts * 4))
 
 
 def test_the_gppo_delta_is_kl_at_0_8():
@@ -361,6 +378,8 @@ def test_a_resumed_run_refuses_settings_that_name_another_run(tiny_model_dir, tm
     (["--format-weight", "1", "--template", "boxed"], "--format-weight"),
     (["--rule", "nope"], "rule"), (["--dual-clip", "0.5,x"], "--dual-clip"),
     (["--ratio-limits", "2,1"], "ratio.limits"), (["--aggregation", "token-mean", "--rule", "gspo"], "--aggregation"),
+    (["--shuffle", "prompts"], "--shuffle"),
+    (["--shuffle", "groups", "--updates-per-rollout", "9"], "--updates-per-rollout 9: with --shuffle groups"),
 ])
 def test_each_bad_flag_fails_in_one_line_before_the_model_loads(tmp_path, capsys, flags, message):
     """The model path does not exist: an error about the flag proves the check came first."""
@@ -435,3 +454,84 @@ def test_a_plan_that_does_not_fit_says_which_phase_and_exits_1():
     last = proc.stdout.strip().splitlines()[-1]
     assert proc.returncode == 1 and last.startswith("plan: peak") and "of 1.5 GB (does not fit: " in last, proc.stdout
     assert "--grad-accum" in last or "--lora-rank" in last
+
+
+class RecordingSGD(torch.optim.SGD):
+    """Plain SGD (linear in the gradient: a wrong normalization shows) keeping every optimizer step's gradient."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=1.0)
+        self.grads = []
+
+    def step(self, closure=None):
+        self.grads.append(torch.cat([p.grad.flatten() for group in self.param_groups for p in group["params"]]))
+        return super().step(closure)
+
+
+def whole_rows(monkeypatch) -> None:
+    """Every row runs whole, each with its own copy of its prompt: the reference of the shared layout."""
+    policy_states = train.policy_states
+    monkeypatch.setattr(train, "policy_states", lambda model, out, rows, group_size: policy_states(model, out, rows, 1))
+
+
+def recorded_update(cfg, out, advantages, monkeypatch) -> dict:
+    """policy_update of a fresh float64 model: its metrics, micro-batch losses, gradients and shared passes."""
+    model, _, _ = train.build(cfg)
+    model.to(torch.float64)
+    optimizer, losses, shared_passes = RecordingSGD(lora.parameters(model)), [], []
+    micro_batch_loss, hidden_shared = train.micro_batch_loss, model.hidden_shared
+
+    def recorded_loss(*args, **kwargs):
+        value, metrics = micro_batch_loss(*args, **kwargs)
+        losses.append(value.detach())
+        return value, metrics
+
+    def counted(*args):  # (rows, prompts of different lengths) of each shared pass
+        shared_passes.append((len(args[2]), args[1].sum(1).unique().numel()))
+        return hidden_shared(*args)
+
+    monkeypatch.setattr(train, "micro_batch_loss", recorded_loss)
+    monkeypatch.setattr(model, "hidden_shared", counted)
+    metrics = train.policy_update(model, optimizer, out, advantages, cfg, step=1)
+    return {"metrics": metrics, "losses": torch.stack(losses), "grads": optimizer.grads, "shared": shared_passes}
+
+
+@pytest.mark.parametrize("shuffle", ["rows", "groups"])
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_shared_prompts_give_the_update_of_whole_rows(tiny_model_dir, tmp_path, monkeypatch, aggregation, shuffle):
+    """In float64, each prompt run once per micro-batch gives the losses, gradients and metrics of every row run
+    whole: 2 updates of 2 micro-batches, padded rows, prompts of different lengths, recomputed old log-probs
+    and a reference policy (frozen passes shared too)."""
+    cfg, out, advantages = sampled_step(tiny_model_dir, tmp_path, monkeypatch, "--group-size", "4",
+                                        "--updates-per-rollout", "2", "--grad-accum", "2", "--kl-beta", "0.1",
+                                        "--aggregation", aggregation, "--shuffle", shuffle)
+    assert out.pad_mask[:, :out.prompt_len].sum(1).unique().numel() > 1, "prompts of different lengths"
+    shared = recorded_update(cfg, out, advantages, monkeypatch)
+    whole_rows(monkeypatch)
+    whole = recorded_update(cfg, out, advantages, monkeypatch)
+    assert shared["shared"] and not whole["shared"]
+    if shuffle == "groups":  # 4 rows a pass, one prompt's: old and reference log-probs, then 4 micro-batches
+        assert shared["shared"] == [(4, 1)] * 12
+    else:
+        assert max(lengths for _, lengths in shared["shared"]) > 1
+    assert_equal_to(shared["losses"], whole["losses"])
+    assert len(shared["grads"]) == len(whole["grads"]) == 2
+    for got, expected in zip(shared["grads"], whole["grads"]):
+        assert_equal_to(got, expected)
+    assert shared["metrics"].keys() == whole["metrics"].keys()
+    for key, expected in whole["metrics"].items():
+        assert shared["metrics"][key] == pytest.approx(expected, rel=1e-12, abs=1e-15), key
+
+
+def test_a_float32_run_with_shared_prompts_logs_the_metrics_of_whole_rows(tiny_model_dir, tmp_path, monkeypatch):
+    args = ("--steps", "2", "--group-size", "4", "--updates-per-rollout", "2", "--shuffle", "groups")
+    run_training(tiny_args(tiny_model_dir, tmp_path, "shared", *args))
+    whole_rows(monkeypatch)
+    run_training(tiny_args(tiny_model_dir, tmp_path, "whole", *args))
+    shared, whole = metric_lines(tmp_path / "shared"), metric_lines(tmp_path / "whole")
+    assert [line.keys() for line in shared] == [line.keys() for line in whole]
+    for got, expected in zip(shared, whole):
+        for key, value in expected.items():
+            assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (got["step"], key)
+    summaries = [json.loads((tmp_path / run / "summary.json").read_text()) for run in ("shared", "whole")]
+    assert summaries[0] == summaries[1]

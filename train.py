@@ -85,6 +85,9 @@ class Config:
     weight_decay: float = opt(0.0, "AdamW weight decay")
     grad_clip: float = opt(1.0, "max gradient norm")
     updates_per_rollout: int = opt(1, "optimizer steps (mini-batches) per rollout batch")
+    shuffle: str = opt("rows", "mini-batches of the rollout's rows shuffled one by one, or of whole prompt groups "
+                               "(G rows each): then every micro-batch runs each of its prompts once",
+                       ("rows", "groups"))
     grad_accum: int = opt(0, "micro-batches per optimizer step (per process, on average, under torchrun); 0 = from "
                              "the memory plan on a GPU, 1 on the CPU")
     recompute_old_logp: str = opt("auto", "recompute old log-probs with the training pass before updating "
@@ -123,6 +126,9 @@ ATR_GRPO = dict(  # ATR-GRPO, arXiv:2602.05494, experimental setup
     # prompts x 8 per optimizer step. Not stated: updates per rollout; with 4 mini-batches per rollout
     # three of every four updates start from moved weights, so the trust region acts.
     prompts_per_step=16, updates_per_rollout=4,
+    # each optimizer step holds 4 whole prompts x 8, as in the paper (and TRL, whose step is one generation
+    # batch); each micro-batch then runs its prompts once (README, "Presets")
+    shuffle="groups",
     rule="atr", delta=0.07,  # stated: the KL3 constraint, delta 0.07
     eval_dataset="amc23,aime24,aime25", eval_k=8,  # stated: Mean@8 and Pass@8 on AMC23, AIME24, AIME25
     # our choices (README): data, template, lengths, schedule, alpha, evaluation temperature
@@ -135,6 +141,7 @@ PRESETS = {
         model="Qwen/Qwen3-8B-Base",  # stated: the base model
         prompts_per_step=128, group_size=8,  # stated: 1024 rollouts per step, 128 prompts x 8
         updates_per_rollout=8,  # stated: 8 mini-batch updates per rollout
+        shuffle="groups",  # our choice: mini-batches of 16 whole prompts x 8 (README, "Presets")
         steps=400,  # stated: 400 steps for math
         rule="kl-atomic",  # stated: the best cell, KL with the Atomic estimator, delta = f(0.8) (the default)
         ratio_limits=(0.5, 10.0),  # stated: global clip [0.5, 10], read as outer limits (README, "Clip rules")
@@ -207,9 +214,10 @@ def score(out: rollout.Rollout, problems: list[dict], cfg: Config) -> tuple[torc
 
 def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tensor, cfg: Config, step: int,
                   records: list | None = None, world: distributed.World | None = None) -> dict:
-    """updates_per_rollout optimizer steps over shuffled mini-batches of the rollout's rows, each the sum of
-    grad_accum micro-batches. Metrics: token-weighted means over micro-batches; *_min / *_max are extremes;
-    start_ratio_min / _max are the first mini-batch's, before this step's first update (the numerical floor).
+    """updates_per_rollout optimizer steps over shuffled mini-batches of the rollout's rows (--shuffle: rows
+    one by one, or whole prompt groups), each the sum of grad_accum micro-batches. Metrics: token-weighted
+    means over micro-batches; *_min / *_max are extremes; start_ratio_min / _max are the first
+    mini-batch's, before this step's first update (the numerical floor).
 
     With several processes, `out` holds this rank's rows of the step, which are rows world.rank * N ..
     of the step's. The shuffle is of the whole step's rows, the same on every rank, and each rank trains
@@ -220,8 +228,7 @@ def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tens
     inputs = frozen_inputs(model, out, cfg)  # what the loss needs of the policy before it moves
     advantages = advantages.to(out.old_logp.device)
     N, first = len(advantages), world.rank * len(advantages)
-    order = torch.randperm(N * world.size, generator=torch.Generator().manual_seed(cfg.seed + step), device="cpu")
-    minibatches = order.chunk(cfg.updates_per_rollout)
+    minibatches = shuffled_minibatches(N * world.size, cfg, step)
     mine = [(m[(m >= first) & (m < first + N)] - first).to(advantages.device) for m in minibatches]
     # the normalizers of each optimizer step: its tokens and sequences on all ranks
     num_tokens = world.sum(torch.stack([out.completion_mask[rows].sum() for rows in mine]))
@@ -255,8 +262,7 @@ def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tens
 def micro_batch_loss(model, out: rollout.Rollout, advantages: torch.Tensor, inputs: dict, rows: torch.Tensor,
                      cfg: Config, totals: dict, records: list | None) -> tuple[torch.Tensor, dict]:
     """The loss of some rows of the rollout (their share of the optimizer step's loss) and their metrics."""
-    ids, pad, start, c = window(out, rows)
-    h = model.hidden(ids, pad)  # [rows, W, hidden]
+    h, ids, start, c = policy_states(model, out, rows, cfg.group_size)
     logp, entropy = model.hidden_logprobs(h, ids, start=start, temperature=cfg.temperature, with_entropy=True)
     mask = out.completion_mask[rows, :c]  # [rows, c], like every per-token tensor below
     given = {name: value[rows, :c] for name, value in inputs.items()}
@@ -299,8 +305,7 @@ def frozen_inputs(model, out: rollout.Rollout, cfg: Config) -> dict[str, torch.T
     model.eval()
     with torch.no_grad():
         for rows in torch.arange(N, device=out.completion_mask.device).chunk(cfg.updates_per_rollout * cfg.grad_accum):
-            ids, pad, start, c = window(out, rows)
-            h = model.hidden(ids, pad)
+            h, ids, start, c = policy_states(model, out, rows, cfg.group_size)
             chunk = {}
             if passes["old_logp"]:
                 chunk["old_logp"] = model.hidden_logprobs(h, ids, start=start, temperature=cfg.temperature)[0]
@@ -308,13 +313,47 @@ def frozen_inputs(model, out: rollout.Rollout, cfg: Config) -> dict[str, torch.T
                 chunk["old_hidden"] = completion_states(h, start)
             if passes["ref_logp"]:
                 with lora.disabled(model):  # the frozen base is the reference policy
-                    h_ref = model.hidden(ids, pad)
+                    h_ref = policy_states(model, out, rows, cfg.group_size)[0]
                 chunk["ref_logp"] = model.hidden_logprobs(h_ref, ids, start=start, temperature=cfg.temperature)[0]
             for name, value in chunk.items():
                 if results[name] is None:
                     results[name] = value.new_zeros(N, C, *value.shape[2:])
                 results[name][rows, :c] = value
     return {"old_logp": out.old_logp, **results}
+
+
+def shuffled_minibatches(rows: int, cfg: Config, step: int) -> list[torch.Tensor]:
+    """The step's rows (of every rank) in updates_per_rollout mini-batches, shuffled by the seed and the step:
+    one row at a time (--shuffle rows), or a prompt group at a time, each group's G rows together (groups)."""
+    generator = torch.Generator().manual_seed(cfg.seed + step)
+    if cfg.shuffle == "rows":
+        return list(torch.randperm(rows, generator=generator, device="cpu").chunk(cfg.updates_per_rollout))
+    G = cfg.group_size
+    groups = torch.randperm(rows // G, generator=generator, device="cpu")
+    return [(part[:, None] * G + torch.arange(G)).flatten() for part in groups.tensor_split(cfg.updates_per_rollout)]
+
+
+def policy_states(model, out: rollout.Rollout, rows: torch.Tensor,
+                  group_size: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The policy's final states for some rows of the rollout, with the ids they are read against: (h, ids,
+    start, c) such that model.hidden_logprobs(h, ids, start=start) are the rows' log-probs of their first c
+    completion tokens, and completion_states(h, start) the states that predict them.
+
+    Rows of one prompt group (row // group_size: the rollout is prompt-major) share their prompt: where
+    any prompt has several rows here, each prompt runs once for all of them (model.hidden_shared, from the
+    last prompt token on); where none has, each row runs whole (model.hidden over the window).
+    """
+    groups, owner = torch.unique(rows // group_size, return_inverse=True)
+    if len(groups) == len(rows):
+        ids, pad, start, c = window(out, rows)
+        return model.hidden(ids, pad), ids, start, c
+    P = out.prompt_len
+    prompt_mask, completion_mask = out.pad_mask[groups * group_size, :P], out.pad_mask[rows, P:]
+    first = int(prompt_mask.any(0).nonzero()[0])  # the columns some prompt uses
+    c = int(completion_mask.any(0).nonzero()[-1]) + 1  # and some completion
+    h = model.hidden_shared(out.input_ids[groups * group_size, first:P], prompt_mask[:, first:], owner,
+                            out.input_ids[rows, P:P + c], completion_mask[:, :c])  # [rows, 1 + c, hidden]
+    return h, out.input_ids[rows, P - 1:P + c], 1, c  # the last prompt column is real in every row
 
 
 def window(out: rollout.Rollout, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
@@ -656,7 +695,8 @@ def workload(cfg: Config, prompt_len: int = memory.Workload.prompt_len) -> memor
         dtype=dtype, lora_rank=cfg.lora_rank, lora_targets=tuple(cfg.lora_targets.split(",")),
         gradient_checkpointing=cfg.gradient_checkpointing != "off", prompt_len=prompt_len,
         max_new_tokens=cfg.max_new_tokens, group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step,
-        updates_per_rollout=cfg.updates_per_rollout, rollout_prompts=cfg.rollout_batch or cfg.prompts_per_step,
+        updates_per_rollout=cfg.updates_per_rollout, shuffle=cfg.shuffle,
+        rollout_prompts=cfg.rollout_batch or cfg.prompts_per_step,
         micro_batch_rows=math.ceil(minibatch_rows / cfg.grad_accum) if cfg.grad_accum else minibatch_rows,
         temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
         recompute_old_logp=cfg.recompute_old_logp == "on" or (cfg.recompute_old_logp == "auto"
@@ -824,6 +864,9 @@ def validate(cfg: Config, need_device: bool = True) -> None:
                                                       f"--grad-clip {cfg.grad_clip} > 0"),
         (1 <= cfg.updates_per_rollout <= rows, f"--updates-per-rollout {cfg.updates_per_rollout}: must be between 1 "
                                                f"and the {rows} rows of a step (--prompts-per-step x --group-size)"),
+        (cfg.shuffle == "rows" or cfg.updates_per_rollout <= cfg.prompts_per_step,
+         f"--updates-per-rollout {cfg.updates_per_rollout}: with --shuffle groups each mini-batch holds whole prompt "
+         f"groups, so at most the {cfg.prompts_per_step} prompts of a step (--prompts-per-step)"),
         (0 <= cfg.grad_accum <= max(1, rows // cfg.updates_per_rollout),
          f"--grad-accum {cfg.grad_accum}: must be between 0 (automatic) and the {rows // cfg.updates_per_rollout} "
          "rows of a mini-batch"),
