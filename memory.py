@@ -586,7 +586,7 @@ def report(model_cfg: ModelConfig, work: Workload, budget_bytes: int) -> tuple[s
     holds = {
         "weights": f"{model_cfg.num_layers} layers x {model_cfg.hidden_size} in {str(w.dtype).removeprefix('torch.')}",
         "lora": f"r{w.lora_rank} on {len(w.lora_targets)} targets: fp32 adapters, gradients, AdamW moments",
-        "train": f"{w.micro_batch_rows} rows of {_layouts_text(w, 'train')}, checkpointing "
+        "train": f"{_layouts_text(w, 'train')}, checkpointing "
                  f"{'on' if w.gradient_checkpointing else 'off'}, step data",
         "frozen": "no-grad log-prob passes" if measured["frozen"][1] else "none needed",
         "rollout": f"{w.rollout_prompts} prompts x {w.group_size} samples x {w.max_new_tokens} new tokens per call",
@@ -606,12 +606,11 @@ def report(model_cfg: ModelConfig, work: Workload, budget_bytes: int) -> tuple[s
 
 
 def _layouts_text(w: Workload, phase: str) -> str:
-    """The layouts a pass is planned for, e.g. "512 + 4,096 tokens, or 2 prompts of 512 + 4,096 each"."""
-    rows = w.micro_batch_rows
-    texts = [f"{w.prompt_len:,} + {w.max_new_tokens:,} tokens" if prompts == rows else
-             f"{prompts} prompt{'s' * (prompts > 1)} of {w.prompt_len:,} + {w.max_new_tokens:,} tokens each"
-             for prompts in prompts_per_pass(w, rows, phase)]
-    return ", or ".join(texts)
+    """The layouts a pass is planned for, e.g. "16 rows x 4,608 tokens, or 16 rows of 15 prompts: ..."."""
+    rows, P, C = w.micro_batch_rows, w.prompt_len, w.max_new_tokens
+    return ", or ".join(f"{rows} rows x {P + C:,} tokens" if prompts == rows else
+                        f"{rows} rows of {prompts} prompts: {prompts} x {P:,} + {rows} x {C:,} tokens"
+                        for prompts in prompts_per_pass(w, rows, phase))
 
 
 def gpu_memory_bytes(device: str | None, given_gb: float | None) -> int:
