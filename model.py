@@ -5,14 +5,15 @@ One set of blocks covers all three: they differ only in whether q/k/v carry a bi
 details (explicit head_dim, tied embeddings). Module names mirror Hugging Face's, so a
 checkpoint's state dict loads by plain assignment and LoRA adapters keep PEFT's key names.
 
-Three ways in:
+Four ways in:
 - `model(input_ids, pad_mask)` returns logits [B, T, V], the plain path.
 - `model.token_logprobs(input_ids, pad_mask)` returns the log-probability of every token
   given its prefix, computing the vocabulary projection in chunks so [B, T, V] fp32 logits
-  never exist for the whole batch. Training uses this path.
+  never exist for the whole batch (`hidden_logprobs` does the same from hidden states).
 - `model(input_ids, pad_mask, cache=cache)` appends to a KV cache; rollout.py samples with it.
 - `model.hidden_shared(prompt_ids, prompt_mask, owner, completion_ids, completion_mask)` runs rows that
-  share prompts with each prompt computed once (SharedPrompts): the training pass of a GRPO group.
+  share prompts with each prompt computed once (SharedPrompts): the training pass of a GRPO group,
+  which train.py turns into log-probs with `hidden_logprobs`.
 
 Padding: rows may be left-padded (prompts) and right-padded (completions). Positions count
 real tokens only, so a padded row gives the same result as the same row alone.

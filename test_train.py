@@ -221,7 +221,8 @@ def test_a_step_and_an_evaluation_create_every_tensor_on_the_model_device(tiny_m
     """With the default device set to meta, any tensor made without naming the model's device lands on meta
     and meeting the model's CPU tensors raises, as a CPU tensor meeting CUDA ones does on a GPU."""
     cfg, _, _ = train.parse_args(tiny_args(tiny_model_dir, tmp_path, "device", "--updates-per-rollout", "2",
-                                           "--kl-beta", "0.1", "--rule", "kl_full", "--recompute-old-logp", "on"))
+                                           "--kl-beta", "0.1", "--rule", "kl_full", "--recompute-old-logp", "on",
+                                           "--shuffle", "groups"))  # every pass shares its prompt
     model, tokenizer, optimizer = train.build(cfg)
     cfg = train.resolve_automatic(cfg, model, tokenizer, [])
     problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)

@@ -330,7 +330,8 @@ def shuffled_minibatches(rows: int, cfg: Config, step: int) -> list[torch.Tensor
         return list(torch.randperm(rows, generator=generator, device="cpu").chunk(cfg.updates_per_rollout))
     G = cfg.group_size
     groups = torch.randperm(rows // G, generator=generator, device="cpu")
-    return [(part[:, None] * G + torch.arange(G)).flatten() for part in groups.tensor_split(cfg.updates_per_rollout)]
+    return [(part[:, None] * G + torch.arange(G, device="cpu")).flatten()
+            for part in groups.tensor_split(cfg.updates_per_rollout)]
 
 
 def policy_states(model, out: rollout.Rollout, rows: torch.Tensor,
