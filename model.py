@@ -569,13 +569,15 @@ class Transformer(nn.Module):
         return logp, torch.cat(entropies).view(B, T) if with_entropy else None
 
     def _chunk_logprobs(self, h, targets, temperature: float, with_entropy: bool):
-        logits = self.lm_head(h).to(at_least_fp32(h.dtype)) / temperature
-        logp_all = torch.log_softmax(logits, dim=-1)
+        # Each [chunk, V] block is as large as the activations of a short micro-batch: none is made twice.
+        logits = self.lm_head(h).to(at_least_fp32(h.dtype))
+        logp_all = torch.log_softmax(logits if temperature == 1 else logits / temperature, dim=-1)
+        del logits
         logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
         if not with_entropy:
             return logp, logp.new_zeros(0)
         with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
+            entropy = -logp_all.exp().mul_(logp_all).sum(-1)
         return logp, entropy
 
 

@@ -221,3 +221,13 @@ def test_shared_prompts_give_the_states_and_gradients_of_whole_rows(checkpoint, 
     for got, expected in zip(shared_grads, whole_grads):
         assert expected.abs().max() > 0
         assert_equal_to(got, expected)
+
+
+def test_the_demo_pass_with_shared_prompts_does_under_half_the_work_in_half_the_memory():
+    """bench/model.py counts the demo's training pass on the meta device (FLOPs, and tensor bytes as the
+    memory plan counts them): each prompt run once against every row run whole."""
+    run = subprocess.run([sys.executable, "bench/model.py", "--device", "meta", "--bench", "grpo"],
+                         cwd=Path(__file__).parent, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    flops, memory = (float(x.rstrip("x")) for x in run.stdout.splitlines()[-1].split()[-2:])
+    assert flops < 0.4 and memory <= 0.5, run.stdout

@@ -43,6 +43,11 @@ SIDES = ("train.py", "TRL GRPOTrainer")
 DEMO = train.make_config({})  # the demo's settings: train.py with no flags
 
 
+def demo_config(prompts: int) -> train.Config:
+    """The demo's settings with `prompts` prompts per step (8, the demo's own, unless a check asks fewer)."""
+    return train.make_config({"prompts_per_step": prompts})
+
+
 def peak_rss_bytes() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -50,9 +55,9 @@ def peak_rss_bytes() -> int:
     raise ValueError("/proc/self/status has no VmHWM line")
 
 
-def demo_problems(steps: int) -> list[dict]:
-    """The problems of the demo's first `steps` steps, in the order it trains on them."""
-    return train.batch_of(load_problems(DEMO.dataset), 0, DEMO.prompts_per_step * steps, DEMO.seed)
+def demo_problems(cfg: train.Config, steps: int) -> list[dict]:
+    """The problems of the first `steps` steps, in the order train.py trains on them."""
+    return train.batch_of(load_problems(cfg.dataset), 0, cfg.prompts_per_step * steps, cfg.seed)
 
 
 class Laps:
@@ -71,12 +76,13 @@ class Laps:
         return timed
 
 
-def ours_worker(conn, steps: int) -> None:
+def ours_worker(conn, steps: int, prompts: int) -> None:
     """train.py's demo, one train_step per "step" message; answers (step seconds, sampling seconds)."""
     torch.set_num_threads(1)
-    model, tokenizer, optimizer = train.build(DEMO)
-    cfg = train.resolve_automatic(DEMO, model, tokenizer, [])
-    problems, sampling = demo_problems(steps), Laps()
+    cfg = demo_config(prompts)
+    model, tokenizer, optimizer = train.build(cfg)
+    cfg = train.resolve_automatic(cfg, model, tokenizer, [])
+    problems, sampling = demo_problems(cfg, steps), Laps()
     train.sample, train.score = sampling.wrap(train.sample), sampling.wrap(train.score)
     conn.send("ready")
     for step in range(1, steps + 1):
@@ -101,7 +107,7 @@ def trl_reward(prompts, completions, answer, **_) -> list[float]:
     return reward.reward([completion[0]["content"] for completion in completions], answer)
 
 
-def trl_worker(conn, steps: int) -> None:
+def trl_worker(conn, steps: int, prompts: int) -> None:
     """GRPOTrainer on the demo's job; its callback waits for a "step" message before each step."""
     from datasets import Dataset
     from peft import LoraConfig
@@ -110,7 +116,8 @@ def trl_worker(conn, steps: int) -> None:
 
     torch.set_num_threads(1)
     checkpoint, tokenizer = weights.resolve_checkpoint(None), weights.load_tokenizer(None)
-    problems = demo_problems(steps)
+    cfg = demo_config(prompts)
+    problems = demo_problems(cfg, steps)
     rows = [{"prompt": chat_messages(p["problem"]), "answer": p["answer"]} for p in problems]
     for row, p in zip(rows, problems):  # the prompts train.py samples from, token for token
         ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
@@ -127,7 +134,7 @@ def trl_worker(conn, steps: int) -> None:
         def on_step_end(self, args, state, control, **kwargs):
             conn.send((time.perf_counter() - self.start, sampling.seconds))
 
-    rows_per_step = DEMO.prompts_per_step * DEMO.group_size
+    rows_per_step = cfg.prompts_per_step * cfg.group_size
     with tempfile.TemporaryDirectory() as out_dir:
         args = GRPOConfig(
             output_dir=out_dir, per_device_train_batch_size=rows_per_step, gradient_accumulation_steps=1,
@@ -153,6 +160,8 @@ def trl_worker(conn, steps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=3, help="timed steps per side after the warm-up pair")
+    parser.add_argument("--prompts", type=int, default=DEMO.prompts_per_step,
+                        help="prompts per step (the demo's 8; fewer for a quick check that both sides run)")
     args = parser.parse_args()
     if importlib.util.find_spec("trl") is None:
         print("bench/grpo_step.py skipped: trl is not installed (`make bench-trl` installs requirements-bench.txt)")
@@ -163,13 +172,13 @@ def main() -> None:
 
     steps = args.pairs + 1
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
-          f"peft {peft.__version__}; one thread per side; {DEMO.prompts_per_step} prompts x {DEMO.group_size} "
+          f"peft {peft.__version__}; one thread per side; {args.prompts} prompts x {DEMO.group_size} "
           f"samples x {DEMO.max_new_tokens} new tokens, LoRA r{DEMO.lora_rank}; {args.pairs} pairs after a warm-up")
     context = multiprocessing.get_context("spawn")
     pipes, processes = {}, []
     for side, worker in zip(SIDES, (ours_worker, trl_worker)):
         ours, theirs = context.Pipe()
-        processes.append(context.Process(target=worker, args=(theirs, steps)))
+        processes.append(context.Process(target=worker, args=(theirs, steps, args.prompts)))
         processes[-1].start()
         pipes[side] = ours
     for pipe in pipes.values():

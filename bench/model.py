@@ -8,7 +8,7 @@ by row as TRL's GRPO trainer does. Rows are left-padded by up to T/8 tokens, as 
 CPU (default): SmolLM2-135M-Instruct fp32, 4 x 128 tokens. GPU (--device cuda): Qwen3-1.7B shapes,
 16 x 2048 tokens, and Qwen3-8B shapes, 8 x 2048 tokens, random bf16 weights. --device meta only
 builds the GPU models with their adapters and runs our forward + backward on the meta device, a
-check that runs anywhere.
+check that runs anywhere; it also counts the grpo pass's FLOPs and tensor memory there.
 
 grpo: the training pass of the demo's step (`make train`): 8 prompts of 54-55 tokens x 8 completions of
 10-16 of 16 tokens, SmolLM2-135M-Instruct with the demo's LoRA (r 16, alpha 32, seven projections),
@@ -124,11 +124,16 @@ def peft_step(model, ids, pad_mask):
 
 
 def build_demo(device: str) -> modeling.Transformer:
-    """The demo's model and adapters, in the trainer's dtype and checkpointing for the device."""
-    cuda = device == "cuda"
-    model = weights.from_pretrained(None, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
+    """The demo's model and adapters, in the trainer's dtype and checkpointing for the device (on meta:
+    its architecture, ModelConfig's defaults, without weights)."""
+    if device == "meta":
+        with torch.device("meta"):
+            model = modeling.Transformer(modeling.ModelConfig())
+    else:
+        model = weights.from_pretrained(None, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
+                                        device=device)
     lora.inject(model, 16, 32.0)
-    model.gradient_checkpointing = cuda
+    model.gradient_checkpointing = device == "cuda"
     return model.train()
 
 
@@ -148,7 +153,8 @@ def demo_batch(device) -> dict[str, torch.Tensor]:
 
 
 def grpo_step(model, batch: dict, shared: bool) -> None:
-    """train.py's micro_batch_loss and backward on the whole step, its prompts shared or not."""
+    """train.py's micro_batch_loss and backward on the whole step, its prompts shared or not. On the meta
+    device the loss is memory.py's surrogate (loss.policy_loss asks questions of the values)."""
     owner, mask = batch["owner"], batch["completion_mask"]
     if shared:
         h = model.hidden_shared(batch["prompt_ids"], batch["prompt_mask"], owner, batch["completion_ids"], mask)
@@ -158,9 +164,28 @@ def grpo_step(model, batch: dict, shared: bool) -> None:
         h = model.hidden(ids, torch.cat([batch["prompt_mask"][owner], mask], 1))
         start = batch["prompt_ids"].shape[1]
     logp, entropy = model.hidden_logprobs(h, ids, start=start, with_entropy=True)
-    value, _ = loss.policy_loss(logp, batch["old_logp"], batch["advantages"], mask, loss.LossConfig())
+    if logp.is_meta:
+        value = memory._surrogate_loss(logp, batch["old_logp"], batch["advantages"], mask)
+    else:
+        value, _ = loss.policy_loss(logp, batch["old_logp"], batch["advantages"], mask, loss.LossConfig())
     value.backward()
     model.zero_grad(set_to_none=True)
+
+
+def count_grpo_on_meta() -> dict[str, tuple[float, int]]:
+    """(GFLOP, peak bytes of tensors) of the demo's training pass, each side counted on the meta device:
+    the work and the memory a step adds, the same on any machine and under any load."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, batch, counts = build_demo("meta"), demo_batch("meta"), {}
+    for side in GRPO_SIDES:
+        # attention counted as the math kernel's matrix products (LiveBytes answers the padding check on meta)
+        with memory.LiveBytes(), FlopCounterMode(display=False) as flops:
+            grpo_step(model, batch, shared=side == GRPO_SIDES[0])
+        with memory.flash_attention_on_meta(), memory.LiveBytes() as tracker:  # and as the fused kernels allocate
+            grpo_step(model, batch, shared=side == GRPO_SIDES[0])
+        counts[side] = (flops.get_total_flops() / 1e9, tracker.peak)
+    return counts
 
 
 def random_batch(batch: int, seq: int, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,10 +327,19 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=list(QWEN3), default=list(QWEN3),
                         help="GPU and meta: which Qwen3 shapes (one at a time fits a short device session)")
     parser.add_argument("--bench", nargs="+", choices=["logprobs", "grpo"], default=["logprobs", "grpo"],
-                        help="which benchmarks (default: both; meta checks logprobs only)")
+                        help="which benchmarks (default: both)")
     args = parser.parse_args()
     if args.device == "meta":
-        check_on_meta(args.models)
+        if "logprobs" in args.bench:
+            check_on_meta(args.models)
+        if "grpo" not in args.bench:
+            return
+        counts = count_grpo_on_meta()
+        print("the demo's training pass, counted on meta:")
+        for side, (gflop, peak) in counts.items():
+            print(f"  {side:<15} {gflop:>8,.0f} GFLOP {peak / 2**20:>8,.0f} MiB of tensors at its peak")
+        (shared_flops, shared_bytes), (whole_flops, whole_bytes) = counts.values()
+        print(f"  shared / whole  {shared_flops / whole_flops:>7.2f}x {shared_bytes / whole_bytes:>11.2f}x")
         return
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     if "logprobs" in args.bench and args.device == "cuda":
