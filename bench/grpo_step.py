@@ -121,7 +121,7 @@ def trl_worker(conn, steps: int, prompts: int) -> None:
     rows = [{"prompt": chat_messages(p["problem"]), "answer": p["answer"]} for p in problems]
     for row, p in zip(rows, problems):  # the prompts train.py samples from, token for token
         ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) else ids
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # a BatchEncoding in recent transformers
         if list(ids) != render_prompt(tokenizer, p["problem"], DEMO.template, DEMO.system_prompt):
             raise RuntimeError("the chat messages do not render to train.py's prompt")
     sampling = Laps()
