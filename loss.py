@@ -200,7 +200,7 @@ def _numbers(name: str, value) -> float | tuple[float, ...] | None:
 
 @dataclass
 class LossConfig:
-    """Every knob of the loss and the advantages; train.py makes each field a flag (--delta-high ...).
+    """Every knob of the loss and the advantages; config.py makes each field a flag (--delta-high ...).
 
     Fields left None take the rule's defaults from the table above. Tuple fields also take lists
     (a JSON round trip) and "a,b" strings (a command line).

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+import config
 import distributed
 import train
 from conftest import assert_equal_to
@@ -49,7 +50,7 @@ def join_as(rank: int, size: int, port: int) -> None:
 def patch(setattr) -> None:
     """Float64 everywhere, rewards by length parity (a random model never solves a problem, and every
     advantage would be 0) and a quarter of the vocabulary ending a row, so lengths and padding vary."""
-    setattr(train, "resolve_device", lambda cfg: (torch.device("cpu"), torch.float64))
+    setattr(config, "resolve_device", lambda cfg: (torch.device("cpu"), torch.float64))
     setattr(train.reward, "reward", lambda texts, references, **_: [float(len(t) % 2) for t in texts])
     setattr(train, "stop_ids", lambda config, tok: list(range(0, len(tok), 4)))
 
@@ -81,7 +82,7 @@ STEP_FLAGS = ("--updates-per-rollout", "2", "--grad-accum", "2")
 
 def one_step(model_dir, out_dir, flags, world) -> dict:
     """A fresh float64 model's first step: its metrics line and the gradient of each of its optimizer steps."""
-    cfg, _, _ = train.parse_args(tiny_args(model_dir, out_dir, "step", *STEP_FLAGS, *flags))
+    cfg, _, _ = config.parse_args(tiny_args(model_dir, out_dir, "step", *STEP_FLAGS, *flags))
     model, tokenizer, _ = train.build(cfg)
     model.to(torch.float64)  # the adapters too
     cfg = train.resolve_sizes(cfg, model, tokenizer, [], world)
@@ -100,8 +101,8 @@ def whole_rows(setattr) -> None:
 def step_worker(rank, size, port, model_dir, out_dir, result_file):
     join_as(rank, size, port)
     patch(setattr)
-    cfg, _, _ = train.parse_args(tiny_args(model_dir, out_dir, "step"))
-    with distributed.joined(train.resolve_device(cfg)[0], cfg.dist_timeout) as world:
+    cfg, _, _ = config.parse_args(tiny_args(model_dir, out_dir, "step"))
+    with distributed.joined(config.resolve_device(cfg)[0], cfg.dist_timeout) as world:
         results = {name: one_step(model_dir, out_dir, flags, world) for name, flags in STEP_CASES.items()}
         whole_rows(setattr)
         results |= {f"{name}, whole rows": one_step(model_dir, out_dir, flags, world)
@@ -189,10 +190,10 @@ def test_a_batch_that_does_not_split_into_whole_prompts_fails_before_loading(tin
 
 def mismatch_worker(rank, size, port, model_dir, out_dir):
     join_as(rank, size, port)
-    cfg, _, _ = train.parse_args(tiny_args(model_dir, out_dir, "mismatch", "--lr", str(0.001 * (rank + 1))))
-    with distributed.joined(train.resolve_device(cfg)[0], cfg.dist_timeout) as world:
+    cfg, _, _ = config.parse_args(tiny_args(model_dir, out_dir, "mismatch", "--lr", str(0.001 * (rank + 1))))
+    with distributed.joined(config.resolve_device(cfg)[0], cfg.dist_timeout) as world:
         try:
-            distributed.check_same_settings(world, train.flat_config(cfg))
+            distributed.check_same_settings(world, config.flat_config(cfg))
         except ValueError as error:
             Path(out_dir, f"rank{rank}.txt").write_text(str(error))
 
@@ -206,8 +207,8 @@ def test_ranks_with_different_settings_name_the_difference(tiny_model_dir, tmp_p
 
 def dying_worker(rank, size, port, model_dir, out_dir):
     join_as(rank, size, port)
-    cfg, _, _ = train.parse_args(tiny_args(model_dir, out_dir, "dies", "--dist-timeout", "10"))
-    with distributed.joined(train.resolve_device(cfg)[0], cfg.dist_timeout) as world:
+    cfg, _, _ = config.parse_args(tiny_args(model_dir, out_dir, "dies", "--dist-timeout", "10"))
+    with distributed.joined(config.resolve_device(cfg)[0], cfg.dist_timeout) as world:
         world.barrier("starting")
         if rank == 1:
             os._exit(1)  # dies without a word, as a process killed for memory does

@@ -9,6 +9,7 @@ from functools import partial
 import pytest
 import torch
 
+import config
 import lora
 import loss
 import memory
@@ -201,7 +202,7 @@ def test_qwen3_1_7b_weights_and_kv_cache():
     ("gppo-qwen3-8b", 80, dict(rollout_batch=3, grad_accum=13, eval_batch=3)),
 ])
 def test_preset_plans_fit(preset, gpu_gb, chosen, capsys):
-    cfg, _, _ = train.parse_args(["--preset", preset, "--plan", "--gpu-memory", str(gpu_gb)])
+    cfg, _, _ = config.parse_args(["--preset", preset, "--plan", "--gpu-memory", str(gpu_gb)])
     assert train.plan(cfg)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "chosen: " + " ".join(f"--{name.replace('_', '-')} {value}" for name, value in chosen.items())

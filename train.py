@@ -6,34 +6,29 @@
     python train.py --resume runs/NAME               # continue a run from its last checkpoint
     torchrun --nproc-per-node 8 train.py --preset gppo-qwen3-8b   # data parallel over 8 GPUs (README)
 
-The file reads in the order a run executes: the config, then one step (prompts -> G completions each
--> rewards -> group-normalized advantages -> optimizer steps over mini-batches of the rollout), then
-the loop around it (evaluation, logging, checkpoints), then the plumbing (building the model,
-checkpoint files, the command line). Only the LoRA adapters train; the frozen base doubles as the
-reference policy.
+The file reads in the order a run executes: one step (prompts -> G completions each -> rewards ->
+group-normalized advantages -> optimizer steps over mini-batches of the rollout), then the loop around
+it (evaluation, logging, checkpoints), then building the model and the command line. The settings and
+their flags live in config.py, the files of a run directory in rundir.py. Only the LoRA adapters
+train; the frozen base doubles as the reference policy.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
-import os
-import random
-import shutil
 import signal
 import sys
 import time
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+import config
 import distributed
 import eval as evaluation
 import lora
@@ -41,115 +36,10 @@ import loss
 import memory
 import reward
 import rollout
+import rundir
 import weights
+from config import Config
 from data import load_problems, render_prompt, stop_ids
-
-
-def opt(default, help: str, choices: tuple[str, ...] | None = None):
-    return field(default=default, metadata={"help": help, "choices": choices})
-
-
-@dataclass
-class Config:
-    # model
-    model: str | None = opt(None, "HF directory or hub id; empty = the offline SmolLM2-135M-Instruct")
-    device: str = opt("auto", "cpu, cuda, cuda:N or auto (cuda when present)")
-    dtype: str = opt("auto", "bfloat16 on cuda and float32 on cpu when auto", ("auto", "float32", "bfloat16"))
-    gradient_checkpointing: str = opt("auto", "recompute activations in the backward (auto: on for cuda)",
-                                      ("auto", "on", "off"))
-    lora_rank: int = opt(16, "LoRA rank r")
-    lora_alpha: float = opt(32.0, "LoRA alpha (scale alpha/r)")
-    lora_dropout: float = opt(0.0, "dropout on the LoRA input")
-    lora_targets: str = opt("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-                            "comma-separated module names that get adapters")
-    # data
-    dataset: str = opt("arithmetic", "training set: a name from data/ or a jsonl path")
-    eval_dataset: str = opt("arithmetic_test", "held-out sets, comma-separated: names from data/ or jsonl paths")
-    template: str = opt("equation", "prompt template of data/templates.py: equation, plain, boxed or answer")
-    system_prompt: str | None = opt("You are a helpful assistant.",
-                                    "system message; empty = the chat template's own default")
-    # rollout
-    prompts_per_step: int = opt(8, "distinct prompts sampled per step")
-    group_size: int = opt(8, "completions per prompt (G)")
-    max_new_tokens: int = opt(16, "completion length cap")
-    temperature: float = opt(1.0, "sampling temperature (also used for the training log-probs)")
-    top_p: float = opt(1.0, "nucleus sampling mass")
-    top_k: int = opt(0, "top-k sampling; 0 = off")
-    rollout_batch: int = opt(0, "prompts per sampler call; 0 = from the memory plan on a GPU, all on the CPU")
-    cuda_graphs: str = opt("auto", "replay the decode step from CUDA graphs (auto: on, eager if capture fails)",
-                           ("auto", "on", "off"))
-    format_weight: float = opt(0.0, "reward in [0, 1) for an answer in the template's format, added to correctness")
-    # optimization
-    steps: int = opt(20, "training steps (rollout batches)")
-    lr: float = opt(3e-4, "AdamW learning rate")
-    weight_decay: float = opt(0.0, "AdamW weight decay")
-    grad_clip: float = opt(1.0, "max gradient norm")
-    updates_per_rollout: int = opt(1, "optimizer steps (mini-batches) per rollout batch")
-    shuffle: str = opt("rows", "mini-batches of the rollout's rows shuffled one by one, or of whole prompt groups "
-                               "(G rows each): then every micro-batch runs each of its prompts once",
-                       ("rows", "groups"))
-    grad_accum: int = opt(0, "micro-batches per optimizer step (per process, on average, under torchrun); 0 = from "
-                             "the memory plan on a GPU, 1 on the CPU")
-    recompute_old_logp: str = opt("auto", "recompute old log-probs with the training pass before updating "
-                                          "(auto: unless float32, where the sampler's are exact)",
-                                  ("auto", "on", "off"))
-    loss: loss.LossConfig = field(default_factory=loss.LossConfig)  # its fields are flags too: --rule, --delta, ...
-    # evaluation
-    eval_every: int = opt(0, "evaluate every N steps (0 = only before and after training)")
-    eval_problems: int = opt(0, "held-out problems used per set (0 = all)")
-    eval_k: int = opt(8, "samples per held-out problem")
-    eval_temperature: float = opt(1.0, "sampling temperature at evaluation")
-    eval_batch: int = opt(0, "held-out prompts per sampler call; 0 = from the memory plan on a GPU, 16 on the CPU")
-    # run
-    run_name: str | None = opt(None, "folder under out_dir; empty = a timestamp")
-    out_dir: str = opt("runs", "where runs are written")
-    seed: int = opt(0, "seed for data order, sampling and adapters")
-    checkpoint_every: int = opt(10, "checkpoint every N steps (and at the end and on Ctrl-C)")
-    log_tokens: int = opt(0, "per step, record this many sampled completion tokens (mu, w, advantage, clip flags) "
-                             "in RUN/tokens/ for `python loss.py calibrate RUN`; 0 = off")
-    gpu_memory: float | None = opt(None, "GPU memory budget in GB for --plan and the automatic batch sizes; "
-                                         "empty = the GPU's (80 without one)")
-    resume: str | None = opt(None, "run directory to continue from its last checkpoint")
-    dist_timeout: float = opt(1800.0, "under torchrun, seconds a process waits for the others (say, while rank 0 "
-                                      "writes a checkpoint) before it fails: a process died or hangs")
-    export: str | None = opt(None, "after training, write merged HF weights to this new or empty directory")
-    preset: str | None = opt(None, "a named setup from PRESETS; explicit flags override it")
-
-
-# Every value a paper states carries its source; the values it leaves open are our choices, listed with
-# their reasons in the README ("Presets").
-ATR_GRPO = dict(  # ATR-GRPO, arXiv:2602.05494, experimental setup
-    lora_rank=32,  # stated: LoRA rank 32
-    lr=5e-6,  # stated
-    group_size=8,  # stated: G = 8
-    # stated: "batch 8, gradient accumulation 4", completions per device batch, so 32 completions = 4
-    # prompts x 8 per optimizer step. Not stated: updates per rollout; with 4 mini-batches per rollout
-    # three of every four updates start from moved weights, so the trust region acts.
-    prompts_per_step=16, updates_per_rollout=4,
-    # each optimizer step holds 4 whole prompts x 8, as in the paper (and TRL, whose step is one generation
-    # batch); each micro-batch then runs its prompts once (README, "Presets")
-    shuffle="groups",
-    rule="atr", delta=0.07,  # stated: the KL3 constraint, delta 0.07
-    eval_dataset="amc23,aime24,aime25", eval_k=8,  # stated: Mean@8 and Pass@8 on AMC23, AIME24, AIME25
-    # our choices (README): data, template, lengths, schedule, alpha, evaluation temperature
-    dataset="dapo", template="answer", lora_alpha=64.0, max_new_tokens=4096, steps=500, eval_every=50,
-    eval_temperature=0.6)
-PRESETS = {
-    "atr-grpo-qwen3-1.7b": dict(ATR_GRPO, model="Qwen/Qwen3-1.7B"),  # stated: Qwen3-1.7B
-    "atr-grpo-qwen3-8b": dict(ATR_GRPO, model="Qwen/Qwen3-8B"),  # stated: the Qwen3-8B twin
-    "gppo-qwen3-8b": dict(  # GPPO paper, experimental setup (math)
-        model="Qwen/Qwen3-8B-Base",  # stated: the base model
-        prompts_per_step=128, group_size=8,  # stated: 1024 rollouts per step, 128 prompts x 8
-        updates_per_rollout=8,  # stated: 8 mini-batch updates per rollout
-        shuffle="groups",  # our choice: mini-batches of 16 whole prompts x 8 (README, "Presets")
-        steps=400,  # stated: 400 steps for math
-        rule="kl-atomic",  # stated: the best cell, KL with the Atomic estimator, delta = f(0.8) (the default)
-        ratio_limits=(0.5, 10.0),  # stated: global clip [0.5, 10], read as outer limits (README, "Clip rules")
-        kl_beta=0.0,  # stated: no KL penalty
-        # our choices (README)
-        dataset="dapo", template="answer", eval_dataset="amc23,aime24,aime25", lora_rank=32, lora_alpha=64.0,
-        lr=1e-6, max_new_tokens=8192, eval_every=50, eval_k=8, eval_temperature=0.6),
-}
 
 
 # ----------------------------------------------------------------------------- one step
@@ -430,11 +320,11 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
     """
     world = world or distributed.SOLO
     writer = world.rank == 0
-    validate(cfg)
+    config.validate(cfg)
     train_set, eval_sets = load_problems(cfg.dataset), load_eval_sets(cfg)
-    run_dir = prepare_run_dir(cfg)
+    run_dir = rundir.prepare_run_dir(cfg)
     # also the point no rank passes before every rank has checked its run directory
-    distributed.check_same_settings(world, flat_config(cfg))
+    distributed.check_same_settings(world, config.flat_config(cfg))
     model, tokenizer, optimizer = build(cfg)
     cfg = resolve_sizes(cfg, model, tokenizer, train_set, world)
     if writer:
@@ -444,7 +334,7 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
 
     def save(state: dict) -> None:
         if writer:
-            save_checkpoint(run_dir, model, optimizer, state)
+            rundir.save_checkpoint(run_dir, model, optimizer, state)
         world.barrier("waiting for rank 0 to write a checkpoint")
 
     state = open_run(cfg, run_dir, model, optimizer, world, save)
@@ -465,10 +355,10 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 with stop.immediate():
                     record["eval"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, f"eval step {step}", world)
-                keep_best(run_dir, model, state, record["eval"], writer)
+                rundir.keep_best(run_dir, model, state, record["eval"], writer)
             if writer:
                 with metrics_file.open("a") as f:
-                    f.write(to_json(record) + "\n")
+                    f.write(rundir.to_json(record) + "\n")
             bar.set_postfix(reward=f"{record['reward']:.2f}", acc=f"{record['accuracy']:.2f}")
             # every rank stops after the same step, whichever of them the signal reached first
             stopping = bool(world.max(torch.tensor(float(stop.requested), device="cpu")))
@@ -481,10 +371,10 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
                 return state
         with stop.immediate():
             state["after"] = evaluate_held_out(model, tokenizer, eval_sets, cfg, "eval after", world)
-    keep_best(run_dir, model, state, state["after"], writer)
+    rundir.keep_best(run_dir, model, state, state["after"], writer)
     save(state)
     if writer:
-        write_json(run_dir / "summary.json", {k: state[k] for k in ("before", "after", "best")})
+        rundir.write_json(run_dir / "summary.json", {k: state[k] for k in ("before", "after", "best")})
         if cfg.export:
             weights.save_pretrained(model, cfg.export, tokenizer=tokenizer)
             print(f"exported merged weights to {cfg.export}", file=sys.stderr)
@@ -499,15 +389,15 @@ def open_run(cfg: Config, run_dir: Path, model, optimizer, world: distributed.Wo
     can resume."""
     writer = world.rank == 0
     if cfg.resume:
-        state = load_checkpoint(run_dir, model, optimizer)
+        state = rundir.load_checkpoint(run_dir, model, optimizer)
         world.barrier("loading the checkpoint")  # before rank 0 may write the next one
         if writer:
-            truncate_metrics(run_dir / "metrics.jsonl", state["step"])
+            rundir.truncate_metrics(run_dir / "metrics.jsonl", state["step"])
             print(f"resumed {run_dir} at step {state['step']}", file=sys.stderr)
         return state
     state = {"step": 0, "data_position": 0, "before": None, "best": None}
     if writer:
-        write_json(run_dir / "config.json", flat_config(cfg))
+        rundir.write_json(run_dir / "config.json", config.flat_config(cfg))
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
         print(f"run directory: {run_dir}", file=sys.stderr)
     save(state)
@@ -571,21 +461,6 @@ def evaluate_held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: C
             "problems": sum(p["problems"] for p in parts), "k": cfg.eval_k, "sets": results}
 
 
-def keep_best(run_dir: Path, model, state: dict, result: dict, write: bool = True) -> None:
-    """Keep the adapter with the best held-out accuracy in run_dir/best (the papers report best and last);
-    every rank updates its state, and the writer (rank 0) the folder."""
-    if state["best"] is not None and result["accuracy"] <= state["best"]["accuracy"]:
-        return
-    state["best"] = {**result, "step": state["step"]}
-    if not write:
-        return
-    tmp = run_dir / ".best.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    lora.save(model, tmp)
-    shutil.rmtree(run_dir / "best", ignore_errors=True)
-    os.replace(tmp, run_dir / "best")
-
-
 def warn_if_inert(cfg: Config) -> None:
     if cfg.updates_per_rollout == 1:
         warnings.warn("--updates-per-rollout 1: every update starts from the weights that sampled its rollout, so "
@@ -647,17 +522,9 @@ def resolve_sizes(cfg: Config, model, tokenizer, train_set: list[dict], world: d
 # ----------------------------------------------------------------------------- building the model
 
 
-def resolve_device(cfg: Config) -> tuple[torch.device, torch.dtype]:
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if cfg.device == "auto" else cfg.device)
-    if cfg.dtype == "auto":
-        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
-    return device, getattr(torch, cfg.dtype)
-
-
 def build(cfg: Config):
     """Model with fresh LoRA adapters, tokenizer and optimizer."""
-    device, dtype = resolve_device(cfg)
+    device, dtype = config.resolve_device(cfg)
     model = weights.from_pretrained(cfg.model, dtype=dtype, device=device)
     tokenizer = weights.load_tokenizer(cfg.model)
     model.requires_grad_(False)
@@ -690,7 +557,7 @@ def planned_config(cfg: Config, model_cfg, budget: int, prompt_len: int = memory
 
 def workload(cfg: Config, prompt_len: int = memory.Workload.prompt_len) -> memory.Workload:
     """What one step of this config asks of the GPU; sizes left at 0 start at their largest, for fit to lower."""
-    _, dtype = resolve_device(cfg)
+    _, dtype = config.resolve_device(cfg)
     minibatch_rows = math.ceil(cfg.prompts_per_step * cfg.group_size / cfg.updates_per_rollout)
     return memory.Workload(
         dtype=dtype, lora_rank=cfg.lora_rank, lora_targets=tuple(cfg.lora_targets.split(",")),
@@ -709,7 +576,7 @@ def workload(cfg: Config, prompt_len: int = memory.Workload.prompt_len) -> memor
 def plan(cfg: Config) -> bool:
     """Print the memory each phase of a step takes on the GPU (a CUDA one, bf16 unless --dtype says
     otherwise), without loading weights; True if it fits."""
-    validate(cfg, need_device=False)
+    config.validate(cfg, need_device=False)
     if cfg.dtype == "auto":
         cfg = dataclasses.replace(cfg, dtype="bfloat16")  # the plan is for a GPU, where auto means bf16
     model_cfg = memory.model_config(cfg.model)
@@ -727,269 +594,7 @@ def plan(cfg: Config) -> bool:
     return fits
 
 
-# ----------------------------------------------------------------------------- checkpoints and files
-
-
-def save_checkpoint(run_dir: Path, model, optimizer, state: dict) -> Path:
-    """Write checkpoint-STEP under a temporary name, rename it into place, then repoint `latest`.
-
-    Each rename is atomic, so a crash at any moment leaves `latest` naming a complete checkpoint. The two
-    newest checkpoints are kept, so a latest one damaged on disk still has a fallback.
-    """
-    name = f"checkpoint-{state['step']:06d}"
-    tmp, final = run_dir / f".{name}.tmp", run_dir / name
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    lora.save(model, tmp / "adapter")
-    torch.save({"optimizer": optimizer.state_dict(), "state": state, "rng": _rng_state()}, tmp / "trainer.pt")
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    pointer = run_dir / ".latest.tmp"
-    pointer.write_text(name)
-    os.replace(pointer, run_dir / "latest")
-    for old in sorted(run_dir.glob("checkpoint-*"))[:-2]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def load_checkpoint(run_dir: Path, model, optimizer) -> dict:
-    """Restore the newest readable checkpoint (falling back to the one before, with a warning)."""
-    latest = run_dir / "latest"
-    if not latest.is_file():
-        raise FileNotFoundError(f"--resume {run_dir}: no checkpoint found (missing {latest})")
-    newest = run_dir / latest.read_text().strip()
-    candidates = [newest, *sorted((p for p in run_dir.glob("checkpoint-*") if p != newest), reverse=True)]
-    for ckpt_dir in candidates:
-        try:
-            lora.load(model, ckpt_dir / "adapter")
-            saved = torch.load(ckpt_dir / "trainer.pt", weights_only=False)
-        except Exception as error:  # a damaged file: say which, then try the previous checkpoint
-            warnings.warn(f"{ckpt_dir} cannot be read ({type(error).__name__}: {error}); trying an older checkpoint")
-            continue
-        optimizer.load_state_dict(saved["optimizer"])
-        _set_rng_state(saved["rng"])
-        return saved["state"]
-    raise ValueError(f"--resume {run_dir}: no readable checkpoint among {', '.join(p.name for p in candidates)}")
-
-
-def _rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-
-
-def _set_rng_state(rng: dict) -> None:
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
-    if rng["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-
-
-def truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop lines logged after the checkpoint we resume from; they will be produced again.
-
-    A process killed mid-write can leave a partial last line; it is dropped too. A bad line
-    anywhere else means the file is not ours to rewrite, so it is an error.
-    """
-    if not path.exists():
-        return
-    lines = path.read_text().splitlines()
-    kept = []
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if number == len(lines):
-                break
-            raise ValueError(f"{path}:{number}: not a JSON line; fix or remove it before resuming") from None
-        if record["step"] <= last_step:
-            kept.append(line)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
-
-
-def to_json(value) -> str:
-    """Strict JSON: NaN and infinities (an undefined standard error, say) become null."""
-    return json.dumps(evaluation.strict_json(value), allow_nan=False)
-
-
-def write_json(path: Path, value) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(to_json(value) + "\n")
-    os.replace(tmp, path)
-
-
-def prepare_run_dir(cfg: Config) -> Path:
-    """The run directory, after checking that starting or resuming there loses nothing."""
-    run_dir = Path(cfg.out_dir) / (cfg.run_name or time.strftime("%Y%m%d-%H%M%S"))
-    if not cfg.resume and (run_dir / "latest").exists():
-        raise FileExistsError(f"{run_dir} already holds a run: continue it with --resume {run_dir}, "
-                              "or pick another --run-name")
-    if cfg.export:
-        weights.check_export_dir(cfg.export)  # before training, not after it
-    return run_dir
-
-
 # ----------------------------------------------------------------------------- command line
-
-
-def validate(cfg: Config, need_device: bool = True) -> None:
-    """Every setting that would fail after the model loads fails here, naming the flag and what it accepts."""
-    rows = cfg.prompts_per_step * cfg.group_size
-    device, processes = cfg.device, distributed.world_size()
-    for ok, message in (
-        (device in ("auto", "cpu", "meta") or device.startswith("cuda"),
-         f"--device {device!r}: expected cpu, cuda, cuda:N or auto"),
-        (not need_device or not device.startswith("cuda") or torch.cuda.is_available(),
-         f"--device {device}: no CUDA GPU is visible to torch on this machine; use --device cpu"),
-        (cfg.prompts_per_step % processes == 0,
-         f"--prompts-per-step {cfg.prompts_per_step} does not split over {processes} processes: each samples whole "
-         "prompts (a prompt's G completions share one process, where its advantages are computed); use a multiple "
-         f"of {processes}"),
-        (processes == 1 or not device.startswith("cuda:"),
-         f"--device {device}: under torchrun each process takes the GPU of its LOCAL_RANK; use --device auto or cuda"),
-        (cfg.group_size >= 2, f"--group-size {cfg.group_size}: GRPO compares at least 2 samples per prompt"),
-        (cfg.prompts_per_step >= 1, f"--prompts-per-step {cfg.prompts_per_step}: must be >= 1"),
-        (cfg.max_new_tokens >= 1, f"--max-new-tokens {cfg.max_new_tokens}: must be >= 1"),
-        (cfg.temperature > 0 and math.isfinite(cfg.temperature),
-         f"--temperature {cfg.temperature}: training needs sampling (> 0); greedy samples of a prompt are "
-         "identical and carry no signal"),
-        (0 < cfg.top_p <= 1, f"--top-p {cfg.top_p}: must be in (0, 1]"),
-        (cfg.top_k >= 0, f"--top-k {cfg.top_k}: must be >= 0 (0 = off)"),
-        (cfg.lora_rank >= 1 and cfg.lora_alpha > 0, f"--lora-rank {cfg.lora_rank} must be >= 1 and --lora-alpha "
-                                                    f"{cfg.lora_alpha} > 0"),
-        (0 <= cfg.lora_dropout < 1, f"--lora-dropout {cfg.lora_dropout}: must be in [0, 1)"),
-        (cfg.lr > 0 and math.isfinite(cfg.lr), f"--lr {cfg.lr}: must be a positive number"),
-        (cfg.weight_decay >= 0 and cfg.grad_clip > 0, f"--weight-decay {cfg.weight_decay} must be >= 0 and "
-                                                      f"--grad-clip {cfg.grad_clip} > 0"),
-        (1 <= cfg.updates_per_rollout <= rows, f"--updates-per-rollout {cfg.updates_per_rollout}: must be between 1 "
-                                               f"and the {rows} rows of a step (--prompts-per-step x --group-size)"),
-        (cfg.shuffle == "rows" or cfg.updates_per_rollout <= cfg.prompts_per_step,
-         f"--updates-per-rollout {cfg.updates_per_rollout}: with --shuffle groups each mini-batch holds whole prompt "
-         f"groups, so at most the {cfg.prompts_per_step} prompts of a step (--prompts-per-step)"),
-        (0 <= cfg.grad_accum <= max(1, rows // cfg.updates_per_rollout),
-         f"--grad-accum {cfg.grad_accum}: must be between 0 (automatic) and the {rows // cfg.updates_per_rollout} "
-         "rows of a mini-batch"),
-        (cfg.rollout_batch >= 0 and cfg.eval_batch >= 0,
-         "--rollout-batch and --eval-batch must be >= 0 (0 = automatic)"),
-        (cfg.checkpoint_every >= 1, f"--checkpoint-every {cfg.checkpoint_every}: must be >= 1"),
-        (cfg.steps >= 0 and cfg.eval_every >= 0 and cfg.eval_problems >= 0 and cfg.eval_k >= 1,
-         "--steps, --eval-every and --eval-problems must be >= 0 and --eval-k >= 1"),
-        (cfg.eval_temperature >= 0, f"--eval-temperature {cfg.eval_temperature}: must be >= 0 (0 = greedy)"),
-        (cfg.log_tokens >= 0, f"--log-tokens {cfg.log_tokens}: must be >= 0"),
-        (cfg.dist_timeout > 0, f"--dist-timeout {cfg.dist_timeout}: must be > 0 seconds"),
-        (cfg.gpu_memory is None or cfg.gpu_memory > 0, f"--gpu-memory {cfg.gpu_memory}: must be > 0 GB"),
-        (0 <= cfg.format_weight < 1, f"--format-weight {cfg.format_weight}: must be in [0, 1), below a correct "
-                                     "answer's reward"),
-        (not cfg.format_weight or cfg.template in reward.ANSWER_FORMATS,
-         f"--format-weight needs a template that asks for a format ({', '.join(reward.ANSWER_FORMATS)}), "
-         f"not {cfg.template!r}"),
-    ):
-        if not ok:
-            raise ValueError(message)
-
-
-LOSS_FIELDS = {f.name: f for f in dataclasses.fields(loss.LossConfig)}
-TRAIN_FIELDS = {f.name: f for f in dataclasses.fields(Config) if f.name != "loss"}
-assert not LOSS_FIELDS.keys() & TRAIN_FIELDS.keys(), "a flag name would mean two settings"
-
-
-def parse_args(argv: list[str] | None = None) -> tuple[Config, set[str], bool]:
-    """Every Config and LossConfig field is a flag; a preset fills defaults that explicit flags override.
-
-    Returns the config, the names of the fields given explicitly (they win over a resumed run's) and
-    whether --plan was asked.
-    """
-    parser = OneLineErrors(prog="train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--plan", action="store_true", help="print the GPU memory of each phase and exit "
-                                                            "(0: fits, 1: does not); loads no weights")
-    for f in [*TRAIN_FIELDS.values(), *LOSS_FIELDS.values()]:
-        help_text = f"{f.metadata.get('help', '')} (default: {_default_text(f)})"
-        flag = "--" + f.name.replace("_", "-")
-        if _type_text(f) == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
-        else:
-            parser.add_argument(flag, type=_parser_of(f), choices=f.metadata.get("choices"),
-                                default=argparse.SUPPRESS, help=help_text)
-    given = vars(parser.parse_args(argv))  # only the flags on the command line
-    show_plan = given.pop("plan")
-    preset = given.get("preset")
-    if preset is not None and preset not in PRESETS:
-        parser.error(f"--preset {preset!r} is unknown; known presets: {', '.join(PRESETS)}")
-    return make_config({**PRESETS.get(preset, {}), **given}), set(given), show_plan
-
-
-class OneLineErrors(argparse.ArgumentParser):
-    """A flag that cannot be parsed is one line of error, not the usage of seventy flags."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: {message}\n")
-
-
-def make_config(values: dict) -> Config:
-    """A Config from flat settings (flag names with underscores), the loss's fields going to LossConfig.
-
-    Dr. GRPO's constant length defaults to the generation cap: the same for every micro-batch, however
-    much padding each trims, so accumulated micro-batches add up to one batch's gradient.
-    """
-    loss_values = {name: value for name, value in values.items() if name in LOSS_FIELDS}
-    train_values = {name: value for name, value in values.items() if name not in LOSS_FIELDS}
-    unknown = train_values.keys() - TRAIN_FIELDS.keys()
-    if unknown:
-        raise ValueError(f"unknown settings: {', '.join(sorted(unknown))}")
-    cfg = Config(**train_values)
-    validate(cfg, need_device=False)  # before LossConfig, whose norm_len follows max_new_tokens
-    loss_values.setdefault("norm_len", cfg.max_new_tokens)
-    return dataclasses.replace(cfg, loss=loss.LossConfig(**loss_values))
-
-
-def flat_config(cfg: Config) -> dict:
-    """The settings as one flat dict, as the command line names them (the inverse of make_config)."""
-    values = {name: getattr(cfg, name) for name in TRAIN_FIELDS}
-    return {**values, **dataclasses.asdict(cfg.loss)}
-
-
-def _type_text(f: dataclasses.Field) -> str:
-    return f.type if isinstance(f.type, str) else f.type.__name__ if isinstance(f.type, type) else str(f.type)
-
-
-def _default_text(f: dataclasses.Field) -> str:
-    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-    return "empty" if default is None else str(default)
-
-
-def _parser_of(f: dataclasses.Field):
-    """A flag's text -> value: int, float or str; "lo,hi" for pairs; an empty string is None."""
-    text = _type_text(f).replace(" ", "")
-    optional = "None" in text.split("|")
-    if "tuple[float" in text:
-        def parse(value: str):
-            try:
-                numbers = tuple(float(v) for v in value.split(","))
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"expected numbers separated by a comma, got {value!r}") from None
-            return numbers[0] if len(numbers) == 1 and text.startswith("float") else numbers
-    else:
-        parse = {"int": int, "float": float}.get(text.split("|")[0], str)
-    return (lambda value: None if value == "" else parse(value)) if optional else parse
-
-
-def _resumed_config(cfg: Config, given: set[str]) -> Config:
-    """The saved run's config, with the flags given on this command line on top (e.g. more --steps)."""
-    run_dir = Path(cfg.resume)
-    saved_file = run_dir / "config.json"
-    if not saved_file.is_file():
-        raise FileNotFoundError(f"--resume {run_dir}: not a run directory (no config.json)")
-    refused = given & {"preset", "run_name", "out_dir"}
-    if refused:
-        flags = ", ".join("--" + name.replace("_", "-") for name in sorted(refused))
-        raise ValueError(f"--resume {run_dir} continues that run with its own settings; {flags} cannot change them")
-    saved = json.loads(saved_file.read_text())
-    current = flat_config(cfg)
-    merged = {**saved, **{name: current[name] for name in given}}
-    merged.update(run_name=run_dir.name, out_dir=str(run_dir.parent), resume=str(run_dir))
-    return make_config(merged)
 
 
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError)
@@ -1000,12 +605,12 @@ def main(argv: list[str] | None = None) -> None:
     exits with status 2. A Ctrl-C exits with 130 and says how to continue."""
     warnings.formatwarning = lambda message, category, *_, **__: f"warning: {message}\n"  # no source line
     try:
-        cfg, given, show_plan = parse_args(argv)
+        cfg, given, show_plan = config.parse_args(argv, description=__doc__)
         if show_plan:
             sys.exit(0 if plan(cfg) else 1)
         if cfg.resume:
-            cfg = _resumed_config(cfg, given)
-        with distributed.joined(resolve_device(cfg)[0], cfg.dist_timeout) as world:
+            cfg = config.resumed_config(cfg, given)
+        with distributed.joined(config.resolve_device(cfg)[0], cfg.dist_timeout) as world:
             state = train(cfg, world)
     except USER_ERRORS as error:
         if _inside_training(error):

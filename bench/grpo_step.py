@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import config  # noqa: E402
 import reward  # noqa: E402
 import train  # noqa: E402
 import weights  # noqa: E402
@@ -40,12 +41,12 @@ from data import load_problems, render_prompt  # noqa: E402
 from data.templates import EXAMPLES, user_message  # noqa: E402
 
 SIDES = ("train.py", "TRL GRPOTrainer")
-DEMO = train.make_config({})  # the demo's settings: train.py with no flags
+DEMO = config.make_config({})  # the demo's settings: train.py with no flags
 
 
-def demo_config(prompts: int) -> train.Config:
+def demo_config(prompts: int) -> config.Config:
     """The demo's settings with `prompts` prompts per step (8, the demo's own, unless a check asks fewer)."""
-    return train.make_config({"prompts_per_step": prompts})
+    return config.make_config({"prompts_per_step": prompts})
 
 
 def peak_rss_bytes() -> int:
@@ -55,7 +56,7 @@ def peak_rss_bytes() -> int:
     raise ValueError("/proc/self/status has no VmHWM line")
 
 
-def demo_problems(cfg: train.Config, steps: int) -> list[dict]:
+def demo_problems(cfg: config.Config, steps: int) -> list[dict]:
     """The problems of the first `steps` steps, in the order train.py trains on them."""
     return train.batch_of(load_problems(cfg.dataset), 0, cfg.prompts_per_step * steps, cfg.seed)
 
