@@ -59,6 +59,14 @@ class LoRALinear(nn.Module):
         A, scaled_B = self.lora_A.weight.to(x.dtype), (self.scale * self.lora_B.weight).to(x.dtype)
         return out + F.linear(F.linear(self.dropout(x), A), scaled_B)
 
+    def low_rank(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(A [r, in], scale * B [out, r]) in fp32 while the adapter adds to the output (not merged, not
+        disabled), else None. The sampler's decode step casts these once per rollout (model.DecodeWeights)
+        instead of casting and scaling them at every token as forward does."""
+        if self.merged or not self.enabled:
+            return None
+        return self.lora_A.weight, self.scale * self.lora_B.weight
+
     def delta_weight(self) -> torch.Tensor:
         """scale * B A [out, in] in fp32."""
         return self.scale * (self.lora_B.weight @ self.lora_A.weight)

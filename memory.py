@@ -2,48 +2,67 @@
 
 A hand formula for activation memory drifts from the code the day someone adds a cast or a mask. Here
 every phase calls the same functions the trainer and the sampler call (model.hidden, hidden_logprobs,
-backward, AdamW, new_cache / fork / select, rollout._row_keys, rollout._sample, and FixedShapeStep's
-step and compaction rule), on meta tensors: shapes and dtypes are real, no data exists, so a plan of
-Qwen3-8B takes seconds of CPU time, without a GPU or its weights.
+backward, AdamW, rollout.Pool, the sampler loop's prefill, decode step and draw), on meta tensors:
+shapes and dtypes are real, no data exists, so a plan of Qwen3-8B takes seconds of CPU time, without a
+GPU or its weights.
 `LiveBytes`, a dispatch mode, sees every tensor an operator returns and counts the bytes of each new
 storage until it is freed; its peak is the phase's own peak. Blocks are identical, so each figure is
 counted on models of 2 and 3 blocks and extended to the real depth (exactly: test_memory checks it), and
 test_memory holds the counts within 15% of the same tracker on real CPU runs of a small model.
 
-Phases, each peak = weights + LoRA state + step data + the phase's own peak:
+Phases, each peak = what is resident when it runs + the phase's own peak:
 - weights: the model in the run's dtype (resident throughout);
 - lora: adapters, their gradients and AdamW's two moments (fp32), plus the optimizer step's temporaries;
+- pool: the sampler's KV pool, allocated once after them and resident throughout (blocks x block bytes);
 - train: one micro-batch's forward and backward (model.hidden or model.hidden_shared, hidden_logprobs, a
-  loss), at the largest of the layouts it can take (prompts_per_pass: rows run whole, or with each of
-  their prompts run once);
-- frozen: the no-grad passes that recompute old log-probs or the reference policy's, one micro-batch;
-- rollout: one sampler call on CUDA's fixed-shape path: KV cache, prefill and fork, the widest decode
-  step and its sampling draw, and the first compaction (a second cache built while the first is alive);
-- eval: the same for an evaluation call (its prompts x eval_k samples).
-Step data are the rollout results kept for training ([N, P + C] ids and masks, [N, C] log-probs).
+  loss), beside the step data, at the largest of the layouts it can take (prompts_per_pass: rows run
+  whole, or with each of their prompts run once);
+- frozen: the no-grad passes that recompute old log-probs, the reference policy's or old_hidden, one
+  micro-batch, beside the step data, in the same layouts;
+- rollout: one sampler call on CUDA's fixed-shape path (sampling_phase): its outputs and results, a
+  prefill pass, the widest decode step and its draw, the graphs' static logits;
+- eval: the same for an evaluation call (its prompts x eval_k samples, the longest evaluation prompt).
+Step data are the rollout results kept for training ([N, P + C] ids and masks, [N, C] log-probs, and
+[N, C, hidden] old_hidden for a rule that needs it).
+
+fit sizes the free ones (micro-batch rows, prompts in flight, the pool) and estimates the sampler's
+rows in flight and decode passes for a stated length model (long_tail_lengths) by running the
+sampler's own scheduler on the host (simulate_rollout; test_rollout checks it against real calls).
+
+A full-parameter run (lora_rank 0) is planned per rank of world_size, by running fsdp.shard's real code:
+fully_shard over torch's "fake" process group of that many ranks (it communicates nothing), on
+FakeTensorMode's tensors, since FSDP2 refuses meta parameters. `weights` are then rank 0's fp32 shards
+(and a frozen reference's, when the loss needs ref_logp), `optimizer` adds its gradient and AdamW moment
+shards, `train` and `frozen` gather the root and one block at a time as FSDP2 does, reduce-scatter the
+gradients and free them, and `rollout` and `eval` hold the whole model gathered in the compute dtype
+(fsdp.whole) besides the shards; the gradients are held only while training (train.py frees them after
+each update). test_fsdp holds the sharded micro-batch equal to real CPU runs on one and two ranks.
 
 Where the meta run differs from the code it stands for:
 - scaled_dot_product_attention, whose allocations happen inside a CUDA kernel, is replaced by a stand-in
   that allocates what FlashAttention-2 does (output, log-sum-exp; in backward its fp32 accumulator and
   the per-query-head dk, dv of grouped-query attention), not the [T, T] math fallback meta would take.
+  The sampler's paged attention (torch.nn.attention.varlen) has a meta implementation of its own.
 - loss.policy_loss asks data-dependent questions (is the mask empty? metrics via .tolist()) that meta
   tensors cannot answer, so the train phase uses `_surrogate_loss`, the same tensor work on [rows, C]
   (log ratio, ratio, float64 region test, clip choice, masked sum). It is O(rows x C), tiny next to
   the activations. model.hidden's padding-layout check (torch.equal) is answered "valid" on meta.
-- the rollout runs the steps that decide its peak instead of max_new_tokens steps: the cache is moved
-  (`advance`) to the last step, whose span bucket covers the whole cache, and the first compaction
-  (rows finishing one at a time, FixedShapeStep.rows_to_keep) is taken there, where cache.select
-  copies the most tokens. A captured graph keeps its step's temporaries reserved, so they are
-  counted on top of the draw and the compaction.
+- the rollout runs the steps that decide its peak instead of a whole call: a prefill pass of as many
+  prompts as one holds, and the decode step at the rows in flight over a full row's span. A captured
+  graph keeps its step's temporaries reserved, so they are counted on top of the draw.
 - the CUDA caching allocator rounds blocks and fragments, and the CUDA context, cuBLAS workspaces and
   kernel-internal buffers are invisible to a dispatch mode: `fit` keeps SLACK of the budget and
   RESERVED bytes free for them.
+- FSDP2 runs its CPU code path in a plan (a CPU mesh): the same buffers, but on CUDA its collectives run on
+  their own streams, and memory freed on one stream returns to another a little later; the next block's
+  gathered weights (0.44 GB for a Qwen3-8B block in bf16) can be held early. SLACK covers it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 import weakref
 from contextlib import contextmanager
@@ -53,16 +72,25 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import fsdp
 import lora
 import rollout
-from model import ModelConfig, Transformer
+from model import KVPool, ModelConfig, Transformer
 
 GB = 10**9  # decimal, as GPUs are sold: "40 GB" and "80 GB" cards hold a little more than this
 DEFAULT_GPU_BYTES = 80 * GB
 SLACK = 0.10  # share of the budget kept for allocator rounding and fragmentation
 RESERVED = 1 * GB  # CUDA context, cuBLAS and attention workspaces: memory no dispatch mode sees
+TRAIN_TOKENS = 8192  # automatic training micro-batches hold at least this many tokens (or one row)
+ROWS_CAP = 1024  # the most rows in flight fit considers
+PASSES_TOLERANCE = 0.02  # fit keeps the fewest prompts in flight within this share of the fewest decode passes
+PREFILL_TOKENS = rollout.PREFILL_TOKENS
 
 # The published config.json facts of the presets' models, so planning works offline.
 _QWEN3 = dict(model_type="qwen3", vocab_size=151936, num_kv_heads=8, head_dim=128, rope_theta=1e6,
@@ -81,17 +109,21 @@ KNOWN_CONFIGS: dict[str, ModelConfig] = {
 PHASE_FLAGS = {
     "weights": "use a smaller model or --dtype bfloat16",
     "lora": "lower --lora-rank or --lora-targets",
+    "pool": "the pool takes what the other phases leave",
+    "optimizer": "shard over more processes (torchrun --nproc-per-node, --world-size for --plan) or train LoRA",
     "train": "raise --grad-accum (fewer rows per micro-batch)",
     "frozen": "raise --grad-accum (fewer rows per micro-batch)",
-    "rollout": "lower --rollout-batch (prompts per sampler call)",
-    "eval": "lower --eval-batch (prompts per evaluation call)",
+    "rollout": "lower --rollout-batch (prompts in flight in the sampler)",
+    "eval": "lower --eval-batch (prompts in flight in an evaluation call)",
 }
 # What still lowers a phase that does not fit with one row / prompt per call.
 PHASE_FLOOR_FLAGS = {
-    "train": "lower --max-new-tokens or turn --gradient-checkpointing on",
-    "frozen": "lower --max-new-tokens",
-    "rollout": "lower --group-size or --max-new-tokens",
-    "eval": "lower --eval-k or --max-new-tokens",
+    "lora": PHASE_FLAGS["lora"],
+    "optimizer": PHASE_FLAGS["optimizer"],
+    "train": "raise --grad-accum or turn --gradient-checkpointing on",
+    "frozen": "raise --grad-accum",
+    "rollout": "lower --rollout-batch or --group-size",
+    "eval": "lower --eval-batch or --eval-k",
 }
 
 
@@ -114,34 +146,48 @@ class Workload:
     """What one training step does, in the sizes that decide memory. Field names follow train.py's flags."""
 
     dtype: torch.dtype = torch.bfloat16
-    lora_rank: int = 16
+    lora_rank: int = 16  # 0: every weight trains, sharded by FSDP2 over world_size ranks (fsdp.py)
+    world_size: int = 1  # processes; the plan is one rank's
     lora_targets: tuple[str, ...] = lora.DEFAULT_TARGETS
     gradient_checkpointing: bool = True
     prompt_len: int = 512  # tokens of the longest prompt: the sampler left-pads every prompt to it
+    eval_prompt_len: int = 0  # tokens of the longest evaluation prompt; 0 = prompt_len
     max_new_tokens: int = 1024
     group_size: int = 8
     prompts_per_step: int = 8
     updates_per_rollout: int = 1  # mini-batches per step
     shuffle: str = "rows"  # mini-batches of random rows, or of whole prompt groups ("groups")
-    rollout_prompts: int = 8  # prompts per sampler call
+    rollout_prompts: int = 8  # prompts in flight in the sampler (their rows bound its batch)
     micro_batch_rows: int = 64  # rows per training micro-batch (and per frozen pass)
+    pool_blocks: int = 0  # blocks of the sampler's KV pool (block 0 included); 0 = none chosen yet
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     with_entropy: bool = True  # hidden_logprobs(..., with_entropy=True), as train.py logs the entropy
     recompute_old_logp: bool = False
-    ref_logp: bool = False  # kl_beta > 0: a reference pass through the frozen base
-    eval_prompts: int = 16  # prompts per evaluation call
+    ref_logp: bool = False  # kl_beta > 0: a reference pass (the frozen base; a full run's frozen copy)
+    old_hidden: bool = False  # the rule needs the sampling policy's hidden states [N, C, hidden] (kl_full)
+    eval_prompts: int = 16  # prompts in flight in an evaluation call
     eval_k: int = 8
     eval_temperature: float = 1.0
 
     def __post_init__(self):
-        for name in ("lora_rank", "prompt_len", "max_new_tokens", "group_size", "prompts_per_step",
+        for name in ("world_size", "prompt_len", "max_new_tokens", "group_size", "prompts_per_step",
                      "updates_per_rollout", "rollout_prompts", "micro_batch_rows", "eval_prompts", "eval_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Workload.{name} must be >= 1, got {getattr(self, name)}")
         if self.shuffle not in ("rows", "groups"):
             raise ValueError(f"Workload.shuffle must be 'rows' or 'groups', got {self.shuffle!r}")
+        if self.lora_rank < 0:
+            raise ValueError(f"Workload.lora_rank must be >= 0 (0: full-parameter), got {self.lora_rank}")
+
+    @property
+    def full(self) -> bool:
+        return self.lora_rank == 0
+
+    @property
+    def eval_len(self) -> int:
+        return self.eval_prompt_len or self.prompt_len
 
     @property
     def step_rows(self) -> int:
@@ -161,18 +207,22 @@ class LiveBytes(TorchDispatchMode):
 
     A storage counts once however many views share it; it stops counting when Python frees it (a
     weakref callback). Storages created before the mode (weights, the LoRA state) are not counted.
-    On the meta device, torch.equal, which has no meta kernel, answers True.
+    On meta and fake tensors, torch.equal, which has no kernel there, answers True. A sharded tensor
+    (DTensor) counts its local shard. `resizable` storages are grown and shrunk in place by their owner
+    outside any operator (FSDP2 gathers a group's weights into storages it resizes to 0 when it frees
+    them): what they hold at each operator counts towards the peak, not towards `live`.
     """
 
-    def __init__(self):
+    def __init__(self, resizable=()):
         super().__init__()
         self.live = self.peak = 0
         self._alive: dict[int, weakref.ref] = {}
+        self.resizable = list(resizable)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         inputs = list(_tensors((args, kwargs.values())))
-        if func is torch.ops.aten.equal.default and inputs[0].is_meta:
+        if func is torch.ops.aten.equal.default and _no_data(inputs[0]):
             return True
         out = func(*args, **kwargs)
         seen = {id(t.untyped_storage()) for t in inputs}  # in-place ops and views return these
@@ -180,6 +230,8 @@ class LiveBytes(TorchDispatchMode):
             storage = t.untyped_storage()
             if id(storage) not in seen and id(storage) not in self._alive:
                 self._count(storage)
+        if self.resizable:
+            self.peak = max(self.peak, self.live + sum(s.nbytes() for s in self.resizable))
         return out
 
     def _count(self, storage) -> None:
@@ -196,9 +248,17 @@ class LiveBytes(TorchDispatchMode):
         self.peak = self.live
 
 
+def _no_data(t: torch.Tensor) -> bool:
+    """Meta tensors, and FakeTensorMode's (meta storage under another device's name)."""
+    return t.is_meta or isinstance(t, FakeTensor)
+
+
 def _tensors(x):
-    """The tensors in an operator's arguments or results (nested tuples and lists, as foreach ops take)."""
-    if isinstance(x, torch.Tensor):
+    """The tensors in an operator's arguments or results (nested tuples and lists, as foreach ops take); a
+    DTensor is its local shard."""
+    if isinstance(x, DTensor):
+        yield x.to_local()
+    elif isinstance(x, torch.Tensor):
         yield x
     elif isinstance(x, (tuple, list, type({}.values()))):
         for item in x:
@@ -238,7 +298,7 @@ def flash_attention_on_meta():
     original = F.scaled_dot_product_attention
 
     def flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if not q.is_meta:
+        if not _no_data(q):
             return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                             enable_gqa=enable_gqa)
         return _FlashAttentionOnMeta.apply(q, k, v)
@@ -251,16 +311,18 @@ def flash_attention_on_meta():
 
 
 def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind tensors (tied weights count once)."""
-    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
+    """Bytes of the distinct storages behind tensors (tied weights count once; a DTensor's local shard)."""
+    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in _tensors(list(tensors))}
     return sum(storages.values())
 
 
 def meta_model(cfg: ModelConfig, work: Workload) -> Transformer:
-    """The model with LoRA adapters on the meta device, in the run's dtype: no memory, real shapes."""
+    """The model with LoRA adapters (none for a full run) on the meta device, in the run's dtype: no memory,
+    real shapes."""
     with torch.device("meta"):
         model = Transformer(cfg).to(work.dtype)
-    lora.inject(model, work.lora_rank, 2.0 * work.lora_rank, targets=work.lora_targets)
+    if not work.full:
+        lora.inject(model, work.lora_rank, 2.0 * work.lora_rank, targets=work.lora_targets)
     model.gradient_checkpointing = work.gradient_checkpointing
     return model
 
@@ -275,15 +337,20 @@ def lora_state_phase(model: Transformer) -> tuple[int, int]:
 
     AdamW runs with foreach=True, its default on CUDA, whose temporaries span all the adapters at once.
     """
-    params = list(lora.parameters(model))
+    return optimizer_phase(list(lora.parameters(model)))
+
+
+def optimizer_phase(params: list[torch.nn.Parameter]) -> tuple[int, int]:
+    """(resident, peak) bytes of params, their gradients and AdamW's state around one foreach optimizer step
+    (of sharded parameters, each rank's shards). The gradients stay, for the training phase to add into."""
     with LiveBytes() as tracker:
         for p in params:
             p.grad = torch.zeros_like(p)
         optimizer = torch.optim.AdamW(params, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
-    adapters = storage_bytes(params)
-    return adapters + tracker.live, adapters + tracker.peak
+    held = storage_bytes(params)
+    return held + tracker.live, held + tracker.peak
 
 
 def rollout_results(rows: int, prompt_len: int, new_tokens: int, device) -> list[torch.Tensor]:
@@ -327,6 +394,14 @@ def prompts_per_pass(work: Workload, rows: int, phase: str) -> list[int]:
     return layouts
 
 
+def pass_tokens(work: Workload, rows: int) -> int:
+    """Tokens a training micro-batch of `rows` rows runs at its largest layout (prompts_per_pass): rows x
+    (P + C) with every row whole, else each of its prompts once and every row's completion."""
+    P, C = work.prompt_len, work.max_new_tokens
+    prompts = prompts_per_pass(work, rows, "train")[0]
+    return rows * (P + C) if prompts == rows else prompts * P + rows * C
+
+
 def _policy_states(model: Transformer, rows: int, prompts: int, work: Workload):
     """train.py's policy_states for rows of full prompts and completions: (h, ids, start)."""
     device, P, C = model.device, work.prompt_len, work.max_new_tokens
@@ -341,15 +416,16 @@ def _policy_states(model: Transformer, rows: int, prompts: int, work: Workload):
     return h, torch.zeros(rows, 1 + C, dtype=torch.long, device=device), 1
 
 
-def train_phase(model: Transformer, rows: int, work: Workload, prompts: int | None = None) -> int:
-    """One training micro-batch of `rows` rows of `prompts` distinct prompts (default: all distinct):
-    forward, loss and backward into existing adapter gradients."""
+def train_phase(model: Transformer, rows: int, work: Workload, resizable=(), prompts: int | None = None) -> int:
+    """One training micro-batch of `rows` rows of `prompts` distinct prompts (default: all distinct): forward,
+    loss and backward into existing gradients (the adapters', or every weight's shards). resizable: a sharded
+    model's gathered weights (LiveBytes)."""
     device, C = model.device, work.max_new_tokens
-    for p in lora.parameters(model):  # accumulation adds into the gradients a previous micro-batch left
-        if p.grad is None:
+    for p in (model.parameters() if work.full else lora.parameters(model)):
+        if p.grad is None:  # accumulation adds into the gradients a previous micro-batch left
             p.grad = torch.zeros_like(p)
     model.train()
-    with LiveBytes() as tracker:
+    with LiveBytes(resizable) as tracker:
         old_logp = torch.zeros(rows, C, device=device)
         mask = torch.ones(rows, C, dtype=torch.bool, device=device)
         advantages = torch.ones(rows, device=device)
@@ -361,82 +437,152 @@ def train_phase(model: Transformer, rows: int, work: Workload, prompts: int | No
     return tracker.peak
 
 
-def frozen_phase(model: Transformer, rows: int, work: Workload, prompts: int | None = None) -> int:
-    """One micro-batch of the no-grad passes (old log-probs, reference log-probs), as train.py runs them."""
+def frozen_phase(model: Transformer, rows: int, work: Workload, reference: Transformer | None = None,
+                 resizable=(), prompts: int | None = None) -> int:
+    """One micro-batch of the no-grad passes (old log-probs, reference log-probs), as train.py runs them, of
+    `rows` rows of `prompts` distinct prompts (default: all distinct); the reference pass runs on `reference`
+    (a full run's frozen copy) or on the model (LoRA's base)."""
+    passes = [model] * (work.recompute_old_logp + work.old_hidden) + [reference or model] * work.ref_logp
     model.eval()
-    with LiveBytes() as tracker, torch.no_grad():
+    with LiveBytes(resizable) as tracker, torch.no_grad():
         kept = []
-        for _ in range(work.recompute_old_logp + work.ref_logp):
-            h, ids, start = _policy_states(model, rows, prompts or rows, work)
-            kept.append(model.hidden_logprobs(h, ids, start=start, temperature=work.temperature)[0])
+        for policy in passes:
+            h, ids, start = _policy_states(policy, rows, prompts or rows, work)
+            kept.append(policy.hidden_logprobs(h, ids, start=start, temperature=work.temperature)[0])
             del h
         del kept
     return tracker.peak
 
 
-def sampling_phase(model: Transformer, prompts: int, samples: int, work: Workload, temperature: float) -> int:
-    """One sampler call as rollout.generate makes it on CUDA (FixedShapeStep), at its worst moments:
-    - prefill: the cache of the prompts, their prefill, the fork into G rows and the output buffers;
-    - the widest decode step (the last one, whose span bucket covers the whole cache) and the draw after it;
-    - the first compaction at the last step it can happen: cache.select copies the kept rows into a
-      second cache while the first is alive, each row with room for all its tokens.
-    A CUDA graph keeps its step's temporaries reserved, so they count on top of the draw and the compaction.
+def sampling_phase(model: Transformer, work: Workload, prompts_in_flight: int, eval: bool = False,
+                   graphs: bool = True) -> int:
+    """One sampler call as rollout.generate makes it on CUDA (rollout._Loop, fixed shapes), beside the resident
+    pool, at its widest moments:
+    - the call's [N + 1, C] outputs and the results it returns for its N rows, throughout;
+    - a prefill pass of as many prompts as PREFILL_TOKENS and the rows in flight allow, and its first draw;
+    - the widest decode step (the rows in flight in their bucket, attending over a full row's span) and
+      the draw after it. With graphs (CUDA's default), the static logits of the two largest row buckets
+      are held too, and a captured graph keeps its step's temporaries reserved, so they count on top of
+      the draw.
     """
-    device, P, C, G = model.device, work.prompt_len, work.max_new_tokens, samples
-    N = prompts * G
-    draw = partial(rollout._sample, temperature=temperature, top_p=work.top_p, top_k=work.top_k)
-    step = rollout.FixedShapeStep(model, graphs=False, required=False)
+    device, C = model.device, work.max_new_tokens
+    G, P = (work.eval_k, work.eval_len) if eval else (work.group_size, work.prompt_len)
+    temperature = work.eval_temperature if eval else work.temperature
+    call_prompts = work.eval_prompts if eval else work.prompts_per_step
+    rows = min(prompts_in_flight, call_prompts) * G
+    pool = rollout.Pool(model, 2, max_len=P + C)  # the resident pool is counted apart: blocks x block bytes
+    draw = partial(rollout._sample, keys=rollout._row_keys(0, 0, call_prompts, G, device), temperature=temperature,
+                   top_p=work.top_p, top_k=work.top_k)
+    stop = torch.zeros(1, dtype=torch.long, device=device)
     model.eval()
     with LiveBytes() as tracker, torch.inference_mode():
-        prompt_ids = torch.zeros(prompts, P, dtype=torch.long, device=device)
-        prompt_mask = torch.ones(prompts, P, dtype=torch.bool, device=device)
-        cache, logits = rollout.prefill(model, prompt_ids, prompt_mask, G, C)
-        outputs = rollout_results(N + 1, 0, C, device)[:3]  # _decode's completion ids, old_logp and mask
-        keys, rows = rollout._row_keys(0, 0, prompts, G, device), torch.arange(N, device=device)
-        tokens, _ = draw(logits, keys=keys, rows=rows, position=0)
+        loop = rollout._Loop(model, pool, [[0] * P] * call_prompts, G, C, draw, stop, rows, True, "off")
+        results = rollout_results(call_prompts * G, P, C, device)
+        groups = [rollout.Group(i, P, list(range(G))) for i in range(max(1, min(rows // G, PREFILL_TOKENS // P)))]
+        for group in groups:
+            group.rows = [rollout.Row(group, member, P, 1, [1] * -(-P // pool.block_size)) for member in range(G)]
+        loop._prefill(groups, [row for group in groups for row in group.rows])
         prefill_peak = tracker.peak
 
-        alive = torch.ones(N, dtype=torch.bool, device=device)
-        last = max(0, C - 2)  # the last position whose draw is followed by a compaction check and a step
-        cache.advance(alive, last)
+        R = rollout.bucket(rows)
+        static_logits = [torch.empty(r, model.config.vocab_size, dtype=model.dtype, device=device)
+                         for r in ({R, max(1, R // 2)} if graphs else ())]
+        zeros = torch.zeros(R, dtype=torch.long, device=device)
+        batch = rollout._Batch(zeros, zeros.bool(), zeros, zeros, zeros,
+                               torch.zeros(R, pool.table_width, dtype=torch.int32, device=device))
         tracker.reset_peak()
-        logits = step(tokens, alive, cache)
-        step_temporaries = tracker.peak - tracker.live  # freed on return, but a graph keeps them reserved
+        logits = loop._decode(batch, loop._span(P + C))
+        # freed on return, but a graph keeps them reserved
+        step_temporaries = tracker.peak - tracker.live if graphs else 0
         tracker.reset_peak()
-        draw(logits, keys=keys, rows=rows, position=last)
+        draw(logits, rows=batch.out_row, position=batch.position)
         draw_peak = tracker.peak
-
-        tracker.reset_peak()
-        kept = cache.select(_first_compaction(N).to(device))
-        compaction_peak = tracker.peak
-        del kept, outputs
-    return max(prefill_peak, max(draw_peak, compaction_peak) + step_temporaries)
+        del loop, results, static_logits, logits
+    return max(prefill_peak, draw_peak + step_temporaries)
 
 
-def _first_compaction(rows: int) -> torch.Tensor:
-    """The rows FixedShapeStep keeps at its first compaction of `rows` rows, finishing one at a time: the
-    largest compacted cache a call builds (later ones start from a smaller cache and are smaller)."""
-    for n_done in range(1, rows):
-        done = torch.arange(rows) < n_done
-        keep = rollout.FixedShapeStep.rows_to_keep(done, n_done)
-        if keep is not None:
-            return keep.rows
-    return torch.arange(rows)[:0]  # one row never compacts
+def long_tail_lengths(rows: int, cap: int, seed: int = 0) -> list[int]:
+    """The stated length model of the plan and of bench/rollout.py --long-tail: completion lengths of `rows` rows,
+    log-normal with median cap/6 and sigma 0.9, in [1, cap] (most rows end early, a few run to the cap)."""
+    g = torch.Generator().manual_seed(seed)
+    drawn = torch.randn(rows, generator=g).mul(0.9).add(math.log(cap / 6)).exp()
+    return drawn.round().clamp(1, cap).long().tolist()
+
+
+def simulate_rollout(prompt_lens: list[int], G: int, lengths: list[int], blocks: int, block_size: int,
+                     max_rows: int, new_tokens: int, chunk: int = rollout.SYNC_EVERY) -> rollout.SamplerStats:
+    """What a generate call with a pool of `blocks` blocks does when row i (prompt-major) ends after lengths[i]
+    tokens: rollout.Scheduler's decisions, in the order the sampler's loop takes them, with no model."""
+    sched = rollout.Scheduler(blocks - 1, block_size, chunk, max_rows, new_tokens)
+    for i, prompt_len in enumerate(prompt_lens):
+        sched.add(rollout.Group(i, prompt_len, list(range(G))))
+    stats = rollout.SamplerStats()
+    while True:
+        sched.finish([row for row in sched.running if row.position >= lengths[row.out_row(G)]])
+        preempted, admitted = sched.sync()
+        stats.preempted += len(preempted)
+        stats.prefills += len(rollout.prefill_batches(admitted))
+        if not sched.running:
+            return stats
+        steps = sched.chunk_steps()
+        stats.decode_steps += steps
+        stats.row_steps += steps * len(sched.running)
+        stats.rows_max = max(stats.rows_max, len(sched.running))
+        sched.advance(steps)
 
 
 # ----------------------------------------------------------------------------- the plan
 
 
 def measure(model_cfg: ModelConfig, work: Workload) -> dict[str, int]:
-    """Peak bytes of each phase (weights, lora, train, frozen, rollout, eval), counted on the meta device."""
-    planner = Planner.of(model_cfg, work)
-    return {name: planner.peak(name, size) for name, size in phase_sizes(work).items()}
+    """Peak bytes of each phase (weights, lora or optimizer, pool, train, frozen, rollout, eval), counted on the
+    meta device (a full run's sharded phases: per rank, on fake tensors)."""
+    with planning(model_cfg, work) as planner:
+        return {name: planner.peak(name, size, work.pool_blocks) for name, size in phase_sizes(work).items()}
 
 
 def phase_sizes(work: Workload) -> dict[str, int]:
-    """The size each phase runs at: rows per micro-batch, or prompts per sampler call."""
-    return {"weights": 0, "lora": 0, "train": work.micro_batch_rows, "frozen": work.micro_batch_rows,
+    """The size each phase runs at: rows per micro-batch, or prompts in flight in the sampler."""
+    return {"weights": 0, state_phase(work): 0, "pool": 0, "train": work.micro_batch_rows,
+            "frozen": work.micro_batch_rows,
             "rollout": work.rollout_prompts, "eval": work.eval_prompts}
+
+
+def state_phase(work: Workload) -> str:
+    """The phase of the trained state: LoRA's adapters ("lora"), or every weight's gradients and moments."""
+    return "optimizer" if work.full else "lora"
+
+
+@contextmanager
+def planning(model_cfg: ModelConfig, work: Workload):
+    """The Planner of a model and workload. A full run's runs fully_shard, so it lives inside a fake world
+    (fake_world) that closes with the block; a LoRA run's is kept for the next call (Planner.of)."""
+    if not work.full:
+        yield Planner.of(model_cfg, work)
+        return
+    with fake_world(work.world_size) as mesh:
+        yield Planner(model_cfg, work, mesh)
+
+
+@contextmanager
+def fake_world(size: int):
+    """A DeviceMesh of `size` ranks on torch's "fake" process group, which answers every collective at once
+    without moving data: one process plans rank 0 of a sharded run. Without a process group it is the
+    default group for the block; inside a run (which plans for its own world) a fake group beside the real one."""
+    if not dist.is_initialized():
+        dist.init_process_group("fake", rank=0, world_size=size)
+        try:
+            yield init_device_mesh("cpu", (size,))
+        finally:
+            dist.destroy_process_group()
+        return
+    if dist.get_world_size() != size:
+        raise ValueError(f"a plan for {size} processes cannot run inside a job of {dist.get_world_size()}")
+    group = dist.new_group(backend="fake")
+    try:
+        yield DeviceMesh.from_group(group, "cpu")
+    finally:
+        dist.destroy_process_group(group)
 
 
 class Planner:
@@ -444,20 +590,28 @@ class Planner:
     linearly to the real depth: every block allocates the same (the first is left out of the slope, as
     its input needs no gradient). It saves running 36 identical blocks for every figure fit asks for;
     test_memory checks the extension against a full-depth count. The sizes fit chooses are passed to
-    measure, so the workload's own are ignored."""
+    measure, so the workload's own are ignored; the pool's bytes are blocks x block_bytes, exactly."""
 
     _recent: dict[str, Planner] = {}  # Planner.of's: report after fit measures nothing twice
 
-    def __init__(self, model_cfg: ModelConfig, work: Workload):
+    def __init__(self, model_cfg: ModelConfig, work: Workload, mesh: DeviceMesh | None = None):
+        self.started = time.perf_counter()
         self.work, self.layers = work, model_cfg.num_layers
         depths = (self.layers,) if self.layers <= 3 else (2, 3)
-        self.runs = [_MetaRun(meta_model(dataclasses.replace(model_cfg, num_layers=d), work), work) for d in depths]
+        shallow = [dataclasses.replace(model_cfg, num_layers=d) for d in depths]
+        if work.full and mesh is None:
+            raise ValueError("a full run's Planner shards its models over a mesh: use memory.planning()")
+        self.runs = [_ShardedRun(cfg, work, mesh) if work.full else _MetaRun(meta_model(cfg, work), work)
+                     for cfg in shallow]
+        self.block_size = self.runs[0].block_size
+        self.block_bytes = KVPool.block_bytes(model_cfg, self.block_size, work.dtype)
         self._memo: dict[tuple[str, int], tuple[int, int]] = {}
 
     @classmethod
     def of(cls, model_cfg: ModelConfig, work: Workload) -> Planner:
         """The planner of a recent call with the same model and workload (sizes aside), or a new one."""
-        key = repr((model_cfg, dataclasses.replace(work, micro_batch_rows=1, rollout_prompts=1, eval_prompts=1)))
+        key = repr((model_cfg, dataclasses.replace(work, micro_batch_rows=1, rollout_prompts=1, eval_prompts=1,
+                                                   pool_blocks=0)))
         if key not in cls._recent:
             if len(cls._recent) >= 4:
                 cls._recent.clear()
@@ -465,7 +619,7 @@ class Planner:
         return cls._recent[key]
 
     def measure(self, name: str, size: int = 0) -> tuple[int, int]:
-        """(resident, own) bytes of phase `name` at `size` (rows per micro-batch, or prompts per call)."""
+        """(resident, own) bytes of phase `name` at `size`, the pool left out of resident."""
         if (name, size) not in self._memo:
             values = [run.measure(name, size) for run in self.runs]
             if len(values) > 1:
@@ -474,9 +628,25 @@ class Planner:
             self._memo[name, size] = values[0]
         return self._memo[name, size]
 
-    def peak(self, name: str, size: int = 0) -> int:
+    def held_and_own(self, name: str, size: int, pool_blocks: int) -> tuple[int, int]:
+        """(resident, own) bytes of phase `name` with a pool of pool_blocks blocks, allocated after the trained
+        state (LoRA's, or a full run's optimizer shards)."""
+        state = state_phase(self.work)
+        if name == "pool":
+            return sum(self.measure(state)), pool_blocks * self.block_bytes
+        held, own = self.measure(name, size)
+        return held + (pool_blocks * self.block_bytes if name not in ("weights", state) else 0), own
+
+    def peak(self, name: str, size: int = 0, pool_blocks: int = 0) -> int:
         """Peak bytes of phase `name` at `size`: what it holds when it starts plus its own peak."""
-        return sum(self.measure(name, size))
+        return sum(self.held_and_own(name, size, pool_blocks))
+
+    def floor_blocks(self, work: Workload) -> int:
+        """The smallest pool that samples: one group of the longest prompt at full length, training's and
+        evaluation's (Pool.check_fits refuses a call otherwise)."""
+        C = work.max_new_tokens
+        return 1 + max(rollout.group_blocks(work.prompt_len, work.group_size, C, self.block_size),
+                       rollout.group_blocks(work.eval_len, work.eval_k, C, self.block_size))
 
 
 class _MetaRun:
@@ -486,20 +656,25 @@ class _MetaRun:
         self.model, self.work = model, work
         self.weights = storage_bytes([t for name, t in model.state_dict(keep_vars=True).items()
                                       if ".lora_" not in name])
-        self.lora, self.lora_peak = lora_state_phase(model)
+        self.lora, self.lora_peak = (0, 0) if work.full else lora_state_phase(model)
+        self.block_size = rollout.Pool(model, 2).block_size
 
     def step_data(self, rows: int) -> int:
-        """Rollout results of `rows` rows, plus the frozen passes' [rows, C] fp32 outputs."""
+        """Rollout results of `rows` rows, plus the frozen passes' [rows, C] fp32 outputs and, for a rule that
+        needs them, the sampling policy's hidden states [rows, C, hidden] (old_hidden)."""
         w, device = self.work, self.model.device
         with LiveBytes() as tracker:
             kept = rollout_results(rows, w.prompt_len, w.max_new_tokens, device)
             frozen_outputs = w.recompute_old_logp + w.ref_logp
             kept += [torch.zeros(rows, w.max_new_tokens, device=device) for _ in range(frozen_outputs)]
+            if w.old_hidden:
+                kept.append(torch.zeros(rows, w.max_new_tokens, self.model.config.hidden_size, dtype=w.dtype,
+                                        device=device))
         del kept
         return tracker.peak
 
     def measure(self, name: str, size: int) -> tuple[int, int]:
-        """(resident, own) bytes of a phase: what is held when it starts, and its own peak above that."""
+        """(resident, own) bytes of a phase, the pool left out: what is held when it starts, and its own peak."""
         w, model, resident = self.work, self.model, self.weights + self.lora
         with flash_attention_on_meta():
             if name == "weights":
@@ -508,17 +683,95 @@ class _MetaRun:
                 return self.weights, self.lora_peak
             if name == "train":
                 return resident + self.step_data(w.step_rows), max(
-                    train_phase(model, size, w, prompts) for prompts in prompts_per_pass(w, size, name))
+                    train_phase(model, size, w, prompts=prompts) for prompts in prompts_per_pass(w, size, name))
             if name == "frozen":
-                if not (w.recompute_old_logp or w.ref_logp):
+                if not (w.recompute_old_logp or w.ref_logp or w.old_hidden):
                     return 0, 0
                 return resident + self.step_data(w.step_rows), max(
-                    frozen_phase(model, size, w, prompts) for prompts in prompts_per_pass(w, size, name))
-            if name == "rollout":  # the results of the step's earlier sampler calls are kept
-                earlier = max(0, w.prompts_per_step - size) * w.group_size
-                return resident + self.step_data(earlier), sampling_phase(model, size, w.group_size, w, w.temperature)
+                    frozen_phase(model, size, w, prompts=prompts) for prompts in prompts_per_pass(w, size, name))
+            if name == "rollout":
+                return resident, sampling_phase(model, w, size)
             if name == "eval":
-                return resident, sampling_phase(model, size, w.eval_k, w, w.eval_temperature)
+                return resident, sampling_phase(model, w, size, eval=True)
+        raise ValueError(f"unknown phase {name!r}")
+
+
+def _fake(model: Transformer) -> Transformer:
+    """A meta model given fake CPU storage (inside a FakeTensorMode), its tied weights tied again: to_empty
+    makes a new tensor for each module that holds one."""
+    model.to_empty(device="cpu")
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+class _ShardedRun:
+    """One full-parameter model sharded by fsdp.shard over a fake world, on FakeTensorMode's tensors (FSDP2
+    refuses meta parameters at its first forward, so these are meta storage under the CPU's name): rank 0's
+    shards of the fp32 weights, gradients and AdamW moments, and what its sharded phases allocate. The
+    sampler's phases run on the whole model in the compute dtype (a _MetaRun), which fsdp.whole gathers.
+
+    FSDP2 gathers a group into storages it keeps and resizes in place, outside any operator; they are
+    found by gathering each group once, and LiveBytes counts what they hold at each operator.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, work: Workload, mesh: DeviceMesh):
+        self.work, self.whole = work, _MetaRun(meta_model(model_cfg, work), work)
+        self.block_size = self.whole.block_size
+        with torch.device("meta"):  # cast on meta, given fake storage below (a fake module's .to() fails)
+            policy = Transformer(model_cfg).to(fsdp.master_dtype(work.dtype))
+            frozen = Transformer(model_cfg).to(work.dtype) if work.ref_logp else None  # train.build's copy
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)  # to_empty reads the meta parameters
+        with self.mode:
+            self.model = fsdp.shard(_fake(policy), work.dtype, mesh)
+            self.model.gradient_checkpointing = work.gradient_checkpointing
+            self.reference = None
+            if frozen is not None:
+                self.reference = fsdp.shard(_fake(frozen), work.dtype, mesh).requires_grad_(False)
+            self.resizable = [*self._gathered_storages(self.model), *self._gathered_storages(self.reference)]
+            params = list(self.model.parameters())
+            self.params = self.grads = storage_bytes(params)  # gradients: the same shards, in the same dtype
+            self.reference_weights = storage_bytes(self.reference.parameters()) if self.reference else 0
+            self.weights = self.params + self.reference_weights
+            state, self.state_peak = optimizer_phase(params)
+            self.moments = state - self.params - self.grads
+
+    @staticmethod
+    def _gathered_storages(model: Transformer | None) -> list:
+        if model is None:
+            return []
+        for group in fsdp.groups(model):
+            group.unshard()
+        storages = [p.untyped_storage() for p in model.parameters()]
+        fsdp.reshard(model)
+        return storages
+
+    def measure(self, name: str, size: int) -> tuple[int, int]:
+        """(resident, own) bytes of a phase, as _MetaRun.measure: the gradients are held only while training
+        (train.py frees them after each update), the gathered whole model only while sampling."""
+        w, whole = self.work, self.whole
+        held = self.weights + self.moments
+        if name == "weights":
+            return 0, self.weights
+        if name == "optimizer":
+            return self.reference_weights, self.state_peak
+        if name in ("rollout", "eval"):  # the shards stay, and the sampler reads the whole model, gathered
+            resident, own = whole.measure(name, size)
+            return held + resident, own
+        with self.mode, flash_attention_on_meta():
+            layouts = prompts_per_pass(w, size, name) if name in ("train", "frozen") else []
+            if name == "train":
+                own = max(train_phase(self.model, size, w, self.resizable, prompts) for prompts in layouts)
+                return held + self.grads + whole.step_data(w.step_rows), own
+            if name == "frozen":
+                if not (w.recompute_old_logp or w.ref_logp or w.old_hidden):
+                    return 0, 0
+                own = 0
+                for prompts in layouts:
+                    own = max(own, frozen_phase(self.model, size, w, self.reference, self.resizable, prompts))
+                    for model in (self.model, self.reference or self.model):
+                        fsdp.reshard(model)  # a root stays gathered after a pass without backward
+                return held + whole.step_data(w.step_rows), own
         raise ValueError(f"unknown phase {name!r}")
 
 
@@ -527,46 +780,81 @@ def usable_bytes(budget_bytes: int) -> int:
     return int(budget_bytes * (1 - SLACK)) - RESERVED
 
 
-def fit(model_cfg: ModelConfig, work: Workload, budget_bytes: int) -> Workload:
-    """The workload with the largest micro_batch_rows, rollout_prompts and eval_prompts, each at most
-    its given value (and the step's sizes), whose every phase fits usable_bytes(budget_bytes).
+FREE_SIZES = ("micro_batch_rows", "rollout_prompts", "eval_prompts")
 
-    Raises ValueError naming the phase that does not fit even at one row or prompt, and what lowers it.
+
+def fit(model_cfg: ModelConfig, work: Workload, budget_bytes: int, free: tuple[str, ...] = FREE_SIZES,
+        planner: Planner | None = None) -> Workload:
+    """The workload with its `free` sizes chosen and the sampler's pool sized, every phase within
+    usable_bytes(budget_bytes). The pool is resident, so it gets what the largest other phase leaves:
+    - micro_batch_rows: the fewest rows whose pass runs TRAIN_TOKENS tokens (pass_tokens; at least one
+      row): products of that many tokens keep a GPU's matrix units busy, so training speed hardly grows
+      past it, while the sampler's grows with every row its pool holds. With --shuffle groups a row's
+      prompt is shared by its group, so more rows make those tokens;
+    - rollout_prompts (prompts in flight): of the powers of two up to the step's prompts (and the step's
+      own count), the fewest whose pool samples the step within PASSES_TOLERANCE of the fewest decode
+      passes for the length model (simulate_rollout): more rows in flight than that only add preemptions
+      and sampling memory; eval_prompts then holds as many rows;
+    - pool_blocks: all that is left.
+    Sizes not in `free` are kept as given. Raises ValueError naming what lowers memory when no pool of
+    one full-length group fits. planner: one planning() gave for this model and workload (else a new one).
     """
+    if planner is not None:
+        return _fit(planner, work, budget_bytes, free)
+    with planning(model_cfg, work) as planner:
+        return _fit(planner, work, budget_bytes, free)
+
+
+def _fit(planner: Planner, work: Workload, budget_bytes: int, free: tuple[str, ...]) -> Workload:
     usable = usable_bytes(budget_bytes)
-    planner = Planner.of(model_cfg, work)
-    for name in ("weights", "lora"):
+    for name in ("weights", state_phase(work)):
         if planner.peak(name) > usable:
             raise ValueError(_no_fit(name, planner.peak(name), usable, budget_bytes, PHASE_FLAGS[name]))
-    limits = {"micro_batch_rows": (("train", "frozen"), min(work.micro_batch_rows, work.minibatch_rows)),
-              "rollout_prompts": (("rollout",), min(work.rollout_prompts, work.prompts_per_step)),
-              "eval_prompts": (("eval",), work.eval_prompts)}
-    chosen = {}
-    for field, (phases, most) in limits.items():
-        worst = max(phases, key=lambda p: planner.peak(p, 1))
-        if planner.peak(worst, 1) > usable:
-            raise ValueError(_no_fit(worst, planner.peak(worst, 1), usable, budget_bytes, PHASE_FLOOR_FLAGS[worst],
-                                     floor=True))
-        chosen[field] = _largest(lambda size: max(planner.peak(p, size) for p in phases), most, usable)
-    return dataclasses.replace(work, **chosen)
+    micro = work.micro_batch_rows
+    if "micro_batch_rows" in free:
+        micro = next((rows for rows in range(1, work.minibatch_rows) if pass_tokens(work, rows) >= TRAIN_TOKENS),
+                     work.minibatch_rows)
+    if "rollout_prompts" in free:
+        most = min(work.prompts_per_step, max(1, ROWS_CAP // work.group_size))
+        candidates = sorted({*(1 << k for k in range(most.bit_length()) if 1 << k <= most), most})
+    else:
+        candidates = [work.rollout_prompts]
+    floor, trials = planner.floor_blocks(work), []
+    while not trials:
+        for prompts in candidates:
+            eval_prompts = work.eval_prompts
+            if "eval_prompts" in free:
+                eval_prompts = max(1, prompts * work.group_size // work.eval_k)
+            trial = dataclasses.replace(work, micro_batch_rows=micro, rollout_prompts=prompts,
+                                        eval_prompts=eval_prompts)
+            # the pool is kept through every phase, the optimizer step (the trained state's peak) included
+            largest = max((state_phase(work), "train", "frozen", "rollout", "eval"),
+                          key=lambda name: planner.peak(name, phase_sizes(trial)[name]))
+            blocks = (usable - planner.peak(largest, phase_sizes(trial)[largest])) // planner.block_bytes
+            if blocks < floor:
+                break  # more prompts in flight only need more memory
+            trial = dataclasses.replace(trial, pool_blocks=blocks)
+            trials.append((rollout_estimate(planner, trial).decode_steps, trial))
+        if not trials:
+            if "micro_batch_rows" in free and micro > 1:
+                micro = max(1, micro // 2)
+                continue
+            trial = dataclasses.replace(work, micro_batch_rows=micro, rollout_prompts=candidates[0])
+            need = planner.peak(largest, phase_sizes(trial)[largest]) + floor * planner.block_bytes
+            raise ValueError(_no_fit(f"{largest} with the smallest pool ({floor} blocks: one group of "
+                                     f"{work.group_size} rows at full length)", need, usable, budget_bytes,
+                                     f"{PHASE_FLOOR_FLAGS[largest]}, or lower --max-new-tokens"))
+    fewest = min(passes for passes, _ in trials)
+    return next(trial for passes, trial in trials if passes <= (1 + PASSES_TOLERANCE) * fewest)
 
 
-def _largest(need, most: int, usable: int) -> int:
-    """The largest size in [1, most] with need(size) <= usable, given that need(1) fits and need grows
-    with size. Memory is close to affine in the size, so after a first probe at 8 each next size comes
-    from the line through the nearest sizes known to fit and not to fit: four or five measurements."""
-    lo, bad = 1, most + 1  # need(lo) fits; no size from bad on does (most + 1: none known yet)
-    size = min(most, 8)  # past the small sizes where a constant term (one logits chunk) dominates
-    while lo + 1 < bad:
-        if need(size) <= usable:
-            lo = size
-        else:
-            bad = size
-        x0, x1 = (lo, bad) if bad <= most else (1, lo)
-        slope = (need(x1) - need(x0)) / (x1 - x0)
-        guess = x0 + int((usable - need(x0)) / slope) if slope > 0 else most
-        size = min(max(guess, lo + 1), bad - 1)
-    return lo
+def rollout_estimate(planner: Planner, work: Workload) -> rollout.SamplerStats:
+    """simulate_rollout of one step with the plan's pool: the step's prompts, each as long as the longest,
+    and completion lengths from long_tail_lengths."""
+    rows = work.step_rows
+    lengths = long_tail_lengths(rows, work.max_new_tokens)
+    return simulate_rollout([work.prompt_len] * work.prompts_per_step, work.group_size, lengths, work.pool_blocks,
+                            planner.block_size, work.rollout_prompts * work.group_size, work.max_new_tokens)
 
 
 def _no_fit(phase: str, need: int, usable: int, budget: int, hint: str, floor: bool = False) -> str:
@@ -575,26 +863,60 @@ def _no_fit(phase: str, need: int, usable: int, budget: int, hint: str, floor: b
             f"of {budget / GB:.1f} GB; {hint}")
 
 
-def report(model_cfg: ModelConfig, work: Workload, budget_bytes: int) -> tuple[str, bool]:
-    """A table of the phases (own peak, peak with what is resident, what they hold), ending
-    `plan: peak X GB of Y GB (fits)` or `... (does not fit: PHASE needs Z GB; what lowers it)`.
-    Returns (text, fits); fits means every phase's peak is within usable_bytes(budget_bytes)."""
+def _measured(planner: Planner, work: Workload) -> tuple[Workload, dict[str, tuple[int, int]]]:
+    """The workload with a pool (the smallest that samples when it has none) and each phase's (resident, own)."""
+    if not work.pool_blocks:
+        work = dataclasses.replace(work, pool_blocks=planner.floor_blocks(work))
+    return work, {name: planner.held_and_own(name, size, work.pool_blocks) for name, size in phase_sizes(work).items()}
+
+
+def report(model_cfg: ModelConfig, work: Workload, budget_bytes: int,
+           planner: Planner | None = None) -> tuple[str, bool]:
+    """A table of the phases (own peak, peak with what is resident, what they hold), the sampler's estimate
+    for the length model, ending `plan: peak X GB of Y GB (fits)` or `... (does not fit: PHASE needs Z GB;
+    what lowers it)`. Returns (text, fits); fits means every phase's peak is within usable_bytes(budget_bytes).
+    A workload without a pool (pool_blocks 0) is shown with the smallest one that samples.
+    planner: as fit's; the time printed is then since its first measurement."""
     start = time.perf_counter()
-    planner = Planner.of(model_cfg, work)
-    w, usable = work, usable_bytes(budget_bytes)
-    measured = {name: planner.measure(name, size) for name, size in phase_sizes(work).items()}
+    if planner is not None:
+        start = min(start, planner.started)
+        w, measured = _measured(planner, work)
+    else:
+        with planning(model_cfg, work) as planner:
+            w, measured = _measured(planner, work)
+    usable = usable_bytes(budget_bytes)
+    slots = (w.pool_blocks - 1) * planner.block_size
+    dtype = str(w.dtype).removeprefix("torch.")
     holds = {
-        "weights": f"{model_cfg.num_layers} layers x {model_cfg.hidden_size} in {str(w.dtype).removeprefix('torch.')}",
+        "weights": f"{model_cfg.num_layers} layers x {model_cfg.hidden_size} in {dtype}",
         "lora": f"r{w.lora_rank} on {len(w.lora_targets)} targets: fp32 adapters, gradients, AdamW moments",
-        "train": f"{_layouts_text(w, 'train')}, checkpointing "
-                 f"{'on' if w.gradient_checkpointing else 'off'}, step data",
+        "pool": f"KV cache: {w.pool_blocks - 1:,} blocks of {planner.block_size} slots ({slots:,} tokens), kept",
+        "train": f"{_layouts_text(w, 'train')}, checkpointing {'on' if w.gradient_checkpointing else 'off'}, "
+                 f"step data{' with old_hidden' * w.old_hidden}",
         "frozen": "no-grad log-prob passes" if measured["frozen"][1] else "none needed",
-        "rollout": f"{w.rollout_prompts} prompts x {w.group_size} samples x {w.max_new_tokens} new tokens per call",
-        "eval": f"{w.eval_prompts} prompts x {w.eval_k} samples x {w.max_new_tokens} new tokens per call",
+        "rollout": f"up to {w.rollout_prompts} prompts x {w.group_size} samples in flight, {w.prompt_len}-token "
+                   f"prompts, {w.max_new_tokens} new tokens",
+        "eval": f"up to {w.eval_prompts} prompts x {w.eval_k} samples in flight, {w.eval_len}-token prompts",
     }
-    lines = [f"{'phase':<9}{'own GB':>8}{'peak GB':>9}  holds"]
+    if w.full:
+        share = f"1/{w.world_size} of each" if w.world_size > 1 else "whole, one process"
+        holds.update(
+            weights=f"{model_cfg.num_layers} layers x {model_cfg.hidden_size}: fp32 weight shards ({share})"
+                    + (f", the frozen reference's {dtype} shards" if w.ref_logp else ""),
+            optimizer=f"every weight's fp32 gradient and AdamW moment shards ({share})",
+            train=holds["train"] + f", blocks gathered in {dtype} one at a time",
+            rollout=holds["rollout"] + f", the whole model gathered in {dtype}",
+            eval=holds["eval"] + f", the whole model gathered in {dtype}")
+    ranks = f"per rank of {w.world_size} processes" if w.world_size > 1 else "one process, a world of one"
+    lines = [f"{ranks} (FSDP2)"] if w.full else []
+    lines += [f"{'phase':<9}{'own GB':>8}{'peak GB':>9}  holds"]
     lines += [f"{name:<9}{own / GB:>8.2f}{(held + own) / GB:>9.2f}  {holds[name]}"
               for name, (held, own) in measured.items()]
+    estimate = rollout_estimate(planner, w)
+    lines.append(f"rollout estimate, lengths log-normal (median {w.max_new_tokens // 6}, sigma 0.9, capped at "
+                 f"{w.max_new_tokens}) for the step's {w.step_rows} rows: rows in flight max {estimate.rows_max}, "
+                 f"mean {estimate.rows_mean:.0f}; {estimate.decode_steps:,} decode passes, {estimate.prefills} "
+                 f"prefill passes, {estimate.preempted} groups preempted")
     lines.append(f"usable: {usable / GB:.1f} GB of {budget_bytes / GB:.1f} GB, after {SLACK:.0%} allocator slack and "
                  f"{RESERVED / GB:.0f} GB for the CUDA context (planned in {time.perf_counter() - start:.1f} s)")
     worst = max(measured, key=lambda name: sum(measured[name]))
@@ -608,9 +930,10 @@ def report(model_cfg: ModelConfig, work: Workload, budget_bytes: int) -> tuple[s
 def _layouts_text(w: Workload, phase: str) -> str:
     """The layouts a pass is planned for, e.g. "16 rows x 4,608 tokens, or 16 rows of 15 prompts: ..."."""
     rows, P, C = w.micro_batch_rows, w.prompt_len, w.max_new_tokens
-    return ", or ".join(f"{rows} rows x {P + C:,} tokens" if prompts == rows else
-                        f"{rows} rows of {prompts} prompts: {prompts} x {P:,} + {rows} x {C:,} tokens"
-                        for prompts in prompts_per_pass(w, rows, phase))
+    some_rows = f"{rows} row{'s' * (rows > 1)}"
+    return ", or ".join(f"{some_rows} x {P + C:,} tokens" if prompts == rows else
+                        f"{some_rows} of {prompts} prompt{'s' * (prompts > 1)}: "
+                        f"{prompts} x {P:,} + {rows} x {C:,} tokens" for prompts in prompts_per_pass(w, rows, phase))
 
 
 def gpu_memory_bytes(device: str | None, given_gb: float | None) -> int:

@@ -10,7 +10,8 @@ Four ways in:
 - `model.token_logprobs(input_ids, pad_mask)` returns the log-probability of every token
   given its prefix, computing the vocabulary projection in chunks so [B, T, V] fp32 logits
   never exist for the whole batch (`hidden_logprobs` does the same from hidden states).
-- `model(input_ids, pad_mask, cache=cache)` appends to a KV cache; rollout.py samples with it.
+- `model.prefill(...)` and `model.decode_step(...)` sample over a KVPool, the paged KV cache whose
+  blocks rows hold only for the tokens they have; rollout.py drives them.
 - `model.hidden_shared(prompt_ids, prompt_mask, owner, completion_ids, completion_mask)` runs rows that
   share prompts with each prompt computed once (SharedPrompts): the training pass of a GRPO group,
   which train.py turns into log-probs with `hidden_logprobs`.
@@ -151,126 +152,223 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
-class KVCache:
-    """Preallocated keys and values for every layer: [layers, groups, kv_heads, max_len, head_dim].
+class KVPool:
+    """The sampler's keys and values: every layer's in blocks of block_size token slots, k and v each
+    [layers, blocks, block_size, kv_heads, head_dim], shared by all rows through their block tables.
 
-    Rows come in groups of `group` that share the first `shared` slots (a prompt, stored once) and
-    then interleave their own tokens time-major: the t-th own token of member g of a group sits at
-    slot shared + t * group + g, so the slots filled so far are always one prefix of the cache, and
-    attention over the first `span` slots covers every row (decode_step). A cache from new_cache has
-    groups of one row: a plain per-row cache. fork(G) turns a filled cache of B prompts into B groups
-    of G rows without copying anything, and attention then reads each group's slots once for all G
-    rows' queries, in one kernel call per layer; select copies rows out into groups of one again.
-    mark_new_slots is the one place that turns this layout into a step's slots and mask.
+    A row's t-th token sits at slot t of its sequence: block table[t // block_size], offset t % block_size,
+    and its RoPE position is t too (rows hold no padding). A row holds blocks only for the tokens it has,
+    and the G samples of a prompt share the blocks its prompt fills completely. Block 0 is never handed
+    out: table entries past a row's blocks point at it, so a write past them or a read of them touches
+    finite, unused slots (the pool starts zeroed) and never another row's.
 
-    `valid` [rows, max_len] marks the slots each row sees (its group's real prompt tokens and its own
-    tokens); `next_pos` [rows] is each row's next RoPE position. `length` slots are filled; `slot` is
-    the same number as a [1] tensor on the device, for decode_step, which must not read Python
-    numbers that change between steps.
+    Attention reads a row's blocks in one of two ways (`attention`), both exact:
+    - "flash" (CUDA, bf16/fp16, when torch has the paged FlashAttention kernel): torch.nn.attention.varlen
+      reads the blocks in place through the block table, and only each row's own slots. It needs blocks
+      of 256 slots.
+    - "gather" (any device and dtype): the rows' first `span` slots are copied into one [rows, kv_heads,
+      span, head_dim] tensor per layer (index_select over whole blocks), and F.scaled_dot_product_attention
+      attends over them with the unfilled slots masked. Measured on 2 CPU cores (SmolLM2 shape, 32 rows x
+      160 slots x 30 layers): the copies cost 9 ms a step next to 12 ms of attention, against 26 ms with
+      advanced indexing; FlexAttention, the other in-place option, runs its math fallback on the CPU (the
+      scores of every row against the whole pool) and needs torch.compile to be fast on a GPU.
     """
 
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, device):
-        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    def __init__(self, cfg: ModelConfig, blocks: int, block_size: int, dtype: torch.dtype, device,
+                 attention: str = "gather"):
+        if blocks < 2:
+            raise ValueError(f"KVPool: blocks={blocks}; block 0 is reserved, so at least 2 are needed")
+        if attention not in ("gather", "flash"):
+            raise ValueError(f"KVPool: attention must be 'gather' or 'flash', got {attention!r}")
+        shape = (cfg.num_layers, blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
-        self.next_pos = torch.zeros(batch, dtype=torch.long, device=device)
-        self.slot = torch.zeros(1, dtype=torch.long, device=device)
-        self.length = 0
-        self.group, self.shared = 1, 0
-        self.member = torch.zeros(batch, dtype=torch.long, device=device)  # [rows] place in the group
+        self.block_size, self.attention = block_size, attention
 
     @property
-    def max_len(self) -> int:
-        return self.k.shape[3]
+    def blocks(self) -> int:
+        return self.k.shape[1]
 
-    def fork(self, group: int) -> KVCache:
-        """A cache of `group` rows per row of this one, each continuing this row's contents, which
-        they share (no copy). The slots left hold (max_len - length) // group new tokens per row."""
-        if self.group != 1:
-            raise ValueError(f"fork: the cache is already forked into groups of {self.group}")
-        out = object.__new__(KVCache)
-        out.k, out.v = self.k, self.v
-        out.valid = self.valid.repeat_interleave(group, dim=0)
-        out.next_pos = self.next_pos.repeat_interleave(group)
-        out.slot, out.length = self.slot.clone(), self.length
-        out.group, out.shared = group, self.length
-        out.member = torch.arange(len(out.next_pos), device=self.slot.device) % group
-        return out
+    @staticmethod
+    def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one block of keys and values over all layers."""
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
-    def write(self, layer: int, slots, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store one layer's new keys and values [rows, kv_heads, T, head_dim] at `slots` (T * group of
-        them: a slice, or a tensor in decode_step), in the group's time-major order."""
-        rows, kv_heads, T, head_dim = keys.shape
-        groups, G = rows // self.group, self.group
-        for cache, new in ((self.k, keys), (self.v, values)):
-            cache[layer, :, :, slots] = new.reshape(groups, G, kv_heads, T, head_dim).permute(0, 2, 3, 1, 4).reshape(
-                groups, kv_heads, T * G, head_dim)
-
-    def select(self, rows: torch.Tensor) -> KVCache:
-        """A cache of groups of one holding copies of the given rows ([R] long or [rows] bool), e.g. to
-        drop finished ones; each row keeps the room for new tokens it had."""
-        if rows.dtype == torch.bool:
-            rows = rows.nonzero()[:, 0]
-        G, P, R = self.group, self.shared, len(rows)
-        T, room = (self.length - P) // G, (self.max_len - self.length) // G  # own tokens so far, and to come
-        owners, members = rows // G, self.member[rows]
-        out = object.__new__(KVCache)
-        layers, _, kv_heads, _, head_dim = self.k.shape
-        out.k, out.v = (self.k.new_zeros(layers, R, kv_heads, P + T + room, head_dim) for _ in range(2))
-        for new, old in ((out.k, self.k), (out.v, self.v)):
-            for layer in range(layers):  # a layer at a time: the gathers' temporaries stay one layer big
-                new[layer, :, :, :P] = old[layer, owners, :, :P]
-                own = old[layer, :, :, P:self.length].unflatten(2, (T, G))  # [groups, kv, T, G, D]
-                new[layer, :, :, P:P + T] = own[owners, :, :, members]  # [R, kv, T, D]
-        out.valid = self.valid.new_zeros(R, P + T + room)
-        out.valid[:, :P] = self.valid[rows, :P]
-        own_valid = self.valid[rows, P:self.length].unflatten(1, (T, G))  # [R, T, G]
-        out.valid[:, P:P + T] = own_valid[torch.arange(R, device=rows.device), :, members]
-        out.next_pos = self.next_pos[rows]
-        out.length = P + T
-        out.slot = torch.full_like(self.slot, out.length)
-        out.group, out.shared = 1, 0
-        out.member = torch.zeros_like(out.next_pos)
-        return out
-
-    def mark_new_slots(self, present: torch.Tensor, span: int) -> torch.Tensor:
-        """Mark in `valid` the slots of each row's next T tokens (present [rows, T]: real tokens) and
-        return which of the first `span` slots each new query sees, [rows, T, span]: its row's valid
-        slots up to its own. Reads the slot from the device tensor, so decode_step stays graph-safe.
-
-        A pad or finished row's query sees only its own slot: its output is never used, but it must not be NaN.
-        """
-        T, device = present.shape[1], present.device
-        own = self.slot + torch.arange(T, device=device) * self.group + self.member[:, None]  # [rows, T]
-        self.valid.scatter_(1, own, present)
-        slots = torch.arange(span, device=device)
-        return ((slots <= own[..., None]) & self.valid[:, None, :span]) | (slots == own[..., None])
-
-    def advance(self, alive: torch.Tensor, steps: int = 1) -> None:
-        """Move past `steps` Transformer.decode_step calls; rows where alive [rows] is False keep their
-        position. (Several at once is how the memory planner skips to the last step.)"""
-        self.next_pos += alive * steps
-        self.slot += self.group * steps
-        self.length += self.group * steps
+    def copy_blocks(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy blocks source [n] into blocks target [n] in every layer (a prompt's partly filled last
+        block, given to each of its samples)."""
+        for pool in (self.k, self.v):
+            pool.index_copy_(1, target, pool.index_select(1, source))
 
 
-def attention_bias(mask: torch.Tensor, group: int, heads_per_kv: int, dtype: torch.dtype) -> torch.Tensor:
-    """The additive mask for cached attention, [groups, 1, group * heads_per_kv * T, L], from which of
-    the L slots each row's T queries see, mask [rows, T, L]. Built once per forward pass, not per layer.
+def flash_paged_attention_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch has the paged FlashAttention kernel (varlen_attn with a block table) for this
+    device and dtype. The meta device stands for CUDA here: the memory plan runs the CUDA path on it."""
+    if device.type not in ("cuda", "meta") or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    import inspect
 
-    Cached attention folds a group's rows and the query heads sharing a kv head into one query axis,
-    ordered (member, head, t), so the mask repeats per folded head.
+    return "block_table" in inspect.signature(varlen_attn).parameters
+
+
+@dataclass
+class PagedRows:
+    """Rows' view of a KVPool for one pass: table [rows, max_blocks] int32 block ids (0 past a row's
+    blocks) and length [rows] long, the slots each row has filled (its next token's slot and position)."""
+
+    pool: KVPool
+    table: torch.Tensor
+    length: torch.Tensor
+
+    def slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """Flat slot ids (block * block_size + offset) of the given slots [rows, T] of each row's sequence."""
+        bs = self.pool.block_size
+        return self.table.long().gather(1, positions // bs) * bs + positions % bs
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store keys and values [n, kv_heads, head_dim] at flat slots [n]."""
+        for pool, new in ((self.pool.k, k), (self.pool.v, v)):
+            pool[layer].view(-1, *new.shape[1:]).index_copy_(0, slots, new)
+
+
+class PrefillWrite:
+    """What Attention does with a cache during a prefill (Transformer.prefill): store the batch's keys
+    and values at slots 0..T-1 of each row's blocks, then attend causally within the batch."""
+
+    def __init__(self, rows: PagedRows, T: int):
+        self.rows = rows
+        self.slots = rows.slots(torch.arange(T, device=rows.length.device).expand(len(rows.length), T)).reshape(-1)
+
+    def attend(self, layer: int, q, k, v) -> torch.Tensor:
+        """q [B, heads, T, D], k and v [B, kv_heads, T, D] -> attention output [B, T, heads, D]."""
+        self.rows.write(layer, self.slots, k.transpose(1, 2).flatten(0, 1), v.transpose(1, 2).flatten(0, 1))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+
+
+class DecodeAttention:
+    """One decode step's attention over the pool: each row's new key and value go to slot `length`, and
+    its query attends over slots 0..length. Everything a layer needs is computed once per step, from
+    device tensors only, so a CUDA graph captured for a (rows, span) shape serves every step of it."""
+
+    def __init__(self, rows: PagedRows, span: int):
+        pool, R = rows.pool, len(rows.length)
+        bs = pool.block_size
+        if span % bs or not 0 < span <= rows.table.shape[1] * bs:
+            raise ValueError(f"span={span}: must be a positive multiple of the block size {bs} within the table "
+                             f"({rows.table.shape[1]} blocks)")
+        self.rows, self.span = rows, span
+        self.write_slots = rows.slots(rows.length[:, None])[:, 0]  # [R]
+        if pool.attention == "flash":
+            seen = (rows.length + 1).int()  # [R] slots each query reads
+            self.seen, self.cu_q = seen, torch.arange(R + 1, dtype=torch.int32, device=seen.device)
+            self.cu_k = F.pad(seen.cumsum(0, dtype=torch.int32), (1, 0))
+        else:
+            self.gather = rows.table[:, :span // bs].reshape(-1).long()  # [R * blocks]
+            positions = torch.arange(span, device=rows.length.device)
+            self.mask = (positions <= rows.length[:, None])[:, None, None]  # [R, 1, 1, span]
+
+    def __call__(self, layer: int, q, k, v) -> torch.Tensor:
+        """q [R, heads, D], k and v [R, kv_heads, D] -> attention output [R, heads * D]."""
+        rows, pool = self.rows, self.rows.pool
+        rows.write(layer, self.write_slots, k, v)
+        R, H, D = q.shape
+        kv_heads = k.shape[1]
+        if pool.attention == "flash":
+            from torch.nn.attention.varlen import varlen_attn
+
+            out = varlen_attn(q, pool.k[layer], pool.v[layer], self.cu_q, self.cu_k, 1, self.span,
+                              seqused_k=self.seen, block_table=rows.table, enable_gqa=True)
+            return out.reshape(R, H * D)
+        keys, values = (pool_[layer].view(pool.blocks, -1).index_select(0, self.gather)
+                        .view(R, self.span, kv_heads, D).transpose(1, 2) for pool_ in (pool.k, pool.v))
+        # the query heads sharing a kv head are one query axis of length H / kv_heads: no copy per head
+        out = F.scaled_dot_product_attention(q.view(R, kv_heads, H // kv_heads, D), keys, values, attn_mask=self.mask)
+        return out.reshape(R, H * D)
+
+
+PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+
+
+class DecodeWeights:
+    """The projections of decode_step, prepared once per rollout instead of once per token.
+
+    A projection's base weight and bias are the parameters themselves. A projection may carry a low-rank
+    term: a module with a `low_rank()` method (lora.LoRALinear) returns (A [r, in], scaled B [out, r])
+    in fp32, or None when it adds nothing now. Those are cast to the model's dtype once, into buffers that
+    keep their address (CUDA graphs read them) and that `refresh` overwrites in place. The projections of
+    a group that reads one input (q, k, v; gate, up) share one product with their A's side by side, and
+    each adds its part with one addmm against its B padded with zeros to the group's rank: per adapted
+    projection one operator more than the base step, instead of a cast, a scaling and two products.
     """
-    rows, T, L = mask.shape
-    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-    bias = bias.view(rows // group, group, 1, T, L).expand(-1, -1, heads_per_kv, -1, -1)
-    return bias.reshape(rows // group, 1, group * heads_per_kv * T, L)
+
+    def __init__(self, model: Transformer):
+        self.signature = self.signature_of(model)
+        self.groups = []  # per layer and group: (modules, A [in, r_total] or None, B's [r_total, out] or None)
+        for block in model.model.layers:
+            for names in PROJECTION_GROUPS:
+                modules = [_projection(block, name) for name in names]
+                terms = [_low_rank(m) for m in modules]
+                ranks = [0 if t is None else t[0].shape[0] for t in terms]
+                if not sum(ranks):
+                    self.groups.append((modules, None, [None] * len(modules)))
+                    continue
+                device, dtype = model.device, model.dtype
+                A = torch.zeros(modules[0].weight.shape[1], sum(ranks), dtype=dtype, device=device)
+                Bs = [None if not r else torch.zeros(sum(ranks), m.weight.shape[0], dtype=dtype, device=device)
+                      for m, r in zip(modules, ranks)]
+                self.groups.append((modules, A, Bs))
+        self.refresh(model)
+
+    @staticmethod
+    def signature_of(model: Transformer) -> tuple:
+        """Which projections carry a low-rank term and of what rank: buffers built for one signature
+        serve any adapter values of it."""
+        return tuple(None if (t := _low_rank(_projection(block, name))) is None else t[0].shape
+                     for block in model.model.layers for names in PROJECTION_GROUPS for name in names)
+
+    @torch.no_grad()
+    def refresh(self, model: Transformer) -> None:
+        """Copy the current adapter values into the buffers (cast and scaled once)."""
+        if self.signature_of(model) != self.signature:
+            raise ValueError("DecodeWeights.refresh: the model's adapters changed shape; build new DecodeWeights")
+        for modules, A, Bs in self.groups:
+            lo = 0
+            for module, B in zip(modules, Bs):
+                term = _low_rank(module)
+                if term is None:
+                    continue
+                a, scaled_b = term
+                A[:, lo:lo + len(a)].copy_(a.t())
+                B[lo:lo + len(a)].copy_(scaled_b.t())
+                lo += len(a)
+
+    def project(self, index: int, x: torch.Tensor) -> list[torch.Tensor]:
+        """The outputs of group `index` (layer * 4 + group) for its input x [rows, in]."""
+        modules, A, Bs = self.groups[index]
+        outs = [F.linear(x, m.weight, m.bias) for m in modules]
+        if A is None:
+            return outs
+        xa = torch.mm(x, A)  # [rows, r_total]
+        return [out if B is None else torch.addmm(out, xa, B) for out, B in zip(outs, Bs)]
+
+
+def _projection(block: Block, name: str) -> nn.Module:
+    return getattr(block.self_attn if name in ("q_proj", "k_proj", "v_proj", "o_proj") else block.mlp, name)
+
+
+def _low_rank(module: nn.Module):
+    low_rank = getattr(module, "low_rank", None)
+    return None if low_rank is None else low_rank()
 
 
 class SharedPrompts:
     """Rows that share prompts, laid out for one pass in which each distinct prompt runs once: the
-    training pass's twin of the sampler's forked cache. Transformer.hidden_shared builds it.
+    training pass's twin of the sampler's pool, where a prompt's G samples share its blocks.
+    Transformer.hidden_shared builds it.
 
     U prompts of P slots, real tokens first (rotated so, as Transformer.hidden does), and R completions
     of C slots, real tokens then pads; owner [R] is each row's prompt. The tokens run through the blocks
@@ -283,7 +381,7 @@ class SharedPrompts:
 
     The fused kernels that take a mask do not all take grouped-query attention, so the query heads that
     share a kv head are joined another way, whichever costs less memory: short completions (C at most
-    twice the head size) fold them into one query axis, as cached attention does, which repeats the mask
+    twice the head size) fold them into one query axis, as DecodeAttention does, which repeats the mask
     per folded head; longer ones copy each layer's keys and values per query head instead.
     """
 
@@ -302,9 +400,9 @@ class SharedPrompts:
             bias = bias.expand(-1, heads_per_kv, -1, -1).reshape(R, 1, heads_per_kv * C, P + C)
         self.bias = bias
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention output [1, tokens, heads, D] of the flat sequence, from q [1, heads, tokens, D] and
-        k, v [1, kv_heads, tokens, D]."""
+        k, v [1, kv_heads, tokens, D]; every layer's the same way (`layer` is PrefillWrite's argument)."""
         U, P, R, C = self.sizes
         heads, kv_heads, D = q.shape[1], k.shape[1], q.shape[3]
         split = U * P
@@ -335,7 +433,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, layer: int, cache: KVCache | SharedPrompts | None, bias, slots):
+    def forward(self, x, cos, sin, layer: int = 0, cache: PrefillWrite | SharedPrompts | None = None):
         B, T, _ = x.shape
         cfg = self.cfg
         q = self.q_proj(x).view(B, T, cfg.num_heads, cfg.head_dim)
@@ -347,23 +445,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
-        elif isinstance(cache, SharedPrompts):
-            out = cache.attend(q, k, v)
         else:
-            out = self._attend_cached(q, k, v, layer, cache, bias, slots)
+            out = cache.attend(layer, q, k, v)
         return self.o_proj(out.reshape(B, T, -1))
-
-    def _attend_cached(self, q, k, v, layer, cache, bias, slots):
-        """[rows, T, heads, D] attention output over the cache's first bias.shape[-1] slots."""
-        cache.write(layer, slots, k, v)
-        end = bias.shape[-1]
-        # One query axis per (group, kv head): the group's rows times the query heads that share the
-        # kv head, so each cached key is read once for all of them, with no copy per query head.
-        rows, H, T, D = q.shape
-        groups, G, kv_heads = rows // cache.group, cache.group, self.cfg.num_kv_heads
-        q = q.reshape(groups, G, kv_heads, H // kv_heads, T, D).transpose(1, 2).reshape(groups, kv_heads, -1, D)
-        out = F.scaled_dot_product_attention(q, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end], attn_mask=bias)
-        return out.reshape(groups, kv_heads, G, H // kv_heads, T, D).permute(0, 2, 4, 1, 3, 5).reshape(rows, T, H, D)
 
 
 class MLP(nn.Module):
@@ -385,8 +469,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, layer=0, cache=None, bias=None, slots=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, bias, slots)
+    def forward(self, x, cos, sin, layer=0, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -418,14 +502,8 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
-        return KVCache(self.config, batch, max_len, self.dtype, self.device)
-
-    def hidden(self, input_ids: torch.Tensor, pad_mask: torch.Tensor | None = None,
-               cache: KVCache | None = None) -> torch.Tensor:
+    def hidden(self, input_ids: torch.Tensor, pad_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Final-normed hidden states [B, T, hidden] for input_ids [B, T]."""
-        if cache is not None:
-            return self._hidden_cached(input_ids, pad_mask, cache)
         if pad_mask is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
             return self._run_blocks(input_ids, positions)
@@ -455,11 +533,12 @@ class Transformer(nn.Module):
         _check_contiguous(prompt_mask)
         _check_contiguous(completion_mask)
         lengths = prompt_mask.sum(1)  # [U]
-        shared = SharedPrompts(prompt_mask, owner, completion_mask, self.config, self.dtype)
         ids = torch.cat([prompt_ids.flatten(), completion_ids.flatten()])[None]  # [1, U * P + R * C]
         positions = torch.cat([torch.arange(P, device=device).repeat(U),
                                (lengths[owner, None] + torch.arange(C, device=device)).flatten()])[None]
         x = self.model.embed_tokens(ids)
+        # the mask in the dtype the blocks compute in (under FSDP2, the gathered weights', not the shards')
+        shared = SharedPrompts(prompt_mask, owner, completion_mask, self.config, x.dtype)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         for i, block in enumerate(self.model.layers):
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
@@ -470,63 +549,65 @@ class Transformer(nn.Module):
         # normed after the selection: the norm is per token, and most prompt states are not needed
         return self.model.norm(torch.cat([last_prompt_token[owner, None], x[0, U * P:].view(R, C, -1)], 1))
 
-    def _run_blocks(self, input_ids, positions, cache=None, mask=None, slots=None):
-        """The blocks; with a cache, mask [rows, T, L] says which of the cache's first L slots each query sees."""
+    def _run_blocks(self, input_ids, positions, cache: PrefillWrite | None = None):
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
-        bias = None
-        if cache is not None:
-            bias = attention_bias(mask, cache.group, self.config.num_heads // self.config.num_kv_heads, x.dtype)
         for i, block in enumerate(self.model.layers):
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and cache is None:
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)
             else:
-                x = block(x, cos, sin, i, cache, bias, slots)
+                x = block(x, cos, sin, i, cache)
         return self.model.norm(x)
 
-    def _hidden_cached(self, input_ids, pad_mask, cache: KVCache):
-        T = input_ids.shape[1]
-        if pad_mask is None:
-            pad_mask = torch.ones_like(input_ids, dtype=torch.bool)
-        start, end = cache.length, cache.length + T * cache.group
-        if end > cache.max_len:
-            raise ValueError(f"KV cache overflow: {T} more tokens per row need {end} slots; max_len={cache.max_len}")
-        positions = cache.next_pos[:, None] + pad_mask.long().cumsum(1) - 1
-        mask = cache.mark_new_slots(pad_mask, end)
-        h = self._run_blocks(input_ids, positions.clamp(min=0), cache, mask, slice(start, end))
-        cache.length = end
-        cache.slot.fill_(end)
-        cache.next_pos += pad_mask.sum(1)
-        return h
+    def prefill(self, input_ids: torch.Tensor, pad_mask: torch.Tensor, rows: PagedRows) -> torch.Tensor:
+        """The final-normed hidden state [B, hidden] of each row's last prompt token, for prompts left-padded
+        to [B, T]; their keys and values are stored at slots 0.. of each row's blocks (rows.table).
 
-    def decode_step(self, tokens: torch.Tensor, alive: torch.Tensor, cache: KVCache,
-                    span: int | None = None) -> torch.Tensor:
-        """Logits [rows, V] for one token per row (tokens [rows] long, alive [rows] bool), written at each
-        row's next slot of the KVCache layout: the one-token twin of model(tokens[:, None], alive[:, None], cache).
-
-        With span=None it attends over exactly the filled slots and writes through a slice, the cheapest
-        eager step. With a span (at least cache.length + cache.group, the slots filled once this step is
-        written) it attends over the cache's first `span` slots, unwritten ones masked, and reads no
-        Python number that changes between steps, so one CUDA-graph capture per (cache, span) serves
-        every step that span covers. It does not move the cache forward; call cache.advance(alive)
-        after it, which also makes a repeated call harmless.
+        As in hidden, each row is rotated so its real tokens come first, which is also the pool's layout:
+        slot = position. The padding lands in the slots after the prompt (or in block 0), which the row's
+        next tokens overwrite before any query reads them.
         """
-        G = cache.group
-        if span is None:
-            span, slots = cache.length + G, slice(cache.length, cache.length + G)
-        elif not cache.length + G <= span <= cache.max_len:
-            raise ValueError(f"span={span} must cover the {cache.length + G} slots filled after this step and fit "
-                             f"the cache ({cache.max_len})")
-        else:
-            slots = cache.slot + torch.arange(G, device=tokens.device)
-        mask = cache.mark_new_slots(alive[:, None], span)
-        h = self._run_blocks(tokens[:, None], cache.next_pos[:, None], cache, mask, slots)
-        return self.lm_head(h[:, 0])
+        shift, T = _leading_pads(pad_mask), input_ids.shape[1]
+        arange = torch.arange(T, device=input_ids.device)
+        rotated = input_ids.gather(1, (arange + shift[:, None]) % T)
+        h = self._run_blocks(rotated, arange.expand_as(input_ids), PrefillWrite(rows, T))
+        return h[torch.arange(len(h), device=h.device), T - 1 - shift]
 
-    def forward(self, input_ids: torch.Tensor, pad_mask: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
+    def decode_step(self, tokens: torch.Tensor, rows: PagedRows, span: int,
+                    weights: DecodeWeights | None = None) -> torch.Tensor:
+        """Logits [rows, V] for one token per row (tokens [rows] long): each is stored at slot rows.length of
+        its row (its position) and attends over slots 0..length; rows.length is not advanced.
+
+        Attention reads each row's first `span` slots (a multiple of the block size covering every row's
+        length + 1; the rest are masked or skipped), and nothing here reads a Python number that changes
+        between steps, so one CUDA graph per (rows, span) serves every step of that shape. The activations
+        are [rows, features] throughout and the projections come from `weights` (DecodeWeights, built here
+        when not given): one operator per projection, plus one per adapted one. The sampler runs in eval
+        mode, so LoRA dropout does not apply here.
+        """
+        cfg, R = self.config, len(tokens)
+        weights = weights if weights is not None else DecodeWeights(self)
+        attend = DecodeAttention(rows, span)
+        x = self.model.embed_tokens(tokens)  # [R, hidden]
+        cos, sin = (t.view(R, 1, -1) for t in rope_cos_sin(rows.length[:, None], cfg.head_dim, cfg.rope_theta,
+                                                           x.dtype))
+        for i, block in enumerate(self.model.layers):
+            q, k, v = weights.project(4 * i, block.input_layernorm(x))
+            q = q.view(R, cfg.num_heads, cfg.head_dim)
+            k, v = k.view(R, cfg.num_kv_heads, cfg.head_dim), v.view(R, cfg.num_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                q, k = block.self_attn.q_norm(q), block.self_attn.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            (out,) = weights.project(4 * i + 1, attend(i, q, k, v))
+            x = x + out
+            gate, up = weights.project(4 * i + 2, block.post_attention_layernorm(x))
+            (down,) = weights.project(4 * i + 3, F.silu(gate) * up)
+            x = x + down
+        return self.lm_head(self.model.norm(x))
+
+    def forward(self, input_ids: torch.Tensor, pad_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, vocab] in the model's dtype."""
-        return self.lm_head(self.hidden(input_ids, pad_mask, cache))
+        return self.lm_head(self.hidden(input_ids, pad_mask))
 
     def token_logprobs(self, input_ids: torch.Tensor, pad_mask: torch.Tensor | None = None, *,
                        temperature: float = 1.0, with_entropy: bool = False, chunk_tokens: int = 1024):

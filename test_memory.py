@@ -1,10 +1,10 @@
 """Tests for memory.py: the meta-device plan against the bytes counted in real CPU runs of a small model,
-the extension from 2-3 blocks to the full depth, the presets' plans on 40 GB and 80 GB, fit's choices
-and the errors when nothing fits."""
+the extension from 2-3 blocks to the full depth, the KV pool, the presets' plans on 40 GB and 80 GB (and
+their rollout estimates against the calls before the pool), fit's choices, the simulation of continuous
+batching and the errors when nothing fits."""
 
 import dataclasses
 import re
-from functools import partial
 
 import pytest
 import torch
@@ -120,6 +120,16 @@ def test_a_pass_is_planned_at_every_layout_that_can_be_largest(shuffle, rows, la
         memory.prompts_per_pass(dataclasses.replace(work, shuffle="groups"), rows, "train")
 
 
+def test_automatic_micro_batches_count_a_shared_prompt_once():
+    """fit's micro-batches hold TRAIN_TOKENS tokens as the pass runs them: 8 rows of 2 prompts of 96 tokens
+    with 16 new each run 2 x 96 + 8 x 16 tokens in whole groups, and 8 x 112 drawn one by one from 8 prompts."""
+    work = dataclasses.replace(SMALL_WORK, prompt_len=96, max_new_tokens=16, prompts_per_step=8)
+    groups = dataclasses.replace(work, shuffle="groups")
+    assert memory.pass_tokens(work, 8) == 8 * 112 and memory.pass_tokens(groups, 8) == 2 * 96 + 8 * 16
+    assert memory.pass_tokens(work, 12) == 8 * 96 + 12 * 16  # 12 rows of 8 prompts: at most 8 prompts
+    assert memory.pass_tokens(groups, 1) == 112  # one row alone runs whole
+
+
 def test_a_pass_of_whole_groups_plans_less_memory_than_rows_alone():
     """The demo's shape: long prompts, short completions; 8 rows of 2 prompts hold 320 tokens, not 896."""
     work = dataclasses.replace(SMALL_WORK, prompt_len=96, max_new_tokens=16, gradient_checkpointing=False,
@@ -131,41 +141,25 @@ def test_a_pass_of_whole_groups_plans_less_memory_than_rows_alone():
 
 
 def test_plan_matches_a_real_cpu_rollout():
-    """The planned sampler call against rollout.generate's fixed-shape path (CUDA's, run eagerly) at its
-    worst moment: half the rows stop at the last step that can compact, so the cache of the 4 rows kept
-    is built while the cache of all 8 is alive. The stop ids are the tokens those rows draw there (a
-    row's draws do not depend on the other rows), chosen among tokens no row drew earlier. Untied
-    embeddings, as the tied small model keeps repeating its last token."""
+    """The planned sampler call against rollout.generate's fixed-shape path (CUDA's, run eagerly) over a pool
+    made beforehand (the pool is resident: the plan counts it apart), every row running to the cap. With
+    graphs the plan adds what they hold: the static logits of two row buckets and the step's temporaries."""
     cfg = dataclasses.replace(SMALL, tie_word_embeddings=False)
-    planned = memory.Planner(cfg, SMALL_WORK).measure("rollout", 2)[1]
+    run = memory._MetaRun(memory.meta_model(cfg, SMALL_WORK), SMALL_WORK)
+    with memory.flash_attention_on_meta():
+        planned = memory.sampling_phase(run.model, SMALL_WORK, 2, graphs=False)
+        with_graphs = memory.sampling_phase(run.model, SMALL_WORK, 2)
+    assert with_graphs - planned >= 2 * 8 * cfg.vocab_size * 4  # logits [8 + 4, V] fp32, and the step's temporaries
     torch.manual_seed(0)
     model = Transformer(cfg).eval()
+    lora.inject(model, SMALL_WORK.lora_rank, 32.0)
     prompts = [list(range(1, 33)), list(range(5, 25))]
-    sample = partial(rollout.generate, model, prompts, samples_per_prompt=4, max_new_tokens=C,
-                     temperature=1.0, seed=0, fixed_shapes=True)
+    pool = rollout.Pool(model, 200, max_len=P + C)
     with memory.LiveBytes() as tracker:
-        free_run = sample(stop_ids=[])
-    assert free_run.completion_ids.shape == (8, C) and tracker.peak < planned
-
-    last = C - 2
-    earlier = set(free_run.completion_ids[:, :last].flatten().tolist())
-    stops = [token for token in free_run.completion_ids[:, last].tolist() if token not in earlier][:4]
-    with memory.LiveBytes() as tracker:
-        out = sample(stop_ids=stops)
-    assert (out.completion_mask.sum(1) == last + 1).sum() >= 4  # these rows stopped there: a compaction
+        out = rollout.generate(model, prompts, samples_per_prompt=4, max_new_tokens=C, temperature=1.0, seed=0,
+                               stop_ids=[], fixed_shapes=True, pool=pool)
+    assert out.completion_ids.shape == (8, C)
     assert abs(planned - tracker.peak) / tracker.peak < 0.15, (planned, tracker.peak)
-
-
-def test_advancing_many_steps_at_once_is_advance_repeated(small_model):
-    caches = [small_model.new_cache(2, 40).fork(3) for _ in range(2)]
-    alive = torch.tensor([True, False, True, True, True, False])
-    for _ in range(5):
-        caches[0].advance(alive)
-    caches[1].advance(alive, 5)
-    assert vars(caches[0]).keys() == vars(caches[1]).keys()
-    for name, value in vars(caches[0]).items():
-        other = vars(caches[1])[name]
-        assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, name
 
 
 def test_two_and_three_blocks_extend_exactly_to_the_full_depth():
@@ -176,77 +170,113 @@ def test_two_and_three_blocks_extend_exactly_to_the_full_depth():
         assert planner.measure(name, size) == full.measure(name, size), name
 
 
-def test_qwen3_1_7b_weights_and_kv_cache():
+def test_qwen3_1_7b_weights_and_kv_pool():
     cfg = memory.model_config("Qwen/Qwen3-1.7B")
     planner = memory.Planner(cfg, ATR)
     H, I, L, V = 2048, 6144, 28, 151936
     params = V * H + L * (2 * H * 16 * 128 + 2 * H * 8 * 128 + 3 * H * I + 2 * H + 2 * 128) + H  # tied head
     assert planner.peak("weights") == 2 * params  # bfloat16
-    slot = 2 * L * 8 * 128 * 2  # k and v of one cache slot, bfloat16
-    P, C, G = ATR.prompt_len, ATR.max_new_tokens, ATR.group_size
-    full = 8 * (P + G * C) * slot  # 8 prompts, each prompt stored once and 8 rows of own tokens
-    # the first compaction keeps 32 rows, each with its own copy of the prompt and room for every token,
-    # while cache.select gathers one layer's [rows, kv, C - 2, D] block of own keys or values at a time
-    compacted, gathered = 32 * (P + C) * slot, 32 * (C - 2) * slot // (2 * L)
-    held, own = planner.measure("rollout", 8)
-    assert full + compacted + gathered <= own < 1.05 * (full + compacted + gathered)  # the caches dominate
+    # bf16 plans FlashAttention's paged kernel: blocks of 256 slots, k and v of 8 heads x 128 in 28 layers
+    assert planner.block_size == 256 and planner.block_bytes == 2 * L * 256 * 8 * 128 * 2
+    held, own = planner.held_and_own("pool", 0, 101)
+    assert own == 101 * planner.block_bytes and held == planner.peak("lora")
+    assert planner.peak("train", 4, 101) == planner.peak("train", 4) + own  # resident through every later phase
+    # one group of 8 rows of a 512-token prompt at 4,096 new tokens: 2 shared blocks, 8 x 16 own
+    assert planner.floor_blocks(ATR) == 1 + 2 + 8 * 16
 
 
-@pytest.mark.parametrize("preset, gpu_gb, chosen", [
-    # 5 prompts x 8 x 4096 tokens of cache (19 GB) and the first compaction's second cache (8.5 GB)
-    # next to 4 GB of weights and LoRA state
-    ("atr-grpo-qwen3-1.7b", 40, dict(rollout_batch=5, grad_accum=2, eval_batch=5)),
-    # 3 prompts x 8 x 8192 tokens of cache (29 GB) and the first compaction's 8-row cache (10 GB)
-    # next to 18 GB of weights and LoRA state; micro-batches of 10 rows of 8,192 new tokens, whose mask
-    # (1.4 GB) outweighs the prompts they share
-    ("gppo-qwen3-8b", 80, dict(rollout_batch=3, grad_accum=13, eval_batch=3)),
+def long_tail_passes_before(work: memory.Workload, prompts_per_call: int) -> int:
+    """Decode passes of the sampler before the pool: calls of prompts_per_call prompts, each as long as its
+    longest row, for the plan's length model."""
+    rows = prompts_per_call * work.group_size
+    lengths = memory.long_tail_lengths(work.step_rows, work.max_new_tokens)
+    return sum(max(lengths[lo:lo + rows]) for lo in range(0, len(lengths), rows))
+
+
+@pytest.mark.parametrize("preset, gpu_gb, chosen, before_calls, rows_at_least, fewer_passes", [
+    # the whole step in flight at once, in a pool of 948 blocks (28 GB) beside 2-row micro-batches; its
+    # passes are the longest row's (4,095), against 4 calls of 5 prompts before
+    ("atr-grpo-qwen3-1.7b", 40, dict(rollout_batch=16, grad_accum=16, eval_batch=16, kv_blocks=949), 5, 128, 3),
+    # up to 32 prompts x 8 in flight over 1,276 blocks (48 GB) beside 1-row micro-batches, against 43 calls
+    # of 3 prompts before
+    ("gppo-qwen3-8b", 80, dict(rollout_batch=32, grad_accum=128, eval_batch=32, kv_blocks=1277), 3, 150, 5),
 ])
-def test_preset_plans_fit(preset, gpu_gb, chosen, capsys):
+def test_preset_plans_fit(preset, gpu_gb, chosen, before_calls, rows_at_least, fewer_passes, capsys):
     cfg, _, _ = config.parse_args(["--preset", preset, "--plan", "--gpu-memory", str(gpu_gb)])
     assert train.plan(cfg)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "chosen: " + " ".join(f"--{name.replace('_', '-')} {value}" for name, value in chosen.items())
     assert re.fullmatch(rf"plan: peak \d+\.\d GB of {gpu_gb}\.0 GB \(fits\)", lines[-1])
-    table = {line.split()[0]: line.split() for line in lines[2:8]}
-    assert list(table) == ["weights", "lora", "train", "frozen", "rollout", "eval"]
-    assert table["rollout"][3:6] == [str(chosen["rollout_batch"]), "prompts", "x"]
+    table = {line.split()[0]: line.split() for line in lines[2:9]}
+    assert list(table) == ["weights", "lora", "pool", "train", "frozen", "rollout", "eval"]
     usable = memory.usable_bytes(gpu_gb * memory.GB) / memory.GB
     assert all(0 < float(row[2]) <= usable for row in table.values())
+    estimate = re.search(r"rows in flight max (\d+), mean (\d+); ([\d,]+) decode passes", lines[9])
+    rows_max, passes = int(estimate[1]), int(estimate[3].replace(",", ""))
+    before = long_tail_passes_before(train.workload(cfg), before_calls)  # the calls the plan chose before
+    assert rows_max >= rows_at_least and passes <= before / fewer_passes, (rows_max, passes, before)
 
 
-def test_fit_takes_the_largest_sizes_that_fit():
-    work = dataclasses.replace(SMALL_WORK, prompts_per_step=8, rollout_prompts=7)
+def test_the_plan_counts_old_hidden_and_the_evaluation_prompts():
+    cfg = memory.model_config("Qwen/Qwen3-1.7B")
+    planner = memory.Planner(cfg, ATR)
+    with_hidden = memory.Planner(cfg, dataclasses.replace(ATR, old_hidden=True))
+    # kl_full keeps the sampling policy's final states [N, C, hidden] in bf16 through the step
+    grown = with_hidden.peak("train", 4) - planner.peak("train", 4)
+    assert grown >= ATR.step_rows * ATR.max_new_tokens * 2048 * 2
+    rule = config.parse_args(["--preset", "atr-grpo-qwen3-1.7b", "--rule", "kl_full"])[0]
+    plain = config.parse_args(["--preset", "atr-grpo-qwen3-1.7b"])[0]
+    assert train.workload(rule).old_hidden and not train.workload(plain).old_hidden
+    longer_eval = dataclasses.replace(ATR, eval_prompt_len=1500)
+    assert memory.Planner(cfg, longer_eval).floor_blocks(longer_eval) > planner.floor_blocks(ATR)
+    assert memory.Planner(cfg, longer_eval).peak("eval", 30) > planner.peak("eval", 30)
+
+
+def test_fit_gives_the_pool_what_the_other_phases_leave():
+    work = dataclasses.replace(SMALL_WORK, prompts_per_step=8, rollout_prompts=8, micro_batch_rows=8)
     planner = memory.Planner(SMALL, work)
-    usable = planner.peak("train", 2) + 1000  # room for micro-batches of 2 rows, not 3
-    assert planner.peak("train", 3) > usable >= planner.peak("rollout", 7)
-    chosen = memory.fit(SMALL, work, int((usable + memory.RESERVED) / (1 - memory.SLACK)) + 1)
-    assert (chosen.micro_batch_rows, chosen.rollout_prompts, chosen.eval_prompts) == (2, 7, 2)
+    budget = 2 * 10**9
+    chosen = memory.fit(SMALL, work, budget)
+    usable = memory.usable_bytes(budget)
+    # training micro-batches of the fewest rows holding TRAIN_TOKENS tokens; the pool fills the rest
+    assert chosen.micro_batch_rows == min(work.minibatch_rows, -(-memory.TRAIN_TOKENS // (P + C)))
+    peaks = {name: planner.peak(name, size, chosen.pool_blocks) for name, size in memory.phase_sizes(chosen).items()}
+    assert max(peaks.values()) <= usable < max(peaks.values()) + planner.block_bytes
+    kept = memory.fit(SMALL, work, budget, free=("rollout_prompts",))  # --grad-accum and --eval-batch given
+    assert (kept.micro_batch_rows, kept.eval_prompts) == (work.micro_batch_rows, work.eval_prompts)
 
 
-def test_largest_finds_the_boundary_of_a_convex_need():
-    need = lambda size: max(100, 30 * size + 7 * (size // 5))  # flat, then steeper, not quite affine
-    for usable in (100, 150, 999, 5000):
-        expected = max(size for size in range(1, 65) if need(size) <= usable)
-        assert memory._largest(need, 64, usable) == expected
+def test_simulation_of_continuous_batching():
+    """Three groups in a pool that holds two at full length. With max_rows of two groups, the third waits for
+    one to finish; without, it is admitted at once and, every row running to the cap, preempted and
+    sampled again; when the first two groups' rows end early, it runs beside them."""
+    G, C, bs = 4, 64, 16
+    blocks = 1 + 2 * rollout.group_blocks(16, G, C, bs) + 8
+    waits = memory.simulate_rollout([16] * 3, G, [C] * 12, blocks, bs, 8, C)
+    assert (waits.rows_max, waits.preempted, waits.decode_steps) == (8, 0, 2 * (C - 1))
+    preempts = memory.simulate_rollout([16] * 3, G, [C] * 12, blocks, bs, 12, C)
+    assert (preempts.rows_max, preempts.preempted, preempts.decode_steps) == (12, 1, 2 * (C - 1))
+    joins = memory.simulate_rollout([16] * 3, G, [8] * 8 + [C] * 4, blocks, bs, 12, C)
+    assert (joins.rows_max, joins.preempted, joins.decode_steps) == (12, 0, C - 1)
 
 
-def test_fit_names_the_phase_that_cannot_fit():
+def test_fit_names_what_cannot_fit():
     with pytest.raises(ValueError, match=r"weights needs 16\.4 GB.*smaller model"):
         memory.fit(memory.model_config("Qwen/Qwen3-8B"), GPPO, 16 * memory.GB)
-    work = dataclasses.replace(SMALL_WORK, group_size=64)  # a prompt's 64 x 96 tokens of cache outweigh training
+    work = dataclasses.replace(SMALL_WORK, group_size=64)  # a prompt's 64 rows x 127 slots outweigh training
     planner = memory.Planner(SMALL, work)
-    usable = planner.peak("rollout", 1) - 1  # training fits; one prompt per sampler call does not
-    assert planner.peak("train", 1) <= usable
-    with pytest.raises(ValueError, match=r"rollout needs .* even at 1 row / prompt per call.*--group-size"):
-        memory.fit(SMALL, work, int((usable + memory.RESERVED) / (1 - memory.SLACK)))
+    budget = int((planner.peak("train", 1) + memory.RESERVED) / (1 - memory.SLACK)) + 10**6
+    with pytest.raises(ValueError, match=r"with the smallest pool \(\d+ blocks: one group of 64 rows at full "
+                                         r"length\).*--max-new-tokens"):
+        memory.fit(SMALL, work, budget)
 
 
 def test_report_says_what_does_not_fit():
-    work = dataclasses.replace(ATR, micro_batch_rows=16, eval_prompts=16)
+    work = dataclasses.replace(ATR, micro_batch_rows=64, pool_blocks=900)
     text, fits = memory.report(memory.model_config("Qwen/Qwen3-1.7B"), work, 40 * memory.GB)
-    assert not fits  # 16 prompts x 8 x 4096 tokens of cache (61 GB), then its first compaction (34 GB)
-    assert re.fullmatch(r"plan: peak 99\.\d GB of 40\.0 GB \(does not fit: eval needs 99\.\d GB; "
-                        r"lower --eval-batch \(prompts per evaluation call\)\)", text.splitlines()[-1])
+    assert not fits  # 64 rows x 4,608 tokens of training beside a 27 GB pool
+    assert re.fullmatch(r"plan: peak \d+\.\d GB of 40\.0 GB \(does not fit: train needs \d+\.\d GB; "
+                        r"raise --grad-accum \(fewer rows per micro-batch\)\)", text.splitlines()[-1])
 
 
 def test_model_config(tiny_model_dir):
@@ -263,3 +293,40 @@ def test_gpu_memory_bytes():
     assert memory.gpu_memory_bytes("cpu", None) == 80 * memory.GB
     with pytest.raises(ValueError, match="--gpu-memory"):
         memory.gpu_memory_bytes(None, 0)
+
+
+def test_a_full_run_on_one_process_sizes_its_pool_beside_the_optimizer_state(capsys):
+    """ATR's 1.7B setup with every weight trained on one 80 GB GPU: the fp32 gradients and moments (34 GB) are
+    resident when the kept pool is, so the pool is sized against the optimizer step as well as the passes."""
+    cfg, _, _ = config.parse_args(["--preset", "atr-grpo-qwen3-1.7b", "--lora-rank", "0", "--plan",
+                                   "--gpu-memory", "80"])
+    assert train.plan(cfg)
+    lines = capsys.readouterr().out.splitlines()
+    table = {line.split()[0]: line.split() for line in lines[3:10]}
+    usable = memory.usable_bytes(80 * memory.GB) / memory.GB
+    assert float(table["optimizer"][1]) > 30 and float(table["pool"][2]) <= usable + 0.005
+    assert float(table["pool"][2]) >= max(float(table[name][2]) for name in ("train", "frozen", "rollout"))
+
+
+def test_the_full_parameter_preset_plans_each_of_8_ranks_on_80_gb(capsys):
+    """gppo-qwen3-8b-full: every weight of Qwen3-8B-Base trained on 8 processes. The sharded phases run the
+    real step under fully_shard over a fake world of 8 (fake tensors); the sizes are given, so fit measures
+    little. Each rank holds an eighth of the fp32 weights, gradients and AdamW moments (16 bytes a parameter,
+    132 GB in all), and for the rollout the whole model gathered in bf16."""
+    cfg, _, _ = config.parse_args(["--preset", "gppo-qwen3-8b-full", "--plan", "--gpu-memory", "80",
+                                   "--rollout-batch", "3", "--grad-accum", "4", "--eval-batch", "3"])
+    assert cfg.world_size == 8 and cfg.lora_rank == 0 and cfg.lr == 1e-6
+    assert train.plan(cfg)
+    lines = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"chosen: --rollout-batch 3 --grad-accum 4 --eval-batch 3 --kv-blocks \d+", lines[0])
+    assert lines[1] == "per rank of 8 processes (FSDP2)"
+    table = {line.split()[0]: line.split() for line in lines[3:10]}
+    assert list(table) == ["weights", "optimizer", "pool", "train", "frozen", "rollout", "eval"]
+    shapes = [p.shape for p in memory.meta_model(memory.model_config("Qwen/Qwen3-8B-Base"),
+                                                 memory.Workload(lora_rank=0)).parameters()]
+    shard = sum(-(-s[0] // 8) * s[1:].numel() for s in shapes)  # FSDP2 pads dim 0 to a multiple of the ranks
+    assert float(table["weights"][2]) == pytest.approx(4 * shard / memory.GB, abs=0.006)  # fp32 shards
+    assert float(table["optimizer"][2]) >= 16 * shard / memory.GB  # weights, gradients, two moments
+    whole_bf16 = 2 * sum(s.numel() for s in shapes) / memory.GB
+    assert float(table["rollout"][2]) - float(table["rollout"][1]) > 12 * shard / memory.GB + whole_bf16
+    assert re.fullmatch(r"plan: peak \d+\.\d GB of 80\.0 GB \(fits\)", lines[-1])

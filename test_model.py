@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import lora
+import model as model_module
 import weights
 from conftest import assert_equal_to, hf_model
 
@@ -147,34 +148,55 @@ def test_training_pass_makes_no_tensor_off_the_models_device(tiny_model_dir):
 
 
 @torch.no_grad()
-def test_kv_cache_decode_equals_full_forward(checkpoint):
-    model = weights.from_pretrained(checkpoint)
-    prompts = random_rows([5, 2], model.config.vocab_size, seed=5)
+@pytest.mark.parametrize("adapted", [False, True])
+def test_paged_prefill_and_decode_equal_the_full_forward(checkpoint, adapted):
+    """Two prompts prefilled into a KV pool of 4-slot blocks, one left-padded; prompt 0 (6 tokens) fills one
+    block, which its two rows share, and each row gets its own copy of the partly filled second; then
+    three decode steps, one row dead for a step, against the plain forward pass of each full row."""
+    model = weights.from_pretrained(checkpoint).eval()
+    if adapted:  # LoRA on every projection, with nonzero B: the decode step's low-rank terms are exercised
+        lora.inject(model, rank=4, alpha=8.0)
+        for p in lora.parameters(model):
+            p.normal_(0, 0.1, generator=torch.Generator().manual_seed(p.numel()))
+    prompts = random_rows([6, 3], model.config.vocab_size, seed=5)
     prompt_ids, prompt_mask = padded_batch(prompts, left=[0, 3], right=[0, 0])
-    samples, steps, P = 2, 4, prompt_ids.shape[1]
-    continuation = torch.randint(3, model.config.vocab_size, (2 * samples, steps),
-                                 generator=torch.Generator().manual_seed(6))
-    full_ids = torch.cat([prompt_ids.repeat_interleave(samples, 0), continuation], dim=1)
-    full_mask = torch.cat([prompt_mask.repeat_interleave(samples, 0), torch.ones_like(continuation).bool()], dim=1)
-    full = model(full_ids, full_mask)
+    pool = model_module.KVPool(model.config, 16, 4, model.dtype, model.device)
+    prefill_table = torch.tensor([[1, 2] + [0] * 2, [3] + [0] * 3], dtype=torch.int32)
+    h = model.prefill(prompt_ids, prompt_mask, model_module.PagedRows(pool, prefill_table, torch.zeros(2).long()))
+    full = model.hidden(prompt_ids, prompt_mask)[:, -1]
+    assert (h - full).abs().max() < 1e-4
+    # rows 0, 1 continue prompt 0 (block 1 shared, block 2 copied to 4); rows 2, 3 prompt 1 (block 3 copied to 5)
+    pool.copy_blocks(torch.tensor([2, 3]), torch.tensor([4, 5]))
+    table = torch.tensor([[1, 2, 6, 0], [1, 4, 7, 0], [3, 8, 0, 0], [5, 9, 0, 0]], dtype=torch.int32)
+    rows = model_module.PagedRows(pool, table, torch.tensor([6, 6, 3, 3]))
+    continuation = torch.randint(3, model.config.vocab_size, (4, 3), generator=torch.Generator().manual_seed(6))
+    weights_ = model_module.DecodeWeights(model)
+    sequences = [list(prompts[r // 2]) for r in range(4)]
+    for step, alive in enumerate([[True] * 4, [True, False, True, True], [True] * 4]):
+        logits = model.decode_step(continuation[:, step], rows, span=12, weights=weights_)
+        rows.length += torch.tensor(alive)  # a dead row's token is overwritten by its next one
+        for r in (r for r in range(4) if alive[r]):
+            sequences[r].append(continuation[r, step].item())
+            assert (logits[r] - model(torch.tensor([sequences[r]]))[0, -1]).abs().max() < 1e-4, (step, r)
 
-    prompt_cache = model.new_cache(2, P + samples * steps)
-    prefill = model(prompt_ids, prompt_mask, cache=prompt_cache)
-    assert (prefill - full[::samples, :P])[prompt_mask].abs().max() < 1e-4
 
-    cache = prompt_cache.fork(samples)  # rows 0,1 continue prompt 0; rows 2,3 prompt 1
-    two = model(continuation[:, :2], cache=cache)  # two tokens at once, interleaved after the shared prompt
-    alive = torch.ones(2 * samples, dtype=torch.bool)
-    third = model.decode_step(continuation[:, 2], alive, cache)
-    cache.advance(alive)
-    assert (two - full[:, P:P + 2]).abs().max() < 1e-4
-    assert (third - full[:, P + 2]).abs().max() < 1e-4
-
-    kept = torch.tensor([3, 0, 2])  # dropping row 1 gives each kept row its own copy of its prompt
-    cache = cache.select(kept)
-    assert cache.group == 1 and cache.length == P + 3 and cache.max_len == P + 4
-    fourth = model(continuation[kept, 3:], cache=cache)
-    assert (fourth[:, 0] - full[kept, P + 3]).abs().max() < 1e-4
+def test_decode_weights_follow_the_adapters_in_place(tiny_model_dir):
+    """refresh copies new adapter values into the same buffers (CUDA graphs read their addresses); a change of
+    which projections carry a term (disabled adapters) asks for new DecodeWeights."""
+    model = weights.from_pretrained(tiny_model_dir).eval()
+    lora.inject(model, rank=2, alpha=4.0, targets=("q_proj", "v_proj", "up_proj"))
+    decode = model_module.DecodeWeights(model)
+    _, A, Bs = decode.groups[0]  # layer 0's q, k, v: q's and v's A side by side, k without a term
+    assert A.shape == (model.config.hidden_size, 4) and Bs[1] is None
+    address = A.data_ptr()
+    with torch.no_grad():
+        for p in lora.parameters(model):
+            p.fill_(0.5)
+    decode.refresh(model)
+    assert A.data_ptr() == address and (A == 0.5).all()
+    assert torch.equal(Bs[0][:2], torch.full_like(Bs[0][:2], 0.5 * 2.0)) and not Bs[0][2:].any()  # scale alpha/r = 2
+    with lora.disabled(model), pytest.raises(ValueError, match="build new DecodeWeights"):
+        decode.refresh(model)
 
 
 def shared_prompt_batch(vocab: int, completion_len: int):
@@ -212,7 +234,8 @@ def test_shared_prompts_give_the_states_and_gradients_of_whole_rows(checkpoint, 
             h = model.hidden_shared(prompt_ids, prompt_mask, owner, completion_ids, completion_mask)
         else:
             ids = torch.cat([prompt_ids[owner], completion_ids], 1)
-            h = model.hidden(ids, torch.cat([prompt_mask[owner], completion_mask], 1))[:, P - 1:]  # the last prompt token's state, then the completion's
+            # the last prompt token's state, then the completion's
+            h = model.hidden(ids, torch.cat([prompt_mask[owner], completion_mask], 1))[:, P - 1:]
         (h * loss_weights).sum().backward()
         return h[used], [p.grad.clone() for p in lora.parameters(model)]
 

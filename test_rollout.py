@@ -1,8 +1,10 @@
 """Tests for rollout.py on tiny random checkpoints: parity with transformers' greedy generate,
 old_logp against a fresh forward pass, seeding and per-row random streams, the fixed-shape (CUDA)
-loop against the eager one, split calls, top-k/top-p sets, per-row stopping, bad input, and a CPU
-dry run of bench/gpu_check.py."""
+loop against the eager one, small pools that preempt, split calls, graphs (a stand-in) reused across
+calls, host syncs and operator counts, top-k/top-p sets, per-row stopping, bad input, and a CPU dry
+run of bench/gpu_check.py."""
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -10,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import model as modeling
 import rollout
@@ -64,11 +67,18 @@ def test_greedy_matches_transformers(model_and_hf):
 MANY_STOPS = list(range(3, 60))  # about a fifth of the tiny vocabulary: sampled rows end at scattered steps
 
 
-def count_compactions(monkeypatch) -> list:
-    calls = []
-    select = modeling.KVCache.select
-    monkeypatch.setattr(modeling.KVCache, "select", lambda cache, rows: calls.append(len(rows)) or select(cache, rows))
-    return calls
+def record_batches(monkeypatch) -> list:
+    """The row counts of the device batches the loop builds (at every sync point that has rows running)."""
+    sizes = []
+    build = rollout._Loop._batch
+
+    def recording(loop, *args):
+        batch = build(loop, *args)
+        sizes.append(len(batch.tokens))
+        return batch
+
+    monkeypatch.setattr(rollout._Loop, "_batch", recording)
+    return sizes
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -80,29 +90,50 @@ def test_fixed_shape_loop_matches_the_eager_loop(model, monkeypatch, temperature
     eager = sample(model, samples_per_prompt=4, temperature=temperature, stop_ids=stop_ids)
     lengths = eager.completion_mask.sum(1)
     assert lengths.min() < 12 and lengths.max() > 16, "test setup: rows should end at scattered steps"
-    compactions = count_compactions(monkeypatch)
+    sizes = record_batches(monkeypatch)
     fixed = sample(model, samples_per_prompt=4, temperature=temperature, stop_ids=stop_ids, fixed_shapes=True)
-    assert compactions and all(rows & (rows - 1) == 0 for rows in compactions), "row buckets are powers of two"
+    assert len(set(sizes)) > 1 and all(rows & (rows - 1) == 0 for rows in sizes), "row buckets are powers of two"
     assert fixed.completions == eager.completions
     torch.testing.assert_close(fixed.old_logp, eager.old_logp, rtol=0, atol=1e-5)
 
 
-def test_compaction_does_not_change_the_samples(model, monkeypatch):
-    compacted = sample(model, samples_per_prompt=4, stop_ids=MANY_STOPS)
-    monkeypatch.setattr(rollout.EagerStep, "rows_to_keep", staticmethod(lambda done, n_done: None))
-    compactions = count_compactions(monkeypatch)
-    whole = sample(model, samples_per_prompt=4, stop_ids=MANY_STOPS)
-    assert not compactions
-    assert whole.completions == compacted.completions
-    torch.testing.assert_close(whole.old_logp, compacted.old_logp, rtol=0, atol=1e-5)
+LONG_STOPS = [7, 99]  # rarely drawn: most rows run long, so a small pool runs out
+
+
+@pytest.mark.parametrize("fixed_shapes", [False, True])
+def test_preemption_and_pool_size_change_no_sample(model, fixed_shapes):
+    """A pool of 4-slot blocks that holds one prompt's rows at full length but not all three prompts': groups
+    are preempted and sampled again, and every token and old log-prob is the big pool's. The prompts'
+    lengths (4, 9, 1) give a prompt filling its blocks, and prompts whose last block each row copies."""
+    kwargs = dict(samples_per_prompt=4, max_new_tokens=40, stop_ids=LONG_STOPS, fixed_shapes=fixed_shapes)
+    whole = sample(model, **kwargs)
+    assert whole.stats.preempted == 0 and whole.stats.rows_max == 12
+    blocks = 1 + rollout.group_blocks(9, 4, 40, 4) + 16  # the longest prompt's group, and some room
+    small = sample(model, pool=rollout.Pool(model, blocks, block_size=4), **kwargs)
+    assert small.stats.preempted > 0 if not fixed_shapes else small.stats.rows_max < 12
+    assert small.completions == whole.completions
+    torch.testing.assert_close(small.old_logp, whole.old_logp, rtol=0, atol=1e-5)
+    logp, _ = model.token_logprobs(small.input_ids, small.pad_mask)
+    torch.testing.assert_close(small.old_logp, logp[:, small.prompt_len:] * small.completion_mask, rtol=0, atol=1e-5)
+
+
+def test_preempted_rows_restart_and_finished_ones_stay(model):
+    """A small eager pool preempts groups some of whose rows already finished: only the unfinished rows are
+    sampled again (fewer rows redone than preempted groups hold), and the result is the big pool's."""
+    kwargs = dict(samples_per_prompt=4, max_new_tokens=40, stop_ids=[7, 99, 150, 21])
+    whole = sample(model, **kwargs)
+    small = sample(model, pool=rollout.Pool(model, 1 + rollout.group_blocks(9, 4, 40, 4), block_size=4), **kwargs)
+    assert small.stats.preempted > 0 and small.completions == whole.completions
+    torch.testing.assert_close(small.old_logp, whole.old_logp, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("fixed_shapes", [False, True])
 def test_split_calls_give_the_samples_of_one_call(model, fixed_shapes):
     kwargs = dict(samples_per_prompt=2, stop_ids=MANY_STOPS, seed=5, fixed_shapes=fixed_shapes)
     whole = sample(model, **kwargs)
-    for max_rows in (2, 5):  # one prompt per call; two prompts (4 rows, whole prompts only) then one
+    for max_rows in (2, 5):  # one prompt in flight; two prompts (4 rows, whole prompts only)
         split = sample(model, max_rows=max_rows, **kwargs)
+        assert split.stats.rows_max <= max_rows
         for field in ("completion_ids", "completion_mask", "input_ids", "pad_mask", "finished"):
             assert torch.equal(getattr(split, field), getattr(whole, field)), (max_rows, field)
         torch.testing.assert_close(split.old_logp, whole.old_logp, rtol=0, atol=1e-5)  # batch shape rounding
@@ -125,22 +156,177 @@ def test_uniforms_are_uniform_and_independent_of_the_device_dtype_path():
     assert abs(u.mean().item() - 0.5) < 0.01 and abs((u < 0.1).float().mean().item() - 0.1) < 0.01
     # the tensor hash equals the same arithmetic on Python integers (no int64 overflow anywhere)
     assert rollout._mix32(torch.tensor([0, 1, 2**32 - 1])).tolist() == [rollout._mix32(x) for x in (0, 1, 2**32 - 1)]
+    positions = torch.arange(8).repeat_interleave(len(keys) - 1)  # per-row positions: the same uniforms
+    assert torch.equal(rollout._uniform(keys[:-1].repeat(8), positions)[:, 0], u)
 
 
-def test_decode_step_matches_growing_cache(model):
-    ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
-    mask = ids != 0
-    growing, fixed = model.new_cache(2, 9), model.new_cache(2, 9)
-    with torch.inference_mode():
-        model(ids, mask, cache=growing)
-        model(ids, mask, cache=fixed)
-        for token, alive in [([3, 4], [True, True]), ([0, 5], [False, True]), ([6, 7], [True, True])]:
-            token, alive = torch.tensor(token), torch.tensor(alive)
-            expected = model(token[:, None], alive[:, None], cache=growing)[:, 0]
-            logits = model.decode_step(token, alive, fixed, span=min(fixed.max_len, rollout.bucket(fixed.length + 1)))
-            fixed.advance(alive)
-            torch.testing.assert_close(logits[alive], expected[alive], rtol=0, atol=1e-5)
-            assert not logits.isnan().any()
+def test_graphs_are_captured_once_per_shape_and_reused_across_calls(model):
+    """EagerGraph stands in for CUDA graphs: the loop reads its rows and logits from the static buffers the
+    graphs read, and the pool keeps the graphs, so a second call of the same shapes captures none."""
+    pool = rollout.Pool(model, 400, block_size=4, graph_class=rollout.EagerGraph)
+    kwargs = dict(samples_per_prompt=4, stop_ids=MANY_STOPS, fixed_shapes=True)
+    expected = sample(model, cuda_graphs="off", **kwargs)
+    first = sample(model, pool=pool, cuda_graphs="on", **kwargs)
+    assert first.stats.captures == len(pool.graphs.captured) > 1
+    again = sample(model, pool=pool, cuda_graphs="on", **kwargs)
+    other_seed = sample(model, pool=pool, cuda_graphs="auto", seed=1, **kwargs)
+    assert again.stats.captures == 0 and other_seed.stats.captures < first.stats.captures
+    for out in (first, again):
+        assert out.completions == expected.completions
+        torch.testing.assert_close(out.old_logp, expected.old_logp, rtol=0, atol=1e-5)
+    assert other_seed.completions == sample(model, cuda_graphs="off", seed=1, **kwargs).completions
+
+
+def test_cuda_graph_capture_neither_synchronizes_nor_empties_the_cache(monkeypatch):
+    """CudaGraph.capture with torch.cuda's streams and graphs replaced by recorders: two warm-ups on a side
+    stream, then capture_begin into the shared memory pool, the step, capture_end; torch.cuda.synchronize and
+    torch.cuda.empty_cache, which the torch.cuda.graph context manager calls, are never called."""
+    events = []
+
+    class Recorder:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def wait_stream(self, other):
+            events.append("wait")
+
+        def capture_begin(self, pool=None):
+            events.append(("capture_begin", pool))
+
+        def capture_end(self):
+            events.append("capture_end")
+
+        def replay(self):
+            events.append("replay")
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a capture must not synchronize or empty the allocator's cache")
+
+    monkeypatch.setattr(torch.cuda, "Stream", Recorder)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Recorder)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args: Recorder())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", forbidden)
+    monkeypatch.setattr(torch.cuda, "empty_cache", forbidden)
+    graph = rollout.CudaGraph()
+    graph.capture(lambda: events.append("step"), "pool handle")
+    graph.replay()
+    assert events == ["wait", "step", "step", ("capture_begin", "pool handle"), "step", "capture_end", "wait",
+                      "replay"]
+
+
+def test_new_adapters_rebuild_the_decode_weights_and_drop_the_graphs(tiny_model_dir):
+    """A pool's decode weights follow the adapters: new values are copied in place (the graphs stay), and
+    adapters added since make new buffers and new graphs; either way the samples are the model's."""
+    import lora
+
+    model = load_checkpoint_dir(tiny_model_dir)
+    pool = rollout.Pool(model, 400, block_size=4, graph_class=rollout.EagerGraph)
+    kwargs = dict(samples_per_prompt=2, stop_ids=MANY_STOPS, fixed_shapes=True, cuda_graphs="on")
+    sample(model, pool=pool, **kwargs)
+    lora.inject(model, rank=2, alpha=4.0)
+    for step in range(2):
+        with torch.no_grad():
+            for p in lora.parameters(model):
+                p.normal_(0, 0.2, generator=torch.Generator().manual_seed(p.numel() + step))
+        out = sample(model, pool=pool, **kwargs)
+        assert (out.stats.captures > 0) == (step == 0)
+        logp, _ = model.token_logprobs(out.input_ids, out.pad_mask)
+        torch.testing.assert_close(out.old_logp, logp[:, out.prompt_len:] * out.completion_mask, rtol=0, atol=1e-5)
+
+
+HOST_SYNCS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.equal.default",
+              "aten.is_nonzero.default", "aten.masked_select.default", "aten._unique2.default",
+              "aten.unique_dim.default", "aten.unique_consecutive.default", "aten.repeat_interleave.Tensor",
+              "aten.item.default"}
+
+
+class CountHostSyncs(TorchDispatchMode):
+    """Operators that make the host wait for a CUDA device: a scalar read, a data-dependent shape (nonzero,
+    boolean indexing, unique, ...) or a copy to the host (rollout._to_host's device="cpu" copy)."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        boolean_index = func is torch.ops.aten.index.Tensor and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+        to_host = func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu")
+        if str(func) in HOST_SYNCS or boolean_index or to_host:
+            self.syncs.append(str(func))
+        return func(*args, **kwargs)
+
+
+def test_the_fixed_shape_loop_syncs_the_host_once_every_16_steps(model):
+    with CountHostSyncs() as counter:
+        out = sample(model, samples_per_prompt=4, max_new_tokens=96, stop_ids=LONG_STOPS, fixed_shapes=True)
+    steps = out.stats.decode_steps
+    assert steps >= 4 * rollout.SYNC_EVERY
+    # one read of the finished flags per chunk of SYNC_EVERY steps, and the last one, which finds none running
+    assert len(counter.syncs) <= steps / rollout.SYNC_EVERY + 1, counter.syncs
+
+
+def test_lora_adds_at_most_a_quarter_to_the_operators_of_a_decode_step():
+    """Counted on the meta device for Qwen3-1.7B: with rank-32 adapters on all seven projections, a decode step
+    runs one more operator per adapted projection and one per group of projections reading one input."""
+    import lora
+    import memory
+
+    cfg = memory.model_config("Qwen/Qwen3-1.7B")
+    counts = []
+    for adapted in (False, True):
+        with torch.device("meta"):
+            meta_model = modeling.Transformer(cfg).to(torch.bfloat16)
+        if adapted:
+            lora.inject(meta_model, 32, 64.0)
+        pool = modeling.KVPool(cfg, 8, 256, torch.bfloat16, "meta", "flash")
+        rows = modeling.PagedRows(pool, torch.zeros(16, 4, dtype=torch.int32, device="meta"),
+                                  torch.zeros(16, dtype=torch.long, device="meta"))
+        decode = modeling.DecodeWeights(meta_model)
+        with torch.inference_mode(), CountOperators() as counter:
+            meta_model.decode_step(torch.zeros(16, dtype=torch.long, device="meta"), rows, 1024, decode)
+        counts.append(counter.count)
+    assert counts[1] <= 1.25 * counts[0], counts
+    assert counts[1] - counts[0] == cfg.num_layers * (7 + 4)  # one addmm per projection, one A per input
+
+
+class CountOperators(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_plan_simulation_takes_the_samplers_decisions(model, monkeypatch):
+    """memory.simulate_rollout, given the lengths the sampler's rows end at, counts the decode steps, rows in
+    flight, prefills and preemptions of the real fixed-shape loop on a small pool."""
+    import memory
+
+    C, G = 48, 4
+    lengths = [40, 38, 36, 34, 39, 37, 35, 33, 12, 9, 20, 5]  # prompts 0 and 1 run long: one is preempted
+    stop = model.config.vocab_size - 1
+    draw = rollout._sample
+    stop_at = torch.tensor(lengths + [0])
+
+    def forcing_draw(logits, *, rows, position, **kw):
+        tokens, logp = draw(logits, rows=rows, position=position, **kw)
+        return tokens.masked_fill(stop_at[rows] == position + 1, stop), logp
+
+    monkeypatch.setattr(rollout, "_sample", forcing_draw)
+    blocks = 1 + rollout.group_blocks(9, G, C, 4) + 24
+    out = sample(model, samples_per_prompt=G, max_new_tokens=C, stop_ids=[stop], fixed_shapes=True,
+                 pool=rollout.Pool(model, blocks, block_size=4))
+    ended = out.completion_mask.sum(1).tolist()  # the forced lengths, or earlier where the model drew the stop
+    assert all(n <= cap for n, cap in zip(ended, lengths)) and sum(ended) > 250
+    simulated = memory.simulate_rollout([len(p) for p in PROMPTS], G, ended, blocks, 4, len(PROMPTS) * G, C)
+    assert out.stats.preempted > 0
+    for name in ("decode_steps", "rows_max", "row_steps", "preempted", "prefills"):
+        assert getattr(simulated, name) == getattr(out.stats, name), name
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -159,16 +345,18 @@ def test_a_failed_capture_warns_and_decodes_eagerly_unless_graphs_are_required(m
     def failing_capture(*args):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(rollout.FixedShapeStep, "_capture", failing_capture)
+    monkeypatch.setattr(rollout.EagerGraph, "capture", failing_capture)
     for required in (False, True):
-        monkeypatch.setattr(rollout, "_decode_step", lambda model, *_: rollout.FixedShapeStep(model, True, required))
+        pool = rollout.Pool(model, 400, block_size=4, graph_class=rollout.EagerGraph)
         if required:
             with pytest.raises(RuntimeError, match="stream is capturing"):
-                sample(model, samples_per_prompt=4, stop_ids=MANY_STOPS)
+                sample(model, samples_per_prompt=4, stop_ids=MANY_STOPS, fixed_shapes=True, pool=pool,
+                       cuda_graphs="on")
         else:
             with pytest.warns(UserWarning, match="decoding without graphs") as caught:
-                out = sample(model, samples_per_prompt=4, stop_ids=MANY_STOPS)
+                out = sample(model, samples_per_prompt=4, stop_ids=MANY_STOPS, fixed_shapes=True, pool=pool)
             assert len(caught) == 1 and out.completions == expected.completions
+            assert pool.graphs.failed  # the pool's later calls do not try again
 
 
 def test_no_tensor_is_made_off_the_models_device(model):
@@ -179,7 +367,9 @@ def test_no_tensor_is_made_off_the_models_device(model):
     torch.set_default_device("meta")
     try:
         runs = [sample(model, samples_per_prompt=4, stop_ids=MANY_STOPS, **extra)
-                for extra in ({}, {"fixed_shapes": True}, {"max_rows": 4})]
+                for extra in ({}, {"fixed_shapes": True}, {"max_rows": 4},
+                              {"pool": rollout.Pool(model, 40, block_size=4, graph_class=rollout.EagerGraph),
+                               "fixed_shapes": True})]
     finally:
         torch.set_default_device(previous)
     for out in runs:
@@ -209,8 +399,8 @@ def test_old_logp_equals_fresh_forward(model, temperature, top_k, top_p):
 
 
 def test_rows_that_stop_at_once_leave_before_the_first_decode_step(model):
-    # Prompt 1's greedy rows stop on their first token, so the batch is compacted before any decode
-    # step: the kept rows take their prompt's keys out of the shared cache with no own tokens yet.
+    # Prompt 1's greedy rows stop on their first token, drawn from the prefill's logits: they leave at the
+    # first sync, and their blocks go back, before any decode step.
     first_token = sample(model, temperature=0.0, max_new_tokens=1).completion_ids[3, 0].item()
     out = sample(model, temperature=0.0, max_new_tokens=6, stop_ids=[first_token])
     lengths = [len(c) for c in out.completions]
@@ -302,8 +492,14 @@ def test_results_can_enter_autograd(model):
     (dict(first_prompt=-1), "first_prompt"),
     (dict(cuda_graphs="maybe"), "cuda_graphs"),
     (dict(cuda_graphs="on"), "cuda_graphs='on' needs the model on a CUDA device"),
+    (dict(pool="small"), "pool: 5 blocks of 4 slots hold no group of 3 samples of the longest prompt"),
+    (dict(pool="other model"), "pool: it was built for another model"),
 ])
-def test_bad_input_names_the_argument(model, overrides, argument):
+def test_bad_input_names_the_argument(model, tiny_model_dir, overrides, argument):
+    if overrides.get("pool") == "small":
+        overrides["pool"] = rollout.Pool(model, 6, block_size=4)
+    elif overrides.get("pool") == "other model":
+        overrides["pool"] = rollout.Pool(load_checkpoint_dir(tiny_model_dir), 400)
     with pytest.raises(ValueError, match=argument):
         sample(model, **overrides)
 
@@ -312,27 +508,42 @@ def test_out_of_memory_names_the_knobs(model, monkeypatch):
     def no_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(model, "new_cache", no_memory)
-    with pytest.raises(torch.OutOfMemoryError, match="samples_per_prompt.*max_new_tokens"):
+    monkeypatch.setattr(modeling.KVPool, "__init__", no_memory)
+    with pytest.raises(torch.OutOfMemoryError, match="3 prompts x 3 samples x 24 new tokens.*max_rows"):
         sample(model)
 
 
 def test_gpu_check_dry_run(tmp_path):
-    """bench/gpu_check.py end to end on a tiny Qwen3 on the CPU, so the script is not what breaks on a GPU."""
-    run = subprocess.run([sys.executable, "bench/gpu_check.py", "--device", "cpu", "--tiny", "--out", str(tmp_path)],
-                         cwd=Path(__file__).parent, capture_output=True, text=True, timeout=600)
+    """bench/gpu_check.py end to end on a tiny Qwen3 on the CPU, so the script is not what breaks on a GPU: the
+    branches the GPU run takes (graphs, through their stand-in; the anchor's compile warm-up; LoRA adapters),
+    the JSON written after every row, and, in a second run, the budget cut."""
+    script = [sys.executable, "bench/gpu_check.py", "--device", "cpu", "--tiny"]
+    run = subprocess.run([*script, "--out", str(tmp_path / "full")], cwd=Path(__file__).parent, capture_output=True,
+                         text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert report["ok"] and report["models"]["Qwen3-tiny"]["parity"]["ok"]
+    report = json.loads((tmp_path / "full" / "gpu_check.json").read_text())
+    assert report["ok"] and report["skipped"] == 0 and report["models"]["Qwen3-tiny"]["parity"]["ok"]
+    assert report["models"]["Qwen3-tiny"]["parity"]["t=0"]["captures"] > 0, "the graphs' stand-in captured"
     assert all(row["status"] == "ok" for row in report["rows"])
+    phases = {(row["side"], row["phase"]) for row in report["rows"]}
     timed = {(row["side"], row["phase"]) for row in report["rows"] if row["tokens_per_s"]}
-    for side in ("ours", "transformers"):
-        for cap in (8, 16):
-            assert {phase for s, phase in timed if s == side and f"cap {cap}," in phase} >= {
-                f"rollout 2x2 rows, cap {cap}, forced"}, (side, cap)
+    for cap in (8, 16):
+        assert ("ours", f"rollout 2x2 rows, cap {cap}, warm-up (graph captures)") in phases
+        assert ("transformers", f"rollout 2x2 rows, cap {cap}, warm-up (compile)") in phases
+        for side in ("ours", "transformers"):
+            assert (side, f"rollout 2x2 rows, cap {cap}, forced") in timed, (side, cap)
             assert any(s == side and f"cap {cap}, long tail" in phase for s, phase in timed), (side, cap)
+    assert all(row["planned_peak_bytes"] for row in report["rows"]
+               if row["side"] == "ours" and "forced" in row["phase"])
     assert {side for side, phase in timed if phase.startswith("train")} == {"ours", "transformers + peft"}
-    assert "peak GiB" in run.stdout and "ok:" in run.stdout
+    assert "peak GiB" in run.stdout and "ok (0 runs skipped" in run.stdout
+
+    cut = subprocess.run([*script, "--out", str(tmp_path / "cut"), "--budget-s", "0.01"], cwd=Path(__file__).parent,
+                         capture_output=True, text=True, timeout=600)
+    assert cut.returncode == 0, cut.stdout[-2000:] + cut.stderr[-2000:]
+    report = json.loads((tmp_path / "cut" / "gpu_check.json").read_text())
+    statuses = [row["status"] for row in report["rows"]]
+    assert statuses[0] == "ok" and all(s.startswith("skipped: budget") for s in statuses[1:]) and len(statuses) > 5
 
 
 def test_the_command_line_samples_a_prompt_and_grades_it(tiny_model_dir):

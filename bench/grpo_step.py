@@ -81,16 +81,17 @@ def ours_worker(conn, steps: int, prompts: int) -> None:
     """train.py's demo, one train_step per "step" message; answers (step seconds, sampling seconds)."""
     torch.set_num_threads(1)
     cfg = demo_config(prompts)
-    model, tokenizer, optimizer = train.build(cfg)
-    cfg = train.resolve_automatic(cfg, model, tokenizer, [])
+    model, tokenizer, optimizer, _ = train.build(cfg)
     problems, sampling = demo_problems(cfg, steps), Laps()
+    cfg = train.resolve_automatic(cfg, model, tokenizer, problems)
+    pool = train.sampler_pool(cfg, model, tokenizer, problems, {})  # one KV pool for the run, as train.py's
     train.sample, train.score = sampling.wrap(train.sample), sampling.wrap(train.score)
     conn.send("ready")
     for step in range(1, steps + 1):
         conn.recv()
         sampling.seconds, start = 0.0, time.perf_counter()
         batch = problems[(step - 1) * cfg.prompts_per_step:step * cfg.prompts_per_step]
-        train.train_step(model, optimizer, tokenizer, batch, cfg, step)
+        train.train_step(model, optimizer, tokenizer, batch, cfg, step, pool=pool)
         conn.send((time.perf_counter() - start, sampling.seconds))
     conn.recv()
     conn.send(peak_rss_bytes())

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import sys
 import time
 from pathlib import Path
@@ -30,10 +29,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import memory  # noqa: E402
 import model as modeling  # noqa: E402
 import rollout  # noqa: E402
 import weights  # noqa: E402
 from qwen3_shapes import QWEN3, QWEN3_COMMON, QWEN3_TINY  # noqa: E402
+
+long_tail_lengths = memory.long_tail_lengths  # the memory plan's length model
 
 QUESTIONS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -52,14 +54,15 @@ QUESTIONS = [
 
 
 
-def timed(fn, device: torch.device) -> float:
+def timed(fn, device: torch.device):
+    """(seconds, result) of fn()."""
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    fn()
+    out = fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, out
 
 
 def ours_from_hf(hf_model) -> modeling.Transformer:
@@ -78,13 +81,6 @@ def left_padded(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Te
     ids = torch.tensor([[pad_id] * (P - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], device=device)
     return ids, mask
-
-
-def long_tail_lengths(rows: int, cap: int, seed: int = 0) -> list[int]:
-    """Completion lengths for `rows` rows: log-normal with median cap/6 and sigma 0.9, in [1, cap]."""
-    g = torch.Generator().manual_seed(seed)
-    drawn = torch.randn(rows, generator=g).mul(0.9).add(math.log(cap / 6)).exp()
-    return drawn.round().clamp(1, cap).long().tolist()
 
 
 @contextlib.contextmanager
@@ -150,16 +146,22 @@ def ours_generate(model, prompts, samples: int, new_tokens: int, lengths: list[i
 
 
 def compare(runs: dict, tokens: int, device: torch.device, repeats: int) -> None:
-    """Time each run `repeats` times, interleaved so load changes hit all alike; print best tokens/s."""
-    best = {name: float("inf") for name in runs}
+    """Time each run `repeats` times, interleaved so load changes hit all alike; print best tokens/s and what
+    our sampler did (rollout.SamplerStats)."""
+    best, stats = {name: float("inf") for name in runs}, None
     for _ in range(repeats):
         for name, fn in runs.items():
-            best[name] = min(best[name], timed(fn, device))
+            seconds, out = timed(fn, device)
+            best[name] = min(best[name], seconds)
+            stats = out.stats if isinstance(out, rollout.Rollout) else stats
     ours = tokens / best["rollout.generate"]
     print(f"{'sampler':<34} {'seconds':>8} {'tokens/s':>10} {'ours is':>8}")
     for name, seconds in best.items():
         rate = tokens / seconds
         print(f"{name:<34} {seconds:>8.2f} {rate:>10.0f} {ours / rate:>7.2f}x")
+    if stats is not None:
+        print(f"rollout.generate: {stats.decode_steps} decode steps, {stats.prefills} prefills, rows in flight max "
+              f"{stats.rows_max}, mean {stats.rows_mean:.1f}")
 
 
 def bench_cpu(repeats: int, dtype: torch.dtype, long_tail: bool, fixed_shapes: bool) -> None:
@@ -238,21 +240,28 @@ def bench_gpu(repeats: int, models: list[str], long_tail: bool) -> None:
         torch.cuda.empty_cache()
 
 
+@torch.inference_mode()
 def build_on_meta(models: list[str]) -> None:
-    """Build the GPU benchmark's models, prefill 4 prompts and run one fixed-shape decode step over
-    their 4 x 4 forked rows on the meta device (shapes only)."""
+    """Build the GPU benchmark's models, prefill 4 prompts into a KV pool and run one decode step over
+    their 4 x 4 rows on the meta device (shapes only), with LoRA on every projection as the trainer has."""
+    import lora
+
     meta = torch.device("meta")
     for name in models:
         hf, ours = build_qwen3(name, "meta")
-        prompt_cache = ours.new_cache(4, 128 + 4 * 256)
-        ours.hidden(torch.zeros(4, 128, dtype=torch.long, device=meta), None, prompt_cache)
-        cache = prompt_cache.fork(4)
-        logits = ours.decode_step(torch.zeros(16, dtype=torch.long, device=meta),
-                                  torch.ones(16, dtype=torch.bool, device=meta), cache, span=rollout.bucket(128 + 4))
+        lora.inject(ours, 32, 64.0)
+        pool = rollout.Pool(ours, 1 + 4 * rollout.group_blocks(128, 4, 256, rollout.FLASH_BLOCK), max_len=128 + 256)
+        table = torch.ones(4, pool.table_width, dtype=torch.int32, device=meta)
+        ours.prefill(torch.zeros(4, 128, dtype=torch.long, device=meta), torch.ones(4, 128, dtype=torch.bool,
+                     device=meta), modeling.PagedRows(pool.kv, table, torch.zeros(4, dtype=torch.long, device=meta)))
+        rows = modeling.PagedRows(pool.kv, table.repeat_interleave(4, 0), torch.full((16,), 128, device=meta))
+        logits = ours.decode_step(torch.zeros(16, dtype=torch.long, device=meta), rows, pool.block_size,
+                                  pool.decode_weights())
         assert logits.shape == (16, ours.config.vocab_size)
         params = sum(p.numel() for p in ours.parameters())
-        print(f"{name}: built on meta, {params / 1e9:.2f}B {ours.dtype} parameters, {ours.config.num_layers} "
-              f"layers; decode_step logits {tuple(logits.shape)}")
+        print(f"{name}: built on meta, {params / 1e9:.2f}B {ours.dtype} parameters with LoRA, "
+              f"{ours.config.num_layers} layers; {pool.attention} attention over {pool.block_size}-slot blocks; "
+              f"decode_step logits {tuple(logits.shape)}")
 
 
 def main() -> None:
