@@ -980,17 +980,24 @@ def main(argv: list[str] | None = None) -> None:
     except Stopped as stop:
         if first_rank:
             print(str(stop), file=sys.stderr)
-        sys.exit(130)
+        _exit_interrupted()
     except KeyboardInterrupt as interrupt:
         if first_rank:
             print(f"\n{interrupt}" if isinstance(interrupt, Interrupted) else
                   "\ninterrupted before the run started: nothing was written", file=sys.stderr)
-        sys.exit(130)
+        _exit_interrupted()
     if "after" in state and world.rank == 0:  # an export-only resume trained and evaluated nothing
         before, after, best = state["before"], state["after"], state["best"]
         print(f"best held-out accuracy {100 * best['accuracy']:.1f}% at step {best['step']}")
         print(f"held-out accuracy: before {100 * before['accuracy']:.1f}% -> after {100 * after['accuracy']:.1f}% "
               f"(n={after['problems']}, k={after['k']}, se {100 * (after['se'] or 0):.1f})")
+
+
+def _exit_interrupted() -> None:
+    """Exit with 130. A further Ctrl-C while the process ends (its worker pools closing) is ignored: the run
+    is already safe, and it would only print a traceback from an exit handler."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(130)
 
 
 def _one_line(error: BaseException) -> str:
