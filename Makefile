@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train study test bench clean
+.PHONY: setup train study test bench bench-trl clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,11 @@ bench: setup
 	$(PY) bench/rollout.py --long-tail
 	$(PY) bench/reward.py
 	$(PY) bench/sandbox.py
+
+# The demo's whole step against TRL's GRPOTrainer (about 15 min on 2 CPU cores); TRL is installed only here.
+bench-trl: setup
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-bench.txt
+	OMP_NUM_THREADS=1 $(PY) bench/grpo_step.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache __pycache__

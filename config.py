@@ -94,6 +94,9 @@ class Config:
     updates_per_rollout: int = opt(1, "optimizer steps (mini-batches) per pass over a rollout batch")
     epochs: int = opt(1, "passes over each rollout batch, each reshuffled into --updates-per-rollout mini-batches "
                          "(TRL's num_iterations, verl's ppo_epochs)")
+    shuffle: str = opt("rows", "mini-batches of the rollout's rows shuffled one by one, or of whole prompt groups "
+                               "(G rows each): then every micro-batch runs each of its prompts once",
+                       ("rows", "groups"))
     grad_accum: int = opt(0, "micro-batches per optimizer step (per process, on average, under torchrun); 0 = from "
                              "the memory plan on a GPU, 1 on the CPU")
     recompute_old_logp: str = opt("auto", "recompute old log-probs with the training pass before updating "
@@ -302,6 +305,9 @@ def _checks(cfg: Config, need_device: bool):
     rows = cfg.prompts_per_step * cfg.group_size
     yield (1 <= cfg.updates_per_rollout <= rows, f"--updates-per-rollout {cfg.updates_per_rollout}: must be between "
                                                  f"1 and the {rows} rows of a step (--prompts-per-step x --group-size)")
+    yield (cfg.shuffle == "rows" or cfg.updates_per_rollout <= cfg.prompts_per_step,
+           f"--updates-per-rollout {cfg.updates_per_rollout}: with --shuffle groups each mini-batch holds whole "
+           f"prompt groups, so at most the {cfg.prompts_per_step} prompts of a step (--prompts-per-step)")
     yield (0 <= cfg.grad_accum <= max(1, rows // cfg.updates_per_rollout),
            f"--grad-accum {cfg.grad_accum}: must be between 0 (automatic) and the {rows // cfg.updates_per_rollout} "
            "rows of a mini-batch")

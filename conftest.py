@@ -129,3 +129,10 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def assert_equal_to(got: torch.Tensor, expected: torch.Tensor, rel: float = 1e-12) -> None:
+    """got equals expected to `rel` of expected's largest entry: the bar of two float64 computations that
+    differ only in the order of their sums."""
+    error, scale = (got - expected).abs().max().item(), expected.abs().max().item()
+    assert got.shape == expected.shape and error <= rel * scale, f"off by {error:.3g}, {error / scale:.3g} relative"

@@ -14,10 +14,11 @@ Phases, each peak = what is resident when it runs + the phase's own peak:
 - weights: the model in the run's dtype (resident throughout);
 - lora: adapters, their gradients and AdamW's two moments (fp32), plus the optimizer step's temporaries;
 - pool: the sampler's KV pool, allocated once after them and resident throughout (blocks x block bytes);
-- train: one micro-batch's forward and backward (model.hidden + model.hidden_logprobs + a loss), beside
-  the step data;
+- train: one micro-batch's forward and backward (model.hidden or model.hidden_shared, hidden_logprobs, a
+  loss), beside the step data, at the largest of the layouts it can take (prompts_per_pass: rows run
+  whole, or with each of their prompts run once);
 - frozen: the no-grad passes that recompute old log-probs, the reference policy's or old_hidden, one
-  micro-batch, beside the step data;
+  micro-batch, beside the step data, in the same layouts;
 - rollout: one sampler call on CUDA's fixed-shape path (sampling_phase): its outputs and results, a
   prefill pass, the widest decode step and its draw, the graphs' static logits;
 - eval: the same for an evaluation call (its prompts x eval_k samples, the longest evaluation prompt).
@@ -155,6 +156,7 @@ class Workload:
     group_size: int = 8
     prompts_per_step: int = 8
     updates_per_rollout: int = 1  # mini-batches per step
+    shuffle: str = "rows"  # mini-batches of random rows, or of whole prompt groups ("groups")
     rollout_prompts: int = 8  # prompts in flight in the sampler (their rows bound its batch)
     micro_batch_rows: int = 64  # rows per training micro-batch (and per frozen pass)
     pool_blocks: int = 0  # blocks of the sampler's KV pool (block 0 included); 0 = none chosen yet
@@ -175,6 +177,8 @@ class Workload:
                      "updates_per_rollout", "rollout_prompts", "micro_batch_rows", "eval_prompts", "eval_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Workload.{name} must be >= 1, got {getattr(self, name)}")
+        if self.shuffle not in ("rows", "groups"):
+            raise ValueError(f"Workload.shuffle must be 'rows' or 'groups', got {self.shuffle!r}")
         if self.lora_rank < 0:
             raise ValueError(f"Workload.lora_rank must be >= 0 (0: full-parameter), got {self.lora_rank}")
 
@@ -373,22 +377,61 @@ def _surrogate_loss(logp, old_logp, advantages, mask):
     return -torch.where(mask, objective, 0).sum() / mask.numel()
 
 
-def train_phase(model: Transformer, rows: int, work: Workload, resizable=()) -> int:
-    """One training micro-batch: forward, loss and backward into existing gradients (the adapters', or every
-    weight's shards). resizable: a sharded model's gathered weights (LiveBytes)."""
+def prompts_per_pass(work: Workload, rows: int, phase: str) -> list[int]:
+    """The numbers of distinct prompts a pass of `rows` rows must be planned for: each layout of train.py's
+    policy_states that can occur and may be the largest. All distinct prompts run each row whole (as
+    many prompts as rows); otherwise each prompt runs once (model.hidden_shared), and the most prompts
+    are the most tokens. Frozen passes and --shuffle groups take consecutive rows of the prompt-major
+    rollout, from a group's first row: rows in whole groups span rows / G of them, other counts at
+    most one more. --shuffle rows draws rows at random: up to one prompt per row."""
+    G, prompts = work.group_size, work.prompts_per_step
+    if phase == "train" and work.shuffle == "rows":
+        most = min(rows, prompts)
+    else:
+        most = min(prompts, rows // G if rows % G == 0 else 1 + -(-(rows - 1) // G))
+    layouts = [rows] if most == rows else []  # every row alone
+    if rows > 1:
+        layouts.append(min(most, rows - 1))
+    return layouts
+
+
+def pass_tokens(work: Workload, rows: int) -> int:
+    """Tokens a training micro-batch of `rows` rows runs at its largest layout (prompts_per_pass): rows x
+    (P + C) with every row whole, else each of its prompts once and every row's completion."""
+    P, C = work.prompt_len, work.max_new_tokens
+    prompts = prompts_per_pass(work, rows, "train")[0]
+    return rows * (P + C) if prompts == rows else prompts * P + rows * C
+
+
+def _policy_states(model: Transformer, rows: int, prompts: int, work: Workload):
+    """train.py's policy_states for rows of full prompts and completions: (h, ids, start)."""
     device, P, C = model.device, work.prompt_len, work.max_new_tokens
+    if prompts == rows:
+        ids = torch.zeros(rows, P + C, dtype=torch.long, device=device)
+        return model.hidden(ids, torch.ones(rows, P + C, dtype=torch.bool, device=device)), ids, P
+    completion_ids = torch.zeros(rows, C, dtype=torch.long, device=device)
+    h = model.hidden_shared(torch.zeros(prompts, P, dtype=torch.long, device=device),
+                            torch.ones(prompts, P, dtype=torch.bool, device=device),
+                            torch.arange(rows, device=device) % prompts, completion_ids,
+                            torch.ones(rows, C, dtype=torch.bool, device=device))
+    return h, torch.zeros(rows, 1 + C, dtype=torch.long, device=device), 1
+
+
+def train_phase(model: Transformer, rows: int, work: Workload, resizable=(), prompts: int | None = None) -> int:
+    """One training micro-batch of `rows` rows of `prompts` distinct prompts (default: all distinct): forward,
+    loss and backward into existing gradients (the adapters', or every weight's shards). resizable: a sharded
+    model's gathered weights (LiveBytes)."""
+    device, C = model.device, work.max_new_tokens
     for p in (model.parameters() if work.full else lora.parameters(model)):
         if p.grad is None:  # accumulation adds into the gradients a previous micro-batch left
             p.grad = torch.zeros_like(p)
     model.train()
     with LiveBytes(resizable) as tracker:
-        ids = torch.zeros(rows, P + C, dtype=torch.long, device=device)
-        pad = torch.ones(rows, P + C, dtype=torch.bool, device=device)
         old_logp = torch.zeros(rows, C, device=device)
         mask = torch.ones(rows, C, dtype=torch.bool, device=device)
         advantages = torch.ones(rows, device=device)
-        h = model.hidden(ids, pad)
-        logp, entropy = model.hidden_logprobs(h, ids, start=P, temperature=work.temperature,
+        h, ids, start = _policy_states(model, rows, prompts or rows, work)
+        logp, entropy = model.hidden_logprobs(h, ids, start=start, temperature=work.temperature,
                                               with_entropy=work.with_entropy or work.entropy_grad,
                                               entropy_grad=work.entropy_grad)
         bonus = entropy.mean() if work.entropy_grad else 0
@@ -398,17 +441,18 @@ def train_phase(model: Transformer, rows: int, work: Workload, resizable=()) -> 
 
 
 def frozen_phase(model: Transformer, rows: int, work: Workload, reference: Transformer | None = None,
-                 resizable=()) -> int:
-    """One micro-batch of the no-grad passes (old log-probs, reference log-probs), as train.py runs them; the
-    reference pass runs on `reference` (a full run's frozen copy) or on the model (LoRA's base)."""
-    device, T = model.device, work.prompt_len + work.max_new_tokens
+                 resizable=(), prompts: int | None = None) -> int:
+    """One micro-batch of the no-grad passes (old log-probs, reference log-probs), as train.py runs them, of
+    `rows` rows of `prompts` distinct prompts (default: all distinct); the reference pass runs on `reference`
+    (a full run's frozen copy) or on the model (LoRA's base)."""
     passes = [model] * (work.recompute_old_logp + work.old_hidden) + [reference or model] * work.ref_logp
     model.eval()
     with LiveBytes(resizable) as tracker, torch.no_grad():
-        ids = torch.zeros(rows, T, dtype=torch.long, device=device)
-        pad = torch.ones(rows, T, dtype=torch.bool, device=device)
-        kept = [policy.token_logprobs(ids, pad, temperature=work.temperature)[0][:, work.prompt_len:]
-                for policy in passes]
+        kept = []
+        for policy in passes:
+            h, ids, start = _policy_states(policy, rows, prompts or rows, work)
+            kept.append(policy.hidden_logprobs(h, ids, start=start, temperature=work.temperature)[0])
+            del h
         del kept
     return tracker.peak
 
@@ -641,11 +685,13 @@ class _MetaRun:
             if name == "lora":
                 return self.weights, self.lora_peak
             if name == "train":
-                return resident + self.step_data(w.step_rows), train_phase(model, size, w)
+                return resident + self.step_data(w.step_rows), max(
+                    train_phase(model, size, w, prompts=prompts) for prompts in prompts_per_pass(w, size, name))
             if name == "frozen":
                 if not (w.recompute_old_logp or w.ref_logp or w.old_hidden):
                     return 0, 0
-                return resident + self.step_data(w.step_rows), frozen_phase(model, size, w)
+                return resident + self.step_data(w.step_rows), max(
+                    frozen_phase(model, size, w, prompts=prompts) for prompts in prompts_per_pass(w, size, name))
             if name == "rollout":
                 return resident, sampling_phase(model, w, size)
             if name == "eval":
@@ -716,15 +762,18 @@ class _ShardedRun:
             resident, own = whole.measure(name, size)
             return held + resident, own
         with self.mode, flash_attention_on_meta():
+            layouts = prompts_per_pass(w, size, name) if name in ("train", "frozen") else []
             if name == "train":
-                return held + self.grads + whole.step_data(w.step_rows), train_phase(self.model, size, w,
-                                                                                     self.resizable)
+                own = max(train_phase(self.model, size, w, self.resizable, prompts) for prompts in layouts)
+                return held + self.grads + whole.step_data(w.step_rows), own
             if name == "frozen":
                 if not (w.recompute_old_logp or w.ref_logp or w.old_hidden):
                     return 0, 0
-                own = frozen_phase(self.model, size, w, self.reference, self.resizable)
-                for model in (self.model, self.reference or self.model):
-                    fsdp.reshard(model)  # a root stays gathered after a pass without backward
+                own = 0
+                for prompts in layouts:
+                    own = max(own, frozen_phase(self.model, size, w, self.reference, self.resizable, prompts))
+                    for model in (self.model, self.reference or self.model):
+                        fsdp.reshard(model)  # a root stays gathered after a pass without backward
                 return held + whole.step_data(w.step_rows), own
         raise ValueError(f"unknown phase {name!r}")
 
@@ -741,9 +790,10 @@ def fit(model_cfg: ModelConfig, work: Workload, budget_bytes: int, free: tuple[s
         planner: Planner | None = None) -> Workload:
     """The workload with its `free` sizes chosen and the sampler's pool sized, every phase within
     usable_bytes(budget_bytes). The pool is resident, so it gets what the largest other phase leaves:
-    - micro_batch_rows: the fewest rows holding TRAIN_TOKENS tokens (at least one row): products of that
-      many rows keep a GPU's matrix units busy, so training speed hardly grows past it, while the
-      sampler's grows with every row its pool holds;
+    - micro_batch_rows: the fewest rows whose pass runs TRAIN_TOKENS tokens (pass_tokens; at least one
+      row): products of that many tokens keep a GPU's matrix units busy, so training speed hardly grows
+      past it, while the sampler's grows with every row its pool holds. With --shuffle groups a row's
+      prompt is shared by its group, so more rows make those tokens;
     - rollout_prompts (prompts in flight): of the powers of two up to the step's prompts (and the step's
       own count), the fewest whose pool samples the step within PASSES_TOLERANCE of the fewest decode
       passes for the length model (simulate_rollout): more rows in flight than that only add preemptions
@@ -763,10 +813,10 @@ def _fit(planner: Planner, work: Workload, budget_bytes: int, free: tuple[str, .
     for name in ("weights", state_phase(work)):
         if planner.peak(name) > usable:
             raise ValueError(_no_fit(name, planner.peak(name), usable, budget_bytes, _what_lowers(name, work)))
-    T = work.prompt_len + work.max_new_tokens
     micro = work.micro_batch_rows
     if "micro_batch_rows" in free:
-        micro = min(work.minibatch_rows, max(1, -(-TRAIN_TOKENS // T)))
+        micro = next((rows for rows in range(1, work.minibatch_rows) if pass_tokens(work, rows) >= TRAIN_TOKENS),
+                     work.minibatch_rows)
     if "rollout_prompts" in free:
         most = min(work.prompts_per_step, max(1, ROWS_CAP // work.group_size))
         candidates = sorted({*(1 << k for k in range(most.bit_length()) if 1 << k <= most), most})
@@ -844,8 +894,8 @@ def report(model_cfg: ModelConfig, work: Workload, budget_bytes: int,
         "weights": f"{model_cfg.num_layers} layers x {model_cfg.hidden_size} in {dtype}",
         "lora": f"r{w.lora_rank} on {len(w.lora_targets)} targets: fp32 adapters, gradients, AdamW moments",
         "pool": f"KV cache: {w.pool_blocks - 1:,} blocks of {planner.block_size} slots ({slots:,} tokens), kept",
-        "train": f"{w.micro_batch_rows} rows x {w.prompt_len + w.max_new_tokens} tokens, checkpointing "
-                 f"{'on' if w.gradient_checkpointing else 'off'}, step data{' with old_hidden' * w.old_hidden}",
+        "train": f"{_layouts_text(w, 'train')}, checkpointing {'on' if w.gradient_checkpointing else 'off'}, "
+                 f"step data{' with old_hidden' * w.old_hidden}",
         "frozen": "no-grad log-prob passes" if measured["frozen"][1] else "none needed",
         "rollout": f"up to {w.rollout_prompts} prompts x {w.group_size} samples in flight, {w.prompt_len}-token "
                    f"prompts, {w.max_new_tokens} new tokens",
@@ -885,6 +935,13 @@ def _what_lowers(phase: str, work: Workload) -> str:
     if phase == "weights" and work.dtype.itemsize <= 2:
         return "use a smaller model"
     return PHASE_FLAGS[phase]
+def _layouts_text(w: Workload, phase: str) -> str:
+    """The layouts a pass is planned for, e.g. "16 rows x 4,608 tokens, or 16 rows of 15 prompts: ..."."""
+    rows, P, C = w.micro_batch_rows, w.prompt_len, w.max_new_tokens
+    some_rows = f"{rows} row{'s' * (rows > 1)}"
+    return ", or ".join(f"{some_rows} x {P + C:,} tokens" if prompts == rows else
+                        f"{some_rows} of {prompts} prompt{'s' * (prompts > 1)}: "
+                        f"{prompts} x {P:,} + {rows} x {C:,} tokens" for prompts in prompts_per_pass(w, rows, phase))
 
 
 def gpu_memory_bytes(device: str | None, given_gb: float | None) -> int:

@@ -5,13 +5,16 @@ One set of blocks covers all three: they differ only in whether q/k/v carry a bi
 details (explicit head_dim, tied embeddings). Module names mirror Hugging Face's, so a
 checkpoint's state dict loads by plain assignment and LoRA adapters keep PEFT's key names.
 
-Three ways in:
+Four ways in:
 - `model(input_ids, pad_mask)` returns logits [B, T, V], the plain path.
 - `model.token_logprobs(input_ids, pad_mask)` returns the log-probability of every token
   given its prefix, computing the vocabulary projection in chunks so [B, T, V] fp32 logits
-  never exist for the whole batch. Training uses this path.
+  never exist for the whole batch (`hidden_logprobs` does the same from hidden states).
 - `model.prefill(...)` and `model.decode_step(...)` sample over a KVPool, the paged KV cache whose
   blocks rows hold only for the tokens they have; rollout.py drives them.
+- `model.hidden_shared(prompt_ids, prompt_mask, owner, completion_ids, completion_mask)` runs rows that
+  share prompts with each prompt computed once (SharedPrompts): the training pass of a GRPO group,
+  which train.py turns into log-probs with `hidden_logprobs`.
 
 Padding: rows may be left-padded (prompts) and right-padded (completions). Positions count
 real tokens only, so a padded row gives the same result as the same row alone.
@@ -119,11 +122,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32 and cast back before the weight, as the reference implementations do,
-        # so bf16 runs round the same way.
-        x32 = x.float()
+        # Normalize in fp32 (float64 stays float64) and cast back before the weight, as the reference
+        # implementations do, so bf16 runs round the same way.
+        x32 = x.to(at_least_fp32(x.dtype))
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for bf16 and fp32, float64 for float64: the precision of norms and log-probs. A float64 model
+    is the exact reference of the tests, so nothing in it rounds to fp32."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -356,6 +365,61 @@ def _low_rank(module: nn.Module):
     return None if low_rank is None else low_rank()
 
 
+class SharedPrompts:
+    """Rows that share prompts, laid out for one pass in which each distinct prompt runs once: the
+    training pass's twin of the sampler's pool, where a prompt's G samples share its blocks.
+    Transformer.hidden_shared builds it.
+
+    U prompts of P slots, real tokens first (rotated so, as Transformer.hidden does), and R completions
+    of C slots, real tokens then pads; owner [R] is each row's prompt. The tokens run through the blocks
+    as one flat sequence, the prompts' U * P slots then the completions' R * C, so every projection,
+    norm and MLP is one matrix product for both; only attention (`attend`) tells them apart:
+    - a prompt attends causally to itself, as a row of the plain path does (fused causal kernels);
+    - a completion's queries attend to its prompt's keys and values, gathered by owner (with autograd,
+      so the gradient of a prompt's keys and values is the sum over its rows), and to its own earlier
+      tokens, under an additive mask built once per pass.
+
+    The fused kernels that take a mask do not all take grouped-query attention, so the query heads that
+    share a kv head are joined another way, whichever costs less memory: short completions (C at most
+    twice the head size) fold them into one query axis, as DecodeAttention does, which repeats the mask
+    per folded head; longer ones copy each layer's keys and values per query head instead.
+    """
+
+    def __init__(self, prompt_mask: torch.Tensor, owner: torch.Tensor, completion_mask: torch.Tensor,
+                 cfg: ModelConfig, dtype: torch.dtype):
+        (U, P), (R, C), device = prompt_mask.shape, completion_mask.shape, owner.device
+        self.owner, self.sizes = owner, (U, P, R, C)
+        self.fold = C <= 2 * cfg.head_dim
+        keys, queries = torch.arange(P + C, device=device), torch.arange(C, device=device)
+        own_prompt = keys < prompt_mask.sum(1)[owner][:, None, None]  # [R, 1, P + C]: its prompt's real tokens
+        own_past = (keys >= P) & (keys - P <= queries[:, None])  # [C, P + C]: its own tokens up to the query
+        hidden = ~(own_prompt | own_past)  # [R, C, P + C]
+        bias = torch.zeros(R, 1, C, P + C, dtype=dtype, device=device).masked_fill_(hidden[:, None], float("-inf"))
+        if self.fold:  # [R, 1, (head, t), P + C]
+            heads_per_kv = cfg.num_heads // cfg.num_kv_heads
+            bias = bias.expand(-1, heads_per_kv, -1, -1).reshape(R, 1, heads_per_kv * C, P + C)
+        self.bias = bias
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention output [1, tokens, heads, D] of the flat sequence, from q [1, heads, tokens, D] and
+        k, v [1, kv_heads, tokens, D]; every layer's the same way (`layer` is PrefillWrite's argument)."""
+        U, P, R, C = self.sizes
+        heads, kv_heads, D = q.shape[1], k.shape[1], q.shape[3]
+        split = U * P
+        qp, kp, vp = (x[0, :, :split].unflatten(1, (U, P)).transpose(0, 1) for x in (q, k, v))  # [U, heads, P, D]
+        qc, kc, vc = (x[0, :, split:].unflatten(1, (R, C)).transpose(0, 1) for x in (q, k, v))  # [R, heads, C, D]
+        prompt_out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+        keys, values = torch.cat([kp[self.owner], kc], 2), torch.cat([vp[self.owner], vc], 2)  # [R, kv, P + C, D]
+        if self.fold:
+            folded = qc.reshape(R, kv_heads, heads // kv_heads * C, D)
+            out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=self.bias)
+            out = out.unflatten(2, (heads // kv_heads, C)).permute(0, 3, 1, 2, 4)  # [R, C, kv_heads, ., D]
+        else:
+            keys, values = (x.repeat_interleave(heads // kv_heads, 1) for x in (keys, values))  # [R, heads, ., D]
+            out = F.scaled_dot_product_attention(qc, keys, values, attn_mask=self.bias).transpose(1, 2)
+        return torch.cat([prompt_out.transpose(1, 2).reshape(split, heads, D), out.reshape(R * C, heads, D)])[None]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -369,7 +433,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, layer: int = 0, cache: PrefillWrite | None = None):
+    def forward(self, x, cos, sin, layer: int = 0, cache: PrefillWrite | SharedPrompts | None = None):
         B, T, _ = x.shape
         cfg = self.cfg
         q = self.q_proj(x).view(B, T, cfg.num_heads, cfg.head_dim)
@@ -454,6 +518,37 @@ class Transformer(nn.Module):
         scatter = (torch.arange(T, device=input_ids.device) - shift[:, None]) % T
         return h.gather(1, scatter[..., None].expand_as(h))
 
+    def hidden_shared(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, owner: torch.Tensor,
+                      completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+        """Final-normed states [R, 1 + C, hidden] of R rows that share U prompts, each prompt run once
+        (SharedPrompts): for row r, the state of the last token of its prompt prompt_ids[owner[r]], then
+        those of its completion completion_ids[r]. They are hidden() of the row run whole, at those tokens.
+
+        prompt_ids, prompt_mask [U, P]: each prompt's tokens contiguous (left-padded, as the sampler's),
+        at least one; owner [R] long in [0, U); completion_ids, completion_mask [R, C]: tokens, then pads.
+        """
+        (U, P), (R, C), device = prompt_ids.shape, completion_ids.shape, prompt_ids.device
+        rotate = (torch.arange(P, device=device) + _leading_pads(prompt_mask)[:, None]) % P  # real tokens first
+        prompt_ids, prompt_mask = prompt_ids.gather(1, rotate), prompt_mask.gather(1, rotate)
+        _check_contiguous(prompt_mask)
+        _check_contiguous(completion_mask)
+        lengths = prompt_mask.sum(1)  # [U]
+        ids = torch.cat([prompt_ids.flatten(), completion_ids.flatten()])[None]  # [1, U * P + R * C]
+        positions = torch.cat([torch.arange(P, device=device).repeat(U),
+                               (lengths[owner, None] + torch.arange(C, device=device)).flatten()])[None]
+        x = self.model.embed_tokens(ids)
+        # the mask in the dtype the blocks compute in (under FSDP2, the gathered weights', not the shards')
+        shared = SharedPrompts(prompt_mask, owner, completion_mask, self.config, x.dtype)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for i, block in enumerate(self.model.layers):
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, cos, sin, i, shared, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, i, shared)
+        last_prompt_token = x[0, :U * P].view(U, P, -1)[torch.arange(U, device=device), lengths - 1]  # [U, hidden]
+        # normed after the selection: the norm is per token, and most prompt states are not needed
+        return self.model.norm(torch.cat([last_prompt_token[owner, None], x[0, U * P:].view(R, C, -1)], 1))
+
     def _run_blocks(self, input_ids, positions, cache: PrefillWrite | None = None):
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
@@ -529,7 +624,8 @@ class Transformer(nn.Module):
     def hidden_logprobs(self, h: torch.Tensor, input_ids: torch.Tensor, *, start: int = 1,
                         temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False,
                         chunk_tokens: int = 1024):
-        """log-probs [B, T - start] fp32 of input_ids[:, start:] from hidden states h [B, T, hidden].
+        """log-probs [B, T - start] fp32 (float64 for a float64 model) of input_ids[:, start:] from
+        hidden states h [B, T, hidden].
 
         Only positions from `start` on pay for the vocabulary projection (training passes the prompt
         length: prompt tokens need no log-prob). It runs chunk_tokens positions at a time and, under
@@ -557,15 +653,16 @@ class Transformer(nn.Module):
         return logp, torch.cat(entropies).view(B, T) if with_entropy else None
 
     def _chunk_logprobs(self, h, targets, temperature: float, with_entropy: bool, entropy_grad: bool = False):
-        logits = self.lm_head(h)
-        # at least fp32 (a float64 model, as the exactness tests run, keeps its precision)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-        logp_all = torch.log_softmax(logits, dim=-1)
+        # Each [chunk, V] block is as large as the activations of a short micro-batch: none is made twice.
+        logits = self.lm_head(h).to(at_least_fp32(h.dtype))
+        logp_all = torch.log_softmax(logits if temperature == 1 else logits / temperature, dim=-1)
+        del logits
         logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
         if not with_entropy:
             return logp, logp.new_zeros(0)
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
+            probs = logp_all.exp()  # in place below only without a graph: exp's backward reads its output
+            entropy = -(probs * logp_all if torch.is_grad_enabled() else probs.mul_(logp_all)).sum(-1)
         return logp, entropy
 
 

@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except KeyboardInterrupt:
         print("\ninterrupted; the last checkpoint is kept (python sft.py --resume RUN continues it)", file=sys.stderr)
-        sys.exit(130)
+        stopping.exit_interrupted()
     if "after" in state and state["after"]:
         before, after = state["before"], state["after"]
         print(f"held-out format: before {100 * before['format']:.1f}% -> after {100 * after['format']:.1f}%")

@@ -103,7 +103,7 @@ def workload(cfg: Config, prompt_len: int = memory.Workload.prompt_len, eval_pro
         lora_targets=tuple(cfg.lora_targets.split(",")),
         gradient_checkpointing=cfg.gradient_checkpointing != "off", prompt_len=prompt_len,
         eval_prompt_len=eval_prompt_len, max_new_tokens=cfg.max_new_tokens, group_size=cfg.group_size,
-        prompts_per_step=cfg.prompts_per_step, updates_per_rollout=cfg.updates_per_rollout,
+        prompts_per_step=cfg.prompts_per_step, updates_per_rollout=cfg.updates_per_rollout, shuffle=cfg.shuffle,
         rollout_prompts=cfg.rollout_batch or cfg.prompts_per_step,
         micro_batch_rows=math.ceil(minibatch_rows / cfg.grad_accum) if cfg.grad_accum else minibatch_rows,
         pool_blocks=cfg.kv_blocks, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,

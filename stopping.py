@@ -64,3 +64,10 @@ class Interrupted(KeyboardInterrupt):
         super().__init__(f"interrupted; the last checkpoint is kept: continue with python train.py --resume "
                          f"{run_dir}")
         self.run_dir = run_dir
+
+
+def exit_interrupted() -> None:
+    """Exit with status 130. A further Ctrl-C while the process ends (its worker pools closing) is ignored: the
+    run is already safe, and it would only print a traceback from an exit handler."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(130)

@@ -77,6 +77,7 @@ def test_atr_preset_steps_the_optimizer_on_32_completions():
     """ATR-GRPO's "batch 8, gradient accumulation 4" counts completions: 4 prompts x 8 per optimizer step."""
     cfg, _, _ = config.parse_args(["--preset", "atr-grpo-qwen3-1.7b"])
     assert cfg.prompts_per_step * cfg.group_size / cfg.updates_per_rollout == 32 and cfg.updates_per_rollout > 1
+    assert cfg.shuffle == "groups"  # whole prompts: 4 of them, with their 8 completions each
 
 
 def test_the_gppo_delta_is_kl_at_0_8():

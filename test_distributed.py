@@ -17,6 +17,7 @@ import config
 import distributed
 import sizes
 import train
+from conftest import assert_equal_to
 
 TIMING_KEYS = {"step_seconds", "rollout_tokens_per_s", "reward_seconds", "train_tokens_per_s"}
 
@@ -76,7 +77,8 @@ class RecordingSGD(torch.optim.SGD):
 
 
 STEP_CASES = {"token-mean": ("--aggregation", "token-mean"),
-              "seq-mean-token-mean": ("--aggregation", "seq-mean-token-mean", "--adv-std", "batch")}
+              "seq-mean-token-mean": ("--aggregation", "seq-mean-token-mean", "--adv-std", "batch"),
+              "groups": ("--aggregation", "seq-mean-token-mean", "--shuffle", "groups")}
 STEP_FLAGS = ("--updates-per-rollout", "2", "--grad-accum", "2")
 
 
@@ -92,12 +94,21 @@ def one_step(model_dir, out_dir, flags, world) -> dict:
     return {"record": {k: v for k, v in record.items() if k not in TIMING_KEYS}, "grads": optimizer.grads}
 
 
+def whole_rows(setattr) -> None:
+    """Every row runs whole, each with its own copy of its prompt: the reference of the shared layout."""
+    policy_states = train.policy_states
+    setattr(train, "policy_states", lambda model, out, rows, group_size: policy_states(model, out, rows, 1))
+
+
 def step_worker(rank, size, port, model_dir, out_dir, result_file):
     join_as(rank, size, port)
     patch(setattr)
     cfg, _, _ = config.parse_args(tiny_args(model_dir, out_dir, "step"))
     with distributed.joined(config.resolve_device(cfg)[0], cfg.dist_timeout) as world:
         results = {name: one_step(model_dir, out_dir, flags, world) for name, flags in STEP_CASES.items()}
+        whole_rows(setattr)
+        results |= {f"{name}, whole rows": one_step(model_dir, out_dir, flags, world)
+                    for name, flags in STEP_CASES.items()}
     if rank == 0:
         torch.save(results, result_file)
 
@@ -123,6 +134,17 @@ def test_two_ranks_take_the_step_of_one_process(two_rank_steps, tiny_model_dir, 
     for key, expected in single["record"].items():
         assert ranks["record"][key] == pytest.approx(expected, rel=1e-5, abs=1e-8), key
     assert single["record"]["ratio_max"] > 1 + 1e-6, "the second update saw moved weights"
+
+
+@pytest.mark.parametrize("case", STEP_CASES)
+def test_two_ranks_sharing_prompts_take_the_step_of_whole_rows(two_rank_steps, case):
+    """Each rank runs each prompt once per micro-batch: the gradients and metrics of rows run whole, to 1e-12."""
+    shared, whole = two_rank_steps[case], two_rank_steps[f"{case}, whole rows"]
+    for got, expected in zip(shared["grads"], whole["grads"], strict=True):
+        assert_equal_to(got, expected)
+    assert shared["record"].keys() == whole["record"].keys()
+    for key, expected in whole["record"].items():
+        assert shared["record"][key] == pytest.approx(expected, rel=1e-12, abs=1e-15), key
 
 
 def run_worker(rank, size, port, argv):

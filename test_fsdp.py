@@ -34,7 +34,9 @@ from test_distributed import TIMING_KEYS, join_as, metric_lines, patch, run_rank
 FULL = ("--lora-rank", "0", "--lr", "1e-3")
 STEP_CASES = {  # token-mean in one-row micro-batches: the rank with fewer rows of a mini-batch runs idle passes
     "token-mean": ("--aggregation", "token-mean", "--grad-accum", "4"),
-    "seq-mean-token-mean": ("--aggregation", "seq-mean-token-mean", "--adv-std", "batch")}
+    "seq-mean-token-mean": ("--aggregation", "seq-mean-token-mean", "--adv-std", "batch"),
+    # micro-batches of 2 rows of one prompt (model.hidden_shared on the sharded model), idle passes between
+    "shared prompts": ("--shuffle", "groups")}
 STEP_FLAGS = (*FULL, "--updates-per-rollout", "2", "--grad-accum", "2")
 RUN_FLAGS = (*FULL, "--checkpoint-every", "1", "--updates-per-rollout", "2")
 # a model to count a sharded micro-batch on: big enough that FSDP's buffers matter, small enough to run
@@ -90,10 +92,20 @@ def counted_micro_batch(mesh=None) -> int:
 def ranks_worker(rank, size, port, second_port, model_dir, out_dir, result_file):
     join_as(rank, size, port)
     patch(setattr)
+    shared_passes, hidden_shared = [], Transformer.hidden_shared
+
+    def counted(model, *args):  # wrapped by fsdp.shard's forward hooks as the method itself is
+        shared_passes.append(len(args[2]))
+        return hidden_shared(model, *args)
+
+    Transformer.hidden_shared = counted
     with distributed.joined(torch.device("cpu"), 60, group=True) as world:
-        results = {"steps": {name: one_full_step(model_dir, out_dir, flags, world, sharded=True)
-                             for name, flags in STEP_CASES.items()},
-                   "counted": counted_micro_batch()}
+        results = {"steps": {}, "shared_passes": {}}
+        for name, flags in STEP_CASES.items():
+            before = len(shared_passes)
+            results["steps"][name] = one_full_step(model_dir, out_dir, flags, world, sharded=True)
+            results["shared_passes"][name] = shared_passes[before:]
+        results["counted"] = counted_micro_batch()
     if rank == 0:
         torch.save(results, result_file)
     os.environ["MASTER_PORT"] = str(second_port)  # a fresh rendezvous for the run
@@ -128,9 +140,14 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 def test_two_sharded_ranks_take_the_step_of_one_unsharded_process(two_ranks, tiny_model_dir, tmp_path, monkeypatch,
                                                                   case):
     """Two mini-batches, AdamW, accumulated over micro-batches (of one row for token-mean, two per mini-batch for
-    seq-mean-token-mean): the gradients the shards were reduced to, gathered, and every weight after the two
-    updates are one plain process's."""
+    seq-mean-token-mean, two rows of one prompt with --shuffle groups): the gradients the shards were reduced
+    to, gathered, and every weight after the two updates are one plain process's. The plain process of the
+    shared-prompt case runs every row whole, so the sharded shared pass is checked against the plain path."""
     patch(monkeypatch.setattr)
+    if case == "shared prompts":
+        policy_states, shared = train.policy_states, []
+        monkeypatch.setattr(Transformer, "hidden_shared", lambda *a: shared.append(1))  # never called
+        monkeypatch.setattr(train, "policy_states", lambda model, out, rows, G: policy_states(model, out, rows, 1))
     single, ranks = one_full_step(tiny_model_dir, tmp_path, STEP_CASES[case], distributed.SOLO, sharded=False), \
         two_ranks["steps"][case]
     assert len(ranks["grads"]) == len(single["grads"]) == 2
@@ -144,6 +161,8 @@ def test_two_sharded_ranks_take_the_step_of_one_unsharded_process(two_ranks, tin
     for key, expected in single["record"].items():
         assert ranks["record"][key] == pytest.approx(expected, rel=1e-8, abs=1e-12), key
     assert single["record"]["ratio_max"] > 1 + 1e-6, "the second update saw moved weights"
+    if case == "shared prompts":  # rank 0's micro-batches of one prompt's 2 rows, against rows run whole
+        assert two_ranks["shared_passes"][case] and set(two_ranks["shared_passes"][case]) == {2} and not shared
     if case == "token-mean":  # the shuffle of step 1 gives the ranks 5 and 3 rows of each mini-batch
         order = torch.randperm(16, generator=torch.Generator().manual_seed(0 + 1))
         assert [torch.bincount(m // 8, minlength=2).tolist() for m in order.chunk(2)] == [[5, 3], [3, 5]]

@@ -80,6 +80,66 @@ def test_plan_matches_a_real_cpu_training_micro_batch(small_model, checkpointing
     assert abs(planned - tracker.peak) / tracker.peak < 0.15, (planned, tracker.peak)
 
 
+@pytest.mark.parametrize("new_tokens", [C, 48])  # keys and values copied per query head; heads folded
+def test_plan_matches_a_real_cpu_micro_batch_of_one_prompt_group(small_model, new_tokens):
+    """--shuffle groups: a micro-batch of one prompt's 4 rows, its prompt run once (model.hidden_shared)."""
+    work = dataclasses.replace(SMALL_WORK, shuffle="groups", max_new_tokens=new_tokens)
+    assert memory.prompts_per_pass(work, ROWS, "train") == [1]
+    planned = memory.Planner(SMALL, work).measure("train", ROWS)[1]
+    model = small_model
+    model.gradient_checkpointing = True
+    model.train()
+    for p in lora.parameters(model):
+        p.grad = torch.zeros_like(p)
+    torch.manual_seed(1)
+    lengths = torch.tensor([new_tokens, 50, 7, new_tokens - 1])
+    with memory.LiveBytes() as tracker:
+        prompt_ids = torch.randint(0, SMALL.vocab_size, (1, P))
+        prompt_mask = torch.arange(P)[None] >= 6
+        completion_ids = torch.randint(0, SMALL.vocab_size, (ROWS, new_tokens))
+        mask = torch.arange(new_tokens)[None] < lengths[:, None]
+        h = model.hidden_shared(prompt_ids, prompt_mask, torch.zeros(ROWS, dtype=torch.long), completion_ids, mask)
+        ids = torch.cat([prompt_ids[:, -1:].expand(ROWS, 1), completion_ids], 1)
+        logp, _ = model.hidden_logprobs(h, ids, start=1, with_entropy=True)
+        value, _ = loss.policy_loss(logp, -torch.rand(ROWS, new_tokens), torch.randn(ROWS), mask, loss.LossConfig())
+        value.backward()
+    assert tracker.peak > 10**6
+    assert abs(planned - tracker.peak) / tracker.peak < 0.15, (planned, tracker.peak)
+
+
+@pytest.mark.parametrize("shuffle, rows, layouts", [
+    ("rows", 1, [1]), ("rows", 3, [3, 2]), ("rows", 8, [8, 7]), ("rows", 12, [8]),  # 8 prompts of 4 rows
+    ("groups", 1, [1]), ("groups", 2, [2, 1]), ("groups", 4, [1]), ("groups", 6, [3]), ("groups", 16, [4]),
+])
+def test_a_pass_is_planned_at_every_layout_that_can_be_largest(shuffle, rows, layouts):
+    """Rows drawn one by one may all have prompts of their own (each runs whole) or all but two; in whole
+    groups, consecutive rows span rows / 4 prompts, or one more when they start inside a group."""
+    work = dataclasses.replace(SMALL_WORK, prompts_per_step=8, shuffle=shuffle)
+    assert memory.prompts_per_pass(work, rows, "train") == layouts
+    assert memory.prompts_per_pass(dataclasses.replace(work, shuffle="groups"), rows, "frozen") == \
+        memory.prompts_per_pass(dataclasses.replace(work, shuffle="groups"), rows, "train")
+
+
+def test_automatic_micro_batches_count_a_shared_prompt_once():
+    """fit's micro-batches hold TRAIN_TOKENS tokens as the pass runs them: 8 rows of 2 prompts of 96 tokens
+    with 16 new each run 2 x 96 + 8 x 16 tokens in whole groups, and 8 x 112 drawn one by one from 8 prompts."""
+    work = dataclasses.replace(SMALL_WORK, prompt_len=96, max_new_tokens=16, prompts_per_step=8)
+    groups = dataclasses.replace(work, shuffle="groups")
+    assert memory.pass_tokens(work, 8) == 8 * 112 and memory.pass_tokens(groups, 8) == 2 * 96 + 8 * 16
+    assert memory.pass_tokens(work, 12) == 8 * 96 + 12 * 16  # 12 rows of 8 prompts: at most 8 prompts
+    assert memory.pass_tokens(groups, 1) == 112  # one row alone runs whole
+
+
+def test_a_pass_of_whole_groups_plans_less_memory_than_rows_alone():
+    """The demo's shape: long prompts, short completions; 8 rows of 2 prompts hold 320 tokens, not 896."""
+    work = dataclasses.replace(SMALL_WORK, prompt_len=96, max_new_tokens=16, gradient_checkpointing=False,
+                               prompts_per_step=8, micro_batch_rows=8, recompute_old_logp=True)
+    by_rows, by_groups = (memory.Planner(SMALL, dataclasses.replace(work, shuffle=shuffle))
+                          for shuffle in ("rows", "groups"))
+    assert by_groups.measure("train", 8)[1] < 0.6 * by_rows.measure("train", 8)[1]
+    assert by_groups.measure("frozen", 8)[1] < by_rows.measure("train", 8)[1]
+
+
 def test_plan_matches_a_real_cpu_rollout():
     """The planned sampler call against rollout.generate's fixed-shape path (CUDA's, run eagerly) over a pool
     made beforehand (the pool is resident: the plan counts it apart), every row running to the cap. With
@@ -134,12 +194,12 @@ def long_tail_passes_before(work: memory.Workload, prompts_per_call: int) -> int
 
 
 @pytest.mark.parametrize("preset, gpu_gb, chosen, before_calls, rows_at_least, fewer_passes", [
-    # the whole step in flight at once, in a pool of 927 blocks (27 GB) beside 2-row micro-batches; its
+    # the whole step in flight at once, in a pool of 948 blocks (28 GB) beside 2-row micro-batches; its
     # passes are the longest row's (4,095), against 4 calls of 5 prompts before
-    ("atr-grpo-qwen3-1.7b", 40, dict(rollout_batch=16, grad_accum=16, eval_batch=16, kv_blocks=928), 5, 128, 3),
-    # up to 64 prompts x 8 in flight over 1,261 blocks (48 GB) beside 1-row micro-batches, against 43 calls
+    ("atr-grpo-qwen3-1.7b", 40, dict(rollout_batch=16, grad_accum=16, eval_batch=16, kv_blocks=949), 5, 128, 3),
+    # up to 32 prompts x 8 in flight over 1,276 blocks (48 GB) beside 1-row micro-batches, against 43 calls
     # of 3 prompts before
-    ("gppo-qwen3-8b", 80, dict(rollout_batch=64, grad_accum=128, eval_batch=64, kv_blocks=1262), 3, 150, 5),
+    ("gppo-qwen3-8b", 80, dict(rollout_batch=32, grad_accum=128, eval_batch=32, kv_blocks=1277), 3, 150, 5),
 ])
 def test_preset_plans_fit(preset, gpu_gb, chosen, before_calls, rows_at_least, fewer_passes, capsys):
     cfg, _, _ = config.parse_args(["--preset", preset, "--plan", "--gpu-memory", str(gpu_gb)])

@@ -11,7 +11,7 @@ import torch
 import lora
 import model as model_module
 import weights
-from conftest import hf_model
+from conftest import assert_equal_to, hf_model
 
 def hf_logits(ref, ids, pad_mask=None):
     """Reference logits; with padding, give transformers the positions our model uses (real tokens only)."""
@@ -215,3 +215,60 @@ def test_decode_weights_follow_the_adapters_in_place(tiny_model_dir):
     assert torch.equal(Bs[0][:2], torch.full_like(Bs[0][:2], 0.5 * 2.0)) and not Bs[0][2:].any()  # scale alpha/r = 2
     with lora.disabled(model), pytest.raises(ValueError, match="build new DecodeWeights"):
         decode.refresh(model)
+
+
+def shared_prompt_batch(vocab: int, completion_len: int):
+    """3 prompts of 5, 3 and 6 tokens (left-padded) and 7 rows of them, in mixed order, whose completions
+    of up to completion_len tokens are right-padded; one row of prompt 0 has a single token."""
+    prompts = random_rows([5, 3, 6], vocab, seed=11)
+    prompt_ids, prompt_mask = padded_batch(prompts, left=[1, 3, 0], right=[0, 0, 0])
+    owner = torch.tensor([0, 2, 0, 1, 2, 2, 0])
+    lengths = [completion_len, 2, 3, 1, completion_len, 2, completion_len - 1]
+    completions = random_rows(lengths, vocab, seed=12)
+    right = [completion_len - n for n in lengths]
+    completion_ids, completion_mask = padded_batch(completions, left=[0] * 7, right=right)
+    return prompt_ids, prompt_mask, owner, completion_ids, completion_mask
+
+
+@pytest.mark.parametrize("completion_len", [4, 40])  # at most twice the head size (heads folded), and more
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_shared_prompts_give_the_states_and_gradients_of_whole_rows(checkpoint, completion_len, checkpointing):
+    """Each prompt run once for its rows (hidden_shared) against every row run whole (hidden), in float64:
+    the states and every adapter's gradient through both the completions and the prompts."""
+    model = lora.inject(weights.from_pretrained(checkpoint).to(torch.float64), rank=4, alpha=8).train()
+    model.gradient_checkpointing = checkpointing
+    with torch.no_grad():  # B starts at zero, so the gradient of A would be too: a small update of each layer
+        for module in lora.lora_modules(model).values():
+            module.lora_B.weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(7))
+    prompt_ids, prompt_mask, owner, completion_ids, completion_mask = shared_prompt_batch(
+        model.config.vocab_size, completion_len)
+    P = prompt_ids.shape[1]
+    used = torch.cat([torch.ones_like(completion_mask[:, :1]), completion_mask], 1)  # [R, 1 + C]
+    loss_weights = torch.randn(*used.shape, model.config.hidden_size, dtype=torch.float64) * used[..., None]
+
+    def states_and_grads(shared: bool):
+        model.zero_grad()
+        if shared:
+            h = model.hidden_shared(prompt_ids, prompt_mask, owner, completion_ids, completion_mask)
+        else:
+            ids = torch.cat([prompt_ids[owner], completion_ids], 1)
+            # the last prompt token's state, then the completion's
+            h = model.hidden(ids, torch.cat([prompt_mask[owner], completion_mask], 1))[:, P - 1:]
+        (h * loss_weights).sum().backward()
+        return h[used], [p.grad.clone() for p in lora.parameters(model)]
+
+    (shared, shared_grads), (whole, whole_grads) = states_and_grads(True), states_and_grads(False)
+    assert_equal_to(shared, whole)
+    for got, expected in zip(shared_grads, whole_grads):
+        assert expected.abs().max() > 0
+        assert_equal_to(got, expected)
+
+
+def test_the_demo_pass_with_shared_prompts_does_under_half_the_work_in_half_the_memory():
+    """bench/model.py counts the demo's training pass on the meta device (FLOPs, and tensor bytes as the
+    memory plan counts them): each prompt run once against every row run whole."""
+    run = subprocess.run([sys.executable, "bench/model.py", "--device", "meta", "--bench", "grpo"],
+                         cwd=Path(__file__).parent, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    flops, memory = (float(x.rstrip("x")) for x in run.stdout.splitlines()[-1].split()[-2:])
+    assert flops < 0.4 and memory <= 0.5, run.stdout

@@ -23,6 +23,7 @@ import lora
 import sizes
 import train
 import weights
+from conftest import assert_equal_to
 
 TIMING_KEYS = {"step_seconds", "rollout_tokens_per_s", "reward_seconds", "train_tokens_per_s"}
 REAL_REWARD = train.reward.reward  # before varied_rewards replaces it
@@ -323,7 +324,8 @@ def test_a_step_and_an_evaluation_create_every_tensor_on_the_model_device(tiny_m
     """With the default device set to meta, any tensor made without naming the model's device lands on meta
     and meeting the model's CPU tensors raises, as a CPU tensor meeting CUDA ones does on a GPU."""
     cfg, _, _ = config.parse_args(tiny_args(tiny_model_dir, tmp_path, "device", "--updates-per-rollout", "2",
-                                           "--kl-beta", "0.1", "--rule", "kl_full", "--recompute-old-logp", "on"))
+                                            "--kl-beta", "0.1", "--rule", "kl_full", "--recompute-old-logp", "on",
+                                            "--shuffle", "groups"))  # every pass shares its prompt
     model, tokenizer, optimizer, _ = train.build(cfg)
     cfg = sizes.resolve_automatic(cfg, model, tokenizer, [])
     problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
@@ -378,6 +380,21 @@ def test_token_records_are_written_every_step(tiny_model_dir, tmp_path):
     assert ((records["mu"] > 0) & (records["mu"] <= 1)).all() and (records["w"] > 0).all()
 
 
+@pytest.mark.parametrize("prompts, updates", [(16, 4), (5, 2), (3, 3)])
+def test_group_minibatches_hold_whole_prompts_and_every_row_once(prompts, updates):
+    cfg = config.make_config({"prompts_per_step": prompts, "group_size": 4, "updates_per_rollout": updates,
+                             "shuffle": "groups"})
+    minibatches = train.shuffled_minibatches(prompts * 4, cfg, step=3)
+    assert len(minibatches) == updates
+    assert sorted(torch.cat(minibatches).tolist()) == list(range(prompts * 4))
+    for rows in minibatches:
+        groups = rows.view(-1, 4)
+        assert (groups == groups[:, :1] + torch.arange(4)).all() and (groups[:, 0] % 4 == 0).all()
+    assert {len(rows) // 4 for rows in minibatches} <= {prompts // updates, -(-prompts // updates)}
+    by_rows = train.shuffled_minibatches(prompts * 4, dataclasses.replace(cfg, shuffle="rows"), step=3)
+    assert sorted(torch.cat(by_rows).tolist()) == list(range(prompts * 4))
+
+
 def test_a_resumed_run_refuses_settings_that_name_another_run(tiny_model_dir, tmp_path):
     run_training(tiny_args(tiny_model_dir, tmp_path, "first", "--steps", "1"))
     for flags in (["--preset", "atr-grpo-qwen3-1.7b"], ["--run-name", "other"], ["--out-dir", "elsewhere"]):
@@ -396,6 +413,8 @@ def test_a_resumed_run_refuses_settings_that_name_another_run(tiny_model_dir, tm
     (["--format-weight", "1", "--template", "boxed"], "--format-weight"),
     (["--rule", "nope"], "rule"), (["--dual-clip", "0.5,x"], "--dual-clip"),
     (["--ratio-limits", "2,1"], "ratio.limits"), (["--aggregation", "token-mean", "--rule", "gspo"], "--aggregation"),
+    (["--shuffle", "prompts"], "--shuffle"),
+    (["--shuffle", "groups", "--updates-per-rollout", "9"], "--updates-per-rollout 9: with --shuffle groups"),
     (["--kv-blocks", "1"], "--kv-blocks"), (["--kv-blocks", "-2"], "--kv-blocks"),
     (["--updates-per-rollout", "0"], "^train.py: --updates-per-rollout 0: must be between 1 and the 64 rows"),
     (["--template", "foo"], "^train.py: --template 'foo': expected one of answer, boxed, plain, equation"),
@@ -806,3 +825,83 @@ def test_saved_files_follow_the_umask(tiny_model_dir, tmp_path):
     for path in [tmp_path / "x", tmp_path / "shared" / "best", *(tmp_path / "x").iterdir(),
                  *(tmp_path / "shared" / "best").iterdir(), *(tmp_path / "shared").glob("checkpoint-*/adapter/*")]:
         assert path.stat().st_mode & 0o777 == (0o755 if path.is_dir() else 0o644), path
+class RecordingSGD(torch.optim.SGD):
+    """Plain SGD (linear in the gradient: a wrong normalization shows) keeping every optimizer step's gradient."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=1.0)
+        self.grads = []
+
+    def step(self, closure=None):
+        self.grads.append(torch.cat([p.grad.flatten() for group in self.param_groups for p in group["params"]]))
+        return super().step(closure)
+
+
+def whole_rows(monkeypatch) -> None:
+    """Every row runs whole, each with its own copy of its prompt: the reference of the shared layout."""
+    policy_states = train.policy_states
+    monkeypatch.setattr(train, "policy_states", lambda model, out, rows, group_size: policy_states(model, out, rows, 1))
+
+
+def recorded_update(cfg, out, advantages, monkeypatch) -> dict:
+    """policy_update of a fresh float64 model: its metrics, micro-batch losses, gradients and shared passes."""
+    model, _, _, _ = train.build(cfg)
+    model.to(torch.float64)
+    optimizer, losses, shared_passes = RecordingSGD(lora.parameters(model)), [], []
+    micro_batch_loss, hidden_shared = train.micro_batch_loss, model.hidden_shared
+
+    def recorded_loss(*args, **kwargs):
+        value, metrics = micro_batch_loss(*args, **kwargs)
+        losses.append(value.detach())
+        return value, metrics
+
+    def counted(*args):  # (rows, prompts of different lengths) of each shared pass
+        shared_passes.append((len(args[2]), args[1].sum(1).unique().numel()))
+        return hidden_shared(*args)
+
+    monkeypatch.setattr(train, "micro_batch_loss", recorded_loss)
+    monkeypatch.setattr(model, "hidden_shared", counted)
+    metrics = train.policy_update(model, optimizer, out, advantages, cfg, step=1)
+    return {"metrics": metrics, "losses": torch.stack(losses), "grads": optimizer.grads, "shared": shared_passes}
+
+
+@pytest.mark.parametrize("shuffle", ["rows", "groups"])
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_shared_prompts_give_the_update_of_whole_rows(tiny_model_dir, tmp_path, monkeypatch, aggregation, shuffle):
+    """In float64, each prompt run once per micro-batch gives the losses, gradients and metrics of every row run
+    whole: 2 updates of 2 micro-batches, padded rows, prompts of different lengths, recomputed old log-probs
+    and a reference policy (frozen passes shared too)."""
+    cfg, out, advantages = sampled_step(tiny_model_dir, tmp_path, monkeypatch, "--group-size", "4",
+                                        "--updates-per-rollout", "2", "--grad-accum", "2", "--kl-beta", "0.1",
+                                        "--recompute-old-logp", "on", "--aggregation", aggregation,
+                                        "--shuffle", shuffle)
+    assert out.pad_mask[:, :out.prompt_len].sum(1).unique().numel() > 1, "prompts of different lengths"
+    shared = recorded_update(cfg, out, advantages, monkeypatch)
+    whole_rows(monkeypatch)
+    whole = recorded_update(cfg, out, advantages, monkeypatch)
+    assert shared["shared"] and not whole["shared"]
+    if shuffle == "groups":  # 4 rows a pass, one prompt's: old and reference log-probs, then 4 micro-batches
+        assert shared["shared"] == [(4, 1)] * 12
+    else:
+        assert max(lengths for _, lengths in shared["shared"]) > 1
+    assert_equal_to(shared["losses"], whole["losses"])
+    assert len(shared["grads"]) == len(whole["grads"]) == 2
+    for got, expected in zip(shared["grads"], whole["grads"]):
+        assert_equal_to(got, expected)
+    assert shared["metrics"].keys() == whole["metrics"].keys()
+    for key, expected in whole["metrics"].items():
+        assert shared["metrics"][key] == pytest.approx(expected, rel=1e-12, abs=1e-15), key
+
+
+def test_a_float32_run_with_shared_prompts_logs_the_metrics_of_whole_rows(tiny_model_dir, tmp_path, monkeypatch):
+    args = ("--steps", "2", "--group-size", "4", "--updates-per-rollout", "2", "--shuffle", "groups")
+    run_training(tiny_args(tiny_model_dir, tmp_path, "shared", *args))
+    whole_rows(monkeypatch)
+    run_training(tiny_args(tiny_model_dir, tmp_path, "whole", *args))
+    shared, whole = metric_lines(tmp_path / "shared"), metric_lines(tmp_path / "whole")
+    assert [line.keys() for line in shared] == [line.keys() for line in whole]
+    for got, expected in zip(shared, whole):
+        for key, value in expected.items():
+            assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (got["step"], key)
+    summaries = [json.loads((tmp_path / run / "summary.json").read_text()) for run in ("shared", "whole")]
+    assert summaries[0] == summaries[1]

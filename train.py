@@ -54,7 +54,7 @@ import sizes  # noqa: E402
 import weights  # noqa: E402
 from config import Config  # noqa: E402
 from data import load_problems, opens_thought, render_prompt, stop_ids, thinking_note, user_message  # noqa: E402
-from stopping import Interrupted, StopRequest, Stopped  # noqa: E402
+from stopping import Interrupted, StopRequest, Stopped, exit_interrupted  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- one step
@@ -196,10 +196,11 @@ def thought_lengths(out: rollout.Rollout, tokenizer, open_thought: bool) -> torc
 
 def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tensor, cfg: Config, step: int,
                   records: list | None = None, world: distributed.World | None = None, reference=None) -> dict:
-    """epochs passes over the rollout's rows, each shuffled afresh into updates_per_rollout mini-batches; one
-    optimizer step per mini-batch, the sum of grad_accum micro-batches. Metrics: token-weighted means over
-    micro-batches; *_min / *_max are extremes; start_ratio_min / _max are the first mini-batch's, before
-    this step's first update (the numerical floor); with several epochs, epoch[E]/* are each pass's clip rates.
+    """epochs passes over the rollout's rows, each shuffled afresh into updates_per_rollout mini-batches (--shuffle:
+    rows one by one, or whole prompt groups); one optimizer step per mini-batch, the sum of grad_accum
+    micro-batches. Metrics: token-weighted means over micro-batches; *_min / *_max are extremes;
+    start_ratio_min / _max are the first mini-batch's, before this step's first update (the numerical floor);
+    with several epochs, epoch[E]/* are each pass's clip rates.
 
     With several processes, `out` holds this rank's rows of the step, which are rows world.rank * N ..
     of the step's. The shuffle is of the whole step's rows, the same on every rank, and each rank trains
@@ -212,9 +213,7 @@ def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tens
     inputs = frozen_inputs(model, out, cfg, reference)  # what the loss needs of the policy before it moves
     advantages = advantages.to(out.old_logp.device)
     N, first = len(advantages), world.rank * len(advantages)
-    shuffle = torch.Generator().manual_seed(cfg.seed + step)
-    orders = [torch.randperm(N * world.size, generator=shuffle, device="cpu") for _ in range(cfg.epochs)]
-    minibatches = [rows for order in orders for rows in order.chunk(cfg.updates_per_rollout)]  # epoch by epoch
+    minibatches = shuffled_minibatches(N * world.size, cfg, step)  # epoch by epoch
     mine = [(m[(m >= first) & (m < first + N)] - first).to(advantages.device) for m in minibatches]
     # the normalizers of each optimizer step: its tokens and sequences on all ranks
     num_tokens = world.sum(torch.stack([out.completion_mask[rows].sum() for rows in mine]))
@@ -267,8 +266,7 @@ CLIP_KEYS = ("clip_low_frac", "clip_high_frac", "limit_clip_frac")
 def micro_batch_loss(model, out: rollout.Rollout, advantages: torch.Tensor, inputs: dict, rows: torch.Tensor,
                      cfg: Config, totals: dict, records: list | None) -> tuple[torch.Tensor, dict]:
     """The loss of some rows of the rollout (their share of the optimizer step's loss) and their metrics."""
-    ids, pad, start, c = window(out, rows)
-    h = model.hidden(ids, pad)  # [rows, W, hidden]
+    h, ids, start, c = policy_states(model, out, rows, cfg.group_size)
     bonus = "entropy" in loss.required_inputs(cfg.loss)  # an entropy bonus differentiates the entropy
     logp, entropy = model.hidden_logprobs(h, ids, start=start, temperature=cfg.temperature, with_entropy=True,
                                           entropy_grad=bonus)
@@ -316,8 +314,8 @@ def frozen_inputs(model, out: rollout.Rollout, cfg: Config, reference=None) -> d
     model.eval()
     with torch.no_grad():
         for rows in torch.arange(N, device=out.completion_mask.device).chunk(cfg.updates_per_rollout * cfg.grad_accum):
-            ids, pad, start, c = window(out, rows)
-            h = model.hidden(ids, pad) if passes["old_logp"] or passes["old_hidden"] else None
+            if passes["old_logp"] or passes["old_hidden"]:
+                h, ids, start, c = policy_states(model, out, rows, cfg.group_size)
             chunk = {}
             if passes["old_logp"]:
                 chunk["old_logp"] = model.hidden_logprobs(h, ids, start=start, temperature=cfg.temperature)[0]
@@ -325,7 +323,7 @@ def frozen_inputs(model, out: rollout.Rollout, cfg: Config, reference=None) -> d
                 chunk["old_hidden"] = completion_states(h, start)
             if passes["ref_logp"]:
                 with reference_policy(model, reference) as ref:
-                    h_ref = ref.hidden(ids, pad)
+                    h_ref, ids, start, c = policy_states(ref, out, rows, cfg.group_size)
                     chunk["ref_logp"] = ref.hidden_logprobs(h_ref, ids, start=start, temperature=cfg.temperature)[0]
             for name, value in chunk.items():
                 if results[name] is None:
@@ -334,6 +332,45 @@ def frozen_inputs(model, out: rollout.Rollout, cfg: Config, reference=None) -> d
     if reference is not None:
         fsdp.reshard(reference)  # its root stays gathered after a pass without backward
     return {"old_logp": out.old_logp, **results}
+
+
+def shuffled_minibatches(rows: int, cfg: Config, step: int) -> list[torch.Tensor]:
+    """The step's rows (of every rank) in epochs x updates_per_rollout mini-batches, epoch by epoch, each epoch
+    shuffled afresh by the seed and the step: one row at a time (--shuffle rows), or a prompt group at a time,
+    each group's G rows together (groups). The first epoch's order is a run's without --epochs."""
+    generator, G = torch.Generator().manual_seed(cfg.seed + step), cfg.group_size
+    minibatches = []
+    for _ in range(cfg.epochs):
+        if cfg.shuffle == "rows":
+            minibatches += torch.randperm(rows, generator=generator, device="cpu").chunk(cfg.updates_per_rollout)
+        else:
+            groups = torch.randperm(rows // G, generator=generator, device="cpu")
+            minibatches += [(part[:, None] * G + torch.arange(G, device="cpu")).flatten()
+                            for part in groups.tensor_split(cfg.updates_per_rollout)]
+    return minibatches
+
+
+def policy_states(model, out: rollout.Rollout, rows: torch.Tensor,
+                  group_size: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The policy's final states for some rows of the rollout, with the ids they are read against: (h, ids,
+    start, c) such that model.hidden_logprobs(h, ids, start=start) are the rows' log-probs of their first c
+    completion tokens, and completion_states(h, start) the states that predict them.
+
+    Rows of one prompt group (row // group_size: the rollout is prompt-major) share their prompt: where
+    any prompt has several rows here, each prompt runs once for all of them (model.hidden_shared, from the
+    last prompt token on); where none has, each row runs whole (model.hidden over the window).
+    """
+    groups, owner = torch.unique(rows // group_size, return_inverse=True)
+    if len(groups) == len(rows):
+        ids, pad, start, c = window(out, rows)
+        return model.hidden(ids, pad), ids, start, c
+    P = out.prompt_len
+    prompt_mask, completion_mask = out.pad_mask[groups * group_size, :P], out.pad_mask[rows, P:]
+    first = int(prompt_mask.any(0).nonzero()[0])  # the columns some prompt uses
+    c = int(completion_mask.any(0).nonzero()[-1]) + 1  # and some completion
+    h = model.hidden_shared(out.input_ids[groups * group_size, first:P], prompt_mask[:, first:], owner,
+                            out.input_ids[rows, P:P + c], completion_mask[:, :c])  # [rows, 1 + c, hidden]
+    return h, out.input_ids[rows, P - 1:P + c], 1, c  # the last prompt column is real in every row
 
 
 @contextmanager
@@ -633,12 +670,12 @@ def main(argv: list[str] | None = None) -> None:
     except Stopped as stop:
         if first_rank:
             print(str(stop), file=sys.stderr)
-        sys.exit(130)
+        exit_interrupted()
     except KeyboardInterrupt as interrupt:
         if first_rank:
             print(f"\n{interrupt}" if isinstance(interrupt, Interrupted) else
                   "\ninterrupted before the run started: nothing was written", file=sys.stderr)
-        sys.exit(130)
+        exit_interrupted()
     if "after" in state and world.rank == 0:  # an export-only resume trained and evaluated nothing
         before, after, best = state["before"], state["after"], state["best"]
         print(f"best held-out accuracy {100 * best['accuracy']:.1f}% at step {best['step']}")
