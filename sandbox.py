@@ -688,6 +688,29 @@ def code_reward(completions: list[str], tests: list | None = None, task: list[st
     return values
 
 
+def metric_rows(grades: Sequence[Grade | None]) -> list[list[float]]:
+    """Per completion, what its step's code metrics average: [is a code problem, share of tests passed, a
+    one-hot of REASONS for why it failed]; a math row (grade None) is all zeros."""
+    rows = [[0.0] * (2 + len(REASONS)) for _ in grades]
+    for row, grade in zip(rows, grades):
+        if grade is not None:
+            row[:2] = [1.0, grade.passed / grade.total]
+            if grade.reason is not None:
+                row[2 + REASONS.index(grade.reason)] = 1.0
+    return rows
+
+
+def step_metrics(rows) -> dict:
+    """A step's metric_rows (a tensor [N, 2 + reasons], every rank's) as metrics: the share of tests passed
+    and, for each reason, the share of code completions that failed for it (code_no_code_block,
+    code_timeout, ...); none in a step without code."""
+    code = rows[rows[:, 0] == 1]
+    if not len(code):
+        return {}
+    return {"code_tests_passed": float(code[:, 1].mean()),
+            **{f"code_{reason}": float(code[:, 2 + i].mean()) for i, reason in enumerate(REASONS)}}
+
+
 def close() -> None:
     """Stop the pool's supervisors now (they also stop when this process exits)."""
     _POOL.close()

@@ -703,10 +703,10 @@ def test_score_grades_a_step_that_mixes_math_and_code(monkeypatch):
     except sandbox.SandboxUnavailable as error:
         pytest.skip(str(error))
     assert rewards.tolist() == [1, 0, 1, 0, 0, 0] and correct.tolist() == rewards.tolist()
-    metrics = train.code_metrics(code_rows)
+    metrics = train.sandbox.step_metrics(code_rows)
     assert metrics["code_tests_passed"] == pytest.approx((1 + 0.5 + 0 + 0) / 4)
     assert (metrics["code_wrong_answer"], metrics["code_timeout"], metrics["code_no_code_block"]) == (0.25, 0.25, 0.25)
-    assert train.code_metrics(code_rows[:2]) == {}  # a math-only step logs no code metrics
+    assert train.sandbox.step_metrics(code_rows[:2]) == {}  # a math-only step logs no code metrics
     fraction = dataclasses.replace(cfg, code_reward="fraction")
     assert train.score(out, problems, fraction)[0].tolist() == [1, 0, 1, 0.5, 0, 0]
 

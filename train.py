@@ -95,7 +95,7 @@ def train_step(model, optimizer, tokenizer, problems: list[dict], cfg: Config, s
      *function_means) = rows[:, :len(columns)].mean(0).tolist()
     return {"step": step, "reward": reward_mean, "accuracy": accuracy,
             **{f"rewards/{name}": mean for name, mean in zip(by_function, function_means)},
-            **code_metrics(rows[:, len(columns):]),
+            **sandbox.step_metrics(rows[:, len(columns):]),
             "completion_length": completion_length, "truncated": truncated, "think_unclosed_frac": unclosed,
             "think_length": think_length, "answer_length": answer_length, **update,
             "step_seconds": watch.total, "reward_seconds": watch.laps["reward"],
@@ -152,28 +152,13 @@ def score(out: rollout.Rollout, problems: list[dict], cfg: Config, step: int = 0
         answers = [reward.split_thinking(text, open_thought).answer for text in out.texts]
         totals = [total + cfg.format_weight * (answer is not None and reward.has_format(answer, cfg.template))
                   for total, answer in zip(totals, answers)]
-    code = [[0.0] * (2 + len(sandbox.REASONS)) for _ in rows]  # built here, then one copy to the device
-    for row, grade in zip(code, grades):
-        if grade is not None:
-            row[:2] = [1.0, grade.passed / grade.total]
-            if grade.reason is not None:
-                row[2 + sandbox.REASONS.index(grade.reason)] = 1.0
+    code = sandbox.metric_rows(grades)  # built on the host, then one copy to the device
 
     def tensor(values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=out.old_logp.device)
 
     by_function = {name: tensor(values) for name, values in by_name.items()} if len(by_name) > 1 else {}
     return tensor(totals), (tensor(verdicts) >= 1).float(), by_function, tensor(code)
-
-
-def code_metrics(code: torch.Tensor) -> dict:
-    """The step's code rows [N, 2 + reasons] as metrics: the share of tests passed and, for each reason, the
-    share of code completions that failed for it (code_no_code_block, code_timeout, ...); none without code."""
-    rows = code[code[:, 0] == 1]
-    if not len(rows):
-        return {}
-    return {"code_tests_passed": float(rows[:, 1].mean()),
-            **{f"code_{reason}": float(rows[:, 2 + i].mean()) for i, reason in enumerate(sandbox.REASONS)}}
 
 
 def thought_lengths(out: rollout.Rollout, tokenizer, open_thought: bool) -> torch.Tensor:
