@@ -174,10 +174,10 @@ class View:
 def view(model, out, cfg: config.Config) -> View:
     """One forward pass over the rollout, in eval mode, in chunks of the training micro-batch's rows."""
     model.eval()
-    N, C = out.completion_mask.shape
-    logp, entropy = torch.zeros(N, C), torch.zeros(N, C)
-    hidden = torch.zeros(N, C, model.config.hidden_size)
-    for rows in torch.arange(N).chunk(cfg.updates_per_rollout * cfg.grad_accum):
+    (N, C), device = out.completion_mask.shape, out.completion_mask.device
+    logp, entropy = torch.zeros(N, C, device=device), torch.zeros(N, C, device=device)
+    hidden = torch.zeros(N, C, model.config.hidden_size, device=device)
+    for rows in torch.arange(N, device=device).chunk(cfg.updates_per_rollout * cfg.grad_accum):
         ids, pad, start, c = train.window(out, rows)
         h = model.hidden(ids, pad)
         logp[rows, :c], entropy[rows, :c] = model.hidden_logprobs(h, ids, start=start, temperature=cfg.temperature,
@@ -374,6 +374,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=2,
                         help="points measured at once, each in a process of its own (default: %(default)s, for two "
                              "CPU cores; with OMP_NUM_THREADS=1)")
+    parser.add_argument("--max-draws", type=int, default=20,
+                        help="rollouts drawn per rollout wanted before a point whose rollouts never have an acting "
+                             "token is given up (default: %(default)s)")
     parser.add_argument("--point", type=int, default=None, help=argparse.SUPPRESS)  # a worker's one point
     study.add_train_flags(parser, skip=PILOT_ONLY)
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -390,9 +393,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.arms = study.check_arms(parser, args.arms)
     if args.arms[0] != "grpo":
         parser.error(f"--arms {','.join(args.arms)}: grpo must come first, the baseline of every gap")
-    if args.rollouts < 1 or args.fresh_samples < 1 or args.workers < 1:
-        parser.error(f"--rollouts {args.rollouts}, --fresh-samples {args.fresh_samples} and --workers {args.workers}: "
-                     "must be >= 1")
+    if min(args.rollouts, args.fresh_samples, args.workers, args.max_draws) < 1:
+        parser.error(f"--rollouts {args.rollouts}, --fresh-samples {args.fresh_samples}, --workers {args.workers} and "
+                     f"--max-draws {args.max_draws}: must be >= 1")
     if args.point is not None and args.point not in args.points:
         parser.error(f"--point {args.point}: not one of --points")
     study.resolve_setting(args)
@@ -433,7 +436,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 PILOT_ONLY = ("steps", "eval_dataset", "eval_problems", "eval_k", "eval_every", "checkpoint_every")  # not arms' flags
-MAX_DRAWS = 20  # rollouts drawn per rollout wanted before a point is given up: its policy has no signal
 
 
 def rollout_file(out: Path, point: int) -> Path:
@@ -463,9 +465,11 @@ def run_points(args: argparse.Namespace, arms: dict[str, config.Config], points:
             while waiting and len(running) < args.workers:
                 p = waiting.pop(0)
                 log = args.out / "logs" / f"point-{p}.log"
+                cut = args.argv.index("--") if "--" in args.argv else len(args.argv)  # before the train.py flags
+                command = [*args.argv[:cut], "--point", str(p), *args.argv[cut:]]
                 with log.open("a") as f:
-                    running[p] = subprocess.Popen([sys.executable, str(HERE / "counterfactual.py"), *args.argv,
-                                                   "--point", str(p)], stdout=f, stderr=subprocess.STDOUT, cwd=HERE)
+                    running[p] = subprocess.Popen([sys.executable, str(HERE / "counterfactual.py"), *command],
+                                                  stdout=f, stderr=subprocess.STDOUT, cwd=HERE)
                 print(f"point {p}: a worker started, output in {log}", flush=True)
             time.sleep(1)
             for p, process in list(running.items()):
@@ -500,7 +504,7 @@ def run_point(args: argparse.Namespace, arms: dict[str, config.Config], point: i
     load_point(args.out / "pilot" / "points" / f"step-{point}", model, optimizer)
     state = State.of(model, optimizer)
     started = time.time()
-    for draw in range(MAX_DRAWS * args.rollouts):
+    for draw in range(args.max_draws * args.rollouts):
         if kept >= args.rollouts:
             return
         if draw in done:
@@ -517,7 +521,7 @@ def run_point(args: argparse.Namespace, arms: dict[str, config.Config], point: i
         print(f"point {point} draw {draw} ({kept}/{args.rollouts} kept): reward {line['reward']:.2f}, {what} "
               f"({time.time() - started:.0f} s)", flush=True)
     if kept < args.rollouts:
-        raise SystemExit(f"counterfactual.py: point {point}: {MAX_DRAWS * args.rollouts} rollouts drawn, {kept} with "
+        raise SystemExit(f"counterfactual.py: point {point}: {args.max_draws * args.rollouts} rollouts drawn, {kept} with "
                          "an acting token (a group of mixed rewards); the policy there gives no signal")
 
 

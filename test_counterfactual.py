@@ -135,6 +135,7 @@ def test_points_run_in_worker_processes_and_a_failed_one_is_named(tiny_model_dir
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / "cf"
     argv = ["--points", "0,1", "--rollouts", "1", "--out", str(out), "--arms", "grpo,atr", "--workers", "2",
+            "--max-draws", "2",
             *study_flags(tiny_model_dir), "--", "--lora-rank", "4"]
     with pytest.raises(SystemExit, match=r"the worker of point [01] failed .*logs/point-[01]\.log"):
         counterfactual.main(argv)
