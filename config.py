@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import math
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 import distributed
+import loggers
 import loss
 import reward
+import scoring
 
 
 def opt(default, help: str, choices: tuple[str, ...] | None = None):
@@ -35,7 +39,8 @@ class Config:
     dtype: str = opt("auto", "bfloat16 on cuda and float32 on cpu when auto", ("auto", "float32", "bfloat16"))
     gradient_checkpointing: str = opt("auto", "recompute activations in the backward (auto: on for cuda)",
                                       ("auto", "on", "off"))
-    lora_rank: int = opt(16, "LoRA rank r")
+    lora_rank: int = opt(16, "LoRA rank r; 0 trains every weight (full-parameter, sharded over the processes "
+                             "with FSDP2)")
     lora_alpha: float = opt(32.0, "LoRA alpha (scale alpha/r)")
     lora_dropout: float = opt(0.0, "dropout on the LoRA input")
     lora_targets: str = opt("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
@@ -57,6 +62,13 @@ class Config:
     cuda_graphs: str = opt("auto", "replay the decode step from CUDA graphs (auto: on, eager if capture fails)",
                            ("auto", "on", "off"))
     format_weight: float = opt(0.0, "reward in [0, 1) for an answer in the template's format, added to correctness")
+    # reward
+    reward_fn: tuple[str, ...] = opt(("reward:math_reward",), "a reward function module:function with TRL's "
+                                     "signature; repeat the flag for several, whose weighted rewards add up")
+    reward_weights: tuple[float, ...] | None = opt(None, "weights of the --reward-fn functions, comma-separated, in "
+                                                         "their order; empty = 1 each")
+    reward_timeout: float = opt(2.0, "seconds a reward function of your own may take per completion; a completion "
+                                     "past it scores 0 from that function, as a slow answer does in the checker")
     # optimization
     steps: int = opt(20, "training steps (rollout batches)")
     lr: float = opt(3e-4, "AdamW learning rate")
@@ -84,43 +96,22 @@ class Config:
                              "in RUN/tokens/ for `python loss.py calibrate RUN`; 0 = off")
     gpu_memory: float | None = opt(None, "GPU memory budget in GB for --plan and the automatic batch sizes; "
                                          "empty = the GPU's (80 without one)")
+    world_size: int = opt(0, "processes the run is meant for: --plan plans each rank's memory for this many; 0 = "
+                             "torchrun's (1 without it). A run trains on the processes torchrun starts")
     resume: str | None = opt(None, "run directory to continue from its last checkpoint")
     dist_timeout: float = opt(1800.0, "under torchrun, seconds a process waits for the others (say, while rank 0 "
                                       "writes a checkpoint) before it fails: a process died or hangs")
-    export: str | None = opt(None, "after training, write merged HF weights to this new or empty directory")
-    preset: str | None = opt(None, "a named setup from PRESETS; explicit flags override it")
+    export: str | None = opt(None, "after training, write merged HF weights to this new or empty directory; "
+                                   "with --resume RUN --steps 0, export that run's last checkpoint and nothing else")
+    log: str = opt("", "experiment trackers besides metrics.jsonl, comma-separated: tensorboard, wandb, trackio")
+    log_project: str = opt("grpo", "the W&B and trackio project the run is logged under")
+    preset: str | None = opt(None, "a named setup, a file configs/NAME.toml; --config and explicit flags override it")
 
 
-# Every value a paper states carries its source; the values it leaves open are our choices, listed with
-# their reasons in the README ("Presets").
-ATR_GRPO = dict(  # ATR-GRPO, arXiv:2602.05494, experimental setup
-    lora_rank=32,  # stated: LoRA rank 32
-    lr=5e-6,  # stated
-    group_size=8,  # stated: G = 8
-    # stated: "batch 8, gradient accumulation 4", completions per device batch, so 32 completions = 4
-    # prompts x 8 per optimizer step. Not stated: updates per rollout; with 4 mini-batches per rollout
-    # three of every four updates start from moved weights, so the trust region acts.
-    prompts_per_step=16, updates_per_rollout=4,
-    rule="atr", delta=0.07,  # stated: the KL3 constraint, delta 0.07
-    eval_dataset="amc23,aime24,aime25", eval_k=8,  # stated: Mean@8 and Pass@8 on AMC23, AIME24, AIME25
-    # our choices (README): data, template, lengths, schedule, alpha, evaluation temperature
-    dataset="dapo", template="answer", lora_alpha=64.0, max_new_tokens=4096, steps=500, eval_every=50,
-    eval_temperature=0.6)
-PRESETS = {
-    "atr-grpo-qwen3-1.7b": dict(ATR_GRPO, model="Qwen/Qwen3-1.7B"),  # stated: Qwen3-1.7B
-    "atr-grpo-qwen3-8b": dict(ATR_GRPO, model="Qwen/Qwen3-8B"),  # stated: the Qwen3-8B twin
-    "gppo-qwen3-8b": dict(  # GPPO paper, experimental setup (math)
-        model="Qwen/Qwen3-8B-Base",  # stated: the base model
-        prompts_per_step=128, group_size=8,  # stated: 1024 rollouts per step, 128 prompts x 8
-        updates_per_rollout=8,  # stated: 8 mini-batch updates per rollout
-        steps=400,  # stated: 400 steps for math
-        rule="kl-atomic",  # stated: the best cell, KL with the Atomic estimator, delta = f(0.8) (the default)
-        ratio_limits=(0.5, 10.0),  # stated: global clip [0.5, 10], read as outer limits (README, "Clip rules")
-        kl_beta=0.0,  # stated: no KL penalty
-        # our choices (README)
-        dataset="dapo", template="answer", eval_dataset="amc23,aime24,aime25", lora_rank=32, lora_alpha=64.0,
-        lr=1e-6, max_new_tokens=8192, eval_every=50, eval_k=8, eval_temperature=0.6),
-}
+# The papers' runs are files, configs/NAME.toml, one per preset (a fork adds a recipe by copying one). Every value
+# a paper states carries its source in a comment there; the values it leaves open are our choices, listed with
+# their reasons in the README ("Presets"). PRESETS is read from them below, after the reader.
+CONFIGS = Path(__file__).resolve().parent / "configs"
 
 
 # ----------------------------------------------------------------------------- checks
@@ -139,15 +130,17 @@ def validate(cfg: Config, need_device: bool = True) -> None:
     """Every setting that would fail after the model loads fails here, naming the flag and what it accepts."""
     rows = cfg.prompts_per_step * cfg.group_size
     device, processes = cfg.device, distributed.world_size()
+    # the processes running (torchrun's) and those the run is planned for (--world-size) must both split a step
+    split = next((n for n in (processes, cfg.world_size) if n and cfg.prompts_per_step % n), processes)
     for ok, message in (
         (device in ("auto", "cpu", "meta") or device.startswith("cuda"),
          f"--device {device!r}: expected cpu, cuda, cuda:N or auto"),
         (not need_device or not device.startswith("cuda") or torch.cuda.is_available(),
          f"--device {device}: no CUDA GPU is visible to torch on this machine; use --device cpu"),
-        (cfg.prompts_per_step % processes == 0,
-         f"--prompts-per-step {cfg.prompts_per_step} does not split over {processes} processes: each samples whole "
+        (cfg.prompts_per_step % split == 0,
+         f"--prompts-per-step {cfg.prompts_per_step} does not split over {split} processes: each samples whole "
          "prompts (a prompt's G completions share one process, where its advantages are computed); use a multiple "
-         f"of {processes}"),
+         f"of {split}"),
         (processes == 1 or not device.startswith("cuda:"),
          f"--device {device}: under torchrun each process takes the GPU of its LOCAL_RANK; use --device auto or cuda"),
         (cfg.group_size >= 2, f"--group-size {cfg.group_size}: GRPO compares at least 2 samples per prompt"),
@@ -158,8 +151,9 @@ def validate(cfg: Config, need_device: bool = True) -> None:
          "identical and carry no signal"),
         (0 < cfg.top_p <= 1, f"--top-p {cfg.top_p}: must be in (0, 1]"),
         (cfg.top_k >= 0, f"--top-k {cfg.top_k}: must be >= 0 (0 = off)"),
-        (cfg.lora_rank >= 1 and cfg.lora_alpha > 0, f"--lora-rank {cfg.lora_rank} must be >= 1 and --lora-alpha "
-                                                    f"{cfg.lora_alpha} > 0"),
+        (cfg.lora_rank >= 0 and cfg.lora_alpha > 0, f"--lora-rank {cfg.lora_rank} must be >= 0 (0 trains every "
+                                                    f"weight) and --lora-alpha {cfg.lora_alpha} > 0"),
+        (cfg.world_size >= 0, f"--world-size {cfg.world_size}: must be >= 0 (0 = torchrun's)"),
         (0 <= cfg.lora_dropout < 1, f"--lora-dropout {cfg.lora_dropout}: must be in [0, 1)"),
         (cfg.lr > 0 and math.isfinite(cfg.lr), f"--lr {cfg.lr}: must be a positive number"),
         (cfg.weight_decay >= 0 and cfg.grad_clip > 0, f"--weight-decay {cfg.weight_decay} must be >= 0 and "
@@ -183,9 +177,23 @@ def validate(cfg: Config, need_device: bool = True) -> None:
         (not cfg.format_weight or cfg.template in reward.ANSWER_FORMATS,
          f"--format-weight needs a template that asks for a format ({', '.join(reward.ANSWER_FORMATS)}), "
          f"not {cfg.template!r}"),
+        (len(cfg.reward_fn) >= 1, "--reward-fn: give at least one reward function (module:function)"),
+        (cfg.reward_weights is None or len(cfg.reward_weights) == len(cfg.reward_fn),
+         f"--reward-weights {_text(cfg.reward_weights)}: {len(cfg.reward_weights or ())} weights for "
+         f"{len(cfg.reward_fn)} --reward-fn functions ({', '.join(cfg.reward_fn)}); give one weight per function"),
+        (cfg.reward_weights is None or all(math.isfinite(w) for w in cfg.reward_weights),
+         f"--reward-weights {_text(cfg.reward_weights)}: weights must be finite numbers"),
+        (cfg.reward_timeout > 0, f"--reward-timeout {cfg.reward_timeout}: must be > 0 seconds"),
     ):
         if not ok:
             raise ValueError(message)
+    for spec in cfg.reward_fn:
+        scoring.check_spec(spec)
+    loggers.check(cfg.log)
+
+
+def _text(values) -> str:
+    return "" if values is None else ",".join(f"{v:g}" for v in values)
 
 
 # ----------------------------------------------------------------------------- the command line
@@ -197,28 +205,42 @@ assert not LOSS_FIELDS.keys() & TRAIN_FIELDS.keys(), "a flag name would mean two
 
 
 def parse_args(argv: list[str] | None = None, description: str | None = None) -> tuple[Config, set[str], bool]:
-    """Every Config and LossConfig field is a flag; a preset fills defaults that explicit flags override.
+    """Every Config and LossConfig field is a flag. The settings come, each overriding the one before, from the
+    defaults, the preset, the --config file and the flags given.
 
-    Returns the config, the names of the fields given explicitly (they win over a resumed run's) and
-    whether --plan was asked.
+    Returns the config, the names of the fields given explicitly (by flag or file: they win over a resumed
+    run's) and whether --plan was asked. --print-config prints the resolved settings as TOML and exits.
     """
-    parser = OneLineErrors(prog="train.py", description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrors(prog="train.py", description=description,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan", action="store_true", help="print the GPU memory of each phase and exit "
                                                             "(0: fits, 1: does not); loads no weights")
+    parser.add_argument("--config", metavar="FILE.toml", help="settings from a TOML file (keys are the flags' "
+                        "names, such as lora_rank; a run's config.toml works as is); flags given override it")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved settings as TOML, the "
+                        "file --config reads, and exit")
     for f in [*TRAIN_FIELDS.values(), *LOSS_FIELDS.values()]:
         help_text = f"{f.metadata.get('help', '')} (default: {_default_text(f)})"
         flag = "--" + f.name.replace("_", "-")
         if _type_text(f) == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+        elif _type_text(f) == "tuple[str, ...]":  # repeatable: --reward-fn a:f --reward-fn b:g
+            parser.add_argument(flag, action="append", default=argparse.SUPPRESS, help=help_text)
         else:
             parser.add_argument(flag, type=_parser_of(f), choices=f.metadata.get("choices"),
                                 default=argparse.SUPPRESS, help=help_text)
     given = vars(parser.parse_args(argv))  # only the flags on the command line
-    show_plan = given.pop("plan")
-    preset = given.get("preset")
+    show_plan, print_config, config_file = given.pop("plan"), given.pop("print_config"), given.pop("config", None)
+    from_file = read_toml(config_file, "--config") if config_file else {}
+    preset = given.get("preset", from_file.get("preset"))
     if preset is not None and preset not in PRESETS:
-        parser.error(f"--preset {preset!r} is unknown; known presets: {', '.join(PRESETS)}")
-    return make_config({**PRESETS.get(preset, {}), **given}), set(given), show_plan
+        parser.error(f"--preset {preset!r} is unknown; known presets: {', '.join(PRESETS)} (files in {CONFIGS})")
+    cfg = make_config({**PRESETS.get(preset, {}), **from_file, **given})
+    given = set(from_file) | set(given)
+    if print_config:
+        print(to_toml(resumed_config(cfg, given) if cfg.resume else cfg), end="")
+        parser.exit(0)
+    return cfg, given, show_plan
 
 
 class OneLineErrors(argparse.ArgumentParser):
@@ -235,7 +257,9 @@ def make_config(values: dict) -> Config:
     much padding each trims, so accumulated micro-batches add up to one batch's gradient.
     """
     loss_values = {name: value for name, value in values.items() if name in LOSS_FIELDS}
-    train_values = {name: value for name, value in values.items() if name not in LOSS_FIELDS}
+    # lists (from JSON, TOML or a repeated flag) are tuples, as the fields are
+    train_values = {name: tuple(value) if isinstance(value, list) else value for name, value in values.items()
+                    if name not in LOSS_FIELDS}
     unknown = train_values.keys() - TRAIN_FIELDS.keys()
     if unknown:
         raise ValueError(f"unknown settings: {', '.join(sorted(unknown))}")
@@ -282,12 +306,115 @@ def resumed_config(cfg: Config, given: set[str]) -> Config:
     saved_file = run_dir / "config.json"
     if not saved_file.is_file():
         raise FileNotFoundError(f"--resume {run_dir}: not a run directory (no config.json)")
-    refused = given & {"preset", "run_name", "out_dir"}
+    saved = json.loads(saved_file.read_text())
+    current = flat_config(cfg)
+    # the run's own config.toml given with --config names the run as it is: only a change is refused
+    refused = {name for name in given & {"preset", "run_name", "out_dir"} if current[name] != saved.get(name)}
     if refused:
         flags = ", ".join("--" + name.replace("_", "-") for name in sorted(refused))
         raise ValueError(f"--resume {run_dir} continues that run with its own settings; {flags} cannot change them")
-    saved = json.loads(saved_file.read_text())
-    current = flat_config(cfg)
+    if "steps" in given and cfg.steps == 0 and not cfg.export:
+        raise ValueError(f"--resume {run_dir} --steps 0 trains and evaluates nothing; add --export DIR to export "
+                         "the run's last checkpoint")
+    if "lora_rank" in given and cfg.lora_rank != saved.get("lora_rank", cfg.lora_rank):
+        raise ValueError(f"--resume {run_dir}: the run trains with --lora-rank {saved['lora_rank']} and its "
+                         f"checkpoints hold those weights; --lora-rank {cfg.lora_rank} cannot change it")
     merged = {**saved, **{name: current[name] for name in given}}
     merged.update(run_name=run_dir.name, out_dir=str(run_dir.parent), resume=str(run_dir))
     return make_config(merged)
+
+
+# ----------------------------------------------------------------------------- settings files
+
+FIELDS = {**TRAIN_FIELDS, **LOSS_FIELDS}
+NOT_WRITTEN = ("resume",)  # what to do, not how: a written config.toml starts a run, it does not continue one
+
+
+def read_toml(path: str | Path, source: str = "--config") -> dict:
+    """The settings of a TOML file, by field name: `lora_rank = 32` (a flag's spelling, lora-rank, works too).
+
+    The file is flat, one key per setting; `""` is an empty setting (None), as on the command line. A key
+    that names no setting, a table, or a value of the wrong type is a ValueError naming the file and the key.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{source} {path}: no such file")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{source} {path}: not valid TOML ({error})") from None
+    values = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if isinstance(value, dict):
+            raise ValueError(f"{path}: [{key}]: a table is not a setting; settings files are flat (key = value)")
+        if name not in FIELDS:
+            close = difflib.get_close_matches(name, FIELDS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else "; the keys are the flags' names (train.py --help)"
+            raise ValueError(f"{path}: {key!r} is not a setting{hint}")
+        values[name] = _toml_value(FIELDS[name], value, f"{path}: {key}")
+    return values
+
+
+def _toml_value(f: dataclasses.Field, value, where: str):
+    """A TOML value as the field holds it, or a ValueError saying what the field takes."""
+    kinds = _type_text(f).replace(" ", "").split("|")
+    if value == "" and "None" in kinds:
+        return None
+    if isinstance(value, list) and any(kind.startswith("tuple") for kind in kinds):
+        return tuple(value)  # the items are checked where the setting is (LossConfig, validate)
+    if isinstance(value, str) and "tuple[str,...]" in kinds:
+        return (value,)  # one reward function
+    if isinstance(value, bool):
+        if "bool" in kinds:
+            return value
+    elif isinstance(value, int) and "int" in kinds:
+        return value
+    elif isinstance(value, (int, float)) and "float" in kinds:
+        return float(value)
+    elif isinstance(value, str) and "str" in kinds:
+        return value
+    raise ValueError(f"{where} = {_toml_text(value)}: expected {_expected(kinds)}")
+
+
+def _expected(kinds: list[str]) -> str:
+    words = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
+             "None": '"" (empty)'}
+    return " or ".join(words.get(kind, "a list" if kind.startswith("tuple") else kind) for kind in kinds)
+
+
+def to_toml(cfg: Config) -> str:
+    """The settings as the TOML file read_toml reads back into the same Config (resume left out)."""
+    lines = ["# train.py settings: `python train.py --config THIS_FILE` runs them (flags given with it override).",
+             '# Keys are the flags\' names; "" is an empty setting, as on the command line.', ""]
+    values = flat_config(cfg)
+    for name in FIELDS:
+        if name == next(iter(LOSS_FIELDS)):
+            lines += ["", "# the loss (loss.LossConfig)"]
+        if name not in NOT_WRITTEN:
+            value = "-".join(values[name]) if name == "rule" and isinstance(values[name], tuple) else values[name]
+            lines.append(f"{name} = {_toml_text(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_text(value) -> str:
+    """One value in TOML: strings as JSON writes them (a subset of TOML's basic strings), None as ""."""
+    if value is None:
+        return '""'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) else ("nan" if math.isnan(value) else f"{'-' * (value < 0)}inf")
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(_toml_text(item) for item in value) + "]"
+    return json.dumps(str(value), ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
+def load_presets(folder: Path = CONFIGS) -> dict[str, dict]:
+    """Every configs/NAME.toml as preset NAME."""
+    return {path.stem: read_toml(path, "preset") for path in sorted(folder.glob("*.toml"))}
+
+
+PRESETS = load_presets()

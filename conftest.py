@@ -4,12 +4,24 @@ Every test that needs a model builds one here with transformers' own classes and
 `save_pretrained`, so our loader is always exercised on the real on-disk format.
 """
 
+import atexit
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 SHARED_DATA = Path(__file__).resolve().parent.parent / "shared" / "data"
+
+# Experiment trackers under test write into one temporary folder, never to the network or a user's home:
+# W&B offline, and trackio's local database (whose folder trackio reads once, when it is imported).
+TRACKERS = Path(tempfile.mkdtemp(prefix="grpo-test-trackers-"))
+atexit.register(shutil.rmtree, TRACKERS, True)
+os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=str(TRACKERS / "wandb"),
+                  WANDB_CONFIG_DIR=str(TRACKERS / "wandb-config"), WANDB_CACHE_DIR=str(TRACKERS / "wandb-cache"),
+                  WANDB_DATA_DIR=str(TRACKERS / "wandb-data"), TRACKIO_DIR=str(TRACKERS / "trackio"))
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -128,7 +128,7 @@ def run_pilot(cfg: config.Config, out: Path, points: list[int]) -> None:
     if len(saved) == len(points):
         return
     train_set = load_problems(cfg.dataset)
-    model, tokenizer, optimizer = train.build(cfg)
+    model, tokenizer, optimizer, _ = train.build(cfg)  # LoRA: the reference is the frozen base
     cfg = train.resolve_automatic(cfg, model, tokenizer, train_set)
     start = max(saved, default=0)
     if saved:
@@ -190,7 +190,7 @@ def fresh_reward(model, tokenizer, problems: list[dict], cfg: config.Config, sam
     """Mean reward of `samples` fresh completions per prompt; `stream` names the random streams (rollout.py:
     the same stream and weights give the same samples, so arms differ only where their policies do)."""
     fresh_cfg = dataclasses.replace(cfg, group_size=samples)
-    rewards, _ = train.score(train.sample(model, tokenizer, problems, fresh_cfg, stream), problems, fresh_cfg)
+    rewards, _, _ = train.score(train.sample(model, tokenizer, problems, fresh_cfg, stream), problems, fresh_cfg)
     return float(rewards.mean())
 
 
@@ -239,7 +239,7 @@ def counterfactual_rollout(model, optimizer, tokenizer, state: State, arms: dict
     base = next(iter(arms.values()))
     state.restore(model, optimizer)
     out = train.sample(model, tokenizer, problems, base, stream)
-    rewards, correct = train.score(out, problems, base)
+    rewards, correct, _ = train.score(out, problems, base)
     advantages = loss.advantages(rewards, base.group_size, base.loss)
     if not advantages.any():
         return {"reward": float(rewards.mean()), "accuracy": float(correct.mean()), "acting": 0.0, "skipped": True}
@@ -500,7 +500,7 @@ def run_point(args: argparse.Namespace, arms: dict[str, config.Config], point: i
         return
     base = next(iter(arms.values()))
     train_set = load_problems(base.dataset)
-    model, tokenizer, optimizer = train.build(base)
+    model, tokenizer, optimizer, _ = train.build(base)  # LoRA: the reference is the frozen base
     load_point(args.out / "pilot" / "points" / f"step-{point}", model, optimizer)
     state = State.of(model, optimizer)
     started = time.time()

@@ -4,8 +4,9 @@
 
 Data parallel: of a step's prompts, rank r of n samples, grades and trains on the r-th slice, whole
 prompts with all G completions, and the adapters' gradients are summed over the ranks in one
-all-reduce. One process alone is rank 0 of 1 and every collective returns its input, so a single-GPU
-run is the same code. nccl joins GPUs (one per process), gloo joins CPU processes.
+all-reduce (full-parameter training shards the weights instead, and FSDP2 sums the gradients: fsdp.py).
+One process alone is rank 0 of 1 and every collective returns its input, so a single-GPU run is the
+same code. nccl joins GPUs (one per process), gloo joins CPU processes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -96,18 +98,24 @@ def world_size() -> int:
 
 
 @contextmanager
-def joined(device: torch.device, timeout: float):
+def joined(device: torch.device, timeout: float, group: bool = False):
     """The World this process belongs to: torchrun's (RANK, WORLD_SIZE and LOCAL_RANK in the environment),
-    or one process alone. On CUDA each process takes the GPU of its LOCAL_RANK."""
+    or one process alone. On CUDA each process takes the GPU of its LOCAL_RANK. With group=True one process
+    alone gets a process group of its own too (FSDP2 shards over a process group, even of one rank)."""
     size = world_size()
-    if size == 1:
+    if size == 1 and not group:
         yield SOLO
         return
+    backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # "cuda" now means this process's GPU
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", device.index or 0)))  # "cuda" means this GPU now
         device = torch.device("cuda", torch.cuda.current_device())
         os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")  # a timeout raises here instead of aborting
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout))
+    if size == 1:  # no torchrun: no rendezvous either
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(seconds=timeout))
+    else:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     try:
         yield World(dist.get_rank(), size, device, timeout)
     finally:
@@ -129,7 +137,8 @@ def check_same_settings(world: World, settings: dict) -> None:
 
 def sum_gradients(params: list[torch.nn.Parameter], world: World, loss_sum: torch.Tensor) -> torch.Tensor:
     """Sum the adapters' gradients over the ranks, in one all-reduce of one flat buffer; returns the
-    optimizer step's whole loss (the ranks' sum), so every rank takes the same skip decision.
+    optimizer step's whole loss (the ranks' sum), so every rank takes the same skip decision. Sharded
+    parameters (DTensors, fsdp.py) are left alone: FSDP2 reduce-scattered their gradients in the backward.
 
     Each rank's loss is already its share of the whole step's (the normalizers are global), so the
     sum, not the mean, is the gradient of one process on the whole batch. A plain all-reduce rather
@@ -137,8 +146,11 @@ def sum_gradients(params: list[torch.nn.Parameter], world: World, loss_sum: torc
     rank-32 adapters: 87M parameters, 350 MB in fp32), the loss reaches the model through model.hidden and the
     frozen passes rather than one forward(), and a rank may hold no rows of a mini-batch at all.
     """
+    params = [p for p in params if not isinstance(p, DTensor)]
     if world.size == 1:
         return loss_sum
+    if not params:
+        return world.sum(loss_sum.detach())
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]  # no rows here: zeros
     flat = world.sum(torch.cat([*(g.flatten() for g in grads), loss_sum.detach().to(grads[0]).reshape(1)]))
     for p, g in zip(params, flat[:-1].split([g.numel() for g in grads])):

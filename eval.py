@@ -8,11 +8,14 @@ runs problem by problem so a reader sees at once which gaps are noise.
 
     python eval.py --model PATH_OR_ID [--adapter DIR] --bench aime24,aime25,amc23 --k 8 --temperature 0.6 \
         --top-p 0.95 --max-new-tokens 4096 [--out runs/eval.json]
+    python eval.py --run runs/NAME [--bench aime24 --k 16 ...]   # as the run trained: its settings, best adapter
     python eval.py --compare A.json B.json [--baseline TABLE.json]
     python eval.py --bench math500 --limit 20 --limit-seed 0 --k 2 --max-new-tokens 1024    # a quick try
 
-Every file written is strict JSON (an undefined standard error is null). If sampling fails or is interrupted,
-the problems finished so far are written beside --out as OUT.partial.json.
+Every file written is strict JSON (an undefined standard error is null); an existing --out is kept unless --force.
+If sampling fails or is interrupted, the problems finished so far are written beside --out as OUT.partial.json.
+--run takes a training run's model, prompt (template, system prompt, thinking setting where the run has one),
+sampling, held-out sets and k, and its best adapter, prints the equivalent command, and lets flags override.
 
 The statistics are plain numpy over a [problems, samples] table of correct flags; evaluate() is the plain function
 train.py calls for periodic evaluation.
@@ -23,6 +26,7 @@ import json
 import math
 import os
 import random
+import shlex
 import sys
 import tempfile
 import time
@@ -438,7 +442,8 @@ def evaluate(model, tokenizer, problems: Sequence[Mapping], *, k: int, n: int | 
     was_training = model.training
     model.eval()  # no LoRA dropout while measuring
     results = [] if finished is None else finished
-    bar = tqdm(total=len(problems), desc=desc, unit="problem", disable=not progress)
+    # a bar only on a terminal: in a redirected log its carriage returns would be noise
+    bar = tqdm(total=len(problems), desc=desc, unit="problem", disable=not (progress and sys.stderr.isatty()))
     try:
         for start in range(0, len(problems), batch_size):
             batch = problems[start:start + batch_size]
@@ -473,41 +478,67 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"eval.py: {message} (see --help)\n")
 
 
+# flags a run's settings fill (eval.py flag -> the name in the run's config.json), and the defaults otherwise
+RUN_SETTINGS = {"model": "model", "template": "template", "system": "system_prompt", "thinking": "thinking",
+                "temperature": "eval_temperature", "top_p": "top_p", "max_new_tokens": "max_new_tokens",
+                "k": "eval_k", "bench": "eval_dataset", "limit": "eval_problems", "seed": "seed", "dtype": "dtype"}
+DEFAULTS = {"bench": "aime24,aime25,amc23", "k": 8, "temperature": 0.6, "top_p": 0.95, "max_new_tokens": 4096,
+            "template": "boxed", "seed": 0}
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The flags, each checked here with a message naming it and its allowed values, before anything loads."""
+    """The flags, each checked here with a message naming it and its allowed values, before anything loads.
+
+    With --run, the flags not given take the run's settings (args.from_run lists them), then the defaults."""
     parser = _Parser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--run", default=None, metavar="RUN", help="a train.py run directory: its model, template, "
+                        "system prompt, sampling, held-out sets, k and best adapter, unless flags say otherwise")
     parser.add_argument("--model", default=None, help="model directory or hub id (default: the offline "
                         "SmolLM2-135M-Instruct)")
-    parser.add_argument("--adapter", default=None, help="LoRA adapter directory (PEFT format) to load on the model")
-    parser.add_argument("--bench", default="aime24,aime25,amc23", help="comma-separated dataset names of data/ "
-                        "(see data/prepare.py) or .jsonl/.json/.parquet paths (default: %(default)s)")
+    parser.add_argument("--adapter", default=None, help="LoRA adapter directory (PEFT format) to load on the model, "
+                        "or a run directory (its best adapter)")
+    parser.add_argument("--bench", default=None, help="comma-separated dataset names of data/ (see data/prepare.py) "
+                        f"or .jsonl/.json/.parquet paths (default: {DEFAULTS['bench']})")
     parser.add_argument("--data-dir", default=None, help="where named datasets live (default: data/)")
     parser.add_argument("--limit", type=int, default=None, metavar="N", help="evaluate only N problems of each "
                         "benchmark (the first N, or a seeded sample with --limit-seed): a quick try")
     parser.add_argument("--limit-seed", type=int, default=None, metavar="S", help="with --limit: draw the N "
                         "problems at random with this seed, kept in their benchmark order")
-    parser.add_argument("--k", type=int, default=8, help="k of Mean@k, Pass@k and Maj@k (default: %(default)s)")
+    parser.add_argument("--k", type=int, default=None, help=f"k of Mean@k, Pass@k and Maj@k (default: {DEFAULTS['k']})")
     parser.add_argument("--n", type=int, default=None, help="samples drawn per problem, at least k (default: k); "
                         "more samples make the Pass@k estimate less noisy")
-    parser.add_argument("--temperature", type=float, default=0.6, help="sampling temperature, 0 = greedy "
-                        "(default: %(default)s)")
-    parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default: %(default)s)")
-    parser.add_argument("--max-new-tokens", type=int, default=4096, help="(default: %(default)s)")
-    parser.add_argument("--template", default="boxed", help="prompt template of data/templates.py "
-                        "(default: %(default)s)")
-    parser.add_argument("--system", default=None, help="system message (default: the chat template's own)")
+    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature, 0 = greedy "
+                        f"(default: {DEFAULTS['temperature']})")
+    parser.add_argument("--top-p", type=float, default=None, help=f"nucleus sampling mass (default: "
+                        f"{DEFAULTS['top_p']})")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help=f"(default: {DEFAULTS['max_new_tokens']})")
+    parser.add_argument("--template", default=None, help="prompt template of data/templates.py "
+                        f"(default: {DEFAULTS['template']})")
+    parser.add_argument("--system", default=None, help="system message (default, or empty: the chat template's own)")
     parser.add_argument("--batch-size", type=int, default=8, help="problems sampled together (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=None, help=f"(default: {DEFAULTS['seed']})")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                         help="default: bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--out", default=None, help="run file to write (default: runs/eval-TIME.json)")
+    parser.add_argument("--out", default=None, help="run file to write (default: RUN/eval-TIME.json with --run, "
+                        "else runs/eval-TIME.json)")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing --out file")
     parser.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), default=None,
                         help="compare two run files problem by problem instead of evaluating")
     parser.add_argument("--baseline", default=None, metavar="TABLE.json", help="JSON table {benchmark: {metric: "
                         "{'mean': x, 'se': s}}} to compare the run(s) against; metrics " + ", ".join(METRICS) +
                         ", rates as fractions")
     args = parser.parse_args(argv)
+    args.from_run = []
+    if args.run is not None:
+        try:
+            args.from_run = take_run_settings(args)
+        except (ValueError, OSError) as error:
+            parser.error(str(error))
+    for name, value in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.system = args.system or None  # empty: the chat template's own, as train.py reads it
     checks = [
         (args.k >= 1, f"--k {args.k}: must be >= 1"),
         (args.n is None or args.n >= args.k, f"--k {args.k} is larger than the --n {args.n} samples drawn per problem"),
@@ -526,6 +557,74 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     except ValueError as error:
         parser.error(f"--template: {error}")
     return args
+
+
+def take_run_settings(args: argparse.Namespace) -> list[str]:
+    """Fill the flags not given from the run's config.json and point --adapter at its best adapter (a full run's
+    --model at its best weights); returns the names filled. A run's automatic values (dtype auto, eval_problems
+    0 = all) leave eval.py's own defaults."""
+    saved_file = Path(args.run) / "config.json"
+    if not saved_file.is_file():
+        raise FileNotFoundError(f"--run {args.run}: not a run directory of train.py (no config.json)")
+    try:
+        saved = json.loads(saved_file.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--run {args.run}: {saved_file} is not valid JSON ({error})") from None
+    filled = []
+    for flag, key in RUN_SETTINGS.items():
+        value = saved.get(key)
+        if not hasattr(args, flag) or getattr(args, flag) is not None or key not in saved:
+            continue  # given on the command line, or a setting this run or this eval.py does not have
+        if (flag, value) in (("dtype", "auto"), ("limit", 0)):
+            continue
+        setattr(args, flag, value)
+        filled.append(flag)
+    if saved.get("lora_rank") == 0:  # every weight trained: the run's best weights are a model of their own
+        best = Path(args.run) / "best"
+        if "model" in filled:
+            if not (best / "config.json").is_file():
+                raise FileNotFoundError(f"--run {args.run}: a full-parameter run without best weights yet; export its "
+                                        f"last checkpoint (python train.py --resume {args.run} --steps 0 --export DIR) "
+                                        "and evaluate --model DIR")
+            args.model = str(best)
+        return filled
+    if args.adapter is None:
+        args.adapter = args.run
+        filled.append("adapter")
+    return filled
+
+
+def resolve_adapter(path: str) -> tuple[Path, str]:
+    """(adapter directory, what it is): a PEFT adapter directory as given, or a run directory's best adapter
+    (else its last checkpoint's). A ValueError naming --adapter when it is neither."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"--adapter: directory {path} does not exist")
+    if (folder / "adapter_config.json").is_file():
+        return folder, "as given"
+    summary_file = folder / "summary.json"
+    if (folder / "best" / "adapter_config.json").is_file():
+        best = json.loads(summary_file.read_text()).get("best") if summary_file.is_file() else None
+        what = (f"the run's best: held-out accuracy {100 * best['accuracy']:.1f}% at step {best['step']}"
+                if isinstance(best, dict) else "the run's best so far")
+        return folder / "best", what
+    latest = folder / "latest"
+    if latest.is_file() and (folder / latest.read_text().strip() / "adapter" / "adapter_config.json").is_file():
+        return folder / latest.read_text().strip() / "adapter", "the run's last checkpoint (it has no best yet)"
+    raise ValueError(f"--adapter {path}: neither an adapter (no adapter_config.json) nor a run directory with one")
+
+
+def settings_line(args: argparse.Namespace, adapter: Path | None, adapter_what: str) -> str:
+    """The command these settings are, for the reader to see (and rerun) what was evaluated."""
+    flags = [("--model", args.model), ("--adapter", adapter), ("--bench", args.bench), ("--limit", args.limit),
+             ("--k", args.k), ("--temperature", args.temperature), ("--top-p", args.top_p),
+             ("--max-new-tokens", args.max_new_tokens), ("--template", args.template), ("--system", args.system),
+             ("--seed", args.seed)] + ([("--thinking", args.thinking)] if hasattr(args, "thinking") else [])
+    command = " ".join(f"{flag} {shlex.quote(str(value))}" for flag, value in flags if value is not None)
+    given = [flag for flag in RUN_SETTINGS if flag not in args.from_run and hasattr(args, flag)]
+    return (f"eval.py: {args.run} evaluated as: python eval.py {command}\neval.py: adapter {adapter} "
+            f"({adapter_what}); from the run: {', '.join(args.from_run) or 'nothing'}; yours or eval.py's defaults: "
+            f"{', '.join(given) or 'none'}")
 
 
 def limit_problems(problems: Sequence[Mapping], limit: int | None, seed: int | None = None) -> list[dict]:
@@ -676,25 +775,29 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.compare:
             run_compare(*args.compare, args.baseline)
             return
-        if args.adapter is not None and not Path(args.adapter).is_dir():
-            raise FileNotFoundError(f"--adapter: directory {args.adapter} does not exist")
+        adapter, adapter_what = resolve_adapter(args.adapter) if args.adapter is not None else (None, "")
         baseline = _load_baseline(args.baseline) if args.baseline else None
         benchmarks = load_benchmarks(args)
-        out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}.json")
+        out = Path(args.out or f"{args.run or 'runs'}/eval-{time.strftime('%Y%m%d-%H%M%S')}.json")
+        if out.is_file() and not args.force:
+            raise ValueError(f"--out {out} already exists; pass --force to overwrite it, or name another file")
         check_writable(out, "--out")
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         check_device(device)
         dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+        if args.run is not None:
+            print(settings_line(args, adapter, adapter_what), file=sys.stderr)
         model = from_pretrained(args.model, dtype=dtype, device=device)
-        if args.adapter is not None:
-            lora.load(model, args.adapter)
+        if adapter is not None:
+            lora.load(model, adapter)
         tokenizer = load_tokenizer(args.model)
     except (ValueError, OSError) as error:
         print(f"eval.py: {error}", file=sys.stderr)
         raise SystemExit(2) from None
 
-    config = {key: value for key, value in vars(args).items() if key not in ("compare", "out")}
-    config.update(n=args.n or args.k, device=device, dtype=str(dtype))
+    config = {key: value for key, value in vars(args).items() if key not in ("compare", "out", "force")}
+    config.update(n=args.n or args.k, device=device, dtype=str(dtype),
+                  adapter=None if adapter is None else str(adapter))
     evaluations = run_eval(args, benchmarks, out, model, tokenizer, config)
     if baseline is not None:
         _print_baseline(evaluations, baseline, "run")

@@ -20,6 +20,15 @@ Phases, each peak = weights + LoRA state + step data + the phase's own peak:
 - eval: the same for an evaluation call (its prompts x eval_k samples).
 Step data are the rollout results kept for training ([N, P + C] ids and masks, [N, C] log-probs).
 
+A full-parameter run (lora_rank 0) is planned per rank of world_size, by running fsdp.shard's real code:
+fully_shard over torch's "fake" process group of that many ranks (it communicates nothing), on
+FakeTensorMode's tensors, since FSDP2 refuses meta parameters. `weights` are then rank 0's fp32 shards
+(and a frozen reference's, when the loss needs ref_logp), `optimizer` adds its gradient and AdamW moment
+shards, `train` and `frozen` gather the root and one block at a time as FSDP2 does, reduce-scatter the
+gradients and free them, and `rollout` and `eval` hold the whole model gathered in the compute dtype
+(fsdp.whole) besides the shards; the gradients are held only while training (train.py frees them after
+each update). test_fsdp holds the sharded micro-batch equal to real CPU runs on one and two ranks.
+
 Where the meta run differs from the code it stands for:
 - scaled_dot_product_attention, whose allocations happen inside a CUDA kernel, is replaced by a stand-in
   that allocates what FlashAttention-2 does (output, log-sum-exp; in backward its fp32 accumulator and
@@ -36,6 +45,9 @@ Where the meta run differs from the code it stands for:
 - the CUDA caching allocator rounds blocks and fragments, and the CUDA context, cuBLAS workspaces and
   kernel-internal buffers are invisible to a dispatch mode: `fit` keeps SLACK of the budget and
   RESERVED bytes free for them.
+- FSDP2 runs its CPU code path in a plan (a CPU mesh): the same buffers, but on CUDA its collectives run on
+  their own streams, and memory freed on one stream returns to another a little later; the next block's
+  gathered weights (0.44 GB for a Qwen3-8B block in bf16) can be held early. SLACK covers it.
 """
 
 from __future__ import annotations
@@ -51,8 +63,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import fsdp
 import lora
 import rollout
 from model import ModelConfig, Transformer
@@ -79,6 +96,7 @@ KNOWN_CONFIGS: dict[str, ModelConfig] = {
 PHASE_FLAGS = {
     "weights": "use a smaller model or --dtype bfloat16",
     "lora": "lower --lora-rank or --lora-targets",
+    "optimizer": "shard over more processes (torchrun --nproc-per-node, --world-size for --plan) or train LoRA",
     "train": "raise --grad-accum (fewer rows per micro-batch)",
     "frozen": "raise --grad-accum (fewer rows per micro-batch)",
     "rollout": "lower --rollout-batch (prompts per sampler call)",
@@ -112,7 +130,8 @@ class Workload:
     """What one training step does, in the sizes that decide memory. Field names follow train.py's flags."""
 
     dtype: torch.dtype = torch.bfloat16
-    lora_rank: int = 16
+    lora_rank: int = 16  # 0: every weight trains, sharded by FSDP2 over world_size ranks (fsdp.py)
+    world_size: int = 1  # processes; the plan is one rank's
     lora_targets: tuple[str, ...] = lora.DEFAULT_TARGETS
     gradient_checkpointing: bool = True
     prompt_len: int = 512  # tokens of the longest prompt: the sampler left-pads every prompt to it
@@ -127,16 +146,22 @@ class Workload:
     top_k: int = 0
     with_entropy: bool = True  # hidden_logprobs(..., with_entropy=True), as train.py logs the entropy
     recompute_old_logp: bool = False
-    ref_logp: bool = False  # kl_beta > 0: a reference pass through the frozen base
+    ref_logp: bool = False  # kl_beta > 0: a reference pass (the frozen base; a full run's frozen copy)
     eval_prompts: int = 16  # prompts per evaluation call
     eval_k: int = 8
     eval_temperature: float = 1.0
 
     def __post_init__(self):
-        for name in ("lora_rank", "prompt_len", "max_new_tokens", "group_size", "prompts_per_step",
+        for name in ("world_size", "prompt_len", "max_new_tokens", "group_size", "prompts_per_step",
                      "updates_per_rollout", "rollout_prompts", "micro_batch_rows", "eval_prompts", "eval_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Workload.{name} must be >= 1, got {getattr(self, name)}")
+        if self.lora_rank < 0:
+            raise ValueError(f"Workload.lora_rank must be >= 0 (0: full-parameter), got {self.lora_rank}")
+
+    @property
+    def full(self) -> bool:
+        return self.lora_rank == 0
 
     @property
     def step_rows(self) -> int:
@@ -156,18 +181,22 @@ class LiveBytes(TorchDispatchMode):
 
     A storage counts once however many views share it; it stops counting when Python frees it (a
     weakref callback). Storages created before the mode (weights, the LoRA state) are not counted.
-    On the meta device, torch.equal, which has no meta kernel, answers True.
+    On meta and fake tensors, torch.equal, which has no kernel there, answers True. A sharded tensor
+    (DTensor) counts its local shard. `resizable` storages are grown and shrunk in place by their owner
+    outside any operator (FSDP2 gathers a group's weights into storages it resizes to 0 when it frees
+    them): what they hold at each operator counts towards the peak, not towards `live`.
     """
 
-    def __init__(self):
+    def __init__(self, resizable=()):
         super().__init__()
         self.live = self.peak = 0
         self._alive: dict[int, weakref.ref] = {}
+        self.resizable = list(resizable)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         inputs = list(_tensors((args, kwargs.values())))
-        if func is torch.ops.aten.equal.default and inputs[0].is_meta:
+        if func is torch.ops.aten.equal.default and _no_data(inputs[0]):
             return True
         out = func(*args, **kwargs)
         seen = {id(t.untyped_storage()) for t in inputs}  # in-place ops and views return these
@@ -175,6 +204,8 @@ class LiveBytes(TorchDispatchMode):
             storage = t.untyped_storage()
             if id(storage) not in seen and id(storage) not in self._alive:
                 self._count(storage)
+        if self.resizable:
+            self.peak = max(self.peak, self.live + sum(s.nbytes() for s in self.resizable))
         return out
 
     def _count(self, storage) -> None:
@@ -191,9 +222,17 @@ class LiveBytes(TorchDispatchMode):
         self.peak = self.live
 
 
+def _no_data(t: torch.Tensor) -> bool:
+    """Meta tensors, and FakeTensorMode's (meta storage under another device's name)."""
+    return t.is_meta or isinstance(t, FakeTensor)
+
+
 def _tensors(x):
-    """The tensors in an operator's arguments or results (nested tuples and lists, as foreach ops take)."""
-    if isinstance(x, torch.Tensor):
+    """The tensors in an operator's arguments or results (nested tuples and lists, as foreach ops take); a
+    DTensor is its local shard."""
+    if isinstance(x, DTensor):
+        yield x.to_local()
+    elif isinstance(x, torch.Tensor):
         yield x
     elif isinstance(x, (tuple, list, type({}.values()))):
         for item in x:
@@ -233,7 +272,7 @@ def flash_attention_on_meta():
     original = F.scaled_dot_product_attention
 
     def flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if not q.is_meta:
+        if not _no_data(q):
             return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                             enable_gqa=enable_gqa)
         return _FlashAttentionOnMeta.apply(q, k, v)
@@ -246,16 +285,18 @@ def flash_attention_on_meta():
 
 
 def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind tensors (tied weights count once)."""
-    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
+    """Bytes of the distinct storages behind tensors (tied weights count once; a DTensor's local shard)."""
+    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in _tensors(list(tensors))}
     return sum(storages.values())
 
 
 def meta_model(cfg: ModelConfig, work: Workload) -> Transformer:
-    """The model with LoRA adapters on the meta device, in the run's dtype: no memory, real shapes."""
+    """The model with LoRA adapters (none for a full run) on the meta device, in the run's dtype: no memory,
+    real shapes."""
     with torch.device("meta"):
         model = Transformer(cfg).to(work.dtype)
-    lora.inject(model, work.lora_rank, 2.0 * work.lora_rank, targets=work.lora_targets)
+    if not work.full:
+        lora.inject(model, work.lora_rank, 2.0 * work.lora_rank, targets=work.lora_targets)
     model.gradient_checkpointing = work.gradient_checkpointing
     return model
 
@@ -270,15 +311,20 @@ def lora_state_phase(model: Transformer) -> tuple[int, int]:
 
     AdamW runs with foreach=True, its default on CUDA, whose temporaries span all the adapters at once.
     """
-    params = list(lora.parameters(model))
+    return optimizer_phase(list(lora.parameters(model)))
+
+
+def optimizer_phase(params: list[torch.nn.Parameter]) -> tuple[int, int]:
+    """(resident, peak) bytes of params, their gradients and AdamW's state around one foreach optimizer step
+    (of sharded parameters, each rank's shards). The gradients stay, for the training phase to add into."""
     with LiveBytes() as tracker:
         for p in params:
             p.grad = torch.zeros_like(p)
         optimizer = torch.optim.AdamW(params, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
-    adapters = storage_bytes(params)
-    return adapters + tracker.live, adapters + tracker.peak
+    held = storage_bytes(params)
+    return held + tracker.live, held + tracker.peak
 
 
 def rollout_results(rows: int, prompt_len: int, new_tokens: int, device) -> list[torch.Tensor]:
@@ -304,14 +350,15 @@ def _surrogate_loss(logp, old_logp, advantages, mask):
     return -torch.where(mask, objective, 0).sum() / mask.numel()
 
 
-def train_phase(model: Transformer, rows: int, work: Workload) -> int:
-    """One training micro-batch: forward, loss and backward into existing adapter gradients."""
+def train_phase(model: Transformer, rows: int, work: Workload, resizable=()) -> int:
+    """One training micro-batch: forward, loss and backward into existing gradients (the adapters', or every
+    weight's shards). resizable: a sharded model's gathered weights (LiveBytes)."""
     device, P, C = model.device, work.prompt_len, work.max_new_tokens
-    for p in lora.parameters(model):  # accumulation adds into the gradients a previous micro-batch left
-        if p.grad is None:
+    for p in (model.parameters() if work.full else lora.parameters(model)):
+        if p.grad is None:  # accumulation adds into the gradients a previous micro-batch left
             p.grad = torch.zeros_like(p)
     model.train()
-    with LiveBytes() as tracker:
+    with LiveBytes(resizable) as tracker:
         ids = torch.zeros(rows, P + C, dtype=torch.long, device=device)
         pad = torch.ones(rows, P + C, dtype=torch.bool, device=device)
         old_logp = torch.zeros(rows, C, device=device)
@@ -325,15 +372,18 @@ def train_phase(model: Transformer, rows: int, work: Workload) -> int:
     return tracker.peak
 
 
-def frozen_phase(model: Transformer, rows: int, work: Workload) -> int:
-    """One micro-batch of the no-grad passes (old log-probs, reference log-probs), as train.py runs them."""
+def frozen_phase(model: Transformer, rows: int, work: Workload, reference: Transformer | None = None,
+                 resizable=()) -> int:
+    """One micro-batch of the no-grad passes (old log-probs, reference log-probs), as train.py runs them; the
+    reference pass runs on `reference` (a full run's frozen copy) or on the model (LoRA's base)."""
     device, T = model.device, work.prompt_len + work.max_new_tokens
+    passes = [model] * work.recompute_old_logp + [reference or model] * work.ref_logp
     model.eval()
-    with LiveBytes() as tracker, torch.no_grad():
+    with LiveBytes(resizable) as tracker, torch.no_grad():
         ids = torch.zeros(rows, T, dtype=torch.long, device=device)
         pad = torch.ones(rows, T, dtype=torch.bool, device=device)
-        kept = [model.token_logprobs(ids, pad, temperature=work.temperature)[0][:, work.prompt_len:]
-                for _ in range(work.recompute_old_logp + work.ref_logp)]
+        kept = [policy.token_logprobs(ids, pad, temperature=work.temperature)[0][:, work.prompt_len:]
+                for policy in passes]
         del kept
     return tracker.peak
 
@@ -392,15 +442,53 @@ def _first_compaction(rows: int) -> torch.Tensor:
 
 
 def measure(model_cfg: ModelConfig, work: Workload) -> dict[str, int]:
-    """Peak bytes of each phase (weights, lora, train, frozen, rollout, eval), counted on the meta device."""
-    planner = Planner.of(model_cfg, work)
-    return {name: planner.peak(name, size) for name, size in phase_sizes(work).items()}
+    """Peak bytes of each phase (weights, lora or optimizer, train, frozen, rollout, eval), counted on the meta
+    device (a full run's sharded phases: per rank, on fake tensors)."""
+    with planning(model_cfg, work) as planner:
+        return {name: planner.peak(name, size) for name, size in phase_sizes(work).items()}
 
 
 def phase_sizes(work: Workload) -> dict[str, int]:
     """The size each phase runs at: rows per micro-batch, or prompts per sampler call."""
-    return {"weights": 0, "lora": 0, "train": work.micro_batch_rows, "frozen": work.micro_batch_rows,
+    return {"weights": 0, state_phase(work): 0, "train": work.micro_batch_rows, "frozen": work.micro_batch_rows,
             "rollout": work.rollout_prompts, "eval": work.eval_prompts}
+
+
+def state_phase(work: Workload) -> str:
+    """The phase of the trained state: LoRA's adapters ("lora"), or every weight's gradients and moments."""
+    return "optimizer" if work.full else "lora"
+
+
+@contextmanager
+def planning(model_cfg: ModelConfig, work: Workload):
+    """The Planner of a model and workload. A full run's runs fully_shard, so it lives inside a fake world
+    (fake_world) that closes with the block; a LoRA run's is kept for the next call (Planner.of)."""
+    if not work.full:
+        yield Planner.of(model_cfg, work)
+        return
+    with fake_world(work.world_size) as mesh:
+        yield Planner(model_cfg, work, mesh)
+
+
+@contextmanager
+def fake_world(size: int):
+    """A DeviceMesh of `size` ranks on torch's "fake" process group, which answers every collective at once
+    without moving data: one process plans rank 0 of a sharded run. Without a process group it is the
+    default group for the block; inside a run (which plans for its own world) a fake group beside the real one."""
+    if not dist.is_initialized():
+        dist.init_process_group("fake", rank=0, world_size=size)
+        try:
+            yield init_device_mesh("cpu", (size,))
+        finally:
+            dist.destroy_process_group()
+        return
+    if dist.get_world_size() != size:
+        raise ValueError(f"a plan for {size} processes cannot run inside a job of {dist.get_world_size()}")
+    group = dist.new_group(backend="fake")
+    try:
+        yield DeviceMesh.from_group(group, "cpu")
+    finally:
+        dist.destroy_process_group(group)
 
 
 class Planner:
@@ -412,10 +500,15 @@ class Planner:
 
     _recent: dict[str, Planner] = {}  # Planner.of's: report after fit measures nothing twice
 
-    def __init__(self, model_cfg: ModelConfig, work: Workload):
+    def __init__(self, model_cfg: ModelConfig, work: Workload, mesh: DeviceMesh | None = None):
+        self.started = time.perf_counter()
         self.work, self.layers = work, model_cfg.num_layers
         depths = (self.layers,) if self.layers <= 3 else (2, 3)
-        self.runs = [_MetaRun(meta_model(dataclasses.replace(model_cfg, num_layers=d), work), work) for d in depths]
+        shallow = [dataclasses.replace(model_cfg, num_layers=d) for d in depths]
+        if work.full and mesh is None:
+            raise ValueError("a full run's Planner shards its models over a mesh: use memory.planning()")
+        self.runs = [_ShardedRun(cfg, work, mesh) if work.full else _MetaRun(meta_model(cfg, work), work)
+                     for cfg in shallow]
         self._memo: dict[tuple[str, int], tuple[int, int]] = {}
 
     @classmethod
@@ -450,7 +543,7 @@ class _MetaRun:
         self.model, self.work = model, work
         self.weights = storage_bytes([t for name, t in model.state_dict(keep_vars=True).items()
                                       if ".lora_" not in name])
-        self.lora, self.lora_peak = lora_state_phase(model)
+        self.lora, self.lora_peak = (0, 0) if work.full else lora_state_phase(model)
 
     def step_data(self, rows: int) -> int:
         """Rollout results of `rows` rows, plus the frozen passes' [rows, C] fp32 outputs."""
@@ -484,20 +577,102 @@ class _MetaRun:
         raise ValueError(f"unknown phase {name!r}")
 
 
+def _fake(model: Transformer) -> Transformer:
+    """A meta model given fake CPU storage (inside a FakeTensorMode), its tied weights tied again: to_empty
+    makes a new tensor for each module that holds one."""
+    model.to_empty(device="cpu")
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+class _ShardedRun:
+    """One full-parameter model sharded by fsdp.shard over a fake world, on FakeTensorMode's tensors (FSDP2
+    refuses meta parameters at its first forward, so these are meta storage under the CPU's name): rank 0's
+    shards of the fp32 weights, gradients and AdamW moments, and what its sharded phases allocate. The
+    sampler's phases run on the whole model in the compute dtype (a _MetaRun), which fsdp.whole gathers.
+
+    FSDP2 gathers a group into storages it keeps and resizes in place, outside any operator; they are
+    found by gathering each group once, and LiveBytes counts what they hold at each operator.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, work: Workload, mesh: DeviceMesh):
+        self.work, self.whole = work, _MetaRun(meta_model(model_cfg, work), work)
+        with torch.device("meta"):  # cast on meta, given fake storage below (a fake module's .to() fails)
+            policy = Transformer(model_cfg).to(fsdp.master_dtype(work.dtype))
+            frozen = Transformer(model_cfg).to(work.dtype) if work.ref_logp else None  # train.build's copy
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)  # to_empty reads the meta parameters
+        with self.mode:
+            self.model = fsdp.shard(_fake(policy), work.dtype, mesh)
+            self.model.gradient_checkpointing = work.gradient_checkpointing
+            self.reference = None
+            if frozen is not None:
+                self.reference = fsdp.shard(_fake(frozen), work.dtype, mesh).requires_grad_(False)
+            self.resizable = [*self._gathered_storages(self.model), *self._gathered_storages(self.reference)]
+            params = list(self.model.parameters())
+            self.params = self.grads = storage_bytes(params)  # gradients: the same shards, in the same dtype
+            self.reference_weights = storage_bytes(self.reference.parameters()) if self.reference else 0
+            self.weights = self.params + self.reference_weights
+            state, self.state_peak = optimizer_phase(params)
+            self.moments = state - self.params - self.grads
+
+    @staticmethod
+    def _gathered_storages(model: Transformer | None) -> list:
+        if model is None:
+            return []
+        for group in fsdp.groups(model):
+            group.unshard()
+        storages = [p.untyped_storage() for p in model.parameters()]
+        fsdp.reshard(model)
+        return storages
+
+    def measure(self, name: str, size: int) -> tuple[int, int]:
+        """(resident, own) bytes of a phase, as _MetaRun.measure: the gradients are held only while training
+        (train.py frees them after each update), the gathered whole model only while sampling."""
+        w, whole = self.work, self.whole
+        held = self.weights + self.moments
+        if name == "weights":
+            return 0, self.weights
+        if name == "optimizer":
+            return self.reference_weights, self.state_peak
+        if name in ("rollout", "eval"):  # the shards stay, and the sampler reads the whole model, gathered
+            resident, own = whole.measure(name, size)
+            return held + resident, own
+        with self.mode, flash_attention_on_meta():
+            if name == "train":
+                return held + self.grads + whole.step_data(w.step_rows), train_phase(self.model, size, w,
+                                                                                     self.resizable)
+            if name == "frozen":
+                if not (w.recompute_old_logp or w.ref_logp):
+                    return 0, 0
+                own = frozen_phase(self.model, size, w, self.reference, self.resizable)
+                for model in (self.model, self.reference or self.model):
+                    fsdp.reshard(model)  # a root stays gathered after a pass without backward
+                return held + whole.step_data(w.step_rows), own
+        raise ValueError(f"unknown phase {name!r}")
+
+
 def usable_bytes(budget_bytes: int) -> int:
     """What the plan may fill of a GPU: the budget less SLACK of it and RESERVED."""
     return int(budget_bytes * (1 - SLACK)) - RESERVED
 
 
-def fit(model_cfg: ModelConfig, work: Workload, budget_bytes: int) -> Workload:
+def fit(model_cfg: ModelConfig, work: Workload, budget_bytes: int, planner: Planner | None = None) -> Workload:
     """The workload with the largest micro_batch_rows, rollout_prompts and eval_prompts, each at most
     its given value (and the step's sizes), whose every phase fits usable_bytes(budget_bytes).
 
     Raises ValueError naming the phase that does not fit even at one row or prompt, and what lowers it.
+    planner: one planning() gave for this model and workload (else a new one).
     """
+    if planner is not None:
+        return _fit(planner, work, budget_bytes)
+    with planning(model_cfg, work) as planner:
+        return _fit(planner, work, budget_bytes)
+
+
+def _fit(planner: Planner, work: Workload, budget_bytes: int) -> Workload:
     usable = usable_bytes(budget_bytes)
-    planner = Planner.of(model_cfg, work)
-    for name in ("weights", "lora"):
+    for name in ("weights", state_phase(work)):
         if planner.peak(name) > usable:
             raise ValueError(_no_fit(name, planner.peak(name), usable, budget_bytes, PHASE_FLAGS[name]))
     limits = {"micro_batch_rows": (("train", "frozen"), min(work.micro_batch_rows, work.minibatch_rows)),
@@ -537,16 +712,23 @@ def _no_fit(phase: str, need: int, usable: int, budget: int, hint: str, floor: b
             f"of {budget / GB:.1f} GB; {hint}")
 
 
-def report(model_cfg: ModelConfig, work: Workload, budget_bytes: int) -> tuple[str, bool]:
+def report(model_cfg: ModelConfig, work: Workload, budget_bytes: int,
+           planner: Planner | None = None) -> tuple[str, bool]:
     """A table of the phases (own peak, peak with what is resident, what they hold), ending
     `plan: peak X GB of Y GB (fits)` or `... (does not fit: PHASE needs Z GB; what lowers it)`.
-    Returns (text, fits); fits means every phase's peak is within usable_bytes(budget_bytes)."""
+    Returns (text, fits); fits means every phase's peak is within usable_bytes(budget_bytes).
+    planner: as fit's; the time printed is then since its first measurement."""
     start = time.perf_counter()
-    planner = Planner.of(model_cfg, work)
+    if planner is not None:
+        start = min(start, planner.started)
+        measured = {name: planner.measure(name, size) for name, size in phase_sizes(work).items()}
+    else:
+        with planning(model_cfg, work) as planner:
+            measured = {name: planner.measure(name, size) for name, size in phase_sizes(work).items()}
     w, usable = work, usable_bytes(budget_bytes)
-    measured = {name: planner.measure(name, size) for name, size in phase_sizes(work).items()}
+    dtype = str(w.dtype).removeprefix("torch.")
     holds = {
-        "weights": f"{model_cfg.num_layers} layers x {model_cfg.hidden_size} in {str(w.dtype).removeprefix('torch.')}",
+        "weights": f"{model_cfg.num_layers} layers x {model_cfg.hidden_size} in {dtype}",
         "lora": f"r{w.lora_rank} on {len(w.lora_targets)} targets: fp32 adapters, gradients, AdamW moments",
         "train": f"{w.micro_batch_rows} rows x {w.prompt_len + w.max_new_tokens} tokens, checkpointing "
                  f"{'on' if w.gradient_checkpointing else 'off'}, step data",
@@ -554,7 +736,18 @@ def report(model_cfg: ModelConfig, work: Workload, budget_bytes: int) -> tuple[s
         "rollout": f"{w.rollout_prompts} prompts x {w.group_size} samples x {w.max_new_tokens} new tokens per call",
         "eval": f"{w.eval_prompts} prompts x {w.eval_k} samples x {w.max_new_tokens} new tokens per call",
     }
-    lines = [f"{'phase':<9}{'own GB':>8}{'peak GB':>9}  holds"]
+    if w.full:
+        share = f"1/{w.world_size} of each" if w.world_size > 1 else "whole, one process"
+        holds.update(
+            weights=f"{model_cfg.num_layers} layers x {model_cfg.hidden_size}: fp32 weight shards ({share})"
+                    + (f", the frozen reference's {dtype} shards" if w.ref_logp else ""),
+            optimizer=f"every weight's fp32 gradient and AdamW moment shards ({share})",
+            train=holds["train"] + f", blocks gathered in {dtype} one at a time",
+            rollout=holds["rollout"] + f", the whole model gathered in {dtype}",
+            eval=holds["eval"] + f", the whole model gathered in {dtype}")
+    ranks = f"per rank of {w.world_size} processes" if w.world_size > 1 else "one process, a world of one"
+    lines = [f"{ranks} (FSDP2)"] if w.full else []
+    lines += [f"{'phase':<9}{'own GB':>8}{'peak GB':>9}  holds"]
     lines += [f"{name:<9}{own / GB:>8.2f}{(held + own) / GB:>9.2f}  {holds[name]}"
               for name, (held, own) in measured.items()]
     lines.append(f"usable: {usable / GB:.1f} GB of {budget_bytes / GB:.1f} GB, after {SLACK:.0%} allocator slack and "

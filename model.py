@@ -473,7 +473,9 @@ class Transformer(nn.Module):
         return logp, torch.cat(entropies).view(B, T) if with_entropy else None
 
     def _chunk_logprobs(self, h, targets, temperature: float, with_entropy: bool):
-        logits = self.lm_head(h).float() / temperature
+        logits = self.lm_head(h)
+        # at least fp32 (a float64 model, as the exactness tests run, keeps its precision)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
         logp_all = torch.log_softmax(logits, dim=-1)
         logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
         if not with_entropy:

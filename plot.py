@@ -1,5 +1,6 @@
 """
-Pictures of training runs: reward and held-out accuracy, entropy, completion length, clipping, KL and grad norm.
+Pictures of training runs: reward, accuracy and held-out accuracy, entropy, completion length, clipping, KL,
+gradient norm and speed, fit for a report.
 
     python plot.py runs/A [runs/B ...] [--out DIR] [--smooth N]
     python plot.py --counterfactual runs/counterfactual [--out DIR]
@@ -7,9 +8,11 @@ Pictures of training runs: reward and held-out accuracy, entropy, completion len
 Reads each run directory that train.py wrote (metrics.jsonl: one JSON object a step; summary.json: the held-out
 accuracy before and after training) and writes one PNG per figure, printing each path. Several runs are drawn on
 the same axes, one colour per run, named by their directories: that is how two rules are compared. A metric that no
-run logged is left out, and a figure with nothing to show is not written. With --counterfactual it draws the
-table of counterfactual.py instead (its results.json): every arm's paired gap to grpo per measure, and the clip
-rate by old probability.
+run logged is left out, and a figure with nothing to show is not written. Every panel's axis says what it
+counts and in which unit; shares of completions or tokens are drawn from 0; a figure of one run is titled by
+its name; the clip table prints its percentages in cells large enough to read on paper. With --counterfactual
+it draws the table of counterfactual.py instead (its results.json): every arm's paired gap to grpo per
+measure, and the clip rate by old probability.
 """
 
 import argparse
@@ -34,25 +37,34 @@ BUCKET_CLIP = re.compile(r"mu\[(.+)\]/clip_frac")  # loss.py's per-old-probabili
 @dataclass
 class Panel:
     title: str
-    keys: tuple[str, ...]  # metrics.jsonl keys drawn on this axis, one line style each
-    ylabel: str = ""
+    keys: tuple[str, ...]  # metrics.jsonl keys drawn on this axis, one line style each; "rewards/*": every such key
+    ylabel: str  # what the axis counts, with its unit
+    fraction: bool = False  # a share in [0, 1]: the axis starts at 0
 
 
+TOKENS = "fraction of completion tokens"
 # file name -> panels; a panel shows up when any run logged one of its keys
 FIGURES = {
-    "reward": [Panel("training reward and accuracy", ("reward", "accuracy"))],
-    "entropy": [Panel("policy entropy", ("entropy",), "nats / token")],
-    "length": [Panel("completion length", ("completion_length",), "tokens"),
-               Panel("truncated at max_new_tokens", ("truncated",), "fraction of completions")],
+    "reward": [Panel("training reward", ("reward",), "reward per completion (mean)"),
+               Panel("training accuracy (the answer checker)", ("accuracy",), "fraction of completions correct",
+                     fraction=True),
+               Panel("reward of each function (--reward-fn)", ("rewards/*",), "reward per completion (mean)")],
+    "entropy": [Panel("policy entropy", ("entropy",), "nats per completion token")],
+    "length": [Panel("completion length", ("completion_length",), "tokens per completion (mean)"),
+               Panel("truncated at max_new_tokens", ("truncated",), "fraction of completions", fraction=True)],
     "clipping": [Panel("clip rate: acting tokens after a rollout's first update", ("clip_rate",),
-                       "fraction of tokens with A != 0"),
-                 Panel("clipped below (ratio under its lower bound)", ("clip_low_frac",), "fraction of tokens"),
-                 Panel("clipped above (ratio over its upper bound)", ("clip_high_frac",), "fraction of tokens"),
-                 Panel("limit clip", ("limit_clip_frac",), "fraction of tokens"),
-                 Panel("dual clip", ("dual_clip_frac",), "fraction of tokens")],
-    "kl": [Panel("KL to the sampling policy (k3)", ("approx_kl",)), Panel("KL to the reference", ("ref_kl",))],
-    "grad_norm": [Panel("gradient norm before clipping", ("grad_norm",))],
+                       "fraction of tokens with A != 0", fraction=True),
+                 Panel("clipped below (ratio under its lower bound)", ("clip_low_frac",), TOKENS, fraction=True),
+                 Panel("clipped above (ratio over its upper bound)", ("clip_high_frac",), TOKENS, fraction=True),
+                 Panel("stopped by --ratio-limits or --dual-clip", ("limit_clip_frac",), TOKENS, fraction=True)],
+    "kl": [Panel("KL to the sampling policy (k3 estimate)", ("approx_kl",), "nats per completion token"),
+           Panel("KL to the reference policy", ("ref_kl",), "nats per completion token")],
+    "grad_norm": [Panel("gradient norm before clipping", ("grad_norm",), "L2 norm of the adapters' gradient "
+                                                                          "(no unit)")],
+    "speed": [Panel("step time", ("step_seconds",), "seconds per step"),
+              Panel("throughput", ("rollout_tokens_per_s", "train_tokens_per_s"), "tokens per second")],
 }
+KEY_LABELS = {"rollout_tokens_per_s": "sampling", "train_tokens_per_s": "training"}  # a legend's words for a key
 LINE_STYLES = ("-", "--", ":", "-.")
 
 
@@ -116,12 +128,19 @@ def draw_line(ax, steps: np.ndarray, values: np.ndarray, color, style: str, labe
 
 def _label(run: Run, key: str, runs: Sequence[Run], keys: Sequence[str]) -> str:
     """The run's name when there are several runs, the metric's when the panel has several; "" (no legend) else."""
-    return " ".join(([run.name] if len(runs) > 1 else []) + ([key] if len(keys) > 1 else []))
+    metric = KEY_LABELS.get(key, key.removeprefix("rewards/"))  # a reward function by its name
+    return " ".join(([run.name] if len(runs) > 1 else []) + ([metric] if len(keys) > 1 else []))
 
 
 def logged(panel: Panel, runs: Sequence[Run]) -> list[str]:
-    """The panel's keys that at least one run logged."""
-    return [key for key in panel.keys if any(len(run.series(key)[0]) for run in runs)]
+    """The panel's keys that at least one run logged; "prefix/*" stands for every key under prefix/."""
+    keys = []
+    for key in panel.keys:
+        if key.endswith("*"):
+            keys += sorted({k for run in runs for record in run.records for k in record if k.startswith(key[:-1])})
+        else:
+            keys.append(key)
+    return [key for key in dict.fromkeys(keys) if any(len(run.series(key)[0]) for run in runs)]
 
 
 def draw_panel(ax, panel: Panel, runs: Sequence[Run], colors, smooth: int) -> None:
@@ -133,6 +152,17 @@ def draw_panel(ax, panel: Panel, runs: Sequence[Run], colors, smooth: int) -> No
             if len(steps):
                 draw_line(ax, steps, values, color, style, _label(run, key, runs, keys), smooth)
     ax.set(title=panel.title, xlabel="step", ylabel=panel.ylabel)
+    if panel.fraction:
+        from_zero(ax)
+
+
+def from_zero(ax) -> None:
+    """A share's axis from 0 (all-zero data would otherwise be centred on it, showing negative shares), up to
+    just above the largest value and never far past 1."""
+    top = ax.get_ylim()[1]
+    ax.set_ylim(0.0, min(max(top, 0.01), 1.05))
+    for artist in [*ax.lines, *ax.collections]:
+        artist.set_clip_on(False)  # a point at 0 shows whole, on the axis
 
 
 def held_out_points(run: Run) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -149,12 +179,25 @@ def held_out_points(run: Run) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return steps, accuracy, se
 
 
+def held_out_k(runs: Sequence[Run]) -> str:
+    """The k of the runs' held-out Mean@k: "8", or "4, 8" when runs differ, or "k" when none says."""
+    ks = set()
+    for run in runs:
+        evaluations = [run.summary.get("before"), run.summary.get("after"), *(r.get("eval") for r in run.records)]
+        ks |= {e["k"] for e in evaluations if isinstance(e, dict) and isinstance(e.get("k"), int)}
+    return ", ".join(map(str, sorted(ks))) or "k"
+
+
 def draw_held_out(ax, runs: Sequence[Run], colors) -> None:
     for run, color in zip(runs, colors):
         steps, accuracy, se = held_out_points(run)
         if len(steps):
-            ax.errorbar(steps, accuracy, yerr=se, color=color, marker="o", markersize=4, capsize=3, label=run.name)
-    ax.set(title="held-out accuracy (± se over problems)", xlabel="step", ylabel="Mean@k")
+            ax.errorbar(steps, accuracy, yerr=se, color=color, marker="o", markersize=4, capsize=3,
+                        label=run.name if len(runs) > 1 else None)
+    k = held_out_k(runs)
+    label = f"Mean@{k}" if "," not in k else f"Mean@k (k = {k})"
+    ax.set(title="held-out accuracy (± se over problems)", xlabel="step", ylabel=f"{label}, fraction correct")
+    from_zero(ax)
 
 
 def finish_axes(ax) -> None:
@@ -166,7 +209,7 @@ def finish_axes(ax) -> None:
 
 def write(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=150)
     plt.close(fig)
     return path
 
@@ -181,14 +224,17 @@ def bucket_labels(runs: Sequence[Run]) -> list[str]:
 
 
 def bucket_clipped(record: dict, label: str) -> float:
-    """A step's clipped fraction in one old-probability bucket, region and limits together; NaN if not logged.
-    Where the step logged its clip rate (train.py's mu[BUCKET]/clip_rate: the bucket's tokens with non-zero
-    advantage, after the rollout's first update) it is that; else the older count over all the bucket's tokens."""
+    """A step's clipped fraction in one old-probability bucket, region and limits together; NaN if not logged,
+    or if the bucket held no token that step (nothing to clip is not "none clipped"). Where the step logged its
+    clip rate (train.py's mu[BUCKET]/clip_rate: the bucket's tokens with non-zero advantage, after the rollout's
+    first update) it is that, NaN when none of them was there; else the older count over all the bucket's tokens."""
     if f"mu[{label}]/clip_rate" in record:
         rate = record[f"mu[{label}]/clip_rate"]
         return np.nan if rate is None else rate
     region, limit = record.get(f"mu[{label}]/clip_frac"), record.get(f"mu[{label}]/limit_frac")
-    return np.nan if region is None else region + (limit or 0.0)
+    if region is None or record.get(f"mu[{label}]/share") == 0:
+        return np.nan
+    return region + (limit or 0.0)
 
 
 def draw_bucket_table(runs: Sequence[Run]):
@@ -205,38 +251,50 @@ def draw_bucket_table(runs: Sequence[Run]):
             tables.append((run, steps, table))
     if not tables:
         return None
-    top = max(float(np.nanmax(table)) for _, _, table in tables) or 1.0  # all zero: still a readable scale
-    fig, axes = plt.subplots(len(tables), 1, figsize=(9, 0.5 * len(labels) + 2.2 * len(tables)), squeeze=False)
+    top = 100 * max(float(np.nanmax(table)) for _, _, table in tables) or 1.0  # percent; all zero: still a scale
+    most = max(len(steps) for _, steps, _ in tables)
+    numbers = most <= 12  # few steps: each cell prints its percentage, large enough to read on paper
+    width = min(16.0, max(9.0, 0.8 * most + 3)) if numbers else 10.0
+    fig, axes = plt.subplots(len(tables), 1, figsize=(width, 0.55 * len(labels) + 2.4 * len(tables)), squeeze=False)
     for ax, (run, steps, table) in zip(axes[:, 0], tables):
+        percent = 100 * table
         middle = (steps[:-1] + steps[1:]) / 2
         edges = np.concatenate([[steps[0] - 0.5], middle, [steps[-1] + 0.5]])  # a cell per step, gaps allowed
-        mesh = ax.pcolormesh(edges, np.arange(len(labels) + 1), table, vmin=0.0, vmax=top, cmap="viridis")
-        ax.set_yticks(np.arange(len(labels)) + 0.5, labels)
+        mesh = ax.pcolormesh(edges, np.arange(len(labels) + 1), np.ma.masked_invalid(percent), vmin=0.0, vmax=top,
+                             cmap="viridis")
+        ax.set_facecolor("0.85")  # a bucket with no token that step
+        ax.set_yticks(np.arange(len(labels)) + 0.5, labels, fontsize=11)
+        ax.tick_params(axis="x", labelsize=11)
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         honest = any(f"mu[{labels[0]}]/clip_rate" in r for r in run.records)
-        ax.set(title=f"{run.name}: clipped fraction (region or limits) by old probability"
-                     + (", acting tokens after the first update" if honest else ""), xlabel="step",
-               ylabel="old probability")
-        fig.colorbar(mesh, ax=ax, label="fraction clipped")
-        if len(steps) <= 12:  # few steps: the numbers fit in their cells
-            for row, column in np.ndindex(table.shape):
-                ax.text((edges[column] + edges[column + 1]) / 2, row + 0.5, f"{table[row, column]:.3f}",
-                        ha="center", va="center", fontsize=7, color="white" if table[row, column] < top / 2 else "k")
+        ax.set_title(f"{run.name}: clipped by the region or the limits, per old probability (grey: no token)"
+                     + ("\nof the tokens with A != 0 after a rollout's first update" if honest else ""), fontsize=12)
+        ax.set_xlabel("step", fontsize=11)
+        ax.set_ylabel("old probability of the token", fontsize=11)
+        bar = fig.colorbar(mesh, ax=ax)
+        bar.set_label("clipped, % of the bucket's tokens", fontsize=11)
+        if numbers:
+            for row, column in np.ndindex(percent.shape):
+                if np.isfinite(percent[row, column]):
+                    ax.text((edges[column] + edges[column + 1]) / 2, row + 0.5, f"{percent[row, column]:.1f}",
+                            ha="center", va="center", fontsize=11,
+                            color="white" if percent[row, column] < top / 2 else "k")
     return fig
 
 
-def plot_runs(runs: Sequence[Run], out: Path, smooth: int = 1) -> list[Path]:
-    """Write every figure that has data into `out`, with only the panels that have data; returns the files."""
+def figures(runs: Sequence[Run], smooth: int = 1) -> dict[str, plt.Figure]:
+    """Every figure that has data, by file name, with only the panels that have data."""
     colors = [plt.get_cmap("tab10")(i % 10) for i in range(len(runs))]
-    written = []
+    made = {}
     for name, panels in FIGURES.items():
         panels = [panel for panel in panels if logged(panel, runs)]
         held_out = name == "reward" and any(len(held_out_points(run)[0]) for run in runs)
-        if not panels and not held_out:
-            continue
         count = len(panels) + held_out
-        rows, columns = math.ceil(count / 2), min(count, 2)  # two panels a row keeps the text readable
-        fig, grid = plt.subplots(rows, columns, figsize=(5.5 * columns, 3.8 * rows), squeeze=False)
+        if not count:
+            continue
+        columns = 2 if count == 4 else min(count, 3)  # a full grid: no empty slot
+        rows = math.ceil(count / columns)
+        fig, grid = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.9 * rows), squeeze=False)
         axes = list(grid.flat)
         for ax in axes[count:]:
             fig.delaxes(ax)
@@ -246,10 +304,17 @@ def plot_runs(runs: Sequence[Run], out: Path, smooth: int = 1) -> list[Path]:
             draw_held_out(axes[count - 1], runs, colors)
         for ax in axes[:count]:
             finish_axes(ax)
-        written.append(write(fig, out / f"{name}.png"))
+        if len(runs) == 1:
+            fig.suptitle(runs[0].name, fontsize=13)
+        made[name] = fig
     if table := draw_bucket_table(runs):
-        written.append(write(table, out / "clip_buckets.png"))
-    return written
+        made["clip_buckets"] = table
+    return made
+
+
+def plot_runs(runs: Sequence[Run], out: Path, smooth: int = 1) -> list[Path]:
+    """Write every figure that has data into `out` as NAME.png; returns the files."""
+    return [write(fig, out / f"{name}.png") for name, fig in figures(runs, smooth).items()]
 
 
 def run_names(paths: Sequence[Path]) -> list[str]:

@@ -897,6 +897,12 @@ def reward(completions: list[str], references: list[str], *, format_weight: floa
             for ok, c in zip(correct, completions)]
 
 
+def math_reward(completions: list[str], answer: list[str], **columns) -> list[float]:
+    """The built-in reward as a reward function (TRL's signature, see scoring.py): per completion 1.0 if its
+    final answer equals its row's reference answer (the dataset's "answer" column), else 0.0."""
+    return reward(completions, answer)
+
+
 # ----------------------------------------------------------------------------- command line
 
 def main(argv: list[str]) -> int:

@@ -1,8 +1,10 @@
 """The settings: the presets hold the papers' stated values, every setting is a flag, flags reach the config."""
 
 import math
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -30,7 +32,15 @@ PAPER_VALUES = [
     ("gppo-qwen3-8b", "rule", ("kl", "atomic"), "GPPO: the KL x Atomic cell"),
     ("gppo-qwen3-8b", "ratio_limits", (0.5, 10.0), "GPPO: global clip [0.5, 10]"),
     ("gppo-qwen3-8b", "kl_beta", 0.0, "GPPO: no KL penalty"),
+    ("gppo-qwen3-8b-full", "lr", 1e-6, "GPPO: learning rate 1e-6"),
+    ("gppo-qwen3-8b-full", "world_size", 8, "GPPO: 8 GPUs"),
 ]
+# GPPO's run on every weight states what the LoRA preset states, in a file of its own
+PAPER_VALUES += [("gppo-qwen3-8b-full", name, value, source) for preset, name, value, source in PAPER_VALUES
+                 if preset == "gppo-qwen3-8b"]
+# the 8B twin of ATR-GRPO states the same setup as the 1.7B run, in a file of its own
+PAPER_VALUES += [("atr-grpo-qwen3-8b", name, value, source) for preset, name, value, source in PAPER_VALUES
+                 if preset == "atr-grpo-qwen3-1.7b" and name != "model"]
 
 
 @pytest.mark.parametrize("preset, name, value, source", PAPER_VALUES)
@@ -80,3 +90,82 @@ def test_every_loss_setting_reaches_the_loss_config():
     cfg, _, _ = config.parse_args(argv)
     for name, (_, value) in FLAG_VALUES.items():
         assert getattr(cfg.loss, name) == value, name
+
+
+# ----------------------------------------------------------------------------- settings files
+
+
+def test_every_preset_is_a_file_whose_stated_values_are_all_checked():
+    """A preset is configs/NAME.toml; each value marked "stated" there has its row in PAPER_VALUES."""
+    files = sorted(config.CONFIGS.glob("*.toml"))
+    assert sorted(config.PRESETS) == sorted(path.stem for path in files) and files
+    checked = {(preset, name) for preset, name, _, _ in PAPER_VALUES}
+    for path in files:
+        stated = [line.split("=")[0].strip() for line in path.read_text().splitlines()
+                  if "# stated" in line and not line.startswith("#")]
+        assert stated, f"{path.name} states no value"
+        for name in stated:
+            assert (path.stem, name) in checked, f"{path.name}: {name} is stated but PAPER_VALUES has no row for it"
+        config.validate(config.make_config(config.PRESETS[path.stem]), need_device=False)
+
+
+def test_a_config_file_holds_any_flags_and_explicit_flags_override_it(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text('preset = "atr-grpo-qwen3-1.7b"  # the rest of the recipe\n'
+                    'lr = 1e-5\nlora-rank = 8\nsystem_prompt = ""\nrule = "kl-atomic"\nratio_limits = [0.5, 10]\n'
+                    'reward_fn = ["reward:math_reward", "examples/rewards.py:length_penalty"]\n'
+                    'reward_weights = [1, 0.5]\nlora_alpha = 16\n')
+    cfg, given, _ = config.parse_args(["--config", str(path), "--lr", "2e-5"])
+    assert cfg.lr == 2e-5 and cfg.lora_rank == 8 and cfg.lora_alpha == 16.0 and cfg.system_prompt is None
+    assert cfg.loss.rule == ("kl", "atomic") and cfg.loss.ratio_limits == (0.5, 10.0)
+    assert cfg.reward_fn == ("reward:math_reward", "examples/rewards.py:length_penalty")
+    assert cfg.reward_weights == (1.0, 0.5)
+    assert cfg.model == "Qwen/Qwen3-1.7B" and cfg.eval_k == 8, "what the file leaves out comes from its preset"
+    assert {"lr", "lora_rank", "rule", "preset"} <= given
+
+
+@pytest.mark.parametrize("argv", [[], *[["--preset", name] for name in config.PRESETS],
+                                  ["--system-prompt", 'say "hi"\n\tthen «stop» \\ done', "--reward-fn", "a.b:c",
+                                   "--reward-fn", "d.py:e", "--dual-clip", "0.5,10", "--norm-len", "7",
+                                   "--gpu-memory", "40", "--no-kl-two-sided"]])
+def test_the_written_toml_reads_back_as_the_same_config(tmp_path, argv):
+    cfg, _, _ = config.parse_args(argv)
+    path = tmp_path / "config.toml"
+    path.write_text(config.to_toml(cfg))
+    again, _, _ = config.parse_args(["--config", str(path)])
+    assert config.flat_config(again) == {**config.flat_config(cfg), "resume": None}
+
+
+def test_print_config_shows_the_resolved_settings_as_toml(tmp_path):
+    out = subprocess.run([sys.executable, "train.py", "--preset", "gppo-qwen3-8b", "--lr", "2e-6", "--print-config"],
+                         cwd=Path(config.__file__).parent, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    values = tomllib.loads(out.stdout)
+    assert values["lr"] == 2e-6 and values["rule"] == "kl-atomic" and values["ratio_limits"] == [0.5, 10.0]
+    assert values["model"] == "Qwen/Qwen3-8B-Base" and "resume" not in values
+
+
+@pytest.mark.parametrize("text, message", [
+    ("lora_rnak = 4\n", r"'lora_rnak' is not a setting; did you mean 'lora_rank'\?"),
+    ("lora_rank = 4.5\n", r"lora_rank = 4.5: expected an integer"),
+    ("lr = \"fast\"\n", r"lr = \"fast\": expected a number"),
+    ("tv_half = 1\n", r"tv_half = 1: expected true or false"),
+    ("model = 3\n", r"model = 3: expected a string or \"\" \(empty\)"),
+    ("steps = [1, 2]\n", r"steps = \[1, 2\]: expected an integer"),
+    ("[loss]\nrule = \"atr\"\n", r"\[loss\]: a table is not a setting"),
+    ("lr = \n", r"not valid TOML \(.*line 1"),
+    ("ratio_limits = [2, 1]\n", r"ratio.limits"),
+    ("preset = \"nope\"\n", r"--preset 'nope' is unknown"),
+])
+def test_a_bad_config_file_fails_in_one_line_naming_the_file_and_key(tmp_path, capsys, text, message):
+    import train
+
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--config", str(path), "--out-dir", str(tmp_path / "runs")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1 and re.search(message, lines[0]), lines
+    with pytest.raises(SystemExit):
+        train.main(["--config", str(tmp_path / "missing.toml")])
+    assert "missing.toml: no such file" in capsys.readouterr().err

@@ -40,7 +40,7 @@ def setup(tiny_model_dir, monkeypatch):
     shared = tiny_flags(tiny_model_dir)
     arms = counterfactual.arm_configs(shared, ["grpo", "atr", "kl-atomic"], {})
     cfg = arms["grpo"]
-    model, tokenizer, optimizer = train.build(cfg)
+    model, tokenizer, optimizer, _ = train.build(cfg)  # LoRA: the reference is the frozen base
     problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
     train.train_step(model, optimizer, tokenizer, problems, cfg, step=1)
     return shared, arms, model, tokenizer, optimizer, counterfactual.State.of(model, optimizer), problems
@@ -72,7 +72,7 @@ def test_two_rules_differ_only_where_their_regions_differ(setup):
     state.restore(model, optimizer)
     cfg = arms["grpo"]
     out = train.sample(model, tokenizer, problems, cfg, 5)
-    rewards, _ = train.score(out, problems, cfg)
+    rewards, _, _ = train.score(out, problems, cfg)
     advantages = loss.advantages(rewards, cfg.group_size, cfg.loss)
     # the same region written another way: the same update to the last bit
     same_cfg = dataclasses.replace(cfg, loss=loss.LossConfig(rule="interval", ratio_limits=(0.8, 1.2)))

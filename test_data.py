@@ -433,10 +433,11 @@ def test_unreadable_files_name_the_file_and_the_format(tmp_path, capsys):
 
 
 def test_a_copy_in_another_layout_is_named_with_its_fields(tmp_path, capsys):
-    source = write_copy(tmp_path / "mine.parquet", [{"problem": "What is 2 + 2?", "answer": "4"}])
-    err = run_cli(["--from", str(source), "--out", "gsm8k", "--data-dir", str(tmp_path)], capsys)
-    assert f"{source}: row 0: not a row of the gsm8k layout (KeyError: 'question'; fields: problem, answer); " \
+    other = write_copy(tmp_path / "other.parquet", [{"text": "What is 2 + 2?", "label": "4"}])
+    err = run_cli(["--from", str(other), "--out", "gsm8k", "--data-dir", str(tmp_path)], capsys)
+    assert f"{other}: row 0: not a row of the gsm8k layout (KeyError: 'question'; fields: text, label); " \
            "for a file in another layout give --problem-key and --answer-key" in err
+    source = write_copy(tmp_path / "mine.parquet", [{"problem": "What is 2 + 2?", "answer": "4"}])
     err = run_cli(["--from", str(source), "--problem-key", "prompt.0.content", "--out", "x",
                    "--data-dir", str(tmp_path)], capsys)
     assert f"{source}: row 0: missing field 'prompt.0.content'" in err
@@ -540,3 +541,42 @@ def test_stop_ids_join_the_checkpoint_end_tokens_and_the_tokenizer_eos(tokenizer
     assert stop_ids(ModelConfig(eos_token_id=5), no_eos) == [5]
     with pytest.raises(ValueError, match="neither the model config nor the tokenizer names an EOS"):
         stop_ids(ModelConfig(eos_token_id=None), no_eos)
+
+
+
+# ---------------------------------------------------------------- files as people have them
+
+
+def test_a_byte_order_mark_is_not_data(tmp_path):
+    for suffix in (".jsonl", ".json"):
+        path = tmp_path / f"bom{suffix}"
+        path.write_bytes(b"\xef\xbb\xbf" + '{"problem": "What is 2 + 2?", "answer": "4"}\n'.encode())
+        assert load_problems(path) == [{"problem": "What is 2 + 2?", "answer": "4"}]
+
+
+def test_an_object_holding_one_list_of_records_is_read_as_those_records(tmp_path):
+    path = tmp_path / "wrapped.json"
+    path.write_text(json.dumps({"version": 2, "data": [{"problem": "What is 2 + 2?", "answer": "4"},
+                                                       {"problem": "What is 3 + 3?", "answer": 6}]}))
+    assert [p["answer"] for p in load_problems(path)] == ["4", "6"]
+    path.write_text(json.dumps({"data": [{"problem": "What is 2 + 2?"}]}))
+    with pytest.raises(ValueError, match=r"wrapped.json: data item 0: missing field 'answer'"):
+        load_problems(path)
+    path.write_text(json.dumps({"train": [], "test": []}))
+    with pytest.raises(ValueError, match=r"one JSON object holding 2 lists \(train, test\); expected a list of "
+                                         r"records, JSON lines, or an object whose one list holds the records"):
+        load_problems(path)
+    path.write_text('{"problem": "What is 2 + 2?", "answer": "4"}\n{"problem": "What is 1 + 1?", "answer": "2"}\n')
+    assert len(load_problems(path)) == 2, "JSON lines named .json still read line by line"
+    path.write_text('{"problem": "Which is prime?", "answer": "B", "choices": ["4", "5"]}')
+    assert load_problems(path)[0]["choices"] == ["4", "5"], "a record's own list is not a list of records"
+
+
+def test_a_prepared_copy_converts_under_a_hub_name_without_keys(tmp_path, capsys):
+    """The shared copies are already prepared (problem, answer, solution, ...): --out gsm8k reads them as they are."""
+    source = write_copy(tmp_path / "gsm8k_test.jsonl", [
+        {"problem": "Janet has 3 apples...", "answer": "18", "id": "gsm8k-test-0", "solution": "3 * 6 = 18"}])
+    prepare.main(["--from", str(source), "--out", "gsm8k", "--data-dir", str(tmp_path)])
+    assert load_problems("gsm8k", data_dir=tmp_path) == [
+        {"problem": "Janet has 3 apples...", "answer": "18", "id": "gsm8k-test-0", "solution": "3 * 6 = 18",
+         "source": str(source)}]

@@ -81,7 +81,7 @@ STEP_FLAGS = ("--updates-per-rollout", "2", "--grad-accum", "2")
 def one_step(model_dir, out_dir, flags, world) -> dict:
     """A fresh float64 model's first step: its metrics line and the gradient of each of its optimizer steps."""
     cfg, _, _ = config.parse_args(tiny_args(model_dir, out_dir, "step", *STEP_FLAGS, *flags))
-    model, tokenizer, _ = train.build(cfg)
+    model, tokenizer, _, _ = train.build(cfg)
     model.to(torch.float64)  # the adapters too
     cfg = train.resolve_sizes(cfg, model, tokenizer, [], world)
     optimizer = RecordingSGD(train.lora.parameters(model))

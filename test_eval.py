@@ -473,3 +473,46 @@ def test_the_batch_size_bounds_memory_and_changes_no_sample(tiny_model_dir):
     whole, split = (ev.evaluate(model, tokenizer, problems, batch_size=size, **kwargs) for size in (5, 2))
     assert [p.completions for p in split.problems] == [p.completions for p in whole.problems]
     assert len({c for p in whole.problems for c in p.completions}) > 1, "sampling, not one repeated answer"
+
+
+def fake_run(path: Path, **settings) -> Path:
+    """A run directory as train.py leaves it, without weights: config.json, a best adapter, a summary."""
+    saved = {"model": "some/model", "template": "equation", "system_prompt": "Be brief.", "eval_temperature": 1.0,
+             "top_p": 0.9, "max_new_tokens": 16, "eval_k": 8, "eval_dataset": "arithmetic_test", "eval_problems": 0,
+             "seed": 3, "dtype": "auto", **settings}
+    (path / "best").mkdir(parents=True)
+    (path / "best" / "adapter_config.json").write_text("{}")
+    (path / "config.json").write_text(json.dumps(saved))
+    (path / "summary.json").write_text(json.dumps({"best": {"accuracy": 0.625, "step": 20}}))
+    return path
+
+
+def test_run_settings_fill_the_flags_not_given_and_name_the_best_adapter(tmp_path):
+    run = fake_run(tmp_path / "runs" / "demo")
+    args = ev.parse_args(["--run", str(run), "--k", "4", "--temperature", "0.6"])
+    assert (args.model, args.template, args.system, args.top_p, args.max_new_tokens, args.bench, args.seed) == (
+        "some/model", "equation", "Be brief.", 0.9, 16, "arithmetic_test", 3)
+    assert (args.k, args.temperature, args.limit, args.dtype) == (4, 0.6, None, None), "flags win; auto stays auto"
+    assert args.adapter == str(run) and "k" not in args.from_run and "top_p" in args.from_run
+    assert ev.resolve_adapter(args.adapter) == (run / "best", "the run's best: held-out accuracy 62.5% at step 20")
+    line = ev.settings_line(args, run / "best", "the run's best")
+    assert "--template equation --system 'Be brief.' --seed 3" in line and "--k 4 --temperature 0.6" in line
+    # --adapter RUN alone: the run's best adapter too; a run without a best one: its last checkpoint's
+    (run / "best" / "adapter_config.json").unlink()
+    (run / "checkpoint-000004" / "adapter").mkdir(parents=True)
+    (run / "checkpoint-000004" / "adapter" / "adapter_config.json").write_text("{}")
+    (run / "latest").write_text("checkpoint-000004")
+    assert ev.resolve_adapter(str(run))[0] == run / "checkpoint-000004" / "adapter"
+    assert ev.parse_args(["--run", str(run), "--system", ""]).system is None, "empty: the chat template's own"
+
+
+def test_run_and_out_mistakes_fail_before_the_model_loads(tmp_path, capsys, no_model):
+    err = user_error(["--run", str(tmp_path)], capsys)
+    assert f"--run {tmp_path}: not a run directory of train.py (no config.json)" in err
+    (tmp_path / "empty").mkdir()
+    assert "neither an adapter (no adapter_config.json) nor a run directory" in user_error(
+        ["--adapter", str(tmp_path / "empty")], capsys)
+    run = fake_run(tmp_path / "demo")
+    (run / "eval.json").write_text("mine")
+    err = user_error(["--run", str(run), "--out", str(run / "eval.json")], capsys)
+    assert "already exists; pass --force to overwrite it" in err and (run / "eval.json").read_text() == "mine"

@@ -212,3 +212,26 @@ def test_gpu_memory_bytes():
     assert memory.gpu_memory_bytes("cpu", None) == 80 * memory.GB
     with pytest.raises(ValueError, match="--gpu-memory"):
         memory.gpu_memory_bytes(None, 0)
+
+
+def test_the_full_parameter_preset_plans_each_of_8_ranks_on_80_gb(capsys):
+    """gppo-qwen3-8b-full: every weight of Qwen3-8B-Base trained on 8 processes. The sharded phases run the
+    real step under fully_shard over a fake world of 8 (fake tensors); the sizes are given, so fit measures
+    little. Each rank holds an eighth of the fp32 weights, gradients and AdamW moments (16 bytes a parameter,
+    132 GB in all), and for the rollout the whole model gathered in bf16."""
+    cfg, _, _ = config.parse_args(["--preset", "gppo-qwen3-8b-full", "--plan", "--gpu-memory", "80",
+                                   "--rollout-batch", "3", "--grad-accum", "2", "--eval-batch", "3"])
+    assert cfg.world_size == 8 and cfg.lora_rank == 0 and cfg.lr == 1e-6
+    assert train.plan(cfg)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == ["chosen: --rollout-batch 3 --grad-accum 2 --eval-batch 3", "per rank of 8 processes (FSDP2)"]
+    table = {line.split()[0]: line.split() for line in lines[3:9]}
+    assert list(table) == ["weights", "optimizer", "train", "frozen", "rollout", "eval"]
+    shapes = [p.shape for p in memory.meta_model(memory.model_config("Qwen/Qwen3-8B-Base"),
+                                                 memory.Workload(lora_rank=0)).parameters()]
+    shard = sum(-(-s[0] // 8) * s[1:].numel() for s in shapes)  # FSDP2 pads dim 0 to a multiple of the ranks
+    assert float(table["weights"][2]) == pytest.approx(4 * shard / memory.GB, abs=0.006)  # fp32 shards
+    assert float(table["optimizer"][2]) >= 16 * shard / memory.GB  # weights, gradients, two moments
+    whole_bf16 = 2 * sum(s.numel() for s in shapes) / memory.GB
+    assert float(table["rollout"][2]) - float(table["rollout"][1]) > 12 * shard / memory.GB + whole_bf16
+    assert re.fullmatch(r"plan: peak \d+\.\d GB of 80\.0 GB \(fits\)", lines[-1])

@@ -693,3 +693,22 @@ def test_competition_integer_answers(shared_data):
     assert reward.reward(padded, answers) == [1.0] * len(answers)
     dapo = [row["answer"] for row in _rows(shared_data, "dapo_math_17k.jsonl")[:2000]]
     assert reward.reward([f"...\nAnswer: {a}" for a in dapo], dapo) == [1.0] * len(dapo)
+
+
+def test_the_benchmark_finds_its_data_or_fails_saying_where_it_looked(tmp_path):
+    bench = Path(reward.__file__).parent / "bench" / "reward.py"
+    missing = subprocess.run([sys.executable, str(bench), "--data", str(tmp_path)], capture_output=True, text=True)
+    assert missing.returncode == 2 and missing.stdout == "", "a benchmark that did not run does not pass"
+    assert missing.stderr.strip() == (f"bench/reward.py: no GSM8K and MATH-500 answers in {tmp_path} (gsm8k.jsonl "
+                                      "or gsm8k_test.jsonl, and math500.jsonl); run `python data/prepare.py gsm8k "
+                                      "math500` or give --data DIR")
+    # prepared files, as data/prepare.py writes them (no GSM8K solutions: that row is left out)
+    (tmp_path / "gsm8k.jsonl").write_text("".join(json.dumps({"problem": f"p{i}", "answer": str(i)}) + "\n"
+                                                  for i in range(4)))
+    (tmp_path / "math500.jsonl").write_text("".join(json.dumps({"problem": f"q{i}", "answer": f"\\frac{{{i}}}{{7}}"})
+                                                    + "\n" for i in range(1, 4)))
+    ran = subprocess.run([sys.executable, str(bench), "--data", str(tmp_path), "--workers", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert "GSM8K answers vs themselves" in ran.stdout and "MATH-500 boxed vs shuffled" in ran.stdout
+    assert "GSM8K solutions" not in ran.stdout and f"data: {tmp_path / 'gsm8k.jsonl'}" in ran.stdout

@@ -82,6 +82,59 @@ def test_two_steps_train_log_and_checkpoint(tiny_model_dir, tmp_path):
         assert torch.allclose(exported(ids).logits, policy(ids), atol=1e-4)
 
 
+def test_a_runs_config_toml_starts_the_same_run_again(tiny_model_dir, tmp_path):
+    run_training(tiny_args(tiny_model_dir, tmp_path, "first", "--steps", "1", "--rule", "kl-atomic",
+                           "--updates-per-rollout", "2", "--system-prompt", "", "--reward-fn", "reward:math_reward", "--reward-fn",
+                           f"{Path(train.__file__).parent}/examples/rewards.py:brevity", "--reward-weights", "1,0.5"))
+    first = json.loads((tmp_path / "first" / "config.json").read_text())
+    run_training(["--config", str(tmp_path / "first" / "config.toml"), "--run-name", "again"])
+    again = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert again == {**first, "run_name": "again"}
+    assert metric_lines(tmp_path / "again") == metric_lines(tmp_path / "first")
+
+
+def test_a_reward_function_of_your_own_trains_next_to_the_built_in_one(tiny_model_dir, tmp_path):
+    examples = Path(train.__file__).parent / "examples" / "rewards.py"
+    run_training(tiny_args(tiny_model_dir, tmp_path, "two", "--steps", "2", "--max-new-tokens", "6",
+                           "--reward-fn", "reward:math_reward", "--reward-fn", f"{examples}:brevity",
+                           "--reward-weights", "1,0.5"))
+    for line in metric_lines(tmp_path / "two"):
+        # accuracy is the checker's verdict (here the fixture's parity), whatever else the reward holds
+        assert line["accuracy"] == line["rewards/math_reward"]
+        assert line["reward"] == pytest.approx(line["rewards/math_reward"] + 0.5 * line["rewards/brevity"])
+        assert -1 <= line["rewards/brevity"] <= 0
+
+
+def test_a_failing_reward_function_stops_the_step_in_one_line(tiny_model_dir, tmp_path, capsys):
+    module = tmp_path / "broken.py"
+    module.write_text("def on_step_one(completions, **columns):\n    return [1 / 0 for _ in completions]\n")
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(tiny_args(tiny_model_dir, tmp_path, "broken", "--steps", "2",
+                             "--reward-fn", f"{module}:on_step_one"))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 1 and lines[-1] == (
+        f"train.py: reward function {module}:on_step_one raised on row 0 of step 1 (prompt 0, completion 0: "
+        f"{train.batch_of(train.load_problems('arithmetic'), 0, 2, 0)[0]['problem']!r}): ZeroDivisionError: "
+        "division by zero; the last checkpoint is kept (python train.py --resume RUN continues it)"), lines
+    assert (tmp_path / "broken" / "latest").is_file()
+
+
+def test_a_finished_run_exports_again_without_training_or_evaluating(tiny_model_dir, tmp_path, monkeypatch):
+    run_training(tiny_args(tiny_model_dir, tmp_path, "done", "--steps", "2"))
+    run_dir = tmp_path / "done"
+    before = {name: (run_dir / name).read_bytes() for name in ("metrics.jsonl", "summary.json", "config.toml")}
+    monkeypatch.setattr(train, "evaluate_held_out", lambda *a, **k: pytest.fail("an export-only run evaluated"))
+    monkeypatch.setattr(train, "train_step", lambda *a, **k: pytest.fail("an export-only run trained"))
+    state = run_training(["--resume", str(run_dir), "--steps", "0", "--export", str(tmp_path / "export")])
+    assert state["step"] == 2 and {name: (run_dir / name).read_bytes() for name in before} == before
+    policy = lora.load(weights.from_pretrained(str(tiny_model_dir)), run_dir / "checkpoint-000002" / "adapter")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    ids = torch.randint(0, policy.config.vocab_size, (1, 7))
+    torch.testing.assert_close(exported(ids).logits, policy(ids), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"--steps 0 trains and evaluates nothing; add --export DIR"):
+        run_training(["--resume", str(run_dir), "--steps", "0"])
+
+
 def test_resume_reproduces_an_uninterrupted_run(tiny_model_dir, tmp_path):
     run_training(tiny_args(tiny_model_dir, tmp_path, "straight", "--steps", "4"))
     run_training(tiny_args(tiny_model_dir, tmp_path, "split", "--steps", "2"))
@@ -122,7 +175,11 @@ def test_ctrl_c_checkpoints_the_step_in_progress_and_resumes(tiny_model_dir, tmp
         time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=60)
-    assert proc.returncode == 0, (tmp_path / "interrupted.log").read_text()[-2000:]
+    log = (tmp_path / "interrupted.log").read_text()
+    assert proc.returncode == 0, log[-2000:]
+    # a redirected log gets plain lines: no progress bar's carriage returns or cursor moves
+    assert "\r" not in log and "\x1b" not in log and re.search(r"^step 2/1000000: reward \S+, accuracy \S+, \S+ s$",
+                                                                log, re.M), log[-2000:]
     saved_step = _latest_step(tmp_path / "interrupted")  # no periodic checkpoint was due: Ctrl-C wrote it
     assert saved_step >= 2 and len(metric_lines(tmp_path / "interrupted")) == saved_step
     state = run_training(["--resume", str(tmp_path / "interrupted"), "--steps", str(saved_step + 1)])
@@ -181,12 +238,12 @@ def sampled_step(tiny_model_dir, tmp_path, monkeypatch, *flags):
     so rows differ in length and the trimming of padding is exercised."""
     cfg, _, _ = config.parse_args(tiny_args(tiny_model_dir, tmp_path, "step", "--prompts-per-step", "4",
                                            "--max-new-tokens", "6", *flags))
-    model, tokenizer, _ = train.build(cfg)
+    model, tokenizer, _, _ = train.build(cfg)
     cfg = train.resolve_automatic(cfg, model, tokenizer, [])
     monkeypatch.setattr(train, "stop_ids", lambda config, tok: list(range(0, len(tok), 4)))
     problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
     out = train.sample(model, tokenizer, problems, cfg, step=1)
-    rewards, _ = train.score(out, problems, cfg)
+    rewards, _, _ = train.score(out, problems, cfg)
     assert out.completion_mask.sum(1).unique().numel() > 1
     return cfg, out, train.loss.advantages(rewards, cfg.group_size, cfg.loss)
 
@@ -196,7 +253,7 @@ def test_micro_batches_give_the_update_of_one_batch(tiny_model_dir, tmp_path, mo
     cfg, out, advantages = sampled_step(tiny_model_dir, tmp_path, monkeypatch, "--aggregation", aggregation)
     updated = []
     for accum in (1, 4):  # plain SGD: Adam would blow rounding noise in near-zero gradients up to +-lr
-        model, _, _ = train.build(cfg)
+        model, _, _, _ = train.build(cfg)
         optimizer = torch.optim.SGD(lora.parameters(model), lr=1.0)
         train.policy_update(model, optimizer, out, advantages, dataclasses.replace(cfg, grad_accum=accum), step=1)
         updated.append({k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad})
@@ -206,7 +263,7 @@ def test_micro_batches_give_the_update_of_one_batch(tiny_model_dir, tmp_path, mo
 
 def test_non_finite_loss_skips_the_update(tiny_model_dir, tmp_path, monkeypatch):
     cfg, out, advantages = sampled_step(tiny_model_dir, tmp_path, monkeypatch)
-    model, _, optimizer = train.build(cfg)
+    model, _, optimizer, _ = train.build(cfg)
     before = {k: v.clone() for k, v in model.named_parameters() if v.requires_grad}
     with pytest.warns(UserWarning, match="update skipped"):
         metrics = train.policy_update(model, optimizer, out, torch.full_like(advantages, float("nan")), cfg, step=1)
@@ -221,7 +278,7 @@ def test_a_step_and_an_evaluation_create_every_tensor_on_the_model_device(tiny_m
     and meeting the model's CPU tensors raises, as a CPU tensor meeting CUDA ones does on a GPU."""
     cfg, _, _ = config.parse_args(tiny_args(tiny_model_dir, tmp_path, "device", "--updates-per-rollout", "2",
                                            "--kl-beta", "0.1", "--rule", "kl_full", "--recompute-old-logp", "on"))
-    model, tokenizer, optimizer = train.build(cfg)
+    model, tokenizer, optimizer, _ = train.build(cfg)
     cfg = train.resolve_automatic(cfg, model, tokenizer, [])
     problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
     eval_sets = train.load_eval_sets(cfg)
@@ -236,9 +293,10 @@ def test_a_step_and_an_evaluation_create_every_tensor_on_the_model_device(tiny_m
 
 def test_old_logp_are_recomputed_automatically_outside_float32(tiny_model_dir, tmp_path, monkeypatch):
     cfg, out, _ = sampled_step(tiny_model_dir, tmp_path, monkeypatch)
-    model, _, _ = train.build(cfg)
+    model, _, _, _ = train.build(cfg)
     assert train.frozen_inputs(model, out, cfg)["old_logp"] is out.old_logp  # float32: the sampler's are exact
-    recomputed = train.frozen_inputs(model.to(torch.bfloat16), out, cfg)["old_logp"]
+    bf16 = dataclasses.replace(cfg, dtype="bfloat16")  # the compute dtype decides: a full run's weights are fp32
+    recomputed = train.frozen_inputs(model.to(torch.bfloat16), out, bf16)["old_logp"]
     assert recomputed is not out.old_logp and recomputed.shape == out.old_logp.shape
     mask = out.completion_mask  # the loss reads these tokens only
     torch.testing.assert_close(recomputed[mask], out.old_logp[mask], atol=0.2, rtol=0)  # bf16 rounding, no more
@@ -254,13 +312,15 @@ def test_the_first_minibatch_logs_the_numerical_floor_of_the_ratio(tiny_model_di
     assert line["ratio_max"] > line["start_ratio_max"] or line["ratio_min"] < line["start_ratio_min"]
 
 
-def test_the_inert_trust_region_is_announced_exactly_when_it_is_inert():
-    cfg, _, _ = config.parse_args([])
+def test_the_inert_trust_region_is_announced_when_a_chosen_rule_cannot_act():
     with pytest.warns(UserWarning, match="every clip rule gives the same update"):
-        train.warn_if_inert(cfg)
+        train.warn_if_inert(config.parse_args(["--rule", "atr"])[0])
+    with pytest.warns(UserWarning, match="every clip rule gives the same update"):
+        train.warn_if_inert(config.parse_args(["--delta", "0.3"])[0])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        train.warn_if_inert(dataclasses.replace(cfg, updates_per_rollout=2))
+        train.warn_if_inert(config.parse_args([])[0])  # the default command says nothing about its own defaults
+        train.warn_if_inert(config.parse_args(["--rule", "atr", "--updates-per-rollout", "2"])[0])
 
 
 def test_token_records_are_written_every_step(tiny_model_dir, tmp_path):
@@ -325,6 +385,10 @@ def test_a_resumed_run_refuses_settings_that_name_another_run(tiny_model_dir, tm
     (["--format-weight", "1", "--template", "boxed"], "--format-weight"),
     (["--rule", "nope"], "rule"), (["--dual-clip", "0.5,x"], "--dual-clip"),
     (["--ratio-limits", "2,1"], "ratio.limits"), (["--aggregation", "token-mean", "--rule", "gspo"], "--aggregation"),
+    (["--reward-weights", "1,2"], "--reward-weights 1,2: 2 weights for 1 --reward-fn"),
+    (["--reward-fn", "no_colon"], "--reward-fn 'no_colon': expected module:function"),
+    (["--reward-fn", "no_such_module_xyz:f"], "--reward-fn no_such_module_xyz:f: cannot import"),
+    (["--reward-timeout", "0"], "--reward-timeout"), (["--log", "mlflow"], "--log mlflow: unknown tracker"),
 ])
 def test_each_bad_flag_fails_in_one_line_before_the_model_loads(tmp_path, capsys, flags, message):
     """The model path does not exist: an error about the flag proves the check came first."""

@@ -4,25 +4,37 @@ GSM8K (1,319 test answers) is all plain numbers, so it measures the pure-Python 
 against itself (as bare answers and as full reference solutions, extracted via the last number)
 and against shuffled references (the few solutions whose last number is not the answer are graded
 wrong, as they should be under last-number extraction). MATH-500 mixes LaTeX, tuples, intervals and matrices, so its
-shuffled run sends many pairs to the sympy workers. Run: python bench/reward.py [--workers N]
+shuffled run sends many pairs to the sympy workers.
+
+    python bench/reward.py [--workers N] [--data DIR]
+
+The answers come from DIR/gsm8k.jsonl (or gsm8k_test.jsonl) and DIR/math500.jsonl: by default data/, where
+`python data/prepare.py gsm8k math500` writes them, else ../shared/data. Without them it says so and exits
+with status 2: a benchmark that did not run does not pass.
 """
 
 import argparse
-import json
 import random
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 import reward  # noqa: E402
+from data import read_problems  # noqa: E402
 
-DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+PLACES = (ROOT / "data", ROOT.parent / "shared" / "data")  # where the data is looked for, in order
+FILES = {"gsm8k": ("gsm8k.jsonl", "gsm8k_test.jsonl"), "math500": ("math500.jsonl",)}
 
 
-def load(name: str) -> list[dict]:
-    with open(DATA / name) as f:
-        return [json.loads(line) for line in f]
+def find_data(folder: Path | None) -> dict[str, Path] | None:
+    """The GSM8K and MATH-500 files of `folder` (default: the first of PLACES that has both), or None."""
+    for place in [folder] if folder else PLACES:
+        found = {name: next((place / f for f in files if (place / f).is_file()), None) for name, files in FILES.items()}
+        if all(found.values()):
+            return found
+    return None
 
 
 def shuffled(items: list[str], seed: int = 0) -> list[str]:
@@ -42,24 +54,31 @@ def measure(completions: list[str], references: list[str], workers: int) -> tupl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2, help="sympy worker processes (default 2)")
-    workers = parser.parse_args().workers
+    parser.add_argument("--data", type=Path, default=None, help="folder with gsm8k.jsonl (or gsm8k_test.jsonl) "
+                        "and math500.jsonl (default: data/, else ../shared/data)")
+    args = parser.parse_args()
+    workers = args.workers
     if workers < 1:
         parser.error(f"--workers must be >= 1, got {workers}")
-    if not DATA.is_dir():
-        print(f"skipped: third-party data not found at {DATA}")
-        return
-    gsm8k, math500 = load("gsm8k_test.jsonl"), load("math500.jsonl")
+    files = find_data(args.data)
+    if files is None:
+        where = args.data or " or ".join(str(place) for place in PLACES)
+        print(f"bench/reward.py: no GSM8K and MATH-500 answers in {where} (gsm8k.jsonl or gsm8k_test.jsonl, and "
+              "math500.jsonl); run `python data/prepare.py gsm8k math500` or give --data DIR", file=sys.stderr)
+        sys.exit(2)
+    gsm8k, math500 = read_problems(files["gsm8k"]), read_problems(files["math500"])
+    print(f"data: {files['gsm8k']}, {files['math500']}")
     gsm_answers = [row["answer"] for row in gsm8k]
-    # A solution ends in its final computation, e.g. "... = $<<9*2=18>>18 every day", so extraction falls back
-    # to the last number. The answers are plain numbers, so the fast path must carry the whole run.
-    gsm_solutions = [row["solution"] for row in gsm8k]
     math_answers = [row["answer"] for row in math500]
     math_boxed = [f"So the final answer is $\\boxed{{{a}}}$." for a in math_answers]
 
     reward.reward(["\\sqrt{2}"] * workers, ["1.4142135623730951"] * workers, workers=workers)  # start workers
-    runs = [
-        ("GSM8K answers vs themselves", gsm_answers, gsm_answers),
-        ("GSM8K solutions vs answers", gsm_solutions, gsm_answers),
+    runs = [("GSM8K answers vs themselves", gsm_answers, gsm_answers)]
+    if all("solution" in row for row in gsm8k):
+        # A solution ends in its final computation, e.g. "... = $<<9*2=18>>18 every day", so extraction falls
+        # back to the last number. The answers are plain numbers, so the fast path must carry the whole run.
+        runs.append(("GSM8K solutions vs answers", [row["solution"] for row in gsm8k], gsm_answers))
+    runs += [
         ("GSM8K answers vs shuffled", gsm_answers, shuffled(gsm_answers)),
         ("MATH-500 boxed vs themselves", math_boxed, math_answers),
         ("MATH-500 boxed vs shuffled", math_boxed, shuffled(math_answers)),

@@ -22,10 +22,11 @@ cards and published code that loads them):
     aime25       opencompass/AIME2025             aime2025-*.jsonl      question, answer (AIME 2025 I and II)
     amc23        math-ai/amc23                    test-*.parquet        question, answer (AMC 2023: the 40 problems of
                                                                         Qwen2.5-Math's evaluation)
-A local copy of one of these, in .parquet, .jsonl or .json (a list, or JSON lines as `datasets`
-writes them), converts by its layout: `--out NAME` with a Hub name, or `--layout` (dapo, gsm8k,
-math500, aime, amc) with any name. Any other file converts by field names, dotted for nested
-fields; read by field names, a problem in DAPO's instruction wrapper is unwrapped and a GSM8K
+A local copy of one of these, in .parquet, .jsonl or .json (a list, an object holding one list such as
+{"data": [...]}, or JSON lines as `datasets` writes them), converts by its layout: `--out NAME` with a
+Hub name, or `--layout` (dapo, gsm8k, math500, aime, amc) with any name; a file already in the prepared
+format (problem and answer fields) that does not fit that layout is read as it is. Any other file
+converts by field names, dotted for nested fields; read by field names, a problem in DAPO's instruction wrapper is unwrapped and a GSM8K
 worked solution ending "#### 18" gives the answer "18", so a Hub copy read by keys is right too.
 pyarrow and huggingface_hub are imported only where needed, so JSON files need the standard library alone.
 """
@@ -76,19 +77,29 @@ def read_rows(path: str | Path) -> Iterator[tuple[str, object]]:
         yield from _parquet_rows(path)
         return
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark, as some editors write, is not data
     except UnicodeDecodeError as e:
         hint = "; it is a parquet file: name it .parquet" if path.read_bytes()[:4] == b"PAR1" else ""
         raise ValueError(f"{path}: cannot read as {FORMATS[path.suffix]}: not UTF-8 text (byte {e.start}){hint}"
                          ) from None
-    if path.suffix == ".json" and text.lstrip().startswith("["):
+    if path.suffix == ".json" and text.lstrip().startswith(("[", "{")):
         try:
             items = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
-        for index, item in enumerate(items):
-            yield f"{path}: item {index}", item
-        return
+            if text.lstrip().startswith("["):
+                raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+            items = None  # not one object: JSON lines, read below
+        lists = [key for key, value in items.items() if isinstance(value, list)
+                 and all(isinstance(item, dict) for item in value)] if isinstance(items, dict) else []
+        if len(lists) > 1:
+            raise ValueError(f"{path}: one JSON object holding {len(lists)} lists ({', '.join(lists)}); expected a "
+                             "list of records, JSON lines, or an object whose one list holds the records")
+        if lists:  # {"data": [...]}: the records are the one list the object holds
+            yield from ((f"{path}: {lists[0]} item {index}", item) for index, item in enumerate(items[lists[0]]))
+            return
+        if isinstance(items, list):
+            yield from ((f"{path}: item {index}", item) for index, item in enumerate(items))
+            return
     # split("\n"), not splitlines(): JSON strings may hold raw U+2028 and friends, which are not line ends here
     for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
@@ -345,6 +356,16 @@ def convert_file(path: str | Path, out: str, *, layout: str | None = None, probl
     return _write_checked(dedupe(problems) if remove_duplicates else problems, Path(data_dir) / f"{out}.jsonl")
 
 
+def is_prepared(path: str | Path) -> bool:
+    """Whether a file's first record is already a prepared problem (text "problem" and "answer" fields), as
+    this script and other prepared copies write them; False for anything unreadable (reading says why later)."""
+    try:
+        _, first = next(iter(read_rows(path)))
+    except (StopIteration, ValueError, OSError):
+        return False
+    return isinstance(first, dict) and isinstance(first.get("problem"), str) and "answer" in first
+
+
 def _write_checked(problems: Iterable[dict], path: Path) -> Path:
     count = write_jsonl(problems, path)
     try:
@@ -385,9 +406,14 @@ def main(argv: list[str] | None = None) -> None:
     layout = args.layout or (HUB[args.out][2] if args.out in HUB and not keys else None)
     try:
         if args.source:
-            convert_file(args.source, args.out, layout=layout, problem_key=args.problem_key or "problem",
-                         answer_key=args.answer_key or "answer", remove_duplicates=args.dedupe,
-                         data_dir=args.data_dir)
+            options = dict(problem_key=args.problem_key or "problem", answer_key=args.answer_key or "answer",
+                           remove_duplicates=args.dedupe, data_dir=args.data_dir)
+            try:
+                convert_file(args.source, args.out, layout=layout, **options)
+            except LayoutError:
+                if args.layout or not is_prepared(args.source):
+                    raise
+                convert_file(args.source, args.out, **options)  # an already prepared copy, read as it is
         for name in names:
             download(name, args.data_dir)
     except (ValueError, OSError, ImportError) as e:

@@ -1,0 +1,334 @@
+"""Reward functions of your own, as TRL takes them: `--reward-fn module:function`, repeatable, weighted by
+--reward-weights, each called with the completions as text and the dataset's other columns by name, and
+returning one float per completion.
+
+    def length_penalty(completions, **columns) -> list[float]:
+        return [-len(text) / 1000 for text in completions]
+
+    python train.py --reward-fn reward:math_reward --reward-fn examples/rewards.py:length_penalty \\
+        --reward-weights 1,0.5
+
+A function receives prompts (each problem as the template poses it), completions (text), completion_ids
+(token ids) and every column of its rows' problems by name: problem, answer, source, and whatever else the
+dataset holds (None where a row lacks it). It returns one number per completion, or None where it does not
+apply (it then adds nothing, as in TRL). The step's reward is the weighted sum; the built-in math reward,
+reward.math_reward, is one such function and the default.
+
+A function of reward.py runs in the trainer's process: it bounds its own time. Any other runs in a worker
+process, so that a slow one is bounded like the answer checker: a call on N completions may take N x
+--reward-timeout seconds; past that the worker is killed and the function is called again one completion
+at a time, each with --reward-timeout, and a completion still past it scores 0 from that function, with a
+warning naming the function and the rows. A function that raises, returns the wrong number of values or a
+value that is not a finite number fails the step with one line (RewardFunctionError) naming the function
+and the row.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import importlib
+import importlib.util
+import math
+import os
+import pickle
+import select
+import struct
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+IN_PROCESS = ("reward",)  # modules whose functions bound their own time, called directly
+_HERE = str(Path(__file__).resolve().parent)
+
+
+class RewardFunctionError(Exception):
+    """A reward function failed on a row: the step cannot be scored. The message is one line."""
+
+
+# ----------------------------------------------------------------------------- finding a function
+
+
+def check_spec(spec: str) -> None:
+    """A ValueError naming --reward-fn unless spec reads module:function (module dotted, or a .py path)."""
+    module, _, name = spec.rpartition(":")
+    is_path = module.endswith(".py")
+    if not module or not name.isidentifier() or not (is_path or all(p.isidentifier() for p in module.split("."))):
+        raise ValueError(f"--reward-fn {spec!r}: expected module:function (such as reward:math_reward or "
+                         "my_rewards.py:length_penalty)")
+
+
+def load(spec: str) -> Callable:
+    """The function a spec names: `package.module:function` (imported with the working directory on the
+    path, as a script of your own would be) or `path/to/file.py:function`."""
+    check_spec(spec)
+    module_name, _, name = spec.rpartition(":")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise FileNotFoundError(f"no such file {path}")
+            module_spec = importlib.util.spec_from_file_location(f"_reward_fn_{path.stem}", path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path:
+                sys.path.append(os.getcwd())
+            module = importlib.import_module(module_name)
+    except Exception as error:  # the user's module: any error it raises on import is theirs to see
+        raise ValueError(f"--reward-fn {spec}: cannot import {module_name} ({type(error).__name__}: {error})"
+                         ) from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise ValueError(f"--reward-fn {spec}: {module_name} has no function {name!r}")
+    return function
+
+
+def _values(result, count: int) -> list[float | None]:
+    """A function's result as floats (None kept), or _BadResult saying which row is wrong and how."""
+    try:
+        values = list(result)
+    except TypeError:
+        raise _BadResult(f"returned {type(result).__name__}, not a list of numbers") from None
+    if len(values) != count:
+        raise _BadResult(f"returned {len(values)} values for {count} completions")
+    numbers = []
+    for row, value in enumerate(values):
+        if value is None:
+            numbers.append(None)
+            continue
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise _BadResult(f"returned {value!r}", row, "not a number") from None
+        if isinstance(value, (str, bytes)) or not math.isfinite(number):
+            raise _BadResult(f"returned {value!r}", row, "not a finite number")
+        numbers.append(number)
+    return numbers
+
+
+class _BadResult(Exception):
+    """What a function returned that is not one number per completion: what, at which row (None: the whole
+    result), and why that is wrong."""
+
+    def __init__(self, what: str, row: int | None = None, why: str = ""):
+        super().__init__(what)
+        self.what, self.row, self.why = what, row, why
+
+    def reply(self) -> tuple:
+        return ("bad", self.what, self.row, self.why)
+
+
+# ----------------------------------------------------------------------------- the worker process
+
+
+def _send(stream, message) -> None:
+    data = pickle.dumps(message)
+    stream.write(struct.pack("<Q", len(data)) + data)
+    stream.flush()
+
+
+def _read_exactly(stream, size: int) -> bytes | None:
+    data = b""
+    while len(data) < size:
+        chunk = stream.read(size - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def _serve() -> None:
+    """Worker loop: one pickled job (spec, kwargs, count, working directory) in; ("ok", values),
+    ("bad", what, row, why) or ("raised", message) out."""
+    jobs, replies = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # a print inside a reward function cannot corrupt the protocol
+    functions: dict[str, Callable] = {}
+    _send(replies, ("ready",))
+    while (header := _read_exactly(jobs, 8)) is not None:
+        spec, kwargs, count, cwd = pickle.loads(_read_exactly(jobs, struct.unpack("<Q", header)[0]))
+        try:
+            if os.getcwd() != cwd:  # the trainer's, for relative paths and modules beside it
+                os.chdir(cwd)
+            if spec not in functions:
+                functions[spec] = load(spec)
+            reply = ("ok", _values(functions[spec](**kwargs), count))
+        except _BadResult as bad:
+            reply = bad.reply()
+        except BaseException as error:  # the function's own failure, reported to the trainer
+            reply = ("raised", f"{type(error).__name__}: {error}")
+        _send(replies, reply)
+
+
+class _Worker:
+    """One persistent process that runs reward functions; killed and replaced when a call runs past its time."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> subprocess.Popen:
+        if self.proc is None or self.proc.poll() is not None:
+            code = f"import sys; sys.path[:0] = [{_HERE!r}, '']; import scoring; scoring._serve()"
+            self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         bufsize=0)
+            if self._receive(time.monotonic() + 60) != ("ready",):
+                self.close()
+                raise RuntimeError("the reward function worker failed to start")
+        return self.proc
+
+    def call(self, spec: str, kwargs: dict, count: int, timeout: float):
+        """The worker's reply, or None when it ran past `timeout` seconds (the worker is then killed)."""
+        job = (spec, kwargs, count, os.getcwd())
+        try:
+            _send(self.start().stdin, job)
+        except BrokenPipeError:  # it died while idle: start another and try once more
+            self.close()
+            _send(self.start().stdin, job)
+        reply = self._receive(time.monotonic() + timeout)
+        if reply is None:
+            self.close()
+        return reply
+
+    def _receive(self, deadline: float):
+        stream = self.proc.stdout
+        data, size = b"", None
+        while size is None or len(data) < size:
+            wait = deadline - time.monotonic()
+            if wait <= 0 or not select.select([stream], [], [], wait)[0]:
+                return None
+            chunk = os.read(stream.fileno(), 1 << 20 if size is None else size - len(data))
+            if not chunk:  # it died mid-call (out of memory, a crash in C code)
+                self.close()
+                return ("raised", "the worker process died")
+            data += chunk
+            if size is None and len(data) >= 8:
+                size = struct.unpack("<Q", data[:8])[0] + 8
+        return pickle.loads(data[8:size])
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+_WORKER = _Worker()
+atexit.register(_WORKER.close)
+
+
+# ----------------------------------------------------------------------------- scoring a step
+
+
+class RewardFunctions:
+    """The step's reward functions, their weights and time bound; call it on a step's completions."""
+
+    def __init__(self, specs: Sequence[str], weights: Sequence[float] | None = None, timeout: float = 2.0):
+        self.specs = tuple(specs)
+        self.functions = [load(spec) for spec in self.specs]  # before anything slow: a typo fails now
+        self.weights = tuple(weights) if weights is not None else (1.0,) * len(self.specs)
+        if len(self.weights) != len(self.specs):
+            raise ValueError(f"--reward-weights: {len(self.weights)} weights for {len(self.specs)} functions")
+        self.timeout = timeout
+        short = [spec.rpartition(":")[2] for spec in self.specs]
+        self.names = [name if short.count(name) == 1 else spec for name, spec in zip(short, self.specs)]
+
+    def name_of(self, function: Callable) -> str | None:
+        """The metric name of `function` among these, or None when it is not one of them."""
+        return next((name for name, f in zip(self.names, self.functions) if f is function), None)
+
+    def __call__(self, completions: list[str], columns: dict[str, list], where: str = "",
+                 group_size: int = 1) -> tuple[list[float], dict[str, list[float]]]:
+        """(the weighted sum per completion, each function's values by name, None read as 0).
+
+        columns holds the keyword arguments besides completions (prompts, completion_ids, the dataset's
+        columns), each a list aligned with completions. where and group_size name a failing row."""
+        totals, by_name = [0.0] * len(completions), {}
+        for spec, function, name, weight in zip(self.specs, self.functions, self.names, self.weights):
+            values = self._call(spec, function, {"completions": completions, **columns}, len(completions),
+                                where, group_size)
+            by_name[name] = [0.0 if v is None else v for v in values]
+            totals = [total + weight * v for total, v in zip(totals, by_name[name])]
+        return totals, by_name
+
+    def _call(self, spec: str, function: Callable, kwargs: dict, count: int, where: str,
+              group_size: int) -> list[float | None]:
+        reply = self._run(spec, function, kwargs, count, self.timeout * count)
+        if reply is None:  # past the call's time: one completion at a time finds the slow ones
+            return self._one_at_a_time(spec, function, kwargs, count, where, group_size)
+        if reply[0] == "ok":
+            return reply[1]
+        if reply[0] == "bad":
+            _, what, row, why = reply
+            where_text = "" if row is None else f" on {_row(row, where, group_size, kwargs)}"
+            raise RewardFunctionError(f"reward function {spec} {what}{where_text}" + (f", {why}" if why else ""))
+        for row in range(count):  # it raised: the first row that raises alone is the one to name
+            single = self._run(spec, function, _select(kwargs, row), 1, self.timeout)
+            if single is not None and single[0] != "ok":
+                self._fail(spec, single, row, where, group_size, kwargs)
+        raise RewardFunctionError(f"reward function {spec} raised on the {count} completions of {where or 'a step'}"
+                                  f" (no single row raises alone): {reply[1]}")
+
+    def _run(self, spec: str, function: Callable, kwargs: dict, count: int, timeout: float):
+        """One call: in this process for IN_PROCESS modules, else in the worker with a deadline."""
+        if spec.rpartition(":")[0] not in IN_PROCESS:
+            return _WORKER.call(spec, kwargs, count, timeout)
+        try:
+            return ("ok", _values(function(**kwargs), count))
+        except _BadResult as bad:
+            return bad.reply()
+        except Exception as error:
+            return ("raised", f"{type(error).__name__}: {error}")
+
+    @staticmethod
+    def _fail(spec: str, reply: tuple, row: int, where: str, group_size: int, kwargs: dict):
+        """The error of a call on one row that did not return a number."""
+        if reply[0] == "bad":
+            raise RewardFunctionError(f"reward function {spec} {reply[1]} on {_row(row, where, group_size, kwargs)}"
+                                      + (f", {reply[3]}" if reply[3] else ""))
+        raise RewardFunctionError(f"reward function {spec} raised on {_row(row, where, group_size, kwargs)}: "
+                                  f"{reply[1]}")
+
+    def _one_at_a_time(self, spec: str, function: Callable, kwargs: dict, count: int, where: str,
+                       group_size: int) -> list[float | None]:
+        values, slow = [], []
+        for row in range(count):
+            reply = self._run(spec, function, _select(kwargs, row), 1, self.timeout)
+            if reply is None:
+                slow.append(row)
+                values.append(0.0)
+            elif reply[0] == "ok":
+                values.append(reply[1][0])
+            else:
+                self._fail(spec, reply, row, where, group_size, kwargs)
+        if slow:
+            warnings.warn(f"reward function {spec} took more than {self.timeout:g} s on {len(slow)} of {count} "
+                          f"completions of {where or 'a step'} (rows {', '.join(map(str, slow[:10]))}"
+                          f"{', ...' if len(slow) > 10 else ''}); they score 0 from it")
+        return values
+
+
+def _select(kwargs: dict, row: int) -> dict:
+    return {key: value[row:row + 1] for key, value in kwargs.items()}
+
+
+def _row(row: int, where: str, group_size: int, kwargs: dict) -> str:
+    """A row as a reader finds it: its index, its prompt and sample, and the start of its problem."""
+    problem = (kwargs.get("problem") or [None] * (row + 1))[row]
+    text = f"row {row}" + (f" of {where}" if where else "")
+    text += f" (prompt {row // group_size}, completion {row % group_size}"
+    return text + (f": {str(problem)[:60]!r})" if problem is not None else ")")
+
+
+@functools.lru_cache(maxsize=8)
+def functions(specs: tuple[str, ...], weights: tuple[float, ...] | None, timeout: float) -> RewardFunctions:
+    """The RewardFunctions of a config, built (and its modules imported) once per process."""
+    return RewardFunctions(specs, weights, timeout)
+
+
+def columns_of(rows: Sequence[dict]) -> dict[str, list]:
+    """The dataset's columns of some problems by name, each a list aligned with the rows (None where absent)."""
+    keys = dict.fromkeys(key for row in rows for key in row)
+    return {key: [row.get(key) for row in rows] for key in keys}
