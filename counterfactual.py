@@ -7,10 +7,12 @@
 Trained end to end, two rules differ in their rollouts, their data order's luck and their seeds' noise,
 and a few seeds cannot separate that from the rule. Here the rule is the only difference. A grpo pilot
 run (train.py's train_step, the study's settings) keeps its state, LoRA adapters and AdamW moments, at a
-few steps, the points. From each point, each rollout (fresh prompts of the training set, fresh random
-streams) is sampled once; then, for every arm, the state is restored and train.policy_update applies the
-arm's update to that rollout: the same mini-batches in the same order, the same optimizer state, only
-the loss differs. What each update did is measured on the rollout and with one fresh sample:
+few steps, the points. From each point, each rollout (--rollout-prompts fresh prompts of the training set,
+--group-size completions each, fresh random streams) is sampled once; then, for every arm, the state is
+restored and train.policy_update applies the arm's update to that rollout: the same mini-batches in the
+same order, the same optimizer state, only the loss differs. The pilot trains on --prompts-per-step prompts
+a step, enough for its groups to find rewards; a rollout of one prompt costs a quarter of a step of four,
+and each measure is paired within the rollout, so many small rollouts buy more than a few large ones. What each update did is measured on the rollout and with one fresh sample:
 
     kl              KL(new || old) over the whole vocabulary at each completion position, mean per token
     entropy         change of the policy's entropy (nats) at those positions, exact over the vocabulary
@@ -73,7 +75,7 @@ MEASURES = {
     "reward": ("fresh reward gain %", 100, 1),
 }
 RARE = 0.1  # "rare" tokens: old probability below this
-DEFAULT_ARMS = "grpo,atr,kl-atomic,gppo,limits,atr-eq,kl-atomic-eq"
+DEFAULT_ARMS = "grpo,atr,kl-atomic,gppo"  # limits and the -eq arms: --arms grpo,...,limits,atr-eq,kl-atomic-eq
 
 
 # ----------------------------------------------------------------------------- the state an update starts from
@@ -262,14 +264,18 @@ def counterfactual_rollout(model, optimizer, tokenizer, state: State, arms: dict
 # ----------------------------------------------------------------------------- arms and settings
 
 
-def arm_configs(shared: list[str], arms: list[str], deltas: dict[str, float]) -> dict[str, config.Config]:
+def arm_configs(shared: list[str], arms: list[str], deltas: dict[str, float],
+                rollout_prompts: int | None = None) -> dict[str, config.Config]:
     """The train.py Config of every arm: the shared flags, then the arm's (an -eq arm: its base's at its
-    calibrated delta). They differ in the loss alone."""
+    calibrated delta), with rollout_prompts prompts per rollout (None: the pilot's --prompts-per-step).
+    They differ in the loss alone."""
     cfgs = {}
     for arm in arms:
         flags = study.arm_flags(arm, deltas)
         cfg, _, _ = config.parse_args(shared + flags)
-        cfgs[arm] = dataclasses.replace(cfg, rollout_batch=cfg.rollout_batch or cfg.prompts_per_step,
+        prompts = rollout_prompts or cfg.prompts_per_step
+        cfgs[arm] = dataclasses.replace(cfg, prompts_per_step=prompts, rollout_batch=min(cfg.rollout_batch or prompts,
+                                                                                           prompts),
                                         grad_accum=cfg.grad_accum or 1, eval_batch=cfg.eval_batch or 16)
     first = next(iter(cfgs.values()))
     for arm, cfg in cfgs.items():
@@ -311,7 +317,8 @@ def summarize(lines: list[dict], arms: list[str], baseline: str = "grpo") -> dic
     columns = list(MEASURES) + [f"clip[{label}]" for label in loss.MU_LABELS]
     values = {arm: {m: np.array([line["arms"][arm][m] for line in lines], dtype=float) for m in columns}
               for arm in arms}
-    means = {arm: {m: study.mean_se(v[~np.isnan(v)]) for m, v in by_measure.items()} for arm, by_measure in values.items()}
+    means = {arm: {m: study.mean_se(v[~np.isnan(v)]) for m, v in by_measure.items()}
+             for arm, by_measure in values.items()}
     gaps = {arm: {m: study.paired(values[arm][m] - values[baseline][m]) for m in MEASURES}
             for arm in arms if arm != baseline and baseline in values}
     study.judge([c for by_measure in gaps.values() for c in by_measure.values()])
@@ -365,9 +372,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      epilog="Flags after -- are passed to every arm's train.py config.")
     parser.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated, of {', '.join(study.all_arms())} "
                                                              "(default: %(default)s); grpo comes first")
-    parser.add_argument("--points", default="0,5,10,15", help="pilot steps to start rollouts from (default: %(default)s)")
-    parser.add_argument("--rollouts", type=int, default=8, help="measured rollouts per point (default: %(default)s)")
-    parser.add_argument("--fresh-samples", type=int, default=8,
+    parser.add_argument("--points", default="0,5,10",
+                        help="pilot steps to start rollouts from (default: %(default)s)")
+    parser.add_argument("--rollouts", type=int, default=10, help="measured rollouts per point (default: %(default)s)")
+    parser.add_argument("--rollout-prompts", type=int, default=1,
+                        help="prompts per measured rollout, each with --group-size completions; the pilot trains "
+                             "with --prompts-per-step (default: %(default)s)")
+    parser.add_argument("--fresh-samples", type=int, default=4,
                         help="fresh completions per prompt for the reward measure (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=Path("runs/counterfactual"),
                         help="directory (default: %(default)s)")
@@ -393,9 +404,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.arms = study.check_arms(parser, args.arms)
     if args.arms[0] != "grpo":
         parser.error(f"--arms {','.join(args.arms)}: grpo must come first, the baseline of every gap")
-    if min(args.rollouts, args.fresh_samples, args.workers, args.max_draws) < 1:
-        parser.error(f"--rollouts {args.rollouts}, --fresh-samples {args.fresh_samples}, --workers {args.workers} and "
-                     f"--max-draws {args.max_draws}: must be >= 1")
+    if min(args.rollouts, args.rollout_prompts, args.fresh_samples, args.workers, args.max_draws) < 1:
+        parser.error(f"--rollouts {args.rollouts}, --rollout-prompts {args.rollout_prompts}, --fresh-samples "
+                     f"{args.fresh_samples}, --workers {args.workers} and --max-draws {args.max_draws}: must be >= 1")
     if args.point is not None and args.point not in args.points:
         parser.error(f"--point {args.point}: not one of --points")
     study.resolve_setting(args)
@@ -406,14 +417,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     started = time.time()
     shared = study.train_flags(args, exclude=PILOT_ONLY)
-    settings = {"train_flags": shared, "points": args.points, "fresh_samples": args.fresh_samples}
+    settings = {"train_flags": shared, "points": args.points, "rollout_prompts": args.rollout_prompts,
+                "fresh_samples": args.fresh_samples}
     if args.point is None:
-        study.check_settings(args.out, settings | {"arms": args.arms}, keys=("train_flags", "points", "fresh_samples"))
+        study.check_settings(args.out, settings | {"arms": args.arms}, keys=tuple(settings))
         pilot_cfg, _, _ = config.parse_args(shared + ["--rule", "grpo", "--steps", str(max(args.points))])
         run_pilot(pilot_cfg, args.out, args.points)
     calibration = calibrate(args.out, shared, args.arms) if any(a.endswith(study.EQUAL_RATE) for a in args.arms) else {}
     arms = arm_configs(shared, [arm for arm in args.arms if arm not in calibration.get("unreachable", {})],
-                       calibration.get("deltas", {}))
+                       calibration.get("deltas", {}), args.rollout_prompts)
     if args.point is not None:  # one worker of run_points
         run_point(args, arms, args.point)
         return
@@ -422,7 +434,8 @@ def main(argv: list[str] | None = None) -> None:
     run_points(args, arms, todo)
     lines = {p: read_rollouts(rollout_file(args.out, p)) for p in args.points}
     kept = [line for p in args.points for line in kept_rollouts(lines[p], list(arms))[0][:args.rollouts]]
-    summary = summarize(kept, list(arms)) | {"skipped": {p: kept_rollouts(lines[p], list(arms))[1] for p in args.points}}
+    skipped = {p: kept_rollouts(lines[p], list(arms))[1] for p in args.points}
+    summary = summarize(kept, list(arms)) | {"skipped": skipped}
     summary["by_point"] = {p: summarize([line for line in kept if line["point"] == p], list(arms)) for p in args.points}
     table = markdown(summary, list(arms))
     (args.out / "table.md").write_text(table)
@@ -493,7 +506,8 @@ def run_point(args: argparse.Namespace, arms: dict[str, config.Config], point: i
     path = rollout_file(args.out, point)
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = read_rollouts(path)
-    path.write_text("".join(json.dumps(strict_json(line), allow_nan=False) + "\n" for line in lines))  # drop a torn line
+    # rewritten from what parsed: a torn last line goes
+    path.write_text("".join(json.dumps(strict_json(line), allow_nan=False) + "\n" for line in lines))
     kept = len(kept_rollouts(lines, list(arms))[0])
     done = {line["draw"] for line in lines if line.get("skipped") or set(arms) <= set(line["arms"])}
     if kept >= args.rollouts:
@@ -521,8 +535,8 @@ def run_point(args: argparse.Namespace, arms: dict[str, config.Config], point: i
         print(f"point {point} draw {draw} ({kept}/{args.rollouts} kept): reward {line['reward']:.2f}, {what} "
               f"({time.time() - started:.0f} s)", flush=True)
     if kept < args.rollouts:
-        raise SystemExit(f"counterfactual.py: point {point}: {args.max_draws * args.rollouts} rollouts drawn, {kept} with "
-                         "an acting token (a group of mixed rewards); the policy there gives no signal")
+        raise SystemExit(f"counterfactual.py: point {point}: {args.max_draws * args.rollouts} rollouts drawn, {kept} "
+                         "with an acting token (a group of mixed rewards); the policy there gives no signal")
 
 
 def _plain(value):

@@ -95,7 +95,8 @@ def test_two_rules_differ_only_where_their_regions_differ(setup):
             inside = {rule: loss._inside(loss.get_rule(c.rule), w.log(), mu.log(), c)
                       for rule, c in (("grpo", cfg.loss), (other, arms[other].loss))}
             expected = ((inside["grpo"] != inside[other]) & outward).numpy()
-            decided = {name: r["region_low"] | r["region_high"] | r["limit"] for name, r in (("g", mine), ("o", theirs))}
+            decided = {name: r["region_low"] | r["region_high"] | r["limit"]
+                       for name, r in (("g", mine), ("o", theirs))}
             assert np.array_equal(decided["g"] != decided["o"], expected), (other, update)
             if expected.any():  # from here on the weights differ, and so do the ratios
                 diverged += 1
@@ -109,10 +110,13 @@ def test_a_tiny_table_runs_end_to_end_and_resumes(tiny_model_dir, tmp_path, monk
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / "cf"
     argv = ["--points", "0,1", "--rollouts", "2", "--out", str(out), "--fresh-samples", "2", "--log-tokens", "40",
-            "--arms", "grpo,atr,limits,atr-eq", "--workers", "1", *study_flags(tiny_model_dir), "--", "--lora-rank", "4"]
+            "--arms", "grpo,atr,limits,atr-eq", "--workers", "1", *study_flags(tiny_model_dir),
+            "--", "--lora-rank", "4"]
     counterfactual.main(argv)
     results = json.loads((out / "results.json").read_text())
     assert results["rollouts"] == 4 and set(results["means"]) == {"grpo", "atr", "limits", "atr-eq"}
+    assert results["settings"]["rollout_prompts"] == 1  # the default: one prompt a rollout, the pilot trains on two
+    assert json.loads((out / "pilot" / "config.json").read_text())["prompts_per_step"] == 2
     calibration = results["calibration"]
     assert 0 < calibration["target"] < 1 and calibration["deltas"]["atr-eq"] > 0
     assert results["arms"]["atr-eq"][-2:] == ["--delta", f"{calibration['deltas']['atr-eq']:.6g}"]
@@ -147,11 +151,16 @@ def test_arms_differ_in_the_loss_alone_and_bad_flags_fail_first(tiny_model_dir, 
     arms = counterfactual.arm_configs(tiny_flags(tiny_model_dir), ["grpo", "gppo", "atr-eq"], {"atr-eq": 0.123})
     assert arms["gppo"].loss.rule == ("kl", "atomic") and arms["gppo"].loss.ratio_limits == (0.5, 10.0)
     assert arms["atr-eq"].loss.delta == 0.123 and arms["atr-eq"].lr == arms["grpo"].lr == 0.05
+    assert arms["gppo"].prompts_per_step == 2  # without rollout_prompts: the pilot's
+    small = counterfactual.arm_configs(tiny_flags(tiny_model_dir), ["grpo", "atr"], {}, rollout_prompts=1)
+    assert {(cfg.prompts_per_step, cfg.rollout_batch) for cfg in small.values()} == {(1, 1)}
     for argv, message in ((["--arms", "atr,grpo"], "grpo must come first"), (["--arms", "grpo,nope"], "distinct arms"),
                           (["--points", "a"], "--points a"), (["--rollouts", "0"], "--rollouts 0"),
+                          (["--rollout-prompts", "0"], "--rollout-prompts 0"),
                           (["--point", "3"], "--point 3")):
         with pytest.raises(SystemExit):
             counterfactual.parse_args(argv)
         assert message in capsys.readouterr().err
     shared = counterfactual.study.train_flags(counterfactual.parse_args([]), exclude=counterfactual.PILOT_ONLY)
-    assert config.parse_args(shared)[0].updates_per_rollout == counterfactual.study.SETTINGS["binding"]["updates_per_rollout"]
+    binding = counterfactual.study.SETTINGS["binding"]
+    assert config.parse_args(shared)[0].updates_per_rollout == binding["updates_per_rollout"]
