@@ -1,6 +1,6 @@
 """Clip rules trained end to end: arms x seeds of train.py, the power of the design stated before its gaps.
 
-    python study.py                                    # 7 arms x 3 seeds, about 80 min on 2 idle CPU cores
+    python study.py                                    # 7 arms x 3 seeds x 10 steps (make grid)
     python study.py --steps 2 --seeds 1 --arms grpo,atr --out runs/study-smoke
     python study.py --setting gentle --seeds 5 -- --lora-rank 8    # flags after -- go to every train.py run
 
