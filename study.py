@@ -62,8 +62,8 @@ DEFAULT_ARMS = "grpo,atr,kl-atomic,gppo,limits,atr-eq,kl-atomic-eq"
 # Two regimes (README, "What differs between clip rules", for the measurements). "gentle" is the first
 # study's: four updates per rollout. "binding" takes eight at the same learning rate, so the last mini-batches
 # of a rollout meet a policy twice as many steps away from the sampler and the regions stop more tokens.
-# The learning rate stays: at 5e-4 with eight updates one rollout's update broke the policy (entropy 1.2 ->
-# 2.8 nats, every completion truncated, no reward from the next step on).
+# The learning rate stays: at 5e-4 with eight updates the pilot broke in three steps (entropy 1.2 -> 2.7
+# nats, every completion truncated from step 3, reward 0 in six of steps 2 to 8).
 SETTINGS = {
     "binding": {"updates_per_rollout": 8, "lr": 3e-4},
     "gentle": {"updates_per_rollout": 4, "lr": 3e-4},

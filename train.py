@@ -200,7 +200,7 @@ def clip_rates(metrics: list[dict]) -> dict:
     for prefix in ["", *(f"mu[{label}]/" for label in loss.MU_LABELS)]:
         counts = np.array([m["tokens"] * m[f"{prefix}active_share"] for m in metrics], dtype=np.float64)
         clipped = float(np.array([m[f"{prefix}active_clip_frac"] for m in metrics]) @ counts) if metrics else 0.0
-        rates[f"{prefix}clip_rate"] = clipped / counts.sum() if counts.sum() else None
+        rates[f"{prefix}clip_rate"] = clipped / float(counts.sum()) if counts.sum() else None  # a float, not numpy
         rates[f"{prefix}clip_rate_tokens"] = int(round(counts.sum()))
     return rates
 
