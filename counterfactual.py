@@ -420,8 +420,10 @@ def main(argv: list[str] | None = None) -> None:
     settings = {"train_flags": shared, "points": args.points, "rollout_prompts": args.rollout_prompts,
                 "fresh_samples": args.fresh_samples}
     if args.point is None:
-        study.check_settings(args.out, settings | {"arms": args.arms}, keys=tuple(settings))
         pilot_cfg, _, _ = config.parse_args(shared + ["--rule", "grpo", "--steps", str(max(args.points))])
+        if not pilot_cfg.lora_rank:  # a point is saved and restored as LoRA adapters and their AdamW moments
+            raise SystemExit("counterfactual.py: --lora-rank 0: the points are LoRA adapters; give a rank above 0")
+        study.check_settings(args.out, settings | {"arms": args.arms}, keys=tuple(settings))
         run_pilot(pilot_cfg, args.out, args.points)
     calibration = calibrate(args.out, shared, args.arms) if any(a.endswith(study.EQUAL_RATE) for a in args.arms) else {}
     arms = arm_configs(shared, [arm for arm in args.arms if arm not in calibration.get("unreachable", {})],

@@ -147,7 +147,7 @@ def test_points_run_in_worker_processes_and_a_failed_one_is_named(tiny_model_dir
     assert "no acting token, skipped" in log and "gives no signal" in log
 
 
-def test_arms_differ_in_the_loss_alone_and_bad_flags_fail_first(tiny_model_dir, capsys):
+def test_arms_differ_in_the_loss_alone_and_bad_flags_fail_first(tiny_model_dir, tmp_path, capsys):
     arms = counterfactual.arm_configs(tiny_flags(tiny_model_dir), ["grpo", "gppo", "atr-eq"], {"atr-eq": 0.123})
     assert arms["gppo"].loss.rule == ("kl", "atomic") and arms["gppo"].loss.ratio_limits == (0.5, 10.0)
     assert arms["atr-eq"].loss.delta == 0.123 and arms["atr-eq"].lr == arms["grpo"].lr == 0.05
@@ -161,6 +161,9 @@ def test_arms_differ_in_the_loss_alone_and_bad_flags_fail_first(tiny_model_dir, 
         with pytest.raises(SystemExit):
             counterfactual.parse_args(argv)
         assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--lora-rank 0: the points are LoRA adapters"):
+        counterfactual.main(["--out", str(tmp_path / "full"), *study_flags(tiny_model_dir), "--", "--lora-rank", "0"])
+    assert not (tmp_path / "full").exists(), "refused before anything is written"
     shared = counterfactual.study.train_flags(counterfactual.parse_args([]), exclude=counterfactual.PILOT_ONLY)
     binding = counterfactual.study.SETTINGS["binding"]
     assert config.parse_args(shared)[0].updates_per_rollout == binding["updates_per_rollout"]
