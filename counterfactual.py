@@ -192,7 +192,7 @@ def fresh_reward(model, tokenizer, problems: list[dict], cfg: config.Config, sam
     """Mean reward of `samples` fresh completions per prompt; `stream` names the random streams (rollout.py:
     the same stream and weights give the same samples, so arms differ only where their policies do)."""
     fresh_cfg = dataclasses.replace(cfg, group_size=samples)
-    rewards, _, _ = train.score(train.sample(model, tokenizer, problems, fresh_cfg, stream), problems, fresh_cfg)
+    rewards, *_ = train.score(train.sample(model, tokenizer, problems, fresh_cfg, stream), problems, fresh_cfg)
     return float(rewards.mean())
 
 
@@ -241,7 +241,7 @@ def counterfactual_rollout(model, optimizer, tokenizer, state: State, arms: dict
     base = next(iter(arms.values()))
     state.restore(model, optimizer)
     out = train.sample(model, tokenizer, problems, base, stream)
-    rewards, correct, _ = train.score(out, problems, base)
+    rewards, correct, *_ = train.score(out, problems, base)
     advantages = loss.advantages(rewards, base.group_size, base.loss)
     if not advantages.any():
         return {"reward": float(rewards.mean()), "accuracy": float(correct.mean()), "acting": 0.0, "skipped": True}
@@ -423,7 +423,8 @@ def main(argv: list[str] | None = None) -> None:
         pilot_cfg, _, _ = config.parse_args(shared + ["--rule", "grpo", "--steps", str(max(args.points))])
         if not pilot_cfg.lora_rank:  # a point is saved and restored as LoRA adapters and their AdamW moments
             raise SystemExit("counterfactual.py: --lora-rank 0: the points are LoRA adapters; give a rank above 0")
-        study.check_settings(args.out, settings | {"arms": args.arms}, keys=tuple(settings))
+        study.check_settings(args.out, settings | {"arms": args.arms}, keys=tuple(settings),
+                             started=(args.out / "pilot").exists())
         run_pilot(pilot_cfg, args.out, args.points)
     calibration = calibrate(args.out, shared, args.arms) if any(a.endswith(study.EQUAL_RATE) for a in args.arms) else {}
     arms = arm_configs(shared, [arm for arm in args.arms if arm not in calibration.get("unreachable", {})],

@@ -523,12 +523,13 @@ def check_flags(args: argparse.Namespace) -> None:
             raise SystemExit(2) from None
 
 
-def check_settings(out: Path, settings: dict, keys: tuple[str, ...] = ("train_flags",)) -> None:
-    """A study directory holds one grid's settings; other settings there would mix runs silently (a grid
-    folder none of whose runs got to a checkpoint takes new settings)."""
+def check_settings(out: Path, settings: dict, keys: tuple[str, ...] = ("train_flags",),
+                   started: bool | None = None) -> None:
+    """A study directory holds one grid's settings; other settings there would mix runs silently. A folder
+    where nothing started (by default: none of the grid's runs got to a checkpoint) takes new settings."""
     path = out / "study.json"
-    runs = list(out.glob("runs/*"))  # a folder without runs (counterfactual.py's) counts as started
-    started = not runs or any(rundir.has_checkpoint(run) or (run / "summary.json").is_file() for run in runs)
+    if started is None:
+        started = any(rundir.has_checkpoint(run) or (run / "summary.json").is_file() for run in out.glob("runs/*"))
     if path.is_file() and started:
         before = json.loads(path.read_text())
         for key in keys:

@@ -72,7 +72,7 @@ def test_two_rules_differ_only_where_their_regions_differ(setup):
     state.restore(model, optimizer)
     cfg = arms["grpo"]
     out = train.sample(model, tokenizer, problems, cfg, 5)
-    rewards, _, _ = train.score(out, problems, cfg)
+    rewards, *_ = train.score(out, problems, cfg)
     advantages = loss.advantages(rewards, cfg.group_size, cfg.loss)
     # the same region written another way: the same update to the last bit
     same_cfg = dataclasses.replace(cfg, loss=loss.LossConfig(rule="interval", ratio_limits=(0.8, 1.2)))
