@@ -65,7 +65,8 @@ Numerics: log w is clamped to [-20, 20] before exp (e^20 ~ 5e8 is outside every 
 regions are evaluated in float64 on log w, and groups with equal rewards get exactly zero advantage.
 
     python loss.py calibrate RUN_DIR --rules grpo,atr,kl-atomic,interval --target-rate 0.02
-reads the per-token records a run wrote (train.py --log-tokens N) and compares rules at equal clip rate.
+reads the per-token records a run wrote (train.py --log-tokens N) and compares rules at equal clip rate,
+counted over the acting tokens: advantage not 0, after a rollout's first update (where w = 1).
 """
 
 from __future__ import annotations
@@ -408,8 +409,10 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     inputs: by name, every one of required_inputs(cfg) (see INPUTS); others from INPUTS are ignored.
     records: a list to which one dict of numpy arrays per call is appended, one entry per masked
     token (mu, w, advantage, region_low, region_high, limit), for write_token_records.
-    metrics: plain floats, clip fractions (region below / above, limits), k3 KL, ratio range, and a
-    table by old-probability bucket.
+    metrics: plain floats, clip fractions over all tokens (region below / above, limits), the share of
+    tokens with non-zero advantage and the fraction of those any clip stopped (active_share,
+    active_clip_frac), k3 KL, ratio range, and a table by old-probability bucket (metric_share says
+    which tokens each value is a mean over).
     """
     rule = get_rule(cfg.rule)
     mask, adv = _check_inputs(logp, old_logp, advantages, mask, cfg, inputs)
@@ -496,10 +499,32 @@ def _metrics(log_ratio, old_logp, adv, mask, clip: Clip, ref_kl) -> dict[str, fl
     count = bucket.sum(0).clamp_min(1)
     share, sign = bucket.sum(0) / len(w), (bucket * a.sign()[:, None]).sum(0) / count
     region_clip, limit_clip = (bucket * (low + high)[:, None]).sum(0) / count, (bucket * limit[:, None]).sum(0) / count
+    # A token with zero advantage has no gradient to stop: the rates over the others say how often a clip acts.
+    active = (a != 0).double()
+    stopped = (low + high + limit) * active
+    stats |= {"active_share": active.mean(), "active_clip_frac": stopped.sum() / active.sum().clamp_min(1)}
+    active_count = (bucket * active[:, None]).sum(0)
+    active_share, active_clip = active_count / len(w), (bucket * stopped[:, None]).sum(0) / active_count.clamp_min(1)
     for i, label in enumerate(MU_LABELS):
         stats |= {f"mu[{label}]/share": share[i], f"mu[{label}]/adv_sign": sign[i],
-                  f"mu[{label}]/clip_frac": region_clip[i], f"mu[{label}]/limit_frac": limit_clip[i]}
+                  f"mu[{label}]/clip_frac": region_clip[i], f"mu[{label}]/limit_frac": limit_clip[i],
+                  f"mu[{label}]/active_share": active_share[i], f"mu[{label}]/active_clip_frac": active_clip[i]}
     return dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one device sync
+
+
+def metric_share(key: str) -> str | None:
+    """The metric that gives the share of a micro-batch's tokens `key` is a mean over (None: all of them).
+
+    Merging micro-batches weights each one's value by its tokens times that share: mu[BUCKET]/clip_frac is a
+    mean over the bucket's tokens (mu[BUCKET]/share), active_clip_frac over the tokens with non-zero
+    advantage (active_share), mu[BUCKET]/active_clip_frac over the bucket's such tokens.
+    """
+    bucket, _, name = key.rpartition("/")
+    if name in ("share", "active_share") or not (bucket.startswith("mu[") or key == "active_clip_frac"):
+        return None
+    if key == "active_clip_frac":
+        return "active_share"
+    return f"{bucket}/active_share" if name.startswith("active_") else f"{bucket}/share"
 
 
 @torch.no_grad()
@@ -955,25 +980,49 @@ def read_token_records(run_dir: str | Path) -> dict[str, np.ndarray]:
 # ----------------------------------------------------------------------------- calibrate from a run
 
 
+def acting_tokens(records: dict[str, np.ndarray]) -> np.ndarray:
+    """Bool mask of the records a clip can act on: non-zero advantage and, where the records say which update
+    of the rollout they are from (train.py writes `update`), not the first one, where w = 1."""
+    acting = records["advantage"] != 0
+    return acting & (records["update"] > 0) if "update" in records else acting
+
+
+def calibrate_to(records: dict[str, np.ndarray], cfg: LossConfig, target_rate: float) -> float:
+    """The delta at which cfg's rule (its other fields as they are: ratio limits, delta_high/delta) stops
+    target_rate of the acting tokens of a run's records, counted as policy_loss counts them."""
+    acting = acting_tokens(records)
+    mu, w, adv = (torch.as_tensor(records[name][acting], dtype=torch.float64) for name in ("mu", "w", "advantage"))
+    options = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "rule"}
+    return calibrate_delta(cfg.rule, mu, w, target_rate, advantages=adv, **options)
+
+
 def calibration_report(records: dict[str, np.ndarray], rules: list[str], target_rate: float,
                        ratio_limits: tuple[float, float] = (0.5, 10.0)) -> list[str]:
     """Lines comparing rules at equal clip rate and at equal expected log-width (the first rule's).
 
-    A rule with a delta is calibrated to target_rate; one without a delta but with an interval (the
-    `interval` arm) is not calibratable and is reported at ratio_limits.
+    Rates are over the acting tokens (acting_tokens: non-zero advantage, after a rollout's first update);
+    each rule's rate over every recorded token, the older count, follows in brackets. A rule with a delta
+    is calibrated to target_rate; one without a delta but with an interval (the `interval` arm) is not
+    calibratable and is reported at ratio_limits.
     """
     for rule in rules:
         spec = get_rule(LossConfig(rule=rule).rule)
         if spec.needs or (spec.bounds is None and spec.region is None):
             raise ValueError(f"rule {rule!r} cannot be calibrated on per-token records: "
                              + (f"it needs {', '.join(spec.needs)}" if spec.needs else "it has no trust region"))
+    acting = torch.as_tensor(acting_tokens(records))
+    if not acting.any():
+        raise ValueError("the records hold no token a clip can act on (all advantages zero, or one update per rollout)")
     mu, w, adv = (torch.as_tensor(records[name], dtype=torch.float64) for name in ("mu", "w", "advantage"))
+    every_token = _Recorded.of(mu, w, adv)
+    mu, w, adv = mu[acting], w[acting], adv[acting]
     tokens = _Recorded.of(mu, w, adv)
     bucket = torch.bucketize(mu, torch.tensor(MU_EDGES, dtype=torch.float64))
     mu_quantiles = torch.quantile(mu, (torch.arange(1000, dtype=torch.float64) + 0.5) / 1000)  # for E[width]
-    lines = [f"{len(mu)} tokens from {len(np.unique(records['step']))} steps; clip rate = tokens outside the "
-             f"region and pushed outward (as policy_loss counts); target {target_rate:.2%}",
-             f"equal width: E over the recorded mu of log(hi) - log(lo), each side within +-{LOG_RATIO_CAP:g}, "
+    lines = [f"{len(mu)} acting tokens (advantage not 0, after a rollout's first update) of {len(acting)} recorded, "
+             f"from {len(np.unique(records['step']))} steps; clip rate = acting tokens outside the region and pushed "
+             f"outward (as policy_loss counts), [over every recorded token]; target {target_rate:.2%}",
+             f"equal width: E over the acting tokens' mu of log(hi) - log(lo), each side within +-{LOG_RATIO_CAP:g}, "
              f"equal to {rules[0]}'s"]
     reference_width = None
     for rule in rules:
@@ -983,14 +1032,16 @@ def calibration_report(records: dict[str, np.ndarray], rules: list[str], target_
         else:
             delta, options = calibrate_delta(rule, mu, w, target_rate, advantages=adv), {}
             head = f"{rule}: delta {delta:.6g}"
-        clipped = tokens.clipped(LossConfig(rule=rule, delta=delta, **options)).double()
+        rule_cfg = LossConfig(rule=rule, delta=delta, **options)
+        clipped, everywhere = tokens.clipped(rule_cfg).double(), every_token.clipped(rule_cfg).double()
         by_bucket = [clipped[bucket == i].mean().item() if (bucket == i).any() else math.nan
                      for i in range(len(MU_LABELS))]
         intervals = [ratio_bounds(rule, delta, m, **options) for m in (0.5, 0.05, 0.005)]
         width = expected_log_width(rule, delta, mu_quantiles, **options)
         reference_width = width if reference_width is None else reference_width
         equal = delta_for_width(rule, reference_width, mu_quantiles) if delta is not None else None
-        lines += [f"{head}  clips {clipped.mean().item():.2%}  E[log width] {width:.4g}",
+        lines += [f"{head}  clips {clipped.mean().item():.2%} [{everywhere.mean().item():.2%}]  "
+                  f"E[log width] {width:.4g}",
                   "  interval at mu 0.5 / 0.05 / 0.005: " + "  ".join(
                       f"[{lo.item():.4g}, {hi.item():.4g}]" for lo, hi in intervals),
                   "  clip rate by old probability: " + "  ".join(

@@ -3,13 +3,16 @@ Pictures of training runs: reward, accuracy and held-out accuracy, entropy, comp
 gradient norm and speed, fit for a report.
 
     python plot.py runs/A [runs/B ...] [--out DIR] [--smooth N]
+    python plot.py --counterfactual runs/counterfactual [--out DIR]
 
 Reads each run directory that train.py wrote (metrics.jsonl: one JSON object a step; summary.json: the held-out
 accuracy before and after training) and writes one PNG per figure, printing each path. Several runs are drawn on
 the same axes, one colour per run, named by their directories: that is how two rules are compared. A metric that no
 run logged is left out, and a figure with nothing to show is not written. Every panel's axis says what it
 counts and in which unit; shares of completions or tokens are drawn from 0; a figure of one run is titled by
-its name; the clip table prints its percentages in cells large enough to read on paper.
+its name; the clip table prints its percentages in cells large enough to read on paper. With --counterfactual
+it draws the table of counterfactual.py instead (its results.json): every arm's paired gap to grpo per
+measure, and the clip rate by old probability.
 """
 
 import argparse
@@ -49,7 +52,9 @@ FIGURES = {
     "entropy": [Panel("policy entropy", ("entropy",), "nats per completion token")],
     "length": [Panel("completion length", ("completion_length",), "tokens per completion (mean)"),
                Panel("truncated at max_new_tokens", ("truncated",), "fraction of completions", fraction=True)],
-    "clipping": [Panel("clipped below (ratio under its lower bound)", ("clip_low_frac",), TOKENS, fraction=True),
+    "clipping": [Panel("clip rate: acting tokens after a rollout's first update", ("clip_rate",),
+                       "fraction of tokens with A != 0", fraction=True),
+                 Panel("clipped below (ratio under its lower bound)", ("clip_low_frac",), TOKENS, fraction=True),
                  Panel("clipped above (ratio over its upper bound)", ("clip_high_frac",), TOKENS, fraction=True),
                  Panel("stopped by --ratio-limits or --dual-clip", ("limit_clip_frac",), TOKENS, fraction=True)],
     "kl": [Panel("KL to the sampling policy (k3 estimate)", ("approx_kl",), "nats per completion token"),
@@ -221,7 +226,12 @@ def bucket_labels(runs: Sequence[Run]) -> list[str]:
 
 def bucket_clipped(record: dict, label: str) -> float:
     """A step's clipped fraction in one old-probability bucket, region and limits together; NaN if not logged,
-    or if the bucket held no token that step (nothing to clip is not "none clipped")."""
+    or if the bucket held no token that step (nothing to clip is not "none clipped"). Where the step logged its
+    clip rate (train.py's mu[BUCKET]/clip_rate: the bucket's tokens with non-zero advantage, after the rollout's
+    first update) it is that, NaN when none of them was there; else the older count over all the bucket's tokens."""
+    if f"mu[{label}]/clip_rate" in record:
+        rate = record[f"mu[{label}]/clip_rate"]
+        return np.nan if rate is None else rate
     region, limit = record.get(f"mu[{label}]/clip_frac"), record.get(f"mu[{label}]/limit_frac")
     if region is None or record.get(f"mu[{label}]/share") == 0:
         return np.nan
@@ -257,8 +267,9 @@ def draw_bucket_table(runs: Sequence[Run]):
         ax.set_yticks(np.arange(len(labels)) + 0.5, labels, fontsize=11)
         ax.tick_params(axis="x", labelsize=11)
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-        ax.set_title(f"{run.name}: clipped by the region or the limits, per old probability (grey: no token)",
-                     fontsize=12)
+        honest = any(f"mu[{labels[0]}]/clip_rate" in r for r in run.records)
+        ax.set_title(f"{run.name}: clipped by the region or the limits, per old probability (grey: no token)"
+                     + ("\nof the tokens with A != 0 after a rollout's first update" if honest else ""), fontsize=12)
         ax.set_xlabel("step", fontsize=11)
         ax.set_ylabel("old probability of the token", fontsize=11)
         bar = fig.colorbar(mesh, ax=ax)
@@ -331,9 +342,75 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"plot.py: {message} (see --help)\n")
 
 
+# ----------------------------------------------------------------------------- counterfactual.py's table
+
+
+def plot_counterfactual(results: dict, out: Path) -> list[Path]:
+    """Two figures of counterfactual.py's results: gaps.png, each arm's paired gap to grpo per measure with
+    its 95% interval (filled where the gap is called a difference), and clip_buckets.png, each arm's clip rate
+    by old probability (acting tokens, ± se over rollouts)."""
+    measures, gaps, means = results["measures"], results["gaps"], results["means"]
+    arms = list(means)
+    written = []
+    if gaps:
+        columns = 3
+        rows = math.ceil(len(measures) / columns)
+        fig, grid = plt.subplots(rows, columns, figsize=(5 * columns, max(2.6, 0.35 * len(gaps) + 1.4) * rows),
+                                 squeeze=False)
+        for ax in list(grid.flat)[len(measures):]:
+            fig.delaxes(ax)
+        for ax, (measure, (heading, scale, _)) in zip(grid.flat, measures.items()):
+            names = list(gaps)
+            for y, arm in enumerate(names):
+                c = gaps[arm][measure]
+                if c["gap"] is None:
+                    continue
+                half = (c["ci95"] or 0.0) * scale
+                ax.errorbar(c["gap"] * scale, y, xerr=half, fmt="o", color="C0" if c["called"] else "0.5",
+                            markerfacecolor="C0" if c["called"] else "white", capsize=3)
+            ax.axvline(0, color="k", linewidth=0.8)
+            ax.set_yticks(range(len(names)), names)
+            ax.invert_yaxis()
+            ax.set(title=f"{heading}: arm - grpo", xlabel="paired gap (95% interval)")
+            ax.grid(alpha=0.3, axis="x")
+        written.append(write(fig, out / "gaps.png"))
+    labels = [key[len("clip["):-1] for key in next(iter(means.values())) if key.startswith("clip[")]
+    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(arms) * len(labels) / 3), 4.2))
+    width = 0.8 / len(arms)
+    for i, arm in enumerate(arms):
+        rates = [means[arm][f"clip[{label}]"] for label in labels]
+        heights = [np.nan if m is None else 100 * m for m, _ in rates]
+        errors = [0 if se is None else 100 * se for _, se in rates]
+        ax.bar(np.arange(len(labels)) + (i - (len(arms) - 1) / 2) * width, heights, width, yerr=errors,
+               label=arm, color=plt.get_cmap("tab10")(i % 10), capsize=2)
+    ax.set_xticks(range(len(labels)), [f"μ {label}" for label in labels])
+    ax.set_xlim(-0.5, len(labels) - 0.5)
+    ax.set(title="clipped % of the acting tokens after a rollout's first update, by old probability μ",
+           ylabel="% clipped (± se over rollouts)")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8, ncol=2)
+    written.append(write(fig, out / "clip_buckets.png"))
+    return written
+
+
+def load_counterfactual(path: Path) -> dict:
+    results = path / "results.json"
+    if not results.is_file():
+        raise ValueError(f"--counterfactual {path}: no results.json in it; expected a counterfactual.py directory")
+    try:
+        data = json.loads(results.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{results}: invalid JSON ({error.msg})") from None
+    if not isinstance(data, dict) or not {"measures", "means", "gaps"} <= data.keys():
+        raise ValueError(f"{results}: not counterfactual.py's results (no measures, means and gaps)")
+    return data
+
+
 def main(argv: Sequence[str] | None = None) -> list[Path]:
     parser = _Parser(description=__doc__.strip().splitlines()[0], allow_abbrev=False)
-    parser.add_argument("runs", nargs="+", type=Path, help="run directories written by train.py (runs/NAME)")
+    parser.add_argument("runs", nargs="*", type=Path, help="run directories written by train.py (runs/NAME)")
+    parser.add_argument("--counterfactual", type=Path, default=None, metavar="DIR",
+                        help="draw counterfactual.py's table from DIR/results.json instead of runs")
     parser.add_argument("--out", type=Path, default=None, help="folder for the PNG files (default: RUN/plots for "
                         "one run, plots-A-vs-B beside the first run for several)")
     parser.add_argument("--smooth", type=int, default=1, metavar="N", help="draw the trailing mean over N steps, "
@@ -341,6 +418,19 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
     args = parser.parse_args(argv)
     if args.smooth < 1:
         parser.error(f"--smooth {args.smooth}: must be >= 1")
+    if (args.counterfactual is None) == (not args.runs):
+        parser.error("give run directories, or --counterfactual DIR alone")
+    if args.counterfactual is not None:
+        out = args.out or args.counterfactual / "figures"
+        try:
+            results = load_counterfactual(args.counterfactual)
+            out.mkdir(parents=True, exist_ok=True)
+        except (ValueError, OSError) as error:
+            fail(str(error))
+        written = plot_counterfactual(results, out)
+        for path in written:
+            print(path)
+        return written
     names = run_names(args.runs)
     out = args.out or default_out(args.runs, names)
     try:

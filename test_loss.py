@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from loss import (AGGREGATIONS, INPUTS, RULES, LossConfig, advantages, calibrate_delta, calibration_report,
-                  full_vocab_kl, group_advantages, main, policy_loss, ratio_bounds, read_token_records,
+                  full_vocab_kl, group_advantages, main, metric_share, policy_loss, ratio_bounds, read_token_records,
                   required_inputs, write_token_records)
 
 f64 = torch.float64
@@ -516,6 +516,24 @@ def test_metrics_table_by_old_probability_bucket():
     assert metrics["ratio_max"] == pytest.approx(2.0) and metrics["ratio_min"] == pytest.approx(0.5)
     assert metrics["ratio_mean"] == pytest.approx(masked_w.mean().item())
     assert metrics["approx_kl"] == pytest.approx((masked_w - 1 - masked_w.log()).mean().item())
+
+
+def test_clip_rates_of_acting_tokens_leave_out_zero_advantages():
+    mu = torch.tensor([[0.95, 0.95, 0.3, 0.3, 0.005, 0.005]], dtype=f64)
+    w = torch.tensor([[1.5, 1.5, 0.5, 1.0, 2.0, 2.0]], dtype=f64)
+    adv = torch.tensor([[1.0, 0.0, -1.0, 0.0, 1.0, 1.0]], dtype=f64)  # per token, to place the zeros
+    _, metrics = policy_loss((mu * w).log(), mu.log(), adv, torch.ones(1, 6, dtype=torch.bool), LossConfig(rule="grpo"))
+    # stopped: w=1.5 A>0 (region), w=0.5 A<0 (region), both w=2 A>0 (region); the zero-advantage tokens never
+    assert metrics["active_share"] == pytest.approx(4 / 6)
+    assert metrics["active_clip_frac"] == pytest.approx(4 / 4)
+    assert metrics["clip_low_frac"] + metrics["clip_high_frac"] == pytest.approx(4 / 6)  # the older count
+    assert metrics["mu[>0.9]/active_share"] == pytest.approx(1 / 6)
+    assert metrics["mu[>0.9]/active_clip_frac"] == 1.0 and metrics["mu[>0.9]/clip_frac"] == 0.5
+    assert metrics["mu[0.5-0.9]/active_clip_frac"] == 0.0  # no tokens: 0, weighted by its share 0 when merged
+    assert metric_share("mu[>0.9]/active_clip_frac") == "mu[>0.9]/active_share"
+    assert metric_share("mu[>0.9]/clip_frac") == "mu[>0.9]/share"
+    assert metric_share("active_clip_frac") == "active_share"
+    assert {metric_share(k) for k in ("mu[>0.9]/share", "mu[>0.9]/active_share", "approx_kl")} == {None}
 
 
 def test_calibrate_delta_reaches_the_target_clip_fraction():

@@ -137,6 +137,29 @@ def test_the_bucket_table_counts_region_and_limit_clips_together():
     record = {"mu[<0.01]/clip_frac": 0.25, "mu[<0.01]/limit_frac": 0.5, "mu[>0.9]/clip_frac": 0.125}
     assert plot.bucket_clipped(record, "<0.01") == 0.75 and plot.bucket_clipped(record, ">0.9") == 0.125
     assert math.isnan(plot.bucket_clipped(record, "0.1-0.5"))
+    # a step that logged its clip rate (acting tokens after the first update) is drawn with it, not the older count
+    honest = record | {"mu[<0.01]/clip_rate": 0.9, "mu[>0.9]/clip_rate": None}
+    assert plot.bucket_clipped(honest, "<0.01") == 0.9 and math.isnan(plot.bucket_clipped(honest, ">0.9"))
+
+
+def test_the_counterfactual_table_is_drawn_and_bad_directories_are_one_line(tmp_path, capsys):
+    comparison = {"gap": 0.01, "se": 0.002, "n": 30, "t": 5.0, "p": 1e-5, "p_holm": 1e-4, "mde": 0.009,
+                  "called": True, "ci95": 0.004}
+    measures = {"kl": ["KL", 1000, 2], "clip": ["clipped %", 100, 1]}
+    means = {arm: {"kl": [0.01, 0.001], "clip": [0.2, 0.01], **{f"clip[{b}]": [0.1 * i, 0.01] for i, b in
+                                                                  enumerate(BUCKETS)}} for arm in ("grpo", "atr")}
+    folder = tmp_path / "cf"
+    folder.mkdir()
+    (folder / "results.json").write_text(json.dumps({"measures": measures, "means": means,
+                                                     "gaps": {"atr": {"kl": comparison, "clip": comparison}}}))
+    written = plot.main(["--counterfactual", str(folder)])
+    assert [path.name for path in written] == ["gaps.png", "clip_buckets.png"]
+    for path in written:
+        assert path.parent == folder / "figures"
+        check_png(path)
+    assert "no results.json in it" in user_error(["--counterfactual", str(tmp_path)], capsys)
+    assert "--counterfactual DIR alone" in user_error([str(folder), "--counterfactual", str(folder)], capsys)
+    assert "--counterfactual DIR alone" in user_error([], capsys)
 
 
 UNITS = ("nats", "tokens", "fraction", "seconds", "reward per completion", "no unit", "%")

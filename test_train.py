@@ -393,6 +393,40 @@ def test_group_minibatches_hold_whole_prompts_and_every_row_once(prompts, update
     assert {len(rows) // 4 for rows in minibatches} <= {prompts // updates, -(-prompts // updates)}
     by_rows = train.shuffled_minibatches(prompts * 4, dataclasses.replace(cfg, shuffle="rows"), step=3)
     assert sorted(torch.cat(by_rows).tolist()) == list(range(prompts * 4))
+def test_merged_micro_batches_give_the_whole_batch_metrics():
+    g = torch.Generator().manual_seed(3)
+    old_logp = torch.empty(6, 8).uniform_(-6, -0.05, generator=g)
+    logp = old_logp + 0.4 * torch.randn(6, 8, generator=g)
+    adv = torch.tensor([1.0, -1.0, 0.0, 0.5, 0.0, -2.0])
+    mask = torch.arange(8)[None, :] < torch.tensor([8, 3, 5, 8, 2, 6])[:, None]
+    cfg = train.loss.LossConfig(rule="atr")
+
+    def metrics(rows):
+        m = train.loss.policy_loss(logp[rows], old_logp[rows], adv[rows], mask[rows], cfg)[1]
+        return m | {"tokens": int(mask[rows].sum())}
+
+    whole, merged = metrics(slice(0, 6)), train.merge_metrics([metrics(slice(0, 2)), metrics(slice(2, 6))])
+    for key in merged:
+        if not key.endswith(("_min", "_max")):
+            assert merged[key] == pytest.approx(whole[key], abs=1e-6), key
+    assert whole["active_clip_frac"] > 0 and whole["active_share"] < 1
+
+
+def test_the_clip_rate_counts_acting_tokens_after_the_first_update(tiny_model_dir, tmp_path):
+    run_training(tiny_args(tiny_model_dir, tmp_path, "rate", "--steps", "2", "--log-tokens", "1000",
+                           "--updates-per-rollout", "2", "--lr", "0.2"))
+    records = train.loss.read_token_records(tmp_path / "rate")
+    lines = metric_lines(tmp_path / "rate")
+    for step, line in enumerate(lines, 1):
+        mine = {name: column[records["step"] == step] for name, column in records.items()}
+        assert sorted(set(mine["update"].tolist())) == [0, 1]
+        acting = (mine["advantage"] != 0) & (mine["update"] == 1)
+        stopped = mine["region_low"] | mine["region_high"] | mine["limit"]
+        assert line["clip_rate_tokens"] == acting.sum()
+        assert line["clip_rate"] == (pytest.approx(stopped[acting].mean()) if acting.any() else None)
+        assert sum(line[f"mu[{b}]/clip_rate_tokens"] for b in train.loss.MU_LABELS) == acting.sum()
+        assert not stopped[mine["update"] == 0].any()  # the first update starts at w = 1: nothing clips
+    assert any(line["clip_rate"] for line in lines), "nothing clipped: the test says nothing"
 
 
 def test_a_resumed_run_refuses_settings_that_name_another_run(tiny_model_dir, tmp_path):

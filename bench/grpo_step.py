@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import config  # noqa: E402
 import reward  # noqa: E402
+import sizes  # noqa: E402
 import train  # noqa: E402
 import weights  # noqa: E402
 from data import load_problems, render_prompt  # noqa: E402
@@ -83,8 +84,8 @@ def ours_worker(conn, steps: int, prompts: int) -> None:
     cfg = demo_config(prompts)
     model, tokenizer, optimizer, _ = train.build(cfg)
     problems, sampling = demo_problems(cfg, steps), Laps()
-    cfg = train.resolve_automatic(cfg, model, tokenizer, problems)
-    pool = train.sampler_pool(cfg, model, tokenizer, problems, {})  # one KV pool for the run, as train.py's
+    cfg = sizes.resolve_automatic(cfg, model, tokenizer, problems)
+    pool = sizes.sampler_pool(cfg, model, tokenizer, problems, {})  # one KV pool for the run, as train.py's
     train.sample, train.score = sampling.wrap(train.sample), sampling.wrap(train.score)
     conn.send("ready")
     for step in range(1, steps + 1):
