@@ -116,7 +116,7 @@ class Config:
     seed: int = opt(0, "seed for data order, sampling and adapters")
     checkpoint_every: int = opt(10, "checkpoint every N steps (and at the end and on Ctrl-C)")
     log_tokens: int = opt(0, "per step, record this many sampled completion tokens (mu, w, advantage, clip flags) "
-                             "in RUN/tokens/ for `python loss.py calibrate RUN`; 0 = off")
+                             "in RUN/tokens/ for `python calibrate.py RUN`; 0 = off")
     gpu_memory: float | None = opt(None, "GPU memory budget in GB for --plan and the automatic batch sizes; "
                                          "empty = the GPU's (80 without one)")
     world_size: int = opt(0, "processes the run is meant for: --plan plans each rank's memory for this many; 0 = "

@@ -12,7 +12,8 @@ few steps, the points. From each point, each rollout (--rollout-prompts fresh pr
 restored and train.policy_update applies the arm's update to that rollout: the same mini-batches in the
 same order, the same optimizer state, only the loss differs. The pilot trains on --prompts-per-step prompts
 a step, enough for its groups to find rewards; a rollout of one prompt costs a quarter of a step of four,
-and each measure is paired within the rollout, so many small rollouts buy more than a few large ones. What each update did is measured on the rollout and with one fresh sample:
+and each measure is paired within the rollout, so many small rollouts buy more than a few large ones.
+What each update did is measured on the rollout and with one fresh sample:
 
     kl              KL(new || old) over the whole vocabulary at each completion position, mean per token
     entropy         change of the policy's entropy (nats) at those positions, exact over the vocabulary
@@ -26,7 +27,7 @@ and each measure is paired within the rollout, so many small rollouts buy more t
 
 Every difference to grpo is paired by rollout: its standard error shrinks with the number of rollouts,
 and with the study's 30 or more it is small enough to see what a rule does. Arms ending in -eq run at
-the delta that gives their rule grpo's clip rate on the pilot's token records (loss.calibrate_to).
+the delta that gives their rule grpo's clip rate on the pilot's token records (calibrate.calibrate_to).
 
 OUT/pilot holds the pilot (metrics.jsonl, tokens/, points/step-N); OUT/rollouts/point-P.jsonl a line
 per rollout drawn with every arm's effects (the points run in --workers processes at once);
@@ -51,6 +52,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import calibrate
 import config
 import lora
 import loss
@@ -146,7 +148,7 @@ def run_pilot(cfg: config.Config, out: Path, points: list[int]) -> None:
         problems = train.batch_of(train_set, (step - 1) * cfg.prompts_per_step, cfg.prompts_per_step, cfg.seed)
         record, records = train.train_step(model, optimizer, tokenizer, problems, cfg, step)
         if records:
-            loss.write_token_records(pilot / "tokens" / f"step-{step:06d}.npz", records, cfg.log_tokens,
+            calibrate.write_token_records(pilot / "tokens" / f"step-{step:06d}.npz", records, cfg.log_tokens,
                                      seed=cfg.seed * 1_000_003 + step)
         with (pilot / "metrics.jsonl").open("a") as f:
             f.write(rundir.to_json(record) + "\n")
@@ -219,10 +221,10 @@ def _mean_or_nan(x: torch.Tensor) -> float:
 
 def clip_rates(records: list[dict]) -> dict:
     """From one update's per-token records (every token of every update): the clipped share of the acting
-    tokens (loss.acting_tokens), overall and per old-probability bucket, and of every token (the older count)."""
+    tokens (calibrate.acting_tokens), overall and per old-probability bucket, and of every token (the older count)."""
     columns = {name: np.concatenate([r[name] for r in records]) for name in records[0]}
     stopped = columns["region_low"] | columns["region_high"] | columns["limit"]
-    acting = loss.acting_tokens(columns)
+    acting = calibrate.acting_tokens(columns)
     bucket = np.digitize(columns["mu"], loss.MU_EDGES, right=True)  # the buckets of torch.bucketize in loss.py
     by_bucket = {f"clip[{label}]": float(stopped[acting & (bucket == i)].mean()) if (acting & (bucket == i)).any()
                  else math.nan for i, label in enumerate(loss.MU_LABELS)}
@@ -284,13 +286,13 @@ def arm_configs(shared: list[str], arms: list[str], deltas: dict[str, float],
     return cfgs
 
 
-def calibrate(out: Path, shared: list[str], arms: list[str]) -> dict:
+def calibrated_deltas(out: Path, shared: list[str], arms: list[str]) -> dict:
     """grpo's clip rate on the pilot's records (acting tokens) and the delta giving each -eq arm that rate;
     kept in OUT/calibration.json, so a resumed run uses the same deltas."""
     path = out / "calibration.json"
     if path.is_file():
         return json.loads(path.read_text())
-    records = loss.read_token_records(out / "pilot")
+    records = calibrate.read_token_records(out / "pilot")
     calibration = study.calibrate_arms(records, shared, arms, source=str(out / "pilot"))
     rundir.write_json(path, calibration)
     return calibration
@@ -427,7 +429,8 @@ def main(argv: list[str] | None = None) -> None:
         study.check_settings(args.out, settings | {"arms": args.arms}, keys=tuple(settings),
                              started=(args.out / "pilot").exists())
         run_pilot(pilot_cfg, args.out, args.points)
-    calibration = calibrate(args.out, shared, args.arms) if any(a.endswith(study.EQUAL_RATE) for a in args.arms) else {}
+    equal_rate = any(arm.endswith(study.EQUAL_RATE) for arm in args.arms)
+    calibration = calibrated_deltas(args.out, shared, args.arms) if equal_rate else {}
     arms = arm_configs(shared, [arm for arm in args.arms if arm not in calibration.get("unreachable", {})],
                        calibration.get("deltas", {}), args.rollout_prompts)
     if args.point is not None:  # one worker of run_points

@@ -18,7 +18,7 @@ in -eq run at the delta that clips grpo's rate (of the acting tokens: advantage 
 rollout's first update) on grpo-s0's per-token records, which therefore runs first.
 
 Each (arm, seed) is one train.py subprocess writing OUT/runs/ARM-sSEED (metrics.jsonl, summary.json and
-per-token records in tokens/ for `python loss.py calibrate`), its output in OUT/logs/; --workers run at
+per-token records in tokens/ for `python calibrate.py`), its output in OUT/logs/; --workers run at
 once. Run again with the same flags, a study skips finished runs, resumes runs that have a checkpoint
 and restarts the rest. At the end it writes OUT/table.md, OUT/results.json (with OUT/calibration.json's
 deltas and target) and OUT/figures/seed-S/ (plot.py, the arms overlaid).
@@ -39,8 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+import calibrate
 import config
-import loss
 import rundir
 from eval import strict_json
 from loss import MU_LABELS  # the old-probability buckets of the metrics
@@ -82,7 +82,7 @@ TRAIN_FLAGS = {
     "eval_problems": (64, "held-out problems (the first N of the set, the same for every run)"),
     "eval_k": (2, "samples per held-out problem"),
     "eval_every": (0, "also evaluate every N steps (0: before and after only)"),
-    "log_tokens": (2000, "per-token records per step, for loss.py calibrate and the -eq arms"),
+    "log_tokens": (2000, "per-token records per step, for calibrate.py and the -eq arms"),
     "checkpoint_every": (5, "checkpoint every N steps, where a killed study resumes"),
 }
 FLAG_TYPES = {"updates_per_rollout": int, "lr": float}
@@ -124,7 +124,7 @@ def calibrate_arms(records: dict[str, np.ndarray], shared: list[str], arms: list
     """grpo's clip rate on its own records (the acting tokens: advantage not 0, after a rollout's first update)
     and, for each -eq arm, the delta at which its rule clips that rate of the same tokens. An arm no delta
     brings to the rate (its ratio limits alone clip more) is left out, with the reason."""
-    acting = loss.acting_tokens(records)
+    acting = calibrate.acting_tokens(records)
     stopped = records["region_low"] | records["region_high"] | records["limit"]
     target = float(stopped[acting].mean()) if acting.any() else math.nan
     calibration = {"source": source, "tokens": int(acting.sum()), "target": target, "deltas": {}, "unreachable": {}}
@@ -137,7 +137,7 @@ def calibrate_arms(records: dict[str, np.ndarray], shared: list[str], arms: list
             continue
         cfg, _, _ = config.parse_args(shared + ARMS[arm[:-len(EQUAL_RATE)]])
         try:
-            calibration["deltas"][arm] = loss.calibrate_to(records, cfg.loss, target)
+            calibration["deltas"][arm] = calibrate.calibrate_to(records, cfg.loss, target)
         except ValueError as error:
             calibration["unreachable"][arm] = str(error)
     return calibration
@@ -358,8 +358,8 @@ def power_lines(rows: list[dict], problems: int, k: int) -> list[str]:
              f"its standard errors (paired t, {seeds - 1} df, Bonferroni level; Holm for the tests), and called "
              f"a difference (*) only then. The held-out sampling alone (binomial, at the mean accuracy "
              f"{_number(accuracy)}%) puts a floor of {_number(floor)} points under a detectable accuracy gap.",
-             "", "| arm | detectable accuracy gap, points | detectable entropy gap | detectable clip-rate gap, points |",
-             "| --- | --: | --: | --: |"]
+             "", "| arm | detectable accuracy gap, points | detectable entropy gap "
+                 "| detectable clip-rate gap, points |", "| --- | --: | --: | --: |"]
     for row in rows:
         if row["gaps"]:
             g = row["gaps"]
@@ -371,13 +371,14 @@ def power_lines(rows: list[dict], problems: int, k: int) -> list[str]:
 def markdown_table(rows: list[dict], baseline: str = "grpo", problems: int = 0, k: int = 0) -> str:
     """The power statement, then two markdown tables: held-out accuracy with the paired gap, the diagnostics."""
     lines = power_lines(rows, problems, k) + [""] if any(row["gaps"] for row in rows) and problems else []
-    lines += ["| arm | train.py flags | seeds | held-out before % | after % | after - " + baseline + " % | t | Holm p |",
+    lines += [f"| arm | train.py flags | seeds | held-out before % | after % | after - {baseline} % | t | Holm p |",
               "| --- | --- | --: | --: | --: | --: | --: | --: |"]
     for r in rows:
         c = r["gaps"]["after"] if r["gaps"] else Comparison(math.nan, math.nan, 0, math.nan, math.nan)
+        t = "-" if math.isnan(c.t) else f"{c.t:+.1f}"
+        holm = "-" if math.isnan(c.p_holm) else f"{c.p_holm:.2f}"
         lines.append(f"| {r['arm']} | `{' '.join(r.get('flags', ARMS.get(r['arm'], [])))}` | {r['seeds']} "
-                     f"| {_pct(*r['before'])} | {_pct(*r['after'])} | {_gap(c, 100, 1)} "
-                     f"| {'-' if math.isnan(c.t) else f'{c.t:+.1f}'} | {'-' if math.isnan(c.p_holm) else f'{c.p_holm:.2f}'} |")
+                     f"| {_pct(*r['before'])} | {_pct(*r['after'])} | {_gap(c, 100, 1)} | {t} | {holm} |")
     lines += ["", f"| arm | final entropy | - {baseline} | clipped % (acting, after 1st) | - {baseline} "
               f"| clipped % (all tokens) | " + " | ".join(f"at mu {b}" for b in MU_LABELS) + " |",
               "| --- | --: | --: | --: | --: | --: | " + " | ".join("--:" for _ in MU_LABELS) + " |"]
@@ -549,7 +550,7 @@ def grid_calibration(out: Path, shared: list[str], arms: list[str]) -> dict:
     if path.is_file():
         return json.loads(path.read_text())
     pilot = out / "runs" / "grpo-s0"
-    calibration = calibrate_arms(loss.read_token_records(pilot), shared, arms, source=str(pilot))
+    calibration = calibrate_arms(calibrate.read_token_records(pilot), shared, arms, source=str(pilot))
     rundir.write_json(path, calibration)
     for arm, why in calibration["unreachable"].items():
         print(f"study.py: {arm} left out: {why}", flush=True)

@@ -92,7 +92,7 @@ def test_two_rules_differ_only_where_their_regions_differ(setup):
             assert np.array_equal(mine["w"], theirs["w"]), (other, update)
             mu, w = (torch.as_tensor(mine[k], dtype=torch.float64) for k in ("mu", "w"))
             outward = torch.as_tensor(mine["advantage"], dtype=torch.float64) * (w - 1) > 0
-            inside = {rule: loss._inside(loss.get_rule(c.rule), w.log(), mu.log(), c)
+            inside = {rule: loss.inside(loss.get_rule(c.rule), w.log(), mu.log(), c)
                       for rule, c in (("grpo", cfg.loss), (other, arms[other].loss))}
             expected = ((inside["grpo"] != inside[other]) & outward).numpy()
             decided = {name: r["region_low"] | r["region_high"] | r["limit"]

@@ -375,7 +375,7 @@ def test_the_inert_trust_region_is_announced_when_a_chosen_rule_cannot_act():
 def test_token_records_are_written_every_step(tiny_model_dir, tmp_path):
     run_training(tiny_args(tiny_model_dir, tmp_path, "tokens", "--steps", "2", "--log-tokens", "5",
                            "--updates-per-rollout", "2"))
-    records = train.loss.read_token_records(tmp_path / "tokens")
+    records = train.calibrate.read_token_records(tmp_path / "tokens")
     assert sorted(set(records["step"].tolist())) == [1, 2] and len(records["step"]) <= 10
     assert ((records["mu"] > 0) & (records["mu"] <= 1)).all() and (records["w"] > 0).all()
 
@@ -415,7 +415,7 @@ def test_merged_micro_batches_give_the_whole_batch_metrics():
 def test_the_clip_rate_counts_acting_tokens_after_the_first_update(tiny_model_dir, tmp_path):
     run_training(tiny_args(tiny_model_dir, tmp_path, "rate", "--steps", "2", "--log-tokens", "1000",
                            "--updates-per-rollout", "2", "--lr", "0.2"))
-    records = train.loss.read_token_records(tmp_path / "rate")
+    records = train.calibrate.read_token_records(tmp_path / "rate")
     lines = metric_lines(tmp_path / "rate")
     for step, line in enumerate(lines, 1):
         mine = {name: column[records["step"] == step] for name, column in records.items()}

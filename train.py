@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+import calibrate  # noqa: E402
 import config  # noqa: E402
 import distributed  # noqa: E402
 import eval as evaluation  # noqa: E402
@@ -535,7 +536,7 @@ def run(cfg: Config, world: distributed.World, run_dir: Path, model, tokenizer, 
             if records and writer:
                 path = run_dir / "tokens" / f"step-{step:06d}.npz"
                 with rundir.writing(path):
-                    loss.write_token_records(path, records, cfg.log_tokens, seed=cfg.seed * 1_000_003 + step)
+                    calibrate.write_token_records(path, records, cfg.log_tokens, seed=cfg.seed * 1_000_003 + step)
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 with stop.immediate():
                     record["eval"] = evaluation.held_out(model, tokenizer, eval_sets, cfg, f"eval step {step}",
