@@ -524,6 +524,41 @@ def metric_share(key: str) -> str | None:
     return f"{bucket}/active_share" if name.startswith("active_") else f"{bucket}/share"
 
 
+def merge_metrics(metrics: list[dict]) -> dict:
+    """One step's metrics from its micro-batches': *_min and *_max are extremes, the rest token-weighted means.
+
+    A mean over some of the tokens (a bucket's mu[BUCKET]/adv_sign, ...) is weighted by those tokens (tokens x
+    the share metric_share names), so the merged value is the whole step's whichever way its rows were
+    split into micro-batches or ranks.
+    """
+    tokens = np.array([m["tokens"] for m in metrics], dtype=np.float64)
+    merged = {}
+    for key in metrics[0]:
+        values = np.array([m[key] for m in metrics], dtype=np.float64)
+        if key.endswith("_min") or key.endswith("_max"):
+            merged[key] = float(values.min() if key.endswith("_min") else values.max())
+            continue
+        share = metric_share(key)
+        weights = tokens * [m[share] for m in metrics] if share else tokens
+        merged[key] = float(values @ weights / weights.sum()) if weights.sum() else 0.0
+    del merged["tokens"]
+    return merged
+
+
+def clip_rates(metrics: list[dict]) -> dict:
+    """How often the clips act: of the tokens with non-zero advantage in these micro-batches (a step's updates
+    after the rollout's first, where w = 1 and nothing clips), the fraction any clip stopped, overall and per
+    old-probability bucket (clip_rate, mu[BUCKET]/clip_rate; None without such tokens), and how many tokens
+    each is over (*_tokens). clip_low_frac and the other *_frac keep the older count over every token."""
+    rates = {}
+    for prefix in ["", *(f"mu[{label}]/" for label in MU_LABELS)]:
+        counts = np.array([m["tokens"] * m[f"{prefix}active_share"] for m in metrics], dtype=np.float64)
+        clipped = float(np.array([m[f"{prefix}active_clip_frac"] for m in metrics]) @ counts) if metrics else 0.0
+        rates[f"{prefix}clip_rate"] = clipped / float(counts.sum()) if counts.sum() else None  # a float, not numpy
+        rates[f"{prefix}clip_rate_tokens"] = int(round(counts.sum()))
+    return rates
+
+
 @torch.no_grad()
 def _token_record(old_logp: Tensor, adv: Tensor, mask: Tensor, clip: Clip) -> dict[str, np.ndarray]:
     """One entry per masked token: mu, w (the ratio the rule clips: gspo's is the sequence ratio),

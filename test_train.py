@@ -405,7 +405,7 @@ def test_merged_micro_batches_give_the_whole_batch_metrics():
         m = train.loss.policy_loss(logp[rows], old_logp[rows], adv[rows], mask[rows], cfg)[1]
         return m | {"tokens": int(mask[rows].sum())}
 
-    whole, merged = metrics(slice(0, 6)), train.merge_metrics([metrics(slice(0, 2)), metrics(slice(2, 6))])
+    whole, merged = metrics(slice(0, 6)), train.loss.merge_metrics([metrics(slice(0, 2)), metrics(slice(2, 6))])
     for key in merged:
         if not key.endswith(("_min", "_max")):
             assert merged[key] == pytest.approx(whole[key], abs=1e-6), key

@@ -235,31 +235,17 @@ def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tens
         per_update.append(metrics)
     # every rank's micro-batches, update by update
     per_update = [sum(updates, []) for updates in zip(*world.gather(per_update))]
-    summary, start = merge_metrics(sum(per_update, [])), merge_metrics(per_update[0])
+    summary, start = loss.merge_metrics(sum(per_update, [])), loss.merge_metrics(per_update[0])
     applied = [norm for norm in grad_norms if norm is not None]
     summary.update(start_ratio_min=start["ratio_min"], start_ratio_max=start["ratio_max"],
                    grad_norm=float(np.mean(applied)) if applied else None,
-                   skipped_updates=len(grad_norms) - len(applied), **clip_rates(sum(per_update[1:], [])))
+                   skipped_updates=len(grad_norms) - len(applied), **loss.clip_rates(sum(per_update[1:], [])))
     if cfg.epochs > 1:  # where the clips happened: later passes start further from the sampling policy
         per_epoch = len(per_update) // cfg.epochs
         for epoch in range(cfg.epochs):
-            merged = merge_metrics(sum(per_update[epoch * per_epoch:(epoch + 1) * per_epoch], []))
+            merged = loss.merge_metrics(sum(per_update[epoch * per_epoch:(epoch + 1) * per_epoch], []))
             summary |= {f"epoch[{epoch + 1}]/{key}": merged[key] for key in CLIP_KEYS}
     return summary
-
-
-def clip_rates(metrics: list[dict]) -> dict:
-    """How often the clips act: of the tokens with non-zero advantage in these micro-batches (a step's updates
-    after the rollout's first, where w = 1 and nothing clips), the fraction any clip stopped, overall and per
-    old-probability bucket (clip_rate, mu[BUCKET]/clip_rate; None without such tokens), and how many tokens
-    each is over (*_tokens). clip_low_frac and the other *_frac keep the older count over every token."""
-    rates = {}
-    for prefix in ["", *(f"mu[{label}]/" for label in loss.MU_LABELS)]:
-        counts = np.array([m["tokens"] * m[f"{prefix}active_share"] for m in metrics], dtype=np.float64)
-        clipped = float(np.array([m[f"{prefix}active_clip_frac"] for m in metrics]) @ counts) if metrics else 0.0
-        rates[f"{prefix}clip_rate"] = clipped / float(counts.sum()) if counts.sum() else None  # a float, not numpy
-        rates[f"{prefix}clip_rate_tokens"] = int(round(counts.sum()))
-    return rates
 
 
 CLIP_KEYS = ("clip_low_frac", "clip_high_frac", "limit_clip_frac")
@@ -401,27 +387,6 @@ def window(out: rollout.Rollout, rows: torch.Tensor) -> tuple[torch.Tensor, torc
 def completion_states(h: torch.Tensor, start: int) -> torch.Tensor:
     """The hidden states [rows, c, hidden] that predict the completion tokens (positions start-1 .. W-2)."""
     return h[:, start - 1:-1]
-
-
-def merge_metrics(metrics: list[dict]) -> dict:
-    """One step's metrics from its micro-batches': *_min and *_max are extremes, the rest token-weighted means.
-
-    A mean over some of the tokens (a bucket's mu[BUCKET]/adv_sign, ...) is weighted by those tokens (tokens x
-    the share loss.metric_share names), so the merged value is the whole step's whichever way its rows were
-    split into micro-batches or ranks.
-    """
-    tokens = np.array([m["tokens"] for m in metrics], dtype=np.float64)
-    merged = {}
-    for key in metrics[0]:
-        values = np.array([m[key] for m in metrics], dtype=np.float64)
-        if key.endswith("_min") or key.endswith("_max"):
-            merged[key] = float(values.min() if key.endswith("_min") else values.max())
-            continue
-        share = loss.metric_share(key)
-        weights = tokens * [m[share] for m in metrics] if share else tokens
-        merged[key] = float(values @ weights / weights.sum()) if weights.sum() else 0.0
-    del merged["tokens"]
-    return merged
 
 
 class Stopwatch:
