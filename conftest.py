@@ -136,3 +136,16 @@ def assert_equal_to(got: torch.Tensor, expected: torch.Tensor, rel: float = 1e-1
     differ only in the order of their sums."""
     error, scale = (got - expected).abs().max().item(), expected.abs().max().item()
     assert got.shape == expected.shape and error <= rel * scale, f"off by {error:.3g}, {error / scale:.3g} relative"
+
+
+class RecordingSGD(torch.optim.SGD):
+    """Plain SGD (linear in the gradient, so a wrong normalization shows, where Adam would hide a constant
+    factor) that keeps the gradient of every optimizer step."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=1.0)
+        self.grads = []
+
+    def step(self, closure=None):
+        self.grads.append(torch.cat([p.grad.flatten() for group in self.param_groups for p in group["params"]]))
+        return super().step(closure)

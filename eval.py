@@ -17,8 +17,9 @@ If sampling fails or is interrupted, the problems finished so far are written be
 --run takes a training run's model, prompt (template, system prompt, thinking setting where the run has one),
 sampling, held-out sets and k, and its best adapter, prints the equivalent command, and lets flags override.
 
-The statistics are plain numpy over a [problems, samples] table of correct flags; evaluate() is the plain function
-train.py calls for periodic evaluation.
+The statistics are plain numpy over a [problems, samples] table of correct flags. evaluate() is the plain function
+train.py's held-out evaluation (held_out: each rank a slice of each set, over the run's KV pool) calls before,
+during and after training, so a run and this command measure the same way.
 """
 
 import argparse

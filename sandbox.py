@@ -7,7 +7,11 @@ when what it produces matches the test's expected output. The reward is 1 when e
 
     grades = sandbox.grade([program], [problem])      # problem: {"tests": [...], "style": "stdio", ...}
     rewards = sandbox.reward(completions, problems)   # extraction, grading, one float per completion
+    python train.py --dataset code --reward-fn sandbox:code_reward   # the built-in code reward function
     python sandbox.py PROGRAM.py --tests TESTS.json    # one JSON line: passed, total, reason, seconds
+
+Code grading is all here, apart from the math checker (reward.py): the reward function code_reward, and the
+step's code metrics (metric_rows, step_metrics: tests passed, why programs failed).
 
 Two test styles. "stdio" (Codeforces, CodeContests, TACO, APPS): the test's input is the program's
 standard input, and its standard output must equal the expected output token for token (a float token

@@ -17,7 +17,7 @@ import config
 import distributed
 import sizes
 import train
-from conftest import assert_equal_to
+from conftest import RecordingSGD, assert_equal_to
 
 TIMING_KEYS = {"step_seconds", "rollout_tokens_per_s", "reward_seconds", "train_tokens_per_s"}
 
@@ -61,19 +61,6 @@ def tiny_args(model_dir, out_dir, name: str, *extra: str) -> list[str]:
     return ["--model", str(model_dir), "--out-dir", str(out_dir), "--run-name", name, "--prompts-per-step", "4",
             "--group-size", "4", "--max-new-tokens", "6", "--lora-rank", "4", "--eval-problems", "3", "--eval-k", "2",
             "--eval-batch", "1", *extra]
-
-
-class RecordingSGD(torch.optim.SGD):
-    """Plain SGD (linear in the gradient, so a wrong normalization shows, where Adam would hide a constant
-    factor) that keeps the gradient of every optimizer step."""
-
-    def __init__(self, params):
-        super().__init__(params, lr=1.0)
-        self.grads = []
-
-    def step(self, closure=None):
-        self.grads.append(torch.cat([p.grad.flatten() for group in self.param_groups for p in group["params"]]))
-        return super().step(closure)
 
 
 STEP_CASES = {"token-mean": ("--aggregation", "token-mean"),

@@ -55,18 +55,23 @@ def test_live_bytes_counts_storages_once_and_forgets_freed_ones():
     assert tracker.live == 0
 
 
+def ready_to_train(model, checkpointing: bool):
+    """The model in training mode with zero gradients already allocated (as after a first micro-batch), seeded."""
+    model.gradient_checkpointing = checkpointing
+    model.train()
+    for p in lora.parameters(model):
+        p.grad = torch.zeros_like(p)
+    torch.manual_seed(1)
+    return model
+
+
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_plan_matches_a_real_cpu_training_micro_batch(small_model, checkpointing):
     """The planned micro-batch (meta, surrogate loss) against the real one: padded rows, loss.policy_loss."""
     work = dataclasses.replace(SMALL_WORK, gradient_checkpointing=checkpointing)
     planned = memory.Planner(SMALL, work).measure("train", ROWS)[1]
 
-    model = small_model
-    model.gradient_checkpointing = checkpointing
-    model.train()
-    for p in lora.parameters(model):
-        p.grad = torch.zeros_like(p)
-    torch.manual_seed(1)
+    model = ready_to_train(small_model, checkpointing)
     prompt_lens, completion_lens = torch.tensor([32, 20, 32, 8]), torch.tensor([96, 50, 70, 96])
     with memory.LiveBytes() as tracker:
         ids = torch.randint(0, SMALL.vocab_size, (ROWS, P + C))
@@ -86,12 +91,7 @@ def test_plan_matches_a_real_cpu_micro_batch_of_one_prompt_group(small_model, ne
     work = dataclasses.replace(SMALL_WORK, shuffle="groups", max_new_tokens=new_tokens)
     assert memory.prompts_per_pass(work, ROWS, "train") == [1]
     planned = memory.Planner(SMALL, work).measure("train", ROWS)[1]
-    model = small_model
-    model.gradient_checkpointing = True
-    model.train()
-    for p in lora.parameters(model):
-        p.grad = torch.zeros_like(p)
-    torch.manual_seed(1)
+    model = ready_to_train(small_model, True)
     lengths = torch.tensor([new_tokens, 50, 7, new_tokens - 1])
     with memory.LiveBytes() as tracker:
         prompt_ids = torch.randint(0, SMALL.vocab_size, (1, P))

@@ -23,7 +23,7 @@ import lora
 import sizes
 import train
 import weights
-from conftest import assert_equal_to
+from conftest import RecordingSGD, assert_equal_to
 
 TIMING_KEYS = {"step_seconds", "rollout_tokens_per_s", "reward_seconds", "train_tokens_per_s"}
 REAL_REWARD = train.reward.reward  # before varied_rewards replaces it
@@ -859,16 +859,6 @@ def test_saved_files_follow_the_umask(tiny_model_dir, tmp_path):
     for path in [tmp_path / "x", tmp_path / "shared" / "best", *(tmp_path / "x").iterdir(),
                  *(tmp_path / "shared" / "best").iterdir(), *(tmp_path / "shared").glob("checkpoint-*/adapter/*")]:
         assert path.stat().st_mode & 0o777 == (0o755 if path.is_dir() else 0o644), path
-class RecordingSGD(torch.optim.SGD):
-    """Plain SGD (linear in the gradient: a wrong normalization shows) keeping every optimizer step's gradient."""
-
-    def __init__(self, params):
-        super().__init__(params, lr=1.0)
-        self.grads = []
-
-    def step(self, closure=None):
-        self.grads.append(torch.cat([p.grad.flatten() for group in self.param_groups for p in group["params"]]))
-        return super().step(closure)
 
 
 def whole_rows(monkeypatch) -> None:
