@@ -268,6 +268,8 @@ def hostile_programs(victim: Path, secret_file: Path, port: int) -> dict[str, tu
     """name -> (program, problem, the reasons it may be graded with). Each prints the expected output only
     if its attack worked, so a pass would be an escape; the rest is checked on the machine afterwards."""
     home, repo = Path.home(), REPO
+    outside_tmp = [str(path) for path in (home / "pwned-sandbox", repo / "pwned-sandbox", victim)
+                   if not str(path.resolve()).startswith("/tmp/")]
     expect = lambda output: {"tests": [{"input": "", "output": output}]}  # noqa: E731
     escaped = expect("ESCAPED")
     return {
@@ -283,12 +285,13 @@ def hostile_programs(victim: Path, secret_file: Path, port: int) -> dict[str, tu
         "sleep past the limit": ("import time\ntime.sleep(3600)\nprint('ESCAPED')", escaped, {"timeout"}),
         "huge output": ("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)", escaped, {"output_limit"}),
         "write home and repository": (
-            # the victim sits under /tmp, which inside is the program's own directory: only the host can tell
-            f"import os\nwrote = []\nfor path in [{str(home / 'pwned-sandbox')!r}, {str(repo / 'pwned-sandbox')!r}, "
-            f"{str(victim)!r}]:\n    try:\n        os.makedirs(os.path.dirname(path), exist_ok=True)\n"
+            # /tmp inside is the program's own directory, so a write below it (the victim's, a repository
+            # cloned under /tmp) lands there: only the host can tell, afterwards; the program counts the rest
+            f"import os\nwrote = []\nfor path in {outside_tmp!r}:\n    try:\n"
+            f"        os.makedirs(os.path.dirname(path), exist_ok=True)\n"
             f"        with open(path, 'w') as f:\n            f.write('pwned')\n        wrote.append(path)\n"
             f"    except OSError:\n        pass\n"
-            f"print('ESCAPED' if wrote[:1] != [{str(victim)!r}] and wrote else 'no')",
+            f"print('ESCAPED' if wrote else 'no')",
             escaped, {"wrong_answer"}),
         "read environment": ("import os\nprint(os.environ.get('SANDBOX_TEST_SECRET', 'nothing'))",
                              expect(SECRET), {"wrong_answer"}),
