@@ -636,7 +636,7 @@ def grade(programs: Sequence[str | None], problems: Sequence[Mapping], *, limits
     graded without running. Raises SandboxUnavailable where programs cannot be isolated, ValueError for a
     malformed problem; never raises for anything a program does.
     """
-    from data.prepare import check_code_problem
+    from data.code_layouts import check_code_problem
 
     if len(programs) != len(problems):
         raise ValueError(f"programs and problems differ in length: {len(programs)} vs {len(problems)}")
@@ -747,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
         problem = {"style": "call" if args.fn_name else "stdio", **problem}
         problem.update({k: v for k, v in (("fn_name", args.fn_name), ("tolerance", args.tolerance)) if v is not None})
         limits = Limits(timeout=args.timeout, memory_bytes=int(args.memory_mb * 2**20))
-        from data.prepare import check_code_problem
+        from data.code_layouts import check_code_problem
 
         check_code_problem(problem, f"--tests {args.tests}")
     except (OSError, ValueError) as error:  # json's errors are ValueErrors

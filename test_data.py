@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from data import arithmetic_problems, load_problems, render_prompt, stop_ids, user_message
-from data import prepare
+from data import code_layouts, prepare
 from data.arithmetic import DEFAULT_KINDS, KINDS, problems_of
 
 SHARED = Path(__file__).resolve().parent / ".." / "shared" / "data"
@@ -700,7 +700,7 @@ def test_code_layouts_convert_local_copies(tmp_path, name, capsys):
     assert [(p["style"], p.get("fn_name"), p["tests"], p.get("tolerance"), p["id"]) for p in problems] == expected
     assert all(p["task"] == "code" and p["source"] == str(source) for p in problems)
     for p, (style, fn_name, *_rest) in zip(problems, expected):
-        assert (prepare.STDIO_NOTE in p["problem"]) == (style == "stdio")
+        assert (code_layouts.STDIO_NOTE in p["problem"]) == (style == "stdio")
         assert fn_name is None or f"Complete this code; each test calls {fn_name}" in p["problem"]
     if len(rows) > len(expected):
         assert "skipped" in capsys.readouterr().out
@@ -745,7 +745,7 @@ def test_tolerance_is_read_from_the_statement():
                                  ("The relative error must be at most 1e-4.", 1e-4),
                                  ("if the absolute error is less than 10^(-9)", 1e-9),
                                  ("Print the answer modulo 10^9+7.", None), ("no numbers", None)]:
-        assert prepare.tolerance_of(statement) == tolerance, statement
+        assert code_layouts.tolerance_of(statement) == tolerance, statement
 
 
 @pytest.mark.parametrize("record, message", [
