@@ -37,6 +37,7 @@ bench: setup
 	$(PY) bench/model.py
 	$(PY) bench/rollout.py
 	$(PY) bench/rollout.py --long-tail
+	$(PY) bench/rollout.py --products
 	$(PY) bench/reward.py
 	$(PY) bench/sandbox.py
 

@@ -292,6 +292,29 @@ class DecodeAttention:
 
 PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
+# Row counts at which decode_linear puts the weight on the left of a CPU product, each with the largest
+# in_features where that is faster: bench/rollout.py --products, at one and two threads.
+WEIGHT_LEFT_ROWS = {1: 1536, 2: float("inf"), 3: float("inf"), 4: 1536}
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for a decode step's activations x [rows, in] -> [rows, out].
+
+    A long-tailed rollout spends most of its decode steps on a handful of rows. There, on the CPU (torch's
+    BLAS, fp32), x @ weight.T is slower than weight @ x.T with the same operands, and one row's
+    matrix-vector product slower than a two-row product: at two and three rows by 1.1-5x for every shape
+    measured, at one (padded to two) and four rows only up to 1536 input features (beyond, at one thread,
+    0.6x), and at five or more rows not at all (`bench/rollout.py --products` and its table in the README).
+    So on the CPU the rows of WEIGHT_LEFT_ROWS run with the weight on the left. The result differs from
+    F.linear's by rounding only, as F.linear's own results differ between row counts; on other devices
+    this is F.linear."""
+    rows, in_features = x.shape
+    if x.device.type != "cpu" or in_features > WEIGHT_LEFT_ROWS.get(rows, 0):
+        return F.linear(x, weight, bias)
+    columns = (F.pad(x, (0, 0, 0, 1)) if rows == 1 else x).t()  # [in, >= 2]
+    out = torch.mm(weight, columns) if bias is None else torch.addmm(bias[:, None], weight, columns)
+    return out[:, :rows].t().contiguous()
+
 
 class DecodeWeights:
     """The projections of decode_step, prepared once per rollout instead of once per token.
@@ -349,7 +372,7 @@ class DecodeWeights:
     def project(self, index: int, x: torch.Tensor) -> list[torch.Tensor]:
         """The outputs of group `index` (layer * 4 + group) for its input x [rows, in]."""
         modules, A, Bs = self.groups[index]
-        outs = [F.linear(x, m.weight, m.bias) for m in modules]
+        outs = [decode_linear(x, m.weight, m.bias) for m in modules]
         if A is None:
             return outs
         xa = torch.mm(x, A)  # [rows, r_total]
@@ -603,7 +626,7 @@ class Transformer(nn.Module):
             gate, up = weights.project(4 * i + 2, block.post_attention_layernorm(x))
             (down,) = weights.project(4 * i + 3, F.silu(gate) * up)
             x = x + down
-        return self.lm_head(self.model.norm(x))
+        return decode_linear(self.model.norm(x), self.lm_head.weight)
 
     def forward(self, input_ids: torch.Tensor, pad_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, vocab] in the model's dtype."""

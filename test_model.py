@@ -1,12 +1,14 @@
 """Tests for model.py: parity with transformers on tiny random checkpoints of each family, and the
 padding, log-prob and KV-cache paths against the plain forward pass. Loading and export: test_weights.py."""
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import lora
 import model as model_module
@@ -196,6 +198,81 @@ def test_paged_prefill_and_decode_equal_the_full_forward(checkpoint, adapted):
         for r in (r for r in range(4) if alive[r]):
             sequences[r].append(continuation[r, step].item())
             assert (logits[r] - model(torch.tensor([sequences[r]]))[0, -1]).abs().max() < 1e-4, (step, r)
+
+
+@pytest.mark.parametrize("rows", range(1, 7))
+@pytest.mark.parametrize("in_features", [48, 2048])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_decode_linear_is_linear_up_to_rounding(rows, in_features, with_bias):
+    """Whichever side the weight takes, decode_linear gives F.linear's [rows, out], contiguous (the decode step
+    views it per head), to fp32 rounding."""
+    generator = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, in_features, generator=generator), torch.randn(40, in_features, generator=generator)
+    bias = torch.randn(40, generator=generator) if with_bias else None
+    out = model_module.decode_linear(x, weight, bias)
+    assert out.shape == (rows, 40) and out.is_contiguous()
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
+class RecordProducts(TorchDispatchMode):
+    """Whether each matrix product run under it has one of `weights` as its left operand."""
+
+    def __init__(self, weights_):
+        super().__init__()
+        self.addresses, self.weight_left = {w.data_ptr() for w in weights_}, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("mm", "addmm"):
+            self.weight_left.append((args[0] if name == "mm" else args[1]).data_ptr() in self.addresses)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("rows, in_features, weight_left", [
+    (1, 1536, True), (1, 2048, False), (2, 6144, True), (3, 6144, True), (4, 1536, True), (4, 2048, False),
+    (5, 576, False), (8, 576, False)])
+def test_decode_linear_takes_the_side_measured_faster(rows, in_features, weight_left):
+    """The CPU product has the weight on the left at two and three rows, at one and four up to 1536 input
+    features, and never from five rows (bench/rollout.py --products); on meta, as on CUDA, it is F.linear's."""
+    weight = torch.zeros(8, in_features)
+    with RecordProducts([weight]) as recorded:
+        model_module.decode_linear(torch.zeros(rows, in_features), weight)
+    assert recorded.weight_left == [weight_left]
+    with RecordProducts([]) as recorded:
+        model_module.decode_linear(torch.zeros(rows, in_features, device="meta"), weight.to("meta"))
+    assert recorded.weight_left == [False]
+
+
+def test_the_products_benchmark_prints_both_sides_per_shape_and_row_count(monkeypatch, capsys):
+    """bench/rollout.py --products on two small shapes: per row count, each shape's F.linear / decode_linear
+    times and their ratio, and the step's total."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_rollout", Path(__file__).parent / "bench" / "rollout.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "PRODUCT_SHAPES", {"tiny": {(24, 16): 3, (16, 24): 2}})
+    bench.bench_products(repeats=1)
+    lines = capsys.readouterr().out.splitlines()
+    assert "24x16" in lines[1] and "16x24" in lines[1] and lines[1].rstrip().endswith("step")
+    rows = [line.split() for line in lines[2:]]
+    assert [int(cells[0]) for cells in rows] == list(range(1, 7))
+    assert all(len(cells) == 1 + 3 * 4 and [c[-1] for c in cells[4::4]] == ["x"] * 3 for cells in rows)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rows", [1, 4, 5])
+def test_a_few_row_cpu_decode_step_puts_every_weight_on_the_left(tiny_model_dir, rows):
+    """With one to four rows, each of a small model's CPU decode step's 7 projections per layer and its vocabulary
+    projection is one product with the weight on the left (decode_linear); with five, none is."""
+    model = weights.from_pretrained(tiny_model_dir).eval()
+    pool = model_module.KVPool(model.config, 8, 4, model.dtype, model.device)
+    table = torch.arange(1, rows + 1, dtype=torch.int32)[:, None]
+    paged = model_module.PagedRows(pool, table, torch.zeros(rows, dtype=torch.long))
+    decode = model_module.DecodeWeights(model)
+    with RecordProducts(model.parameters()) as recorded:
+        model.decode_step(torch.zeros(rows, dtype=torch.long), paged, span=4, weights=decode)
+    assert len(recorded.weight_left) == 7 * model.config.num_layers + 1
+    assert all(recorded.weight_left) if rows <= 4 else not any(recorded.weight_left)
 
 
 def test_decode_weights_follow_the_adapters_in_place(tiny_model_dir):

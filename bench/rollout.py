@@ -12,9 +12,11 @@ Two length modes, the same on both sides, so both produce the same token count:
   lengths. A rare stop token (the last id) is forced at that length, so finished rows leave ours
   (compaction) and stay padded in transformers'.
 --fixed-shapes runs our CUDA decode loop (span and row buckets) on the CPU.
+--products times only the decode step's matrix products on the CPU: model.decode_linear against F.linear
+for every projection shape of SmolLM2-135M and Qwen3-1.7B (random fp32 weights) at 1 to 6 rows.
 
     .venv/bin/python bench/rollout.py [--device cpu|cuda|meta] [--repeats 2] [--threads N] [--dtype bfloat16]
-                                      [--models Qwen3-1.7B Qwen3-8B] [--long-tail] [--fixed-shapes]
+                                      [--models Qwen3-1.7B Qwen3-8B] [--long-tail] [--fixed-shapes] [--products]
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -203,6 +206,39 @@ def decode_matmuls(model, rows: int, steps: int) -> None:
             linear(inputs[linear.in_features])
 
 
+PRODUCT_SHAPES = {  # (out, in) of each distinct projection, and how many of it one decode step runs
+    "SmolLM2-135M": {(576, 576): 60, (192, 576): 60, (1536, 576): 60, (576, 1536): 30, (49152, 576): 1},
+    "Qwen3-1.7B": {(2048, 2048): 56, (1024, 2048): 56, (6144, 2048): 56, (2048, 6144): 28, (151936, 2048): 1},
+}
+
+
+@torch.inference_mode()
+def bench_products(repeats: int) -> None:
+    """Seconds of one decode step's matrix products, F.linear against model.decode_linear, per shape and rows.
+    Each shape runs on as many distinct random matrices as the model has of it, so the weights stream from
+    memory as in a decode step, not from the cache. Best of `repeats` rounds, interleaved."""
+    print(f"CPU, {torch.get_num_threads()} threads, fp32: one decode step's products, F.linear / "
+          f"decode_linear in ms (weight on the left at rows: in_features up to {modeling.WEIGHT_LEFT_ROWS})")
+    torch.manual_seed(0)
+    for name, shapes in PRODUCT_SHAPES.items():
+        print(f"{name:>14} rows " + "".join(f"{f'{o}x{i}':>20}" for o, i in shapes) + f"{'step':>20}")
+        matrices = {shape: [torch.randn(shape) for _ in range(count)] for shape, count in shapes.items()}
+        for rows in range(1, 7):
+            cells, totals = [], [0.0, 0.0]
+            for (out_features, in_features), weights_ in matrices.items():
+                x = torch.randn(rows, in_features)
+                best = [float("inf"), float("inf")]
+                for _ in range(repeats):
+                    for side, product in enumerate((F.linear, modeling.decode_linear)):
+                        seconds, _ = timed(lambda: [product(x, w) for w in weights_], torch.device("cpu"))
+                        best[side] = min(best[side], seconds)
+                totals = [total + b for total, b in zip(totals, best)]
+                cells.append(best)
+            print(f"{'':>14} {rows:>4} " + "".join(f"{1e3 * a:>8.1f} /{1e3 * b:>6.1f} {a / b:>3.1f}x" for a, b in cells)
+                  + f"{1e3 * totals[0]:>8.1f} /{1e3 * totals[1]:>6.1f} {totals[0] / totals[1]:>3.1f}x")
+        del matrices
+
+
 def build_qwen3(name: str, device: str):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -275,11 +311,15 @@ def main() -> None:
                         help="GPU and meta: which Qwen3 shapes (one at a time fits a short device session)")
     parser.add_argument("--long-tail", action="store_true", help="rows stop at seeded log-normal lengths")
     parser.add_argument("--fixed-shapes", action="store_true", help="CPU: run our CUDA decode loop")
+    parser.add_argument("--products", action="store_true",
+                        help="CPU: time only the decode step's matrix products, decode_linear against F.linear")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device == "cuda":
         bench_gpu(args.repeats, args.models, args.long_tail)
+    elif args.products:
+        bench_products(args.repeats)
     elif args.device == "meta":
         build_on_meta(args.models)
     else:
