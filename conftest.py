@@ -5,8 +5,11 @@ Every test that needs a model builds one here with transformers' own classes and
 """
 
 import atexit
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -22,6 +25,14 @@ atexit.register(shutil.rmtree, TRACKERS, True)
 os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=str(TRACKERS / "wandb"),
                   WANDB_CONFIG_DIR=str(TRACKERS / "wandb-config"), WANDB_CACHE_DIR=str(TRACKERS / "wandb-cache"),
                   WANDB_DATA_DIR=str(TRACKERS / "wandb-data"), TRACKIO_DIR=str(TRACKERS / "trackio"))
+
+# DAPO-Math-17k's wrapper around each problem: the Hub copy's prompts carry it, and the answer template asks for
+# the same final line (test_prepare converts the one, test_data renders the other).
+DAPO_WRAPPER = (
+    "Solve the following math problem step by step. The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{}\n\n"
+    'Remember to put your answer on its own line after "Answer:".'
+)
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -149,3 +160,57 @@ class RecordingSGD(torch.optim.SGD):
     def step(self, closure=None):
         self.grads.append(torch.cat([p.grad.flatten() for group in self.param_groups for p in group["params"]]))
         return super().step(closure)
+
+
+# ----------------------------------------------------------------------------- training runs (test_train, test_rundir)
+
+TIMING_KEYS = {"step_seconds", "rollout_tokens_per_s", "reward_seconds", "train_tokens_per_s"}
+
+
+@pytest.fixture
+def varied_rewards(monkeypatch):
+    """A random model never solves a problem, so every advantage would be zero and nothing would train.
+    Rewarding completions by the parity of their length gives the loop real, deterministic signal."""
+    import train
+
+    monkeypatch.setattr(train.reward, "reward", lambda texts, references, **_: [float(len(t) % 2) for t in texts])
+
+
+def tiny_args(model_dir: Path, out_dir: Path, name: str, *extra: str) -> list[str]:
+    return ["--model", str(model_dir), "--out-dir", str(out_dir), "--run-name", name,
+            "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4", "--lr", "1e-2",
+            "--lora-rank", "4", "--eval-problems", "3", "--eval-k", "2", "--checkpoint-every", "2", *extra]
+
+
+def run_training(argv: list[str]) -> dict:
+    import config
+    import train
+
+    cfg, given, _ = config.parse_args(argv)
+    if cfg.resume:
+        cfg = config.resumed_config(cfg, given)
+    return train.train(cfg)
+
+
+def launch(args: list[str], log: Path) -> subprocess.Popen:
+    """train.py in its own process, so a test can signal it. Its stderr (progress bars, tracebacks) goes
+    to a file: a pipe nobody reads would fill up and stall the run."""
+    with log.open("w") as stderr:
+        return subprocess.Popen([sys.executable, "train.py", *args], cwd=Path(__file__).parent,
+                                stdout=subprocess.DEVNULL, stderr=stderr)
+
+
+def metric_lines(run_dir: Path) -> list[dict]:
+    """The steps' lines of metrics.jsonl, without their timings (a resume's event lines are not steps)."""
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in line.items() if k not in TIMING_KEYS} for line in lines if "event" not in line]
+
+
+def event_lines(run_dir: Path) -> list[dict]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [line for line in lines if "event" in line]
+
+
+def latest_step(run_dir: Path) -> int:
+    """The step of the checkpoint the run's `latest` names."""
+    return int((run_dir / "latest").read_text().split("-")[1])
