@@ -290,8 +290,6 @@ class DecodeAttention:
         return out.reshape(R, H * D)
 
 
-PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
-
 # Row counts at which decode_linear puts the weight on the left of a CPU product, each with the largest
 # in_features where that is faster: bench/rollout.py --products, at one and two threads, fp32 with MKL.
 WEIGHT_LEFT_ROWS = {1: 1536, 2: float("inf"), 3: float("inf"), 4: 1536}
@@ -303,12 +301,12 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
     A long-tailed rollout spends most of its decode steps on a handful of rows. There, on the CPU (fp32,
     torch's MKL), x @ weight.T is slower than weight @ x.T with the same operands, and one row's
-    matrix-vector product slower than a two-row product: at two and three rows by 1.1-5x for every shape
-    measured, at one (padded to two) and four rows only up to 1536 input features (beyond, at one thread,
-    0.6x), and at five or more rows not at all (`bench/rollout.py --products` and its table in the README).
-    So there the rows of WEIGHT_LEFT_ROWS run with the weight on the left. The result differs from
-    F.linear's by rounding only, as F.linear's own results differ between row counts; on other devices
-    and dtypes, and without MKL, this is F.linear."""
+    matrix-vector product slower than a two-row product: at two and three rows by up to 5x for every
+    shape measured (0.98x at worst), at one (padded to two) and four rows only up to 1536 input features
+    (beyond, at one thread, 0.6x), and at five or more rows not at all (`bench/rollout.py --products`,
+    and its table in the README). So there the rows of WEIGHT_LEFT_ROWS run with the weight on the left.
+    The result differs from F.linear's by rounding only, as F.linear's own results differ between row
+    counts; on other devices and dtypes, and without MKL, this is F.linear."""
     rows, in_features = x.shape
     measured = WEIGHT_LEFT_MEASURED and x.device.type == "cpu" and x.dtype == torch.float32
     if not measured or in_features > WEIGHT_LEFT_ROWS.get(rows, 0):
@@ -316,6 +314,9 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     columns = (F.pad(x, (0, 0, 0, 1)) if rows == 1 else x).t()  # [in, >= 2]
     out = torch.mm(weight, columns) if bias is None else torch.addmm(bias[:, None], weight, columns)
     return out[:, :rows].t().contiguous()
+
+
+PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
 class DecodeWeights:

@@ -225,7 +225,7 @@ def bench_products(repeats: int) -> None:
         matrices = {shape: [torch.randn(shape) for _ in range(count)] for shape, count in shapes.items()}
         for rows in range(1, 7):
             cells, totals = [], [0.0, 0.0]
-            for (out_features, in_features), weights_ in matrices.items():
+            for (_, in_features), weights_ in matrices.items():
                 x = torch.randn(rows, in_features)
                 best = [float("inf"), float("inf")]
                 for _ in range(repeats):
