@@ -23,15 +23,15 @@ train: setup
 # The clip rules' main table: every rule's update of the same rollouts, paired by rollout (counterfactual.py:
 # a 10-step pilot, then 30 rollouts x 4 arms, those 32 min on 2 shared cores); a killed study resumes.
 study: setup
-	OMP_NUM_THREADS=1 $(PY) counterfactual.py $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m research.counterfactual $(ARGS)
 
 # The clip rules trained end to end over seeds, power stated first (study.py: 7 arms x 3 seeds x 10 steps).
 grid: setup
-	OMP_NUM_THREADS=1 $(PY) study.py $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m research.study $(ARGS)
 
 # The loss is the heart of the project: its tests run first.
 test: setup
-	$(PY) -m pytest -q test_loss.py test_*.py $(ARGS)
+	$(PY) -m pytest -q test_loss.py tests $(ARGS)
 
 bench: setup
 	$(PY) bench/model.py

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-import distributed
-import loggers
+from infra import distributed
+from infra import loggers
 import lora
 import loss
 import reward
-import scoring
+from grading import scoring
 from data import TEMPLATES, problem_location, render_prompt
 
 

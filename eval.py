@@ -39,16 +39,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-import distributed
+from infra import distributed
 import lora
 import reward
 import rollout
-import sandbox
-import scoring
-import sizes
+from grading import sandbox
+from grading import scoring
+from engine import sizes
 from config import Config
 from data import load_problems, opens_thought, render_prompt, stop_ids, thinking_note, user_message
-from weights import from_pretrained, load_tokenizer
+from infra.weights import from_pretrained, load_tokenizer
 
 # -----------------------------------------------------------------------------
 # statistics over a [problems, samples] table

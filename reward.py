@@ -39,8 +39,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import NamedTuple
 
-import latex
-
+from grading import latex
 TIMEOUT_S = 2.0  # per symbolic comparison; a worker that takes longer is killed and the answer is wrong
 REL_TOL = 1e-12  # irrational constants this close (relative, at 40 digits) are equal: simplify may miss it
 MIN_SIGNIFICANT_DIGITS = 4  # a decimal stands for a rounded value only with this many digits: 3.142 ~ pi, 3.14 not

@@ -866,7 +866,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import lora
     import reward
-    import weights
+    from infra import weights
     from data import TEMPLATES, opens_thought, render_prompt, stop_ids, thinking_note
 
     class Parser(argparse.ArgumentParser):

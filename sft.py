@@ -40,11 +40,11 @@ import config
 import eval as evaluation
 import lora
 import reward
-import rundir
-import sizes
-import stopping
+from infra import rundir
+from engine import sizes
+from infra import stopping
 import train
-import weights
+from infra import weights
 from config import SFTConfig
 from data import load_problems, opens_thought, render_prompt, render_solution, thinking_note
 

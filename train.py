@@ -38,24 +38,24 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-import calibrate  # noqa: E402
+from research import calibrate  # noqa: E402
 import config  # noqa: E402
-import distributed  # noqa: E402
+from infra import distributed  # noqa: E402
 import eval as evaluation  # noqa: E402
-import fsdp  # noqa: E402
+from infra import fsdp  # noqa: E402
 import lora  # noqa: E402
 import loss  # noqa: E402
-import memory  # noqa: E402
+from engine import memory  # noqa: E402
 import reward  # noqa: E402
 import rollout  # noqa: E402
-import rundir  # noqa: E402
-import sandbox  # noqa: E402
-import scoring  # noqa: E402
-import sizes  # noqa: E402
-import weights  # noqa: E402
+from infra import rundir  # noqa: E402
+from grading import sandbox  # noqa: E402
+from grading import scoring  # noqa: E402
+from engine import sizes  # noqa: E402
+from infra import weights  # noqa: E402
 from config import Config  # noqa: E402
 from data import load_problems, opens_thought, render_prompt, stop_ids, thinking_note, user_message  # noqa: E402
-from stopping import Interrupted, StopRequest, Stopped, exit_interrupted  # noqa: E402
+from infra.stopping import Interrupted, StopRequest, Stopped, exit_interrupted  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- one step

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import eval as evaluation  # noqa: E402
 import lora  # noqa: E402
 import reward  # noqa: E402
-import weights  # noqa: E402
+from infra import weights  # noqa: E402
 from data import load_problems  # noqa: E402
 
 

@@ -27,9 +27,9 @@ import torch
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
-import distributed  # noqa: E402
-import fsdp  # noqa: E402
-import memory  # noqa: E402
+from infra import distributed  # noqa: E402
+from infra import fsdp  # noqa: E402
+from engine import memory  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from qwen3_shapes import QWEN3, QWEN3_COMMON, QWEN3_TINY  # noqa: E402
 

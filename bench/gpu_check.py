@@ -50,7 +50,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
 import lora  # noqa: E402
-import memory  # noqa: E402
+from engine import memory  # noqa: E402
 import rollout  # noqa: E402
 from qwen3_shapes import QWEN3, QWEN3_TINY  # noqa: E402
 

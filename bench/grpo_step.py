@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import config  # noqa: E402
 import reward  # noqa: E402
-import sizes  # noqa: E402
+from engine import sizes  # noqa: E402
 import train  # noqa: E402
-import weights  # noqa: E402
+from infra import weights  # noqa: E402
 from data import load_problems, render_prompt  # noqa: E402
 from data.templates import EXAMPLES, user_message  # noqa: E402
 

@@ -44,9 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import lora  # noqa: E402
 import loss  # noqa: E402
-import memory  # noqa: E402
+from engine import memory  # noqa: E402
 import model as modeling  # noqa: E402
-import weights  # noqa: E402
+from infra import weights  # noqa: E402
 from qwen3_shapes import QWEN3, QWEN3_COMMON, QWEN3_TINY  # noqa: E402
 
 RANK, ALPHA = 32, 64

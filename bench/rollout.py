@@ -32,10 +32,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import memory  # noqa: E402
+from engine import memory  # noqa: E402
 import model as modeling  # noqa: E402
 import rollout  # noqa: E402
-import weights  # noqa: E402
+from infra import weights  # noqa: E402
 from qwen3_shapes import QWEN3, QWEN3_COMMON, QWEN3_TINY  # noqa: E402
 
 long_tail_lengths = memory.long_tail_lengths  # the memory plan's length model

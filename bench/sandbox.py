@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import sandbox  # noqa: E402
+from grading import sandbox  # noqa: E402
 
 ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
 

@@ -305,7 +305,7 @@ def test_evaluate_with_adapter_restores_train_mode(tiny_model_dir, tmp_path):
     import torch
 
     import lora
-    from weights import from_pretrained, load_tokenizer
+    from infra.weights import from_pretrained, load_tokenizer
 
     model, tokenizer = from_pretrained(str(tiny_model_dir)), load_tokenizer(str(tiny_model_dir))
     problems = [{"problem": "What is 2 + 2?", "answer": "4"}]
@@ -465,7 +465,7 @@ def test_failing_to_write_out_keeps_the_results_beside_it(tiny_model_dir, tmp_pa
 
 
 def test_the_batch_size_bounds_memory_and_changes_no_sample(tiny_model_dir):
-    from weights import from_pretrained, load_tokenizer
+    from infra.weights import from_pretrained, load_tokenizer
 
     model, tokenizer = from_pretrained(str(tiny_model_dir)), load_tokenizer(str(tiny_model_dir))
     problems = [{"problem": f"What is {a} + {a}?", "answer": str(2 * a)} for a in range(5)]
@@ -479,9 +479,9 @@ def test_code_benchmarks_report_pass_and_mean_at_k(tiny_model_dir, monkeypatch):
     """On a code set each sample is graded by running its program; Pass@k and Mean@k follow from those flags."""
     import types
 
-    import sandbox
+    from grading import sandbox
     import torch
-    from weights import from_pretrained, load_tokenizer
+    from infra.weights import from_pretrained, load_tokenizer
 
     tests = {"task": "code", "style": "stdio",
              "tests": [{"input": "2\n", "output": "4"}, {"input": "5\n", "output": "10"}]}
@@ -509,7 +509,7 @@ def test_code_benchmarks_report_pass_and_mean_at_k(tiny_model_dir, monkeypatch):
 def test_a_damaged_or_foreign_adapter_and_a_binary_run_file_are_one_line_errors(tiny_model_dir, tmp_path, capsys):
     import lora
     from conftest import make_tiny_checkpoint
-    from weights import from_pretrained
+    from infra.weights import from_pretrained
 
     bench = write_jsonl(tmp_path / "one.jsonl", [{"problem": "What is 2 + 2?", "answer": "4"}])
     args = ["--model", str(tiny_model_dir), "--bench", str(bench), "--out", str(tmp_path / "run.json")]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import config
-import counterfactual
+from research import counterfactual
 import loss
 import train
 

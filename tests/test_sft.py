@@ -11,7 +11,7 @@ import config
 import lora
 import sft
 import train
-import weights
+from infra import weights
 from data import render_prompt, render_solution
 
 TIMING_KEYS = {"step_seconds", "tokens_per_s"}

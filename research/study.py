@@ -39,13 +39,13 @@ from pathlib import Path
 
 import numpy as np
 
-import calibrate
+from research import calibrate
 import config
-import rundir
+from infra import rundir
 from eval import strict_json
 from loss import MU_LABELS  # the old-probability buckets of the metrics
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent
 
 ARMS = {  # name -> the train.py flags that make it
     "grpo": ["--rule", "grpo"],  # ratio clip [0.8, 1.2]
@@ -429,7 +429,7 @@ def run_command(run_dir: Path, arm_flags: list[str], seed: int, shared: list[str
     """The train.py command that finishes this run, or None when it is finished already."""
     if (run_dir / "summary.json").is_file():
         return None
-    train = [sys.executable, str(HERE / "train.py")]
+    train = [sys.executable, str(ROOT / "train.py")]
     if rundir.has_checkpoint(run_dir):  # continue from there
         return train + ["--resume", str(run_dir)]
     shutil.rmtree(run_dir, ignore_errors=True)  # a start that died before its first checkpoint
@@ -470,7 +470,7 @@ class Runs:
 
     def start(self, name: str, command: list[str], log: Path) -> None:
         with log.open("a") as f:
-            self.running[name] = (subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, cwd=HERE), log)
+            self.running[name] = (subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT), log)
 
     def wait(self, all_of_them: bool = False) -> list[str]:
         """Wait until a run (every run) ends; the names of those that ended well. Raises SystemExit once none
@@ -602,8 +602,8 @@ def plot(out: Path, arms: list[str], seeds: int) -> None:
     """plot.py's figures, one folder per seed, the arms overlaid (the same prompts for each)."""
     for seed in range(seeds):
         runs = [str(out / "runs" / f"{arm}-s{seed}") for arm in arms]
-        subprocess.run([sys.executable, str(HERE / "plot.py"), *runs, "--out", str(out / "figures" / f"seed-{seed}")],
-                       check=True, cwd=HERE, stdout=subprocess.DEVNULL)
+        subprocess.run([sys.executable, "-m", "research.plot", *runs, "--out", str(out / "figures" / f"seed-{seed}")],
+                       check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

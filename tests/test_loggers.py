@@ -12,10 +12,10 @@ import pytest
 
 import config
 import eval as evaluation
-import loggers
+from infra import loggers
 import train
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent
 
 
 def test_metric_names_are_stable_and_every_tracker_takes_them():

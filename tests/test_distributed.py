@@ -14,8 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import config
-import distributed
-import sizes
+from infra import distributed
+from engine import sizes
 import train
 from conftest import RecordingSGD, assert_equal_to
 

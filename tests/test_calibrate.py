@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from calibrate import calibrate_delta, calibration_report, main, read_token_records, write_token_records
+from research.calibrate import calibrate_delta, calibration_report, main, read_token_records, write_token_records
 from loss import LossConfig, policy_loss, ratio_bounds
 from test_loss import random_tokens
 

@@ -12,9 +12,9 @@ import torch
 import config
 import lora
 import loss
-import memory
+from engine import memory
 import rollout
-import sizes
+from engine import sizes
 from model import ModelConfig, Transformer
 
 SMALL = ModelConfig(vocab_size=4096, hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4,

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import lora
 import model as model_module
-import weights
+from infra import weights
 from conftest import assert_equal_to, hf_model
 
 def hf_logits(ref, ids, pad_mask=None):
@@ -107,7 +107,7 @@ def test_entropy_keeps_no_graph_and_costs_no_memory(tiny_model_dir):
     # A training micro-batch (4 chunks of [256, 49152] fp32) in three processes: without the entropy,
     # with it as a metric, and differentiated (a bonus). A graph kept per chunk would add about 350 MB to
     # a peak of about 740 MB (1.47x); the bonus's graph lives inside each chunk's checkpoint instead.
-    runs = [subprocess.Popen([sys.executable, "-c", ENTROPY_MEMORY_SCRIPT, flag], cwd=Path(__file__).parent,
+    runs = [subprocess.Popen([sys.executable, "-c", ENTROPY_MEMORY_SCRIPT, flag], cwd=Path(__file__).parent.parent,
                              stdout=subprocess.PIPE, text=True) for flag in ("0", "1", "2")]
     without, with_entropy, with_bonus = (int(run.communicate(timeout=120)[0]) for run in runs)
     assert with_entropy < 1.3 * without, (with_entropy, without)
@@ -254,8 +254,8 @@ def test_decode_linear_takes_the_side_measured_faster(rows, in_features, weight_
 def test_the_products_benchmark_prints_both_sides_per_shape_and_row_count(monkeypatch, capsys):
     """bench/rollout.py --products on two small shapes: per row count, each shape's F.linear / decode_linear
     times and their ratio, and the step's total."""
-    monkeypatch.syspath_prepend(str(Path(__file__).parent / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_rollout", Path(__file__).parent / "bench" / "rollout.py")
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_rollout", Path(__file__).parent.parent / "bench" / "rollout.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     monkeypatch.setattr(bench, "PRODUCT_SHAPES", {"tiny": {(24, 16): 3, (16, 24): 2}})
@@ -355,7 +355,7 @@ def test_the_demo_pass_with_shared_prompts_does_under_half_the_work_in_half_the_
     """bench/model.py counts the demo's training pass on the meta device (FLOPs, and tensor bytes as the
     memory plan counts them): each prompt run once against every row run whole."""
     run = subprocess.run([sys.executable, "bench/model.py", "--device", "meta", "--bench", "grpo"],
-                         cwd=Path(__file__).parent, capture_output=True, text=True, timeout=600)
+                         cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     flops, memory = (float(x.rstrip("x")) for x in run.stdout.splitlines()[-1].split()[-2:])
     assert flops < 0.4 and memory <= 0.5, run.stdout

@@ -16,7 +16,7 @@ import transformers
 
 import lora
 import train
-import weights
+from infra import weights
 from conftest import event_lines, latest_step, launch, metric_lines, run_training, tiny_args
 
 pytestmark = pytest.mark.usefixtures("varied_rewards")

@@ -19,15 +19,15 @@ import transformers
 from torch.distributed.tensor import DTensor
 
 import config
-import distributed
+from infra import distributed
 import eval as evaluation
-import fsdp
+from infra import fsdp
 import lora
-import memory
-import rundir
-import sizes
+from engine import memory
+from infra import rundir
+from engine import sizes
 import train
-import weights
+from infra import weights
 from model import ModelConfig, Transformer
 from test_distributed import TIMING_KEYS, join_as, metric_lines, patch, run_ranks, tiny_args
 

@@ -78,7 +78,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import fsdp
+from infra import fsdp
 import lora
 import rollout
 from model import KVPool, ModelConfig, Transformer

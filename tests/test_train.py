@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 
 import config
 import lora
-import sizes
+from engine import sizes
 import train
-import weights
+from infra import weights
 from conftest import RecordingSGD, assert_equal_to, metric_lines, run_training, tiny_args
 
 REAL_REWARD = train.reward.reward  # before varied_rewards replaces it
@@ -382,10 +382,10 @@ def test_train_py_asks_for_expandable_segments_before_cuda_starts():
     """Imported without an allocator setting, train.py sets one (before torch can start CUDA); a user's stays."""
     code = "import os, train; print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
-    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
+    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent, env=env, capture_output=True,
                          text=True)
     assert run.stdout.strip() == "expandable_segments:True", run.stderr
-    kept = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent,
+    kept = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent,
                           env={**env, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}, capture_output=True, text=True)
     assert kept.stdout.strip() == "max_split_size_mb:64", kept.stderr
 
@@ -498,8 +498,7 @@ def test_score_grades_a_step_that_mixes_math_and_code(monkeypatch):
     """Each problem routes by its task: math by its answer, code by running the program; code metrics count why."""
     import types
 
-    import sandbox
-
+    from grading import sandbox
     monkeypatch.setattr(train.reward, "reward", REAL_REWARD)
     code = {"task": "code", "problem": "Double n.", "tests": [{"input": "2\n", "output": "4"},
                                                                {"input": "5\n", "output": "10"}]}
@@ -524,8 +523,7 @@ def test_score_grades_a_step_that_mixes_math_and_code(monkeypatch):
 
 
 def test_a_code_run_trains_and_logs_its_code_metrics(tiny_model_dir, tmp_path, monkeypatch):
-    import sandbox
-
+    from grading import sandbox
     monkeypatch.setattr(train.reward, "reward", REAL_REWARD)
     try:
         sandbox.grade(["print(1)"], [{"tests": [{"input": "", "output": "1"}]}], workers=1)

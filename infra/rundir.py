@@ -46,12 +46,12 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
                                                      set_state_dict)
 
 import config
-import distributed
+from infra import distributed
 import eval as evaluation
-import fsdp
-import loggers
+from infra import fsdp
+from infra import loggers
 import lora
-import weights
+from infra import weights
 from config import Config
 
 LOCK_FILE = ".lock"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import weights
+from infra import weights
 from conftest import hf_model
 
 

@@ -221,7 +221,7 @@ def test_code_template_poses_its_example_in_code(tokenizer):
 
 def test_the_templates_module_runs_as_a_script():
     run = lambda *args: subprocess.run([sys.executable, "data/templates.py", *args], capture_output=True, text=True,
-                                       cwd=Path(__file__).parent, timeout=60)
+                                       cwd=Path(__file__).parent.parent, timeout=60)
     assert run("--help").returncode == 0 and run("--help").stdout.startswith("usage: data/templates.py")
     assert run("--template", "equation", "What is 7 + 6?").stdout.splitlines() == [
         "user: What is 2 + 3?", "assistant: 2 + 3 = 5", "user: What is 7 + 6?"]

@@ -19,10 +19,10 @@ from contextlib import contextmanager
 import torch
 
 import config
-import distributed
-import fsdp
+from infra import distributed
+from infra import fsdp
 import loss
-import memory
+from engine import memory
 import rollout
 from config import Config
 from data import render_prompt

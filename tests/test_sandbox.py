@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-import sandbox
-from sandbox import Limits, extract_program, same_output, same_value
+from grading import sandbox
+from grading.sandbox import Limits, extract_program, same_output, same_value
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parent.parent
 STDIO = {"tests": [{"input": "3 4\n", "output": "7"}, {"input": "10 -2\n", "output": "8\n"}]}
 ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
 
@@ -202,8 +202,7 @@ def test_reward_extracts_and_reports(available):
 
 def test_a_program_is_read_after_the_thought_and_an_unclosed_thought_runs_nothing(available):
     """scoring.verdicts and sandbox.code_reward grade the answer part only (reward.split_thinking)."""
-    import scoring
-
+    from grading import scoring
     problem = {"task": "code", "problem": "Add the two numbers.", **STDIO}
     program = f"```python\n{ADD}```"
     completions = [f"<think>\nfirst try:\n{program}\n</think>\nno program here", f"<think>\nplan\n</think>\n{program}",
@@ -228,7 +227,7 @@ def test_not_root_is_a_clear_error(monkeypatch):
 
 
 def cli(*args, cwd=None):
-    return subprocess.run([sys.executable, str(REPO / "sandbox.py"), *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, str(REPO / "grading" / "sandbox.py"), *args], capture_output=True, text=True,
                           cwd=cwd, timeout=60)
 
 
@@ -297,7 +296,7 @@ def hostile_programs(victim: Path, secret_file: Path, port: int) -> dict[str, tu
                              expect(SECRET), {"wrong_answer"}),
         "read files outside": (f"print(open({str(secret_file)!r}).read())", expect(SECRET), {"runtime_error"}),
         "read the repository": (f"print(open({str(repo / 'sandbox.py')!r}).readline())",
-                                expect((repo / "sandbox.py").read_text().splitlines()[0]), {"runtime_error"}),
+                                expect((repo / "grading" / "sandbox.py").read_text().splitlines()[0]), {"runtime_error"}),
         "network connection": (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
                                f"s.sendall(b'hello')\nprint('ESCAPED')", escaped, {"runtime_error"}),
         "kill its parent": (f"import os, signal\nhit = 0\nfor pid in (os.getppid(), {os.getpid()}):\n"

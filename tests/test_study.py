@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-import study
+from research import study
 from data import load_problems
 from loss import MU_LABELS
 

@@ -332,13 +332,13 @@ def test_fast_path_needs_neither_sympy_nor_workers():
     code = ("import json, sys, reward; scores = reward.reward(['#### 42', '\\\\boxed{0.5}', '7,000', '#### 41', 'x = 5'], "
             "['42', '\\\\frac12', '7000', '42', '5']); print(json.dumps([scores, 'sympy' in sys.modules, "
             "len(reward._POOL.procs)]))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent, capture_output=True, text=True,
                          timeout=60, check=True).stdout
     assert json.loads(out) == [[1.0, 1.0, 1.0, 0.0, 1.0], False, 0]
 
 
 def test_command_line_shows_verdict_and_both_forms():
-    run = lambda *args: subprocess.run([sys.executable, "reward.py", *args], cwd=Path(__file__).parent,
+    run = lambda *args: subprocess.run([sys.executable, "reward.py", *args], cwd=Path(__file__).parent.parent,
                                        capture_output=True, text=True, timeout=60)
     out = run("The answer is $\\boxed{\\dfrac{1}{2}}$.", "0.5")
     assert out.returncode == 0 and out.stdout.splitlines() == [
@@ -740,7 +740,7 @@ def test_the_equation_template_grades_what_follows_the_last_equals_sign():
 
 
 def test_the_command_line_grades_in_the_problems_context():
-    run = lambda *args: subprocess.run([sys.executable, "reward.py", *args], cwd=Path(__file__).parent,
+    run = lambda *args: subprocess.run([sys.executable, "reward.py", *args], cwd=Path(__file__).parent.parent,
                                        capture_output=True, text=True, timeout=60)
     out = run("7 + 6", "13", "--problem", "What is 7 + 6?", "--template", "equation")
     assert out.returncode == 0 and out.stdout.splitlines()[0] == "verdict: wrong"

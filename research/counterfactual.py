@@ -52,18 +52,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import calibrate
+from research import calibrate
 import config
 import lora
 import loss
-import rundir
-import sizes
-import study
+from infra import rundir
+from engine import sizes
+from research import study
 import train
 from data import load_problems
 from eval import strict_json
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent
 
 # measure -> (table heading, scale, digits); the scale turns it into the table's unit
 MEASURES = {
@@ -450,8 +450,8 @@ def main(argv: list[str] | None = None) -> None:
                "arms": {arm: study.arm_flags(arm, calibration.get("deltas", {})) for arm in arms},
                **summary, "seconds": time.time() - started}
     (args.out / "results.json").write_text(json.dumps(strict_json(_plain(results)), indent=1, allow_nan=False) + "\n")
-    subprocess.run([sys.executable, str(HERE / "plot.py"), "--counterfactual", str(args.out), "--out",
-                    str(args.out / "figures")], check=True, cwd=HERE, stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "research.plot", "--counterfactual", str(args.out), "--out",
+                    str(args.out / "figures")], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     print(table + f"\n{args.out}: table.md, results.json, figures/, rollouts/, pilot/ ({time.time() - started:.0f} s)")
 
 
@@ -488,8 +488,8 @@ def run_points(args: argparse.Namespace, arms: dict[str, config.Config], points:
                 cut = args.argv.index("--") if "--" in args.argv else len(args.argv)  # before the train.py flags
                 command = [*args.argv[:cut], "--point", str(p), *args.argv[cut:]]
                 with log.open("a") as f:
-                    running[p] = subprocess.Popen([sys.executable, str(HERE / "counterfactual.py"), *command],
-                                                  stdout=f, stderr=subprocess.STDOUT, cwd=HERE)
+                    running[p] = subprocess.Popen([sys.executable, "-m", "research.counterfactual", *command],
+                                                  stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
                 print(f"point {p}: a worker started, output in {log}", flush=True)
             time.sleep(1)
             for p, process in list(running.items()):

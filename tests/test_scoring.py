@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-import scoring
-
-HERE = Path(__file__).resolve().parent
+from grading import scoring
+HERE = Path(__file__).resolve().parent.parent
 EXAMPLES = HERE / "examples" / "rewards.py"
 
 USER_MODULE = '''
@@ -88,8 +87,7 @@ def test_the_built_in_math_reward_is_one_such_function():
 def test_verdicts_grade_each_row_by_its_task_so_math_and_code_mix():
     """A math row by its answer (an echo of its problem refused), a code row by running its program in
     sandbox.py; the two built-in reward functions each grade their own rows and leave the other's None."""
-    import sandbox
-
+    from grading import sandbox
     code = {"task": "code", "problem": "Print 7.", "tests": [{"input": "", "output": "7"}]}
     rows = [{"problem": "What is 2 + 2?", "answer": "4"}, {"problem": "What is 2 + 3?", "answer": "5"}, code, code]
     completions = ["\\boxed{4}", "2 + 3", "```python\nprint(7)\n```", "```python\nprint(8)\n```"]

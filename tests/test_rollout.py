@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import model as modeling
 import rollout
 from conftest import make_tiny_checkpoint
-from weights import load_checkpoint_dir
+from infra.weights import load_checkpoint_dir
 
 PROMPTS = [[5, 17, 42, 9], [100, 3, 77, 12, 250, 8, 61, 44, 19], [31]]  # different lengths: left padding
 
@@ -272,8 +272,7 @@ def test_lora_adds_at_most_a_quarter_to_the_operators_of_a_decode_step():
     """Counted on the meta device for Qwen3-1.7B: with rank-32 adapters on all seven projections, a decode step
     runs one more operator per adapted projection and one per group of projections reading one input."""
     import lora
-    import memory
-
+    from engine import memory
     cfg = memory.model_config("Qwen/Qwen3-1.7B")
     counts = []
     for adapted in (False, True):
@@ -305,8 +304,7 @@ class CountOperators(TorchDispatchMode):
 def test_plan_simulation_takes_the_samplers_decisions(model, monkeypatch):
     """memory.simulate_rollout, given the lengths the sampler's rows end at, counts the decode steps, rows in
     flight, prefills and preemptions of the real fixed-shape loop on a small pool."""
-    import memory
-
+    from engine import memory
     C, G = 48, 4
     lengths = [40, 38, 36, 34, 39, 37, 35, 33, 12, 9, 20, 5]  # prompts 0 and 1 run long: one is preempted
     stop = model.config.vocab_size - 1
@@ -518,7 +516,7 @@ def test_gpu_check_dry_run(tmp_path):
     branches the GPU run takes (graphs, through their stand-in; the anchor's compile warm-up; LoRA adapters),
     the JSON written after every row, and, in a second run, the budget cut."""
     script = [sys.executable, "bench/gpu_check.py", "--device", "cpu", "--tiny"]
-    run = subprocess.run([*script, "--out", str(tmp_path / "full")], cwd=Path(__file__).parent, capture_output=True,
+    run = subprocess.run([*script, "--out", str(tmp_path / "full")], cwd=Path(__file__).parent.parent, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     report = json.loads((tmp_path / "full" / "gpu_check.json").read_text())
@@ -538,7 +536,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert {side for side, phase in timed if phase.startswith("train")} == {"ours", "transformers + peft"}
     assert "peak GiB" in run.stdout and "ok (0 runs skipped" in run.stdout
 
-    cut = subprocess.run([*script, "--out", str(tmp_path / "cut"), "--budget-s", "0.01"], cwd=Path(__file__).parent,
+    cut = subprocess.run([*script, "--out", str(tmp_path / "cut"), "--budget-s", "0.01"], cwd=Path(__file__).parent.parent,
                          capture_output=True, text=True, timeout=600)
     assert cut.returncode == 0, cut.stdout[-2000:] + cut.stderr[-2000:]
     report = json.loads((tmp_path / "cut" / "gpu_check.json").read_text())
@@ -549,12 +547,12 @@ def test_gpu_check_dry_run(tmp_path):
 def test_the_command_line_samples_a_prompt_and_grades_it(tiny_model_dir):
     args = [sys.executable, "rollout.py", "--model", str(tiny_model_dir), "--samples", "3", "--max-new-tokens", "5",
             "--answer", "4", "--template", "plain"]
-    proc = subprocess.run([*args, "What is 2 + 2?"], cwd=Path(__file__).parent, capture_output=True, text=True)
+    proc = subprocess.run([*args, "What is 2 + 2?"], cwd=Path(__file__).parent.parent, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("--- sample") == 3 and proc.stdout.rstrip().endswith("of 3 correct")
-    piped = subprocess.run(args, input="What is 2 + 2?\n", cwd=Path(__file__).parent, capture_output=True, text=True)
+    piped = subprocess.run(args, input="What is 2 + 2?\n", cwd=Path(__file__).parent.parent, capture_output=True, text=True)
     assert piped.stdout == proc.stdout, "stdin gives the same prompt"
-    bad = subprocess.run([*args, "--adapter", "nowhere", "x"], cwd=Path(__file__).parent, capture_output=True, text=True)
+    bad = subprocess.run([*args, "--adapter", "nowhere", "x"], cwd=Path(__file__).parent.parent, capture_output=True, text=True)
     assert bad.returncode == 2 and "--adapter nowhere" in bad.stderr
 
 

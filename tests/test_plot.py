@@ -7,8 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import plot
-
+from research import plot
 BUCKETS = ("<0.01", "0.01-0.1", "0.1-0.5", "0.5-0.9", ">0.9")
 # the keys a train.py step logs (read from a real 2-step run), without the bucket table
 STEP_KEYS = ("reward", "accuracy", "completion_length", "truncated", "clip_low_frac", "clip_high_frac",

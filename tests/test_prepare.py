@@ -11,7 +11,7 @@ from conftest import DAPO_WRAPPER
 from data import arithmetic_problems, load_problems
 from data import code_layouts, prepare
 
-SHARED = Path(__file__).resolve().parent / ".." / "shared" / "data"
+SHARED = Path(__file__).resolve().parent.parent / ".." / "shared" / "data"
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data (third-party copies) not present")
 
 
@@ -516,8 +516,7 @@ def test_code_layouts_convert_local_copies(tmp_path, name, capsys):
 @pytest.mark.parametrize("name", list(CODE_COPIES))
 def test_converted_code_problems_grade_their_reference_solutions(tmp_path, name):
     """A right solution passes every converted test, and a wrong one does not: the layouts keep tests gradable."""
-    import sandbox
-
+    from grading import sandbox
     rows, suffix, _, solutions = CODE_COPIES[name]
     prepare.main(["--from", str(write_copy(tmp_path / f"copy{suffix}", rows)), "--out", name,
                   "--data-dir", str(tmp_path)])

@@ -44,10 +44,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import reward
-import sandbox
-
+from grading import sandbox
 IN_PROCESS = ("reward", "sandbox")  # modules whose functions bound their own time, called directly
-_HERE = str(Path(__file__).resolve().parent)
+_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
 class RewardFunctionError(Exception):
@@ -176,7 +175,7 @@ class _Worker:
 
     def start(self) -> subprocess.Popen:
         if self.proc is None or self.proc.poll() is not None:
-            code = f"import sys; sys.path[:0] = [{_HERE!r}, '']; import scoring; scoring._serve()"
+            code = f"import sys; sys.path[:0] = [{_ROOT!r}, '']; from grading import scoring; scoring._serve()"
             self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          bufsize=0)
             if self._receive(time.monotonic() + 60) != ("ready",):

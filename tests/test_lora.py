@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import lora
-import weights
+from infra import weights
 from conftest import make_tiny_checkpoint
 
 

@@ -1,0 +1,1 @@
+"""The sampling engine beneath rollout.py, and the memory plan that sizes it."""
