@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train study grid test bench bench-trl clean
+.PHONY: setup train study grid lint format test bench bench-trl clean
 
 setup: $(STAMP)
 
@@ -29,9 +29,18 @@ study: setup
 grid: setup
 	OMP_NUM_THREADS=1 $(PY) -m research.study $(ARGS)
 
-# The loss is the heart of the project: its tests run first.
+# The linter's rules and the formatter's settings are pyproject.toml's.
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: setup
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+# The loss is the heart of the project: its tests run first (pyproject.toml's testpaths).
 test: setup
-	$(PY) -m pytest -q test_loss.py tests $(ARGS)
+	$(PY) -m pytest -q $(ARGS)
 
 bench: setup
 	$(PY) bench/model.py
