@@ -21,13 +21,12 @@ from pathlib import Path
 
 import torch
 
-from infra import distributed
-from infra import loggers
 import lora
 import loss
 import reward
-from grading import scoring
 from data import TEMPLATES, problem_location, render_prompt
+from grading import scoring
+from infra import distributed, loggers
 
 
 def opt(default, help: str, choices: tuple[str, ...] | None = None):
@@ -40,25 +39,36 @@ class Config:
     model: str | None = opt(None, "HF directory or hub id; empty = the offline SmolLM2-135M-Instruct")
     device: str = opt("auto", "cpu, cuda, cuda:N or auto (cuda when present)")
     dtype: str = opt("auto", "bfloat16 on cuda and float32 on cpu when auto", ("auto", "float32", "bfloat16"))
-    gradient_checkpointing: str = opt("auto", "recompute activations in the backward (auto: on for cuda)",
-                                      ("auto", "on", "off"))
-    lora_rank: int = opt(16, "LoRA rank r; 0 trains every weight (full-parameter, sharded over the processes "
-                             "with FSDP2)")
+    gradient_checkpointing: str = opt(
+        "auto", "recompute activations in the backward (auto: on for cuda)", ("auto", "on", "off")
+    )
+    lora_rank: int = opt(
+        16, "LoRA rank r; 0 trains every weight (full-parameter, sharded over the processes with FSDP2)"
+    )
     lora_alpha: float = opt(32.0, "LoRA alpha (scale alpha/r)")
     lora_dropout: float = opt(0.0, "dropout on the LoRA input")
-    lora_targets: str = opt("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-                            "comma-separated module names that get adapters")
-    init_adapter: str | None = opt(None, "start from this LoRA adapter (PEFT format, e.g. sft.py's RUN/adapter) "
-                                         "instead of fresh ones; its r, alpha and targets must be --lora-rank, "
-                                         "--lora-alpha and --lora-targets")
+    lora_targets: str = opt(
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "comma-separated module names that get adapters"
+    )
+    init_adapter: str | None = opt(
+        None,
+        "start from this LoRA adapter (PEFT format, e.g. sft.py's RUN/adapter) "
+        "instead of fresh ones; its r, alpha and targets must be --lora-rank, "
+        "--lora-alpha and --lora-targets",
+    )
     # data
     dataset: str = opt("arithmetic", "training set: a name from data/ or a jsonl path")
     eval_dataset: str = opt("arithmetic_test", "held-out sets, comma-separated: names from data/ or jsonl paths")
     template: str = opt("equation", "prompt template of data/templates.py: equation, plain, boxed, answer or code")
-    system_prompt: str | None = opt("You are a helpful assistant.",
-                                    "system message; empty = the chat template's own default")
-    thinking: str = opt("off", "thinking mode: passed as enable_thinking to chat templates that take it (Qwen3); "
-                               "the reward grades only what follows the last </think>", ("on", "off"))
+    system_prompt: str | None = opt(
+        "You are a helpful assistant.", "system message; empty = the chat template's own default"
+    )
+    thinking: str = opt(
+        "off",
+        "thinking mode: passed as enable_thinking to chat templates that take it (Qwen3); "
+        "the reward grades only what follows the last </think>",
+        ("on", "off"),
+    )
     # rollout
     prompts_per_step: int = opt(8, "distinct prompts sampled per step")
     group_size: int = opt(8, "completions per prompt (G)")
@@ -66,66 +76,112 @@ class Config:
     temperature: float = opt(1.0, "sampling temperature (also used for the training log-probs)")
     top_p: float = opt(1.0, "nucleus sampling mass")
     top_k: int = opt(0, "top-k sampling; 0 = off")
-    rollout_batch: int = opt(0, "prompts in flight in the sampler (their rows bound its batch); 0 = from the memory "
-                                "plan on a GPU, all of a step's on the CPU")
-    kv_blocks: int = opt(0, "blocks of the sampler's KV cache pool, kept for the whole run; 0 = from the memory plan "
-                            "on a GPU, enough for every row at full length on the CPU")
-    cuda_graphs: str = opt("auto", "replay the decode step from CUDA graphs (auto: on, eager if capture fails)",
-                           ("auto", "on", "off"))
+    rollout_batch: int = opt(
+        0,
+        "prompts in flight in the sampler (their rows bound its batch); 0 = from the memory "
+        "plan on a GPU, all of a step's on the CPU",
+    )
+    kv_blocks: int = opt(
+        0,
+        "blocks of the sampler's KV cache pool, kept for the whole run; 0 = from the memory plan "
+        "on a GPU, enough for every row at full length on the CPU",
+    )
+    cuda_graphs: str = opt(
+        "auto", "replay the decode step from CUDA graphs (auto: on, eager if capture fails)", ("auto", "on", "off")
+    )
     format_weight: float = opt(0.0, "reward in [0, 1) for an answer in the template's format, added to correctness")
     # reward
-    reward_fn: tuple[str, ...] = opt(("reward:math_reward",), "a reward function module:function with TRL's "
-                                     "signature; repeat the flag for several, whose weighted rewards add up")
-    reward_weights: tuple[float, ...] | None = opt(None, "weights of the --reward-fn functions, comma-separated, in "
-                                                         "their order; empty = 1 each")
-    reward_timeout: float = opt(2.0, "seconds a reward function of your own may take per completion; a completion "
-                                     "past it scores 0 from that function, as a slow answer does in the checker")
-    code_reward: str = opt("binary", "the built-in reward on code problems: 1 when every test passes (binary), or "
-                                     "the share of tests passed", ("binary", "fraction"))
+    reward_fn: tuple[str, ...] = opt(
+        ("reward:math_reward",),
+        "a reward function module:function with TRL's "
+        "signature; repeat the flag for several, whose weighted rewards add up",
+    )
+    reward_weights: tuple[float, ...] | None = opt(
+        None, "weights of the --reward-fn functions, comma-separated, in their order; empty = 1 each"
+    )
+    reward_timeout: float = opt(
+        2.0,
+        "seconds a reward function of your own may take per completion; a completion "
+        "past it scores 0 from that function, as a slow answer does in the checker",
+    )
+    code_reward: str = opt(
+        "binary",
+        "the built-in reward on code problems: 1 when every test passes (binary), or the share of tests passed",
+        ("binary", "fraction"),
+    )
     code_timeout: float = opt(2.0, "code problems: seconds a program may run per test (sandbox.py)")
     # optimization
     steps: int = opt(20, "training steps (rollout batches)")
     lr: float = opt(3e-4, "AdamW learning rate (the peak, with a schedule)")
-    lr_schedule: str = opt("constant", "learning rate over the training steps after the warmup: constant, cosine "
-                                       "or linear decay towards 0", ("constant", "cosine", "linear"))
+    lr_schedule: str = opt(
+        "constant",
+        "learning rate over the training steps after the warmup: constant, cosine or linear decay towards 0",
+        ("constant", "cosine", "linear"),
+    )
     warmup_steps: int = opt(0, "training steps of linear warmup to --lr (the rate is set once per step, as verl does)")
     weight_decay: float = opt(0.0, "AdamW weight decay")
     grad_clip: float = opt(1.0, "max gradient norm")
     updates_per_rollout: int = opt(1, "optimizer steps (mini-batches) per pass over a rollout batch")
-    epochs: int = opt(1, "passes over each rollout batch, each reshuffled into --updates-per-rollout mini-batches "
-                         "(TRL's num_iterations, verl's ppo_epochs)")
-    shuffle: str = opt("rows", "mini-batches of the rollout's rows shuffled one by one, or of whole prompt groups "
-                               "(G rows each): then every micro-batch runs each of its prompts once",
-                       ("rows", "groups"))
-    grad_accum: int = opt(0, "micro-batches per optimizer step (per process, on average, under torchrun); 0 = from "
-                             "the memory plan on a GPU, 1 on the CPU")
-    recompute_old_logp: str = opt("auto", "recompute old log-probs with the training pass before updating "
-                                          "(auto: unless float32, where the sampler's are exact)",
-                                  ("auto", "on", "off"))
+    epochs: int = opt(
+        1,
+        "passes over each rollout batch, each reshuffled into --updates-per-rollout mini-batches "
+        "(TRL's num_iterations, verl's ppo_epochs)",
+    )
+    shuffle: str = opt(
+        "rows",
+        "mini-batches of the rollout's rows shuffled one by one, or of whole prompt groups "
+        "(G rows each): then every micro-batch runs each of its prompts once",
+        ("rows", "groups"),
+    )
+    grad_accum: int = opt(
+        0,
+        "micro-batches per optimizer step (per process, on average, under torchrun); 0 = from "
+        "the memory plan on a GPU, 1 on the CPU",
+    )
+    recompute_old_logp: str = opt(
+        "auto",
+        "recompute old log-probs with the training pass before updating "
+        "(auto: unless float32, where the sampler's are exact)",
+        ("auto", "on", "off"),
+    )
     loss: loss.LossConfig = field(default_factory=loss.LossConfig)  # its fields are flags too: --rule, --delta, ...
     # evaluation
     eval_every: int = opt(0, "evaluate every N steps (0 = only before and after training)")
     eval_problems: int = opt(0, "held-out problems used per set (0 = all)")
     eval_k: int = opt(8, "samples per held-out problem")
     eval_temperature: float = opt(1.0, "sampling temperature at evaluation")
-    eval_batch: int = opt(0, "held-out prompts per sampler call (all in flight); 0 = from the memory plan on a GPU, "
-                             "16 on the CPU")
+    eval_batch: int = opt(
+        0, "held-out prompts per sampler call (all in flight); 0 = from the memory plan on a GPU, 16 on the CPU"
+    )
     # run
     run_name: str | None = opt(None, "folder under out_dir; empty = a timestamp")
     out_dir: str = opt("runs", "where runs are written")
     seed: int = opt(0, "seed for data order, sampling and adapters")
     checkpoint_every: int = opt(10, "checkpoint every N steps (and at the end and on Ctrl-C)")
-    log_tokens: int = opt(0, "per step, record this many sampled completion tokens (mu, w, advantage, clip flags) "
-                             "in RUN/tokens/ for `python calibrate.py RUN`; 0 = off")
-    gpu_memory: float | None = opt(None, "GPU memory budget in GB for --plan and the automatic batch sizes; "
-                                         "empty = the GPU's (80 without one)")
-    world_size: int = opt(0, "processes the run is meant for: --plan plans each rank's memory for this many; 0 = "
-                             "torchrun's (1 without it). A run trains on the processes torchrun starts")
+    log_tokens: int = opt(
+        0,
+        "per step, record this many sampled completion tokens (mu, w, advantage, clip flags) "
+        "in RUN/tokens/ for `python calibrate.py RUN`; 0 = off",
+    )
+    gpu_memory: float | None = opt(
+        None, "GPU memory budget in GB for --plan and the automatic batch sizes; empty = the GPU's (80 without one)"
+    )
+    world_size: int = opt(
+        0,
+        "processes the run is meant for: --plan plans each rank's memory for this many; 0 = "
+        "torchrun's (1 without it). A run trains on the processes torchrun starts",
+    )
     resume: str | None = opt(None, "run directory to continue from its last checkpoint")
-    dist_timeout: float = opt(1800.0, "under torchrun, seconds a process waits for the others (say, while rank 0 "
-                                      "writes a checkpoint) before it fails: a process died or hangs")
-    export: str | None = opt(None, "after training, write merged HF weights to this new or empty directory; "
-                                   "with --resume RUN --steps 0, export that run's last checkpoint and nothing else")
+    dist_timeout: float = opt(
+        1800.0,
+        "under torchrun, seconds a process waits for the others (say, while rank 0 "
+        "writes a checkpoint) before it fails: a process died or hangs",
+    )
+    export: str | None = opt(
+        None,
+        "after training, write merged HF weights to this new or empty directory; "
+        "with --resume RUN --steps 0, export that run's last checkpoint and nothing else",
+    )
     log: str = opt("", "experiment trackers besides metrics.jsonl, comma-separated: tensorboard, wandb, trackio")
     log_project: str = opt("grpo", "the W&B and trackio project the run is logged under")
     preset: str | None = opt(None, "a named setup, a file configs/NAME.toml; --config and explicit flags override it")
@@ -153,20 +209,25 @@ class SFTConfig:
     lora_targets: str = shared("lora_targets")
     # data: problems with a worked "solution" (data/prepare.py writes them; arithmetic has them)
     dataset: str = opt("arithmetic", "problems with worked solutions: a name from data/ or a jsonl path")
-    eval_dataset: str = opt("arithmetic_test", "held-out problems sampled before and after, comma-separated; "
-                                               "empty = none")
+    eval_dataset: str = opt(
+        "arithmetic_test", "held-out problems sampled before and after, comma-separated; empty = none"
+    )
     template: str = shared("template")
     system_prompt: str | None = shared("system_prompt")
     thinking: str = shared("thinking")
     max_length: int = opt(2048, "examples longer than this (prompt + reply tokens) are left out, and counted")
-    batch_tokens: int = opt(4096, "padded tokens per micro-batch (rows x the longest row); examples of similar "
-                                  "length share a batch")
+    batch_tokens: int = opt(
+        4096, "padded tokens per micro-batch (rows x the longest row); examples of similar length share a batch"
+    )
     # optimization
     epochs: int = opt(1, "passes over the dataset")
     max_steps: int = opt(0, "stop after this many optimizer steps; 0 = the epochs decide")
     lr: float = opt(2e-4, "AdamW learning rate (the peak)")
-    lr_schedule: str = opt("cosine", "learning rate after the warmup: constant, cosine or linear decay towards 0",
-                           ("constant", "cosine", "linear"))
+    lr_schedule: str = opt(
+        "cosine",
+        "learning rate after the warmup: constant, cosine or linear decay towards 0",
+        ("constant", "cosine", "linear"),
+    )
     warmup_steps: int = opt(0, "optimizer steps of linear warmup")
     weight_decay: float = shared("weight_decay")
     grad_clip: float = shared("grad_clip")
@@ -199,8 +260,9 @@ CONFIGS = Path(__file__).resolve().parent / "configs"
 
 def resolve_device(cfg: Config) -> tuple[torch.device, torch.dtype]:
     """The device and dtype the settings name: auto is cuda when present, and bf16 there, fp32 on the CPU."""
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if cfg.device == "auto" else cfg.device)
+    device = torch.device(
+        "cuda" if cfg.device == "auto" and torch.cuda.is_available() else "cpu" if cfg.device == "auto" else cfg.device
+    )
     if cfg.dtype == "auto":
         return device, torch.bfloat16 if device.type == "cuda" else torch.float32
     return device, getattr(torch, cfg.dtype)
@@ -210,10 +272,14 @@ def _model_checks(cfg, need_device: bool) -> list[tuple[bool, str]]:
     """The checks of the settings train.py and sft.py share: device, LoRA dropout, optimizer, epochs."""
     device = cfg.device
     return [
-        (device in ("auto", "cpu", "meta") or device.startswith("cuda"),
-         f"--device {device!r}: expected cpu, cuda, cuda:N or auto"),
-        (not need_device or not device.startswith("cuda") or torch.cuda.is_available(),
-         f"--device {device}: no CUDA GPU is visible to torch on this machine; use --device cpu"),
+        (
+            device in ("auto", "cpu", "meta") or device.startswith("cuda"),
+            f"--device {device!r}: expected cpu, cuda, cuda:N or auto",
+        ),
+        (
+            not need_device or not device.startswith("cuda") or torch.cuda.is_available(),
+            f"--device {device}: no CUDA GPU is visible to torch on this machine; use --device cpu",
+        ),
         (0 <= cfg.lora_dropout < 1, f"--lora-dropout {cfg.lora_dropout}: must be in [0, 1)"),
         (cfg.lr > 0 and math.isfinite(cfg.lr), f"--lr {cfg.lr}: must be a positive number"),
         (cfg.weight_decay >= 0, f"--weight-decay {cfg.weight_decay}: must be >= 0"),
@@ -237,16 +303,22 @@ def validate_sft(cfg: SFTConfig, need_device: bool = True) -> None:
     """sft.py's settings, checked before anything loads, each failure naming its flag."""
     for ok, message in (
         *_model_checks(cfg, need_device),
-        (cfg.lora_rank >= 1 and cfg.lora_alpha > 0, f"--lora-rank {cfg.lora_rank} must be >= 1 and --lora-alpha "
-                                                    f"{cfg.lora_alpha} > 0"),
+        (
+            cfg.lora_rank >= 1 and cfg.lora_alpha > 0,
+            f"--lora-rank {cfg.lora_rank} must be >= 1 and --lora-alpha {cfg.lora_alpha} > 0",
+        ),
         (distributed.world_size() == 1, "sft.py runs in one process; start it without torchrun"),
         (cfg.max_length >= 2, f"--max-length {cfg.max_length}: must be >= 2 (a prompt and a reply token)"),
-        (cfg.batch_tokens >= cfg.max_length, f"--batch-tokens {cfg.batch_tokens}: must hold one example of "
-                                             f"--max-length {cfg.max_length}"),
+        (
+            cfg.batch_tokens >= cfg.max_length,
+            f"--batch-tokens {cfg.batch_tokens}: must hold one example of --max-length {cfg.max_length}",
+        ),
         (cfg.max_steps >= 0 and cfg.warmup_steps >= 0, "--max-steps and --warmup-steps must be >= 0"),
         (cfg.grad_accum >= 1, f"--grad-accum {cfg.grad_accum}: must be >= 1"),
-        (cfg.eval_problems >= 0 and cfg.eval_k >= 1 and cfg.eval_batch >= 1 and cfg.max_new_tokens >= 1,
-         "--eval-problems must be >= 0, and --eval-k, --eval-batch and --max-new-tokens >= 1"),
+        (
+            cfg.eval_problems >= 0 and cfg.eval_k >= 1 and cfg.eval_batch >= 1 and cfg.max_new_tokens >= 1,
+            "--eval-problems must be >= 0, and --eval-k, --eval-batch and --max-new-tokens >= 1",
+        ),
         (cfg.eval_temperature >= 0, f"--eval-temperature {cfg.eval_temperature}: must be >= 0 (0 = greedy)"),
         (cfg.checkpoint_every >= 1, f"--checkpoint-every {cfg.checkpoint_every}: must be >= 1"),
     ):
@@ -261,8 +333,11 @@ def check_init_adapter(cfg) -> None:
     saved = lora.read_config(cfg.init_adapter)
     ours = {"r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "target_modules": sorted(cfg.lora_targets.split(","))}
     flags = {"r": "--lora-rank", "lora_alpha": "--lora-alpha", "target_modules": "--lora-targets"}
-    differ = [f"{flags[key]} {ours[key]} (the adapter has {saved.get(key)})" for key in ours
-              if (sorted(saved.get(key) or []) if key == "target_modules" else saved.get(key)) != ours[key]]
+    differ = [
+        f"{flags[key]} {ours[key]} (the adapter has {saved.get(key)})"
+        for key in ours
+        if (sorted(saved.get(key) or []) if key == "target_modules" else saved.get(key)) != ours[key]
+    ]
     if differ:
         raise ValueError(f"--init-adapter {cfg.init_adapter}: its shape differs from this run's: {'; '.join(differ)}")
 
@@ -282,46 +357,68 @@ def _checks(cfg: Config, need_device: bool):
         if isinstance(value, float):
             yield math.isfinite(value), f"{_flag(name)} {value}: must be a finite number"
     yield from _model_checks(cfg, need_device)
-    yield (cfg.prompts_per_step % split == 0,
-           f"--prompts-per-step {cfg.prompts_per_step} does not split over {split} processes: each samples whole "
-           "prompts (a prompt's G completions share one process, where its advantages are computed); use a multiple "
-           f"of {split}")
-    yield (processes == 1 or not device.startswith("cuda:"),
-           f"--device {device}: under torchrun each process takes the GPU of its LOCAL_RANK; use --device auto or cuda")
+    yield (
+        cfg.prompts_per_step % split == 0,
+        f"--prompts-per-step {cfg.prompts_per_step} does not split over {split} processes: each samples whole "
+        "prompts (a prompt's G completions share one process, where its advantages are computed); use a multiple "
+        f"of {split}",
+    )
+    yield (
+        processes == 1 or not device.startswith("cuda:"),
+        f"--device {device}: under torchrun each process takes the GPU of its LOCAL_RANK; use --device auto or cuda",
+    )
     yield cfg.group_size >= 2, f"--group-size {cfg.group_size}: GRPO compares at least 2 samples per prompt"
     yield cfg.prompts_per_step >= 1, f"--prompts-per-step {cfg.prompts_per_step}: must be >= 1"
     yield cfg.max_new_tokens >= 1, f"--max-new-tokens {cfg.max_new_tokens}: must be >= 1"
-    yield (cfg.temperature > 0, f"--temperature {cfg.temperature}: training needs sampling (> 0); greedy samples of "
-                                "a prompt are identical and carry no signal")
+    yield (
+        cfg.temperature > 0,
+        f"--temperature {cfg.temperature}: training needs sampling (> 0); greedy samples of "
+        "a prompt are identical and carry no signal",
+    )
     yield 0 < cfg.top_p <= 1, f"--top-p {cfg.top_p}: must be in (0, 1]"
     yield cfg.top_k >= 0, f"--top-k {cfg.top_k}: must be >= 0 (0 = off)"
     yield cfg.lora_rank >= 0, f"--lora-rank {cfg.lora_rank}: must be >= 0 (0 trains every weight)"
     yield cfg.lora_alpha > 0, f"--lora-alpha {cfg.lora_alpha}: must be > 0"
     yield cfg.world_size >= 0, f"--world-size {cfg.world_size}: must be >= 0 (0 = torchrun's)"
     targets = [t.strip() for t in cfg.lora_targets.split(",")]
-    yield (all(t in LORA_TARGETS for t in targets) and len(set(targets)) == len(targets),
-           f"--lora-targets {cfg.lora_targets}: expected distinct names among {', '.join(LORA_TARGETS)}, "
-           "separated by commas")
+    yield (
+        all(t in LORA_TARGETS for t in targets) and len(set(targets)) == len(targets),
+        f"--lora-targets {cfg.lora_targets}: expected distinct names among {', '.join(LORA_TARGETS)}, "
+        "separated by commas",
+    )
     rows = cfg.prompts_per_step * cfg.group_size
-    yield (1 <= cfg.updates_per_rollout <= rows, f"--updates-per-rollout {cfg.updates_per_rollout}: must be between "
-                                                 f"1 and the {rows} rows of a step (--prompts-per-step x --group-size)")
-    yield (cfg.shuffle == "rows" or cfg.updates_per_rollout <= cfg.prompts_per_step,
-           f"--updates-per-rollout {cfg.updates_per_rollout}: with --shuffle groups each mini-batch holds whole "
-           f"prompt groups, so at most the {cfg.prompts_per_step} prompts of a step (--prompts-per-step)")
-    yield (0 <= cfg.grad_accum <= max(1, rows // cfg.updates_per_rollout),
-           f"--grad-accum {cfg.grad_accum}: must be between 0 (automatic) and the {rows // cfg.updates_per_rollout} "
-           "rows of a mini-batch")
+    yield (
+        1 <= cfg.updates_per_rollout <= rows,
+        f"--updates-per-rollout {cfg.updates_per_rollout}: must be between "
+        f"1 and the {rows} rows of a step (--prompts-per-step x --group-size)",
+    )
+    yield (
+        cfg.shuffle == "rows" or cfg.updates_per_rollout <= cfg.prompts_per_step,
+        f"--updates-per-rollout {cfg.updates_per_rollout}: with --shuffle groups each mini-batch holds whole "
+        f"prompt groups, so at most the {cfg.prompts_per_step} prompts of a step (--prompts-per-step)",
+    )
+    yield (
+        0 <= cfg.grad_accum <= max(1, rows // cfg.updates_per_rollout),
+        f"--grad-accum {cfg.grad_accum}: must be between 0 (automatic) and the {rows // cfg.updates_per_rollout} "
+        "rows of a mini-batch",
+    )
     yield cfg.rollout_batch >= 0, f"--rollout-batch {cfg.rollout_batch}: must be >= 0 (0 = automatic)"
     yield cfg.eval_batch >= 0, f"--eval-batch {cfg.eval_batch}: must be >= 0 (0 = automatic)"
     yield cfg.kv_blocks >= 0, f"--kv-blocks {cfg.kv_blocks}: must be >= 0 (0 = automatic)"
     yield cfg.kv_blocks != 1, "--kv-blocks 1: block 0 is reserved, so a pool needs at least 2"
-    yield (0 <= cfg.warmup_steps <= max(cfg.steps, 0), f"--warmup-steps {cfg.warmup_steps}: must be between 0 and "
-                                                       f"--steps {cfg.steps}")
-    yield (not cfg.init_adapter or cfg.lora_rank >= 1,
-           "--init-adapter starts from LoRA adapters; with --lora-rank 0 every weight trains and there are none")
-    yield (not cfg.init_adapter or not cfg.loss.kl_beta,
-           "--init-adapter with --kl-beta: the KL reference is the frozen base model (adapters off), not the "
-           "adapter's policy; a penalty towards the base is not what a run from an SFT adapter wants")
+    yield (
+        0 <= cfg.warmup_steps <= max(cfg.steps, 0),
+        f"--warmup-steps {cfg.warmup_steps}: must be between 0 and --steps {cfg.steps}",
+    )
+    yield (
+        not cfg.init_adapter or cfg.lora_rank >= 1,
+        "--init-adapter starts from LoRA adapters; with --lora-rank 0 every weight trains and there are none",
+    )
+    yield (
+        not cfg.init_adapter or not cfg.loss.kl_beta,
+        "--init-adapter with --kl-beta: the KL reference is the frozen base model (adapters off), not the "
+        "adapter's policy; a penalty towards the base is not what a run from an SFT adapter wants",
+    )
     yield cfg.checkpoint_every >= 1, f"--checkpoint-every {cfg.checkpoint_every}: must be >= 1"
     yield cfg.steps >= 0, f"--steps {cfg.steps}: must be >= 0"
     yield cfg.eval_every >= 0, f"--eval-every {cfg.eval_every}: must be >= 0 (0 = only before and after training)"
@@ -332,24 +429,36 @@ def _checks(cfg: Config, need_device: bool):
     yield cfg.dist_timeout > 0, f"--dist-timeout {cfg.dist_timeout}: must be > 0 seconds"
     yield cfg.gpu_memory is None or cfg.gpu_memory > 0, f"--gpu-memory {cfg.gpu_memory}: must be > 0 GB"
     yield 0 <= cfg.seed < 2**32, f"--seed {cfg.seed}: must be in [0, 2^32)"
-    yield (cfg.template in TEMPLATES or "{problem}" in cfg.template,
-           f"--template {cfg.template!r}: expected one of {', '.join(TEMPLATES)}, or a string containing '{{problem}}'")
-    yield (0 <= cfg.format_weight < 1, f"--format-weight {cfg.format_weight}: must be in [0, 1), below a correct "
-                                       "answer's reward")
-    yield (not cfg.format_weight or cfg.template in reward.ANSWER_FORMATS,
-           f"--format-weight needs a template that asks for a format ({', '.join(reward.ANSWER_FORMATS)}), "
-           f"not {cfg.template!r}")
+    yield (
+        cfg.template in TEMPLATES or "{problem}" in cfg.template,
+        f"--template {cfg.template!r}: expected one of {', '.join(TEMPLATES)}, or a string containing '{{problem}}'",
+    )
+    yield (
+        0 <= cfg.format_weight < 1,
+        f"--format-weight {cfg.format_weight}: must be in [0, 1), below a correct answer's reward",
+    )
+    yield (
+        not cfg.format_weight or cfg.template in reward.ANSWER_FORMATS,
+        f"--format-weight needs a template that asks for a format ({', '.join(reward.ANSWER_FORMATS)}), "
+        f"not {cfg.template!r}",
+    )
     yield cfg.code_timeout > 0, f"--code-timeout {cfg.code_timeout}: must be a positive number of seconds"
     yield len(cfg.reward_fn) >= 1, "--reward-fn: give at least one reward function (module:function)"
-    yield (cfg.reward_weights is None or len(cfg.reward_weights) == len(cfg.reward_fn),
-           f"--reward-weights {_text(cfg.reward_weights)}: {len(cfg.reward_weights or ())} weights for "
-           f"{len(cfg.reward_fn)} --reward-fn functions ({', '.join(cfg.reward_fn)}); give one weight per function")
-    yield (cfg.reward_weights is None or all(math.isfinite(w) for w in cfg.reward_weights),
-           f"--reward-weights {_text(cfg.reward_weights)}: weights must be finite numbers")
+    yield (
+        cfg.reward_weights is None or len(cfg.reward_weights) == len(cfg.reward_fn),
+        f"--reward-weights {_text(cfg.reward_weights)}: {len(cfg.reward_weights or ())} weights for "
+        f"{len(cfg.reward_fn)} --reward-fn functions ({', '.join(cfg.reward_fn)}); give one weight per function",
+    )
+    yield (
+        cfg.reward_weights is None or all(math.isfinite(w) for w in cfg.reward_weights),
+        f"--reward-weights {_text(cfg.reward_weights)}: weights must be finite numbers",
+    )
     yield cfg.reward_timeout > 0, f"--reward-timeout {cfg.reward_timeout}: must be > 0 seconds"
     name = cfg.run_name
-    yield (name is None or (name not in ("", ".", "..") and Path(name).name == name and "\\" not in name),
-           f"--run-name {name!r}: must be one folder name, inside --out-dir (no '/', '.' or '..')")
+    yield (
+        name is None or (name not in ("", ".", "..") and Path(name).name == name and "\\" not in name),
+        f"--run-name {name!r}: must be one folder name, inside --out-dir (no '/', '.' or '..')",
+    )
 
 
 LORA_TARGETS = (*lora.DEFAULT_TARGETS, "lm_head")  # the linear layers of a decoder that can take an adapter
@@ -364,17 +473,27 @@ def check_model(cfg: Config, model_cfg) -> None:
     completion fits the context, and the LoRA rank is below every targeted layer's smaller dimension."""
     context = model_cfg.max_position_embeddings
     if cfg.max_new_tokens >= context:
-        raise ValueError(f"--max-new-tokens {cfg.max_new_tokens}: the model's context is {context} tokens, prompt "
-                         "included; use fewer")
-    dims = {"q_proj": model_cfg.num_heads * model_cfg.head_dim, "k_proj": model_cfg.num_kv_heads * model_cfg.head_dim,
-            "v_proj": model_cfg.num_kv_heads * model_cfg.head_dim, "o_proj": model_cfg.num_heads * model_cfg.head_dim,
-            "gate_proj": model_cfg.intermediate_size, "up_proj": model_cfg.intermediate_size,
-            "down_proj": model_cfg.intermediate_size, "lm_head": model_cfg.vocab_size}
+        raise ValueError(
+            f"--max-new-tokens {cfg.max_new_tokens}: the model's context is {context} tokens, prompt "
+            "included; use fewer"
+        )
+    dims = {
+        "q_proj": model_cfg.num_heads * model_cfg.head_dim,
+        "k_proj": model_cfg.num_kv_heads * model_cfg.head_dim,
+        "v_proj": model_cfg.num_kv_heads * model_cfg.head_dim,
+        "o_proj": model_cfg.num_heads * model_cfg.head_dim,
+        "gate_proj": model_cfg.intermediate_size,
+        "up_proj": model_cfg.intermediate_size,
+        "down_proj": model_cfg.intermediate_size,
+        "lm_head": model_cfg.vocab_size,
+    }
     for target in cfg.lora_targets.split(",") if cfg.lora_rank else ():  # rank 0: no adapters, every weight trains
         smallest = min(model_cfg.hidden_size, dims[target.strip()])
         if cfg.lora_rank > smallest:
-            raise ValueError(f"--lora-rank {cfg.lora_rank}: above the {smallest} dimensions of {target.strip()} in "
-                             f"this model, where no update has a higher rank; use at most {smallest}")
+            raise ValueError(
+                f"--lora-rank {cfg.lora_rank}: above the {smallest} dimensions of {target.strip()} in "
+                f"this model, where no update has a higher rank; use at most {smallest}"
+            )
 
 
 BUILT_IN_REWARDS = {"reward:math_reward": "math", "sandbox:code_reward": "code"}  # a built-in -> what it grades
@@ -389,8 +508,10 @@ def check_reward_functions(cfg: Config, problems: list[dict]) -> None:
     kinds = {"code" if p.get("task") == "code" else "math" for p in problems}
     for kind in sorted(kinds - {BUILT_IN_REWARDS[spec] for spec in cfg.reward_fn}):
         spec = next(spec for spec, graded in BUILT_IN_REWARDS.items() if graded == kind)
-        raise ValueError(f"--dataset {cfg.dataset} holds {kind} problems, which no --reward-fn grades "
-                         f"({', '.join(cfg.reward_fn)}): add --reward-fn {spec}")
+        raise ValueError(
+            f"--dataset {cfg.dataset} holds {kind} problems, which no --reward-fn grades "
+            f"({', '.join(cfg.reward_fn)}): add --reward-fn {spec}"
+        )
 
 
 def check_prompts(cfg: Config, problems: list[dict], tokenizer, context: int, dataset: str) -> None:
@@ -404,14 +525,28 @@ def check_prompts(cfg: Config, problems: list[dict], tokenizer, context: int, da
             continue
         tokens = len(render_prompt(tokenizer, problem["problem"], cfg.template, cfg.system_prompt))
         if tokens > room:
-            raise ValueError(f"{problem_location(dataset, index)}: the prompt has {tokens} tokens, and with "
-                             f"--max-new-tokens {cfg.max_new_tokens} it does not fit the model's context of "
-                             f"{context}; shorten or drop it, or lower --max-new-tokens")
+            raise ValueError(
+                f"{problem_location(dataset, index)}: the prompt has {tokens} tokens, and with "
+                f"--max-new-tokens {cfg.max_new_tokens} it does not fit the model's context of "
+                f"{context}; shorten or drop it, or lower --max-new-tokens"
+            )
 
 
 # the settings that choose a clip rule: a run that sets one asks for a trust region
-CLIP_SETTINGS = ("rule", "delta", "delta_high", "dual_clip", "ratio_limits", "tv_half", "kl_two_sided", "sapo_tau_pos",
-                 "sapo_tau_neg", "cov_ratio", "clip_cov_bounds", "kl_cov_coef")
+CLIP_SETTINGS = (
+    "rule",
+    "delta",
+    "delta_high",
+    "dual_clip",
+    "ratio_limits",
+    "tv_half",
+    "kl_two_sided",
+    "sapo_tau_pos",
+    "sapo_tau_neg",
+    "cov_ratio",
+    "clip_cov_bounds",
+    "kl_cov_coef",
+)
 
 
 def warn_if_inert(cfg: Config) -> None:
@@ -420,13 +555,19 @@ def warn_if_inert(cfg: Config) -> None:
     default = loss.LossConfig()
     chosen = any(getattr(cfg.loss, name) != getattr(default, name) for name in CLIP_SETTINGS)
     if cfg.updates_per_rollout * cfg.epochs == 1 and chosen:
-        warnings.warn("one optimizer step per rollout (--updates-per-rollout 1, --epochs 1): every update starts "
-                      "from the weights that sampled its rollout, so the ratio w is 1 up to rounding and every "
-                      "clip rule gives the same update; use several updates or epochs per rollout to compare "
-                      "rules", stacklevel=2)
+        warnings.warn(
+            "one optimizer step per rollout (--updates-per-rollout 1, --epochs 1): every update starts "
+            "from the weights that sampled its rollout, so the ratio w is 1 up to rounding and every "
+            "clip rule gives the same update; use several updates or epochs per rollout to compare "
+            "rules",
+            stacklevel=2,
+        )
     if cfg.loss.rule == "interval" and cfg.loss.ratio_limits is None and cfg.loss.dual_clip is None:
-        warnings.warn("--rule interval clips only at --ratio-limits or --dual-clip, and neither is set: no token "
-                      "loses its gradient (the importance-weighted policy gradient, unclipped)", stacklevel=2)
+        warnings.warn(
+            "--rule interval clips only at --ratio-limits or --dual-clip, and neither is set: no token "
+            "loses its gradient (the importance-weighted policy gradient, unclipped)",
+            stacklevel=2,
+        )
 
 
 def check_given(cfg: Config, given: set[str]) -> None:
@@ -435,8 +576,11 @@ def check_given(cfg: Config, given: set[str]) -> None:
     for name, why in loss.inert_settings(cfg.loss).items():
         if name in given:
             value = getattr(cfg.loss, name)
-            shown = "" if isinstance(value, bool) else " " + (",".join(f"{v:g}" for v in value)
-                                                               if isinstance(value, tuple) else f"{value}")
+            shown = (
+                ""
+                if isinstance(value, bool)
+                else " " + (",".join(f"{v:g}" for v in value) if isinstance(value, tuple) else f"{value}")
+            )
             raise ValueError(f"{_flag(name)}{shown}: {why}; leave it out")
 
 
@@ -456,14 +600,28 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     Returns the config, the names of the fields given explicitly (by flag or file: they win over a resumed
     run's) and whether --plan was asked. --print-config prints the resolved settings as TOML and exits.
     """
-    parser = OneLineErrors(prog="train.py", description=description, allow_abbrev=False,  # --step is not --steps
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--plan", action="store_true", help="print the GPU memory of each phase and exit "
-                                                            "(0: fits, 1: does not); loads no weights")
-    parser.add_argument("--config", metavar="FILE.toml", help="settings from a TOML file (keys are the flags' "
-                        "names, such as lora_rank; a run's config.toml works as is); flags given override it")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved settings as TOML, the "
-                        "file --config reads, and exit")
+    parser = OneLineErrors(
+        prog="train.py",
+        description=description,
+        allow_abbrev=False,  # --step is not --steps
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the GPU memory of each phase and exit (0: fits, 1: does not); loads no weights",
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        help="settings from a TOML file (keys are the flags' "
+        "names, such as lora_rank; a run's config.toml works as is); flags given override it",
+    )
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved settings as TOML, the file --config reads, and exit",
+    )
     add_flags(parser, [*TRAIN_FIELDS.values(), *LOSS_FIELDS.values()])
     given = vars(parser.parse_args(argv))  # only the flags on the command line
     show_plan, print_config, config_file = given.pop("plan"), given.pop("print_config"), given.pop("config", None)
@@ -489,8 +647,9 @@ def parse_sft_args(argv: list[str] | None = None, description: str | None = None
     given = vars(parser.parse_args(argv))
     preset = given.get("preset")
     if preset is not None and preset not in SFT_PRESETS:
-        parser.error(f"--preset {preset!r} is unknown; known presets: {', '.join(SFT_PRESETS)} "
-                     f"(files in {CONFIGS / 'sft'})")
+        parser.error(
+            f"--preset {preset!r} is unknown; known presets: {', '.join(SFT_PRESETS)} (files in {CONFIGS / 'sft'})"
+        )
     return make_sft_config({**SFT_PRESETS.get(preset, {}), **given}), set(given)
 
 
@@ -504,8 +663,9 @@ def add_flags(parser: argparse.ArgumentParser, fields) -> None:
         elif _type_text(f) == "tuple[str, ...]":  # repeatable: --reward-fn a:f --reward-fn b:g
             parser.add_argument(flag, action="append", default=argparse.SUPPRESS, help=help_text)
         else:
-            parser.add_argument(flag, type=_parser_of(f), choices=f.metadata.get("choices"),
-                                default=argparse.SUPPRESS, help=help_text)
+            parser.add_argument(
+                flag, type=_parser_of(f), choices=f.metadata.get("choices"), default=argparse.SUPPRESS, help=help_text
+            )
 
 
 class OneLineErrors(argparse.ArgumentParser):
@@ -523,8 +683,11 @@ def make_config(values: dict) -> Config:
     """
     loss_values = {name: value for name, value in values.items() if name in LOSS_FIELDS}
     # lists (from JSON, TOML or a repeated flag) are tuples, as the fields are
-    train_values = {name: tuple(value) if isinstance(value, list) else value for name, value in values.items()
-                    if name not in LOSS_FIELDS}
+    train_values = {
+        name: tuple(value) if isinstance(value, list) else value
+        for name, value in values.items()
+        if name not in LOSS_FIELDS
+    }
     unknown = train_values.keys() - TRAIN_FIELDS.keys()
     if unknown:
         raise ValueError(f"unknown settings: {', '.join(sorted(unknown))}")
@@ -566,6 +729,7 @@ def _parser_of(f: dataclasses.Field):
     text = _type_text(f).replace(" ", "")
     optional = "None" in text.split("|")
     if "tuple[float" in text:
+
         def parse(value: str):
             try:
                 numbers = tuple(float(v) for v in value.split(","))
@@ -594,16 +758,26 @@ def resumed_config(cfg: Config | SFTConfig, given: set[str]) -> Config | SFTConf
     current = json.loads(json.dumps(flat_config(cfg)))  # tuples as JSON lists, as the saved values are
     # the run's own config.toml given with --config names the run as it is: only a change is refused
     refused = [name for name in NAMES_THE_RUN if name in given and current[name] != saved.get(name)] + [
-        name for name in FIXED_ON_RESUME if name in given and current[name] != saved.get(name, current[name])]
+        name for name in FIXED_ON_RESUME if name in given and current[name] != saved.get(name, current[name])
+    ]
     if refused:
         flags = ", ".join(_flag(name) for name in refused)
         raise ValueError(f"--resume {run_dir} continues that run with its own settings; {flags} cannot change them")
     if isinstance(cfg, SFTConfig):
-        return make_sft_config({**saved, **{name: current[name] for name in given}, "run_name": run_dir.name,
-                                "out_dir": str(run_dir.parent), "resume": str(run_dir)})
+        return make_sft_config(
+            {
+                **saved,
+                **{name: current[name] for name in given},
+                "run_name": run_dir.name,
+                "out_dir": str(run_dir.parent),
+                "resume": str(run_dir),
+            }
+        )
     if "steps" in given and cfg.steps == 0 and not cfg.export:
-        raise ValueError(f"--resume {run_dir} --steps 0 trains and evaluates nothing; add --export DIR to export "
-                         "the run's last checkpoint")
+        raise ValueError(
+            f"--resume {run_dir} --steps 0 trains and evaluates nothing; add --export DIR to export "
+            "the run's last checkpoint"
+        )
     merged = {**saved, **{name: current[name] for name in given}}
     merged.update(run_name=run_dir.name, out_dir=str(run_dir.parent), resume=str(run_dir))
     try:
@@ -635,8 +809,11 @@ def saved_config(run_dir: Path, known: set[str] | None = None) -> dict:
 def changed_settings(saved: dict, cfg: Config) -> dict[str, list]:
     """{name: [saved value, new value]} for every setting of cfg that differs from the saved run's."""
     current = json.loads(json.dumps(flat_config(cfg)))
-    return {name: [saved.get(name), value] for name, value in current.items()
-            if name != "resume" and saved.get(name) != value}
+    return {
+        name: [saved.get(name), value]
+        for name, value in current.items()
+        if name != "resume" and saved.get(name) != value
+    }
 
 
 # ----------------------------------------------------------------------------- settings files
@@ -693,15 +870,17 @@ def _toml_value(f: dataclasses.Field, value, where: str):
 
 
 def _expected(kinds: list[str]) -> str:
-    words = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
-             "None": '"" (empty)'}
+    words = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false", "None": '"" (empty)'}
     return " or ".join(words.get(kind, "a list" if kind.startswith("tuple") else kind) for kind in kinds)
 
 
 def to_toml(cfg: Config) -> str:
     """The settings as the TOML file read_toml reads back into the same Config (resume left out)."""
-    lines = ["# train.py settings: `python train.py --config THIS_FILE` runs them (flags given with it override).",
-             '# Keys are the flags\' names; "" is an empty setting, as on the command line.', ""]
+    lines = [
+        "# train.py settings: `python train.py --config THIS_FILE` runs them (flags given with it override).",
+        '# Keys are the flags\' names; "" is an empty setting, as on the command line.',
+        "",
+    ]
     values = flat_config(cfg)
     for name in FIELDS:
         if name == next(iter(LOSS_FIELDS)):

@@ -22,9 +22,15 @@ SHARED_DATA = Path(__file__).resolve().parent.parent / "shared" / "data"
 # W&B offline, and trackio's local database (whose folder trackio reads once, when it is imported).
 TRACKERS = Path(tempfile.mkdtemp(prefix="grpo-test-trackers-"))
 atexit.register(shutil.rmtree, TRACKERS, True)
-os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=str(TRACKERS / "wandb"),
-                  WANDB_CONFIG_DIR=str(TRACKERS / "wandb-config"), WANDB_CACHE_DIR=str(TRACKERS / "wandb-cache"),
-                  WANDB_DATA_DIR=str(TRACKERS / "wandb-data"), TRACKIO_DIR=str(TRACKERS / "trackio"))
+os.environ.update(
+    WANDB_MODE="offline",
+    WANDB_SILENT="true",
+    WANDB_DIR=str(TRACKERS / "wandb"),
+    WANDB_CONFIG_DIR=str(TRACKERS / "wandb-config"),
+    WANDB_CACHE_DIR=str(TRACKERS / "wandb-cache"),
+    WANDB_DATA_DIR=str(TRACKERS / "wandb-data"),
+    TRACKIO_DIR=str(TRACKERS / "trackio"),
+)
 
 # DAPO-Math-17k's wrapper around each problem: the Hub copy's prompts carry it, and the answer template asks for
 # the same final line (test_prepare converts the one, test_data renders the other).
@@ -64,26 +70,48 @@ def make_tokenizer(vocab_size: int = 300, chat_template: str = CHAT_TEMPLATE, th
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(CORPUS, trainer)
     if think_tokens:
         tok.add_tokens(THINK_TOKENS)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   bos_token=None, chat_template=chat_template)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        chat_template=chat_template,
+    )
 
 
-def make_tiny_checkpoint(path: Path, family: str = "llama", seed: int = 0, chat_template: str = CHAT_TEMPLATE,
-                         **overrides) -> Path:
+def make_tiny_checkpoint(
+    path: Path, family: str = "llama", seed: int = 0, chat_template: str = CHAT_TEMPLATE, **overrides
+) -> Path:
     """Save a 2-layer random model of `family` (llama, qwen2, qwen3) plus tokenizer into path."""
     import transformers
 
     tokenizer = make_tokenizer(chat_template=chat_template)
-    kwargs = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
-    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                    "qwen3": transformers.Qwen3Config}[family]
+    kwargs = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    config_class = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[family]
     if family == "qwen3":
         kwargs["head_dim"] = 16
     kwargs.update(overrides)
@@ -177,9 +205,31 @@ def varied_rewards(monkeypatch):
 
 
 def tiny_args(model_dir: Path, out_dir: Path, name: str, *extra: str) -> list[str]:
-    return ["--model", str(model_dir), "--out-dir", str(out_dir), "--run-name", name,
-            "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4", "--lr", "1e-2",
-            "--lora-rank", "4", "--eval-problems", "3", "--eval-k", "2", "--checkpoint-every", "2", *extra]
+    return [
+        "--model",
+        str(model_dir),
+        "--out-dir",
+        str(out_dir),
+        "--run-name",
+        name,
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--lr",
+        "1e-2",
+        "--lora-rank",
+        "4",
+        "--eval-problems",
+        "3",
+        "--eval-k",
+        "2",
+        "--checkpoint-every",
+        "2",
+        *extra,
+    ]
 
 
 def run_training(argv: list[str]) -> dict:
@@ -196,8 +246,9 @@ def launch(args: list[str], log: Path) -> subprocess.Popen:
     """train.py in its own process, so a test can signal it. Its stderr (progress bars, tracebacks) goes
     to a file: a pipe nobody reads would fill up and stall the run."""
     with log.open("w") as stderr:
-        return subprocess.Popen([sys.executable, "train.py", *args], cwd=Path(__file__).parent,
-                                stdout=subprocess.DEVNULL, stderr=stderr)
+        return subprocess.Popen(
+            [sys.executable, "train.py", *args], cwd=Path(__file__).parent, stdout=subprocess.DEVNULL, stderr=stderr
+        )
 
 
 def metric_lines(run_dir: Path) -> list[dict]:

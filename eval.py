@@ -39,15 +39,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from infra import distributed
 import lora
 import reward
 import rollout
-from grading import sandbox
-from grading import scoring
-from engine import sizes
 from config import Config
 from data import load_problems, opens_thought, render_prompt, stop_ids, thinking_note, user_message
+from engine import sizes
+from grading import sandbox, scoring
+from infra import distributed
 from infra.weights import from_pretrained, load_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -110,8 +109,10 @@ def majority_index(answers: Sequence[str | None]) -> int | None:
 def _maj_scores(answers: Sequence[Sequence[str | None]], correct: Sequence[Sequence[float]]) -> np.ndarray:
     """Per problem, 1.0 when the majority answer is correct; [P]."""
     if len(answers) != len(correct) or any(len(a) != len(c) for a, c in zip(answers, correct)):
-        raise ValueError(f"answers and correct must have the same [problems, samples] shape, got "
-                         f"{[len(a) for a in answers]} answers against {[len(c) for c in correct]} correct flags")
+        raise ValueError(
+            f"answers and correct must have the same [problems, samples] shape, got "
+            f"{[len(a) for a in answers]} answers against {[len(c) for c in correct]} correct flags"
+        )
     votes = [majority_index(row) for row in answers]
     return np.array([0.0 if vote is None else float(row[vote]) for vote, row in zip(votes, correct)])
 
@@ -267,8 +268,14 @@ def _gap(a: float, b: float, se: float) -> Gap:
 def _average_gaps(gaps: Mapping[str, Mapping[str, Gap]]) -> dict[str, Gap]:
     """Gaps of the unweighted mean over benchmarks, for the metrics every benchmark has."""
     metrics = [m for m in METRICS if all(m in g for g in gaps.values())]
-    return {m: _gap(float(np.mean([g[m].a for g in gaps.values()])), float(np.mean([g[m].b for g in gaps.values()])),
-                    math.sqrt(sum(g[m].se ** 2 for g in gaps.values())) / len(gaps)) for m in metrics}
+    return {
+        m: _gap(
+            float(np.mean([g[m].a for g in gaps.values()])),
+            float(np.mean([g[m].b for g in gaps.values()])),
+            math.sqrt(sum(g[m].se ** 2 for g in gaps.values())) / len(gaps),
+        )
+        for m in metrics
+    }
 
 
 def _paired(a: Evaluation, b: Evaluation, name: str) -> tuple[list[ProblemResult], list[ProblemResult]]:
@@ -281,8 +288,10 @@ def _paired(a: Evaluation, b: Evaluation, name: str) -> tuple[list[ProblemResult
         by_id.append(ids)
     only_a, only_b = sorted(by_id[0].keys() - by_id[1].keys()), sorted(by_id[1].keys() - by_id[0].keys())
     if only_a or only_b:
-        raise ValueError(f"{name}: the runs were not evaluated on the same problems; only in A: {only_a[:5]} "
-                         f"({len(only_a)}), only in B: {only_b[:5]} ({len(only_b)})")
+        raise ValueError(
+            f"{name}: the runs were not evaluated on the same problems; only in A: {only_a[:5]} "
+            f"({len(only_a)}), only in B: {only_b[:5]} ({len(only_b)})"
+        )
     order = [p.id for p in a.problems]
     return [by_id[0][i] for i in order], [by_id[1][i] for i in order]
 
@@ -302,14 +311,17 @@ def compare(run_a: Mapping[str, Evaluation], run_b: Mapping[str, Evaluation]) ->
             raise ValueError(f"{name}: runs use different k (A k={run_a[name].k}, B k={run_b[name].k})")
         problems_a, problems_b = _paired(run_a[name], run_b[name], name)
         scores_a, scores_b = problem_scores(problems_a, run_a[name].k), problem_scores(problems_b, run_b[name].k)
-        gaps[name] = {m: _gap(float(scores_a[m].mean()), float(scores_b[m].mean()),
-                              standard_error(scores_b[m] - scores_a[m])) for m in METRICS}
+        gaps[name] = {
+            m: _gap(float(scores_a[m].mean()), float(scores_b[m].mean()), standard_error(scores_b[m] - scores_a[m]))
+            for m in METRICS
+        }
     gaps["average"] = _average_gaps(gaps)
     return gaps
 
 
-def compare_to_baseline(run: Mapping[str, Evaluation], baseline: Mapping[str, Mapping[str, Mapping[str, float]]]
-                        ) -> dict[str, dict[str, Gap]]:
+def compare_to_baseline(
+    run: Mapping[str, Evaluation], baseline: Mapping[str, Mapping[str, Mapping[str, float]]]
+) -> dict[str, dict[str, Gap]]:
     """A run against a table of published or earlier numbers: benchmark -> metric -> {"mean": x, "se": s}.
 
     The table has no per-problem results, so the two are independent: SE = sqrt(se_run^2 + se_baseline^2). A table
@@ -323,13 +335,15 @@ def compare_to_baseline(run: Mapping[str, Evaluation], baseline: Mapping[str, Ma
             if metric not in METRICS:
                 raise ValueError(f"baseline[{name!r}]: unknown metric {metric!r}; known: {', '.join(METRICS)}")
             if not isinstance(entry, Mapping) or "mean" not in entry:
-                raise ValueError(f"baseline[{name!r}][{metric!r}] must be {{'mean': value, 'se': value}}, "
-                                 f"got {entry!r}")
+                raise ValueError(
+                    f"baseline[{name!r}][{metric!r}] must be {{'mean': value, 'se': value}}, got {entry!r}"
+                )
             ours = run[name].summary[metric]
             gaps[name][metric] = _gap(float(entry["mean"]), ours.mean, math.hypot(ours.se, float(entry.get("se", 0.0))))
     if not gaps:
-        raise ValueError(f"the baseline shares no benchmark with the run: baseline has {sorted(baseline)}, "
-                         f"run has {sorted(run)}")
+        raise ValueError(
+            f"the baseline shares no benchmark with the run: baseline has {sorted(baseline)}, run has {sorted(run)}"
+        )
     gaps["average"] = _average_gaps(gaps)
     return gaps
 
@@ -350,14 +364,18 @@ def strict_json(value):
     return value
 
 
-def save_run(path: str | Path, config: Mapping, evaluations: Mapping[str, Evaluation],
-             avg: Mapping[str, Estimate]) -> None:
+def save_run(
+    path: str | Path, config: Mapping, evaluations: Mapping[str, Evaluation], avg: Mapping[str, Estimate]
+) -> None:
     """One JSON file with the settings, the summaries and every per-problem result, so re-analysis needs no re-run.
 
     Strict JSON (NaN and infinity as null), written atomically: a failure never leaves half a file.
     """
-    run = {"config": dict(config), "average": {m: asdict(e) for m, e in avg.items()},
-           "benchmarks": {name: asdict(e) for name, e in evaluations.items()}}
+    run = {
+        "config": dict(config),
+        "average": {m: asdict(e) for m, e in avg.items()},
+        "benchmarks": {name: asdict(e) for name, e in evaluations.items()},
+    }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -378,9 +396,14 @@ def load_run(path: str | Path) -> dict[str, Evaluation]:
         raise FileNotFoundError(f"run file {path} does not exist")
     try:
         benchmarks = json.loads(Path(path).read_text())["benchmarks"]
-        return {name: Evaluation(int(e["k"]), [ProblemResult(**p) for p in e["problems"]],
-                                 {m: _estimate(s) for m, s in e["summary"].items()})
-                for name, e in benchmarks.items()}
+        return {
+            name: Evaluation(
+                int(e["k"]),
+                [ProblemResult(**p) for p in e["problems"]],
+                {m: _estimate(s) for m, s in e["summary"].items()},
+            )
+            for name, e in benchmarks.items()
+        }
     except (ValueError, KeyError, TypeError, AttributeError) as error:  # ValueError: bad JSON or not UTF-8 text
         raise ValueError(f"{path}: not a run file written by eval.py ({type(error).__name__}: {error})") from None
 
@@ -402,8 +425,10 @@ def summary_table(evaluations: Mapping[str, Evaluation], avg: Mapping[str, Estim
     rows.append(("average", str(sum(len(e.problems) for e in evaluations.values())), avg))
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, count, summary in rows:
-        cells = [f"{_value(m, s.mean)} ± {_value(m, s.se)} [{_value(m, s.lo)}, {_value(m, s.hi)}]"
-                 for m, s in ((m, summary[m]) for m in METRICS)]
+        cells = [
+            f"{_value(m, s.mean)} ± {_value(m, s.se)} [{_value(m, s.lo)}, {_value(m, s.hi)}]"
+            for m, s in ((m, summary[m]) for m in METRICS)
+        ]
         lines.append("| " + " | ".join([name, count] + cells) + " |")
     return "\n".join(lines)
 
@@ -414,8 +439,10 @@ def comparison_table(gaps: Mapping[str, Mapping[str, Gap]], label_a: str, label_
     for name, by_metric in gaps.items():
         for metric, g in by_metric.items():
             verdict = "noise (abs z < 2)" if g.noise else "beyond noise"
-            lines.append(f"| {name} | {_label(metric, k)} | {_value(metric, g.a)} | {_value(metric, g.b)} | "
-                         f"{_value(metric, g.diff, '+')} | {_value(metric, g.se)} | {g.z:.2f} | {verdict} |")
+            lines.append(
+                f"| {name} | {_label(metric, k)} | {_value(metric, g.a)} | {_value(metric, g.b)} | "
+                f"{_value(metric, g.diff, '+')} | {_value(metric, g.se)} | {g.z:.2f} | {verdict} |"
+            )
     return "\n".join(lines)
 
 
@@ -423,11 +450,28 @@ def comparison_table(gaps: Mapping[str, Mapping[str, Gap]], label_a: str, label_
 # sampling and grading
 
 
-def evaluate(model, tokenizer, problems: Sequence[Mapping], *, k: int, n: int | None = None, temperature: float,
-             top_p: float = 1.0, max_new_tokens: int, template: str = "boxed", system: str | None = None,
-             thinking: bool = False, batch_size: int = 8, seed: int = 0, desc: str = "eval", progress: bool = True,
-             finished: list[ProblemResult] | None = None, first_problem: int = 0, pool=None,
-             code_limits=None) -> Evaluation:
+def evaluate(
+    model,
+    tokenizer,
+    problems: Sequence[Mapping],
+    *,
+    k: int,
+    n: int | None = None,
+    temperature: float,
+    top_p: float = 1.0,
+    max_new_tokens: int,
+    template: str = "boxed",
+    system: str | None = None,
+    thinking: bool = False,
+    batch_size: int = 8,
+    seed: int = 0,
+    desc: str = "eval",
+    progress: bool = True,
+    finished: list[ProblemResult] | None = None,
+    first_problem: int = 0,
+    pool=None,
+    code_limits=None,
+) -> Evaluation:
     """Sample n (default k) completions for each problem {"problem", "answer", optional "id"}, grade them, and
     summarize Mean@k, Pass@k, Maj@k, completion length and truncation rate with their error bars.
 
@@ -460,22 +504,44 @@ def evaluate(model, tokenizer, problems: Sequence[Mapping], *, k: int, n: int | 
     bar = tqdm(total=len(problems), desc=desc, unit="problem", disable=not (progress and sys.stderr.isatty()))
     try:
         for start in range(0, len(problems), batch_size):
-            batch = problems[start:start + batch_size]
+            batch = problems[start : start + batch_size]
             prompts = [render_prompt(tokenizer, p["problem"], template, system, thinking) for p in batch]
-            out = rollout.generate(model, prompts, samples_per_prompt=n, max_new_tokens=max_new_tokens,
-                                   temperature=temperature, top_p=top_p, stop_ids=stops, seed=seed,
-                                   first_prompt=first_problem + start, tokenizer=tokenizer, pool=pool)
+            out = rollout.generate(
+                model,
+                prompts,
+                samples_per_prompt=n,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                stop_ids=stops,
+                seed=seed,
+                first_prompt=first_problem + start,
+                tokenizer=tokenizer,
+                pool=pool,
+            )
             references = [p for p in batch for _ in range(n)]  # rows are prompt-major; graded by their task
-            correct = [score == 1.0 for score in scoring.verdicts(out.texts, references, template=template,
-                                                                  open_thought=open_thought, code_limits=code_limits)]
+            correct = [
+                score == 1.0
+                for score in scoring.verdicts(
+                    out.texts, references, template=template, open_thought=open_thought, code_limits=code_limits
+                )
+            ]
             finals = [reward.split_thinking(t, open_thought).answer for t in out.texts]
             answers = [None if f is None else _answer(f, p, template) for f, p in zip(finals, references)]
             lengths, truncated = out.completion_mask.sum(1).tolist(), out.truncated.tolist()
             for i, p in enumerate(batch):
                 rows = slice(i * n, (i + 1) * n)
-                results.append(ProblemResult(str(p.get("id", first_problem + start + i)), _reference(p),
-                                             out.texts[rows], answers[rows], correct[rows], lengths[rows],
-                                             truncated[rows]))
+                results.append(
+                    ProblemResult(
+                        str(p.get("id", first_problem + start + i)),
+                        _reference(p),
+                        out.texts[rows],
+                        answers[rows],
+                        correct[rows],
+                        lengths[rows],
+                        truncated[rows],
+                    )
+                )
             bar.update(len(batch))
     finally:
         bar.close()
@@ -509,11 +575,18 @@ def load_eval_sets(cfg: Config) -> dict[str, list[dict]]:
     if not names:
         raise ValueError("--eval-dataset: no dataset given")
     sets = {name: load_problems(name) for name in names}
-    return {name: problems[:cfg.eval_problems] if cfg.eval_problems else problems for name, problems in sets.items()}
+    return {name: problems[: cfg.eval_problems] if cfg.eval_problems else problems for name, problems in sets.items()}
 
 
-def held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: Config, desc: str,
-                      world: distributed.World | None = None, pool: rollout.Pool | None = None) -> dict:
+def held_out(
+    model,
+    tokenizer,
+    eval_sets: dict[str, list[dict]],
+    cfg: Config,
+    desc: str,
+    world: distributed.World | None = None,
+    pool: rollout.Pool | None = None,
+) -> dict:
     """A training run's held-out evaluation (train.py's before, every --eval-every steps and after): Mean@k
     and Pass@k on each set, sampled as the run samples; with several sets, accuracy is their unweighted mean.
 
@@ -527,40 +600,71 @@ def held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: Config, de
     result = _held_out(model, tokenizer, eval_sets, cfg, desc, world, pool)
     if world.rank == 0:
         se = f"{100 * result['se']:.1f}" if result["se"] is not None and math.isfinite(result["se"]) else "undefined"
-        tqdm.write(f"{desc}: Mean@{cfg.eval_k} {100 * result['accuracy']:.1f}% (se {se}), Pass@{cfg.eval_k} "
-                   f"{100 * result['pass@k']:.1f}%, {result['problems']} problems", file=sys.stderr)
+        tqdm.write(
+            f"{desc}: Mean@{cfg.eval_k} {100 * result['accuracy']:.1f}% (se {se}), Pass@{cfg.eval_k} "
+            f"{100 * result['pass@k']:.1f}%, {result['problems']} problems",
+            file=sys.stderr,
+        )
     return result
 
 
-def _held_out(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: Config, desc: str,
-              world: distributed.World, pool: rollout.Pool | None = None) -> dict:
+def _held_out(
+    model,
+    tokenizer,
+    eval_sets: dict[str, list[dict]],
+    cfg: Config,
+    desc: str,
+    world: distributed.World,
+    pool: rollout.Pool | None = None,
+) -> dict:
     results = {}
     with sizes.sampling_policy(model, pool) as policy:  # a sharded model's weights, gathered once for every set
         for name, problems in eval_sets.items():
             lo, hi = (len(problems) * r // world.size for r in (world.rank, world.rank + 1))
             mine = []
             if hi > lo:
-                with sizes.oom_hint(f"evaluation on {name}",
-                                    f"lower --eval-batch (now {cfg.eval_batch} prompts per call)"):
-                    mine = evaluate(policy, tokenizer, problems[lo:hi], k=cfg.eval_k,
-                                               code_limits=sandbox.Limits(timeout=cfg.code_timeout),
-                                               temperature=cfg.eval_temperature, top_p=cfg.top_p,
-                                               max_new_tokens=cfg.max_new_tokens, template=cfg.template,
-                                               system=cfg.system_prompt, thinking=cfg.thinking == "on",
-                                               batch_size=cfg.eval_batch, seed=cfg.seed,
-                                               first_problem=lo, desc=f"{desc} {name}" if len(eval_sets) > 1 else desc,
-                                               progress=world.rank == 0, pool=pool).problems
+                with sizes.oom_hint(
+                    f"evaluation on {name}", f"lower --eval-batch (now {cfg.eval_batch} prompts per call)"
+                ):
+                    mine = evaluate(
+                        policy,
+                        tokenizer,
+                        problems[lo:hi],
+                        k=cfg.eval_k,
+                        code_limits=sandbox.Limits(timeout=cfg.code_timeout),
+                        temperature=cfg.eval_temperature,
+                        top_p=cfg.top_p,
+                        max_new_tokens=cfg.max_new_tokens,
+                        template=cfg.template,
+                        system=cfg.system_prompt,
+                        thinking=cfg.thinking == "on",
+                        batch_size=cfg.eval_batch,
+                        seed=cfg.seed,
+                        first_problem=lo,
+                        desc=f"{desc} {name}" if len(eval_sets) > 1 else desc,
+                        progress=world.rank == 0,
+                        pool=pool,
+                    ).problems
             summary = summarize(sum(world.gather(mine), []), cfg.eval_k, seed=cfg.seed)
             mean = summary["mean@k"]
-            results[name] = {"accuracy": mean.mean, "se": mean.se, "pass@k": summary["pass@k"].mean,
-                             "problems": len(problems), "k": cfg.eval_k}
+            results[name] = {
+                "accuracy": mean.mean,
+                "se": mean.se,
+                "pass@k": summary["pass@k"].mean,
+                "problems": len(problems),
+                "k": cfg.eval_k,
+            }
     if len(results) == 1:
         return next(iter(results.values()))
     parts = list(results.values())
-    return {"accuracy": float(np.mean([p["accuracy"] for p in parts])),
-            "se": math.sqrt(sum(p["se"] ** 2 for p in parts)) / len(parts),
-            "pass@k": float(np.mean([p["pass@k"] for p in parts])),
-            "problems": sum(p["problems"] for p in parts), "k": cfg.eval_k, "sets": results}
+    return {
+        "accuracy": float(np.mean([p["accuracy"] for p in parts])),
+        "se": math.sqrt(sum(p["se"] ** 2 for p in parts)) / len(parts),
+        "pass@k": float(np.mean([p["pass@k"] for p in parts])),
+        "problems": sum(p["problems"] for p in parts),
+        "k": cfg.eval_k,
+        "sets": results,
+    }
 
 
 # -----------------------------------------------------------------------------
@@ -574,12 +678,32 @@ class _Parser(argparse.ArgumentParser):
 
 
 # flags a run's settings fill (eval.py flag -> the name in the run's config.json), and the defaults otherwise
-RUN_SETTINGS = {"model": "model", "template": "template", "system": "system_prompt", "thinking": "thinking",
-                "temperature": "eval_temperature", "top_p": "top_p", "max_new_tokens": "max_new_tokens",
-                "k": "eval_k", "bench": "eval_dataset", "limit": "eval_problems", "seed": "seed", "dtype": "dtype",
-                "code_timeout": "code_timeout"}
-DEFAULTS = {"bench": "aime24,aime25,amc23", "k": 8, "temperature": 0.6, "top_p": 0.95, "max_new_tokens": 4096,
-            "template": "boxed", "seed": 0, "thinking": "off", "code_timeout": sandbox.Limits.timeout}
+RUN_SETTINGS = {
+    "model": "model",
+    "template": "template",
+    "system": "system_prompt",
+    "thinking": "thinking",
+    "temperature": "eval_temperature",
+    "top_p": "top_p",
+    "max_new_tokens": "max_new_tokens",
+    "k": "eval_k",
+    "bench": "eval_dataset",
+    "limit": "eval_problems",
+    "seed": "seed",
+    "dtype": "dtype",
+    "code_timeout": "code_timeout",
+}
+DEFAULTS = {
+    "bench": "aime24,aime25,amc23",
+    "k": 8,
+    "temperature": 0.6,
+    "top_p": 0.95,
+    "max_new_tokens": 4096,
+    "template": "boxed",
+    "seed": 0,
+    "thinking": "off",
+    "code_timeout": sandbox.Limits.timeout,
+}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -587,48 +711,104 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
     With --run, the flags not given take the run's settings (args.from_run lists them), then the defaults."""
     parser = _Parser(description=__doc__.strip().splitlines()[0], allow_abbrev=False)
-    parser.add_argument("--run", default=None, metavar="RUN", help="a train.py run directory: its model, template, "
-                        "system prompt, sampling, held-out sets, k and best adapter, unless flags say otherwise")
-    parser.add_argument("--model", default=None, help="model directory or hub id (default: the offline "
-                        "SmolLM2-135M-Instruct)")
-    parser.add_argument("--adapter", default=None, help="LoRA adapter directory (PEFT format) to load on the model, "
-                        "or a run directory (its best adapter)")
-    parser.add_argument("--bench", default=None, help="comma-separated dataset names of data/ (see data/prepare.py) "
-                        f"or .jsonl/.json/.parquet paths (default: {DEFAULTS['bench']})")
+    parser.add_argument(
+        "--run",
+        default=None,
+        metavar="RUN",
+        help="a train.py run directory: its model, template, "
+        "system prompt, sampling, held-out sets, k and best adapter, unless flags say otherwise",
+    )
+    parser.add_argument(
+        "--model", default=None, help="model directory or hub id (default: the offline SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument(
+        "--adapter",
+        default=None,
+        help="LoRA adapter directory (PEFT format) to load on the model, or a run directory (its best adapter)",
+    )
+    parser.add_argument(
+        "--bench",
+        default=None,
+        help="comma-separated dataset names of data/ (see data/prepare.py) "
+        f"or .jsonl/.json/.parquet paths (default: {DEFAULTS['bench']})",
+    )
     parser.add_argument("--data-dir", default=None, help="where named datasets live (default: data/)")
-    parser.add_argument("--limit", type=int, default=None, metavar="N", help="evaluate only N problems of each "
-                        "benchmark (the first N, or a seeded sample with --limit-seed): a quick try")
-    parser.add_argument("--limit-seed", type=int, default=None, metavar="S", help="with --limit: draw the N "
-                        "problems at random with this seed, kept in their benchmark order")
+    parser.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="evaluate only N problems of each "
+        "benchmark (the first N, or a seeded sample with --limit-seed): a quick try",
+    )
+    parser.add_argument(
+        "--limit-seed",
+        type=int,
+        default=None,
+        metavar="S",
+        help="with --limit: draw the N problems at random with this seed, kept in their benchmark order",
+    )
     parser.add_argument("--k", type=int, default=None, help=f"k of Mean@k, Pass@k and Maj@k (default: {DEFAULTS['k']})")
-    parser.add_argument("--n", type=int, default=None, help="samples drawn per problem, at least k (default: k); "
-                        "more samples make the Pass@k estimate less noisy")
-    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature, 0 = greedy "
-                        f"(default: {DEFAULTS['temperature']})")
-    parser.add_argument("--top-p", type=float, default=None, help=f"nucleus sampling mass (default: "
-                        f"{DEFAULTS['top_p']})")
+    parser.add_argument(
+        "--n",
+        type=int,
+        default=None,
+        help="samples drawn per problem, at least k (default: k); more samples make the Pass@k estimate less noisy",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help=f"sampling temperature, 0 = greedy (default: {DEFAULTS['temperature']})",
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=None, help=f"nucleus sampling mass (default: {DEFAULTS['top_p']})"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=None, help=f"(default: {DEFAULTS['max_new_tokens']})")
-    parser.add_argument("--template", default=None, help="prompt template of data/templates.py "
-                        f"(default: {DEFAULTS['template']})")
+    parser.add_argument(
+        "--template", default=None, help=f"prompt template of data/templates.py (default: {DEFAULTS['template']})"
+    )
     parser.add_argument("--system", default=None, help="system message (default, or empty: the chat template's own)")
-    parser.add_argument("--thinking", default=None, choices=["on", "off"], help="enable_thinking for chat "
-                        "templates that take it (Qwen3); only what follows the last </think> is graded "
-                        f"(default: {DEFAULTS['thinking']})")
+    parser.add_argument(
+        "--thinking",
+        default=None,
+        choices=["on", "off"],
+        help="enable_thinking for chat "
+        "templates that take it (Qwen3); only what follows the last </think> is graded "
+        f"(default: {DEFAULTS['thinking']})",
+    )
     parser.add_argument("--batch-size", type=int, default=8, help="problems sampled together (default: %(default)s)")
-    parser.add_argument("--code-timeout", type=float, default=None, help="code problems: seconds a program may run "
-                        f"per test (default: {DEFAULTS['code_timeout']})")
+    parser.add_argument(
+        "--code-timeout",
+        type=float,
+        default=None,
+        help=f"code problems: seconds a program may run per test (default: {DEFAULTS['code_timeout']})",
+    )
     parser.add_argument("--seed", type=int, default=None, help=f"(default: {DEFAULTS['seed']})")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                        help="default: bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--out", default=None, help="run file to write (default: RUN/eval-TIME.json with --run, "
-                        "else runs/eval-TIME.json)")
+    parser.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16"], help="default: bfloat16 on cuda, float32 on cpu"
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="run file to write (default: RUN/eval-TIME.json with --run, else runs/eval-TIME.json)",
+    )
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out file")
-    parser.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), default=None,
-                        help="compare two run files problem by problem instead of evaluating")
-    parser.add_argument("--baseline", default=None, metavar="TABLE.json", help="JSON table {benchmark: {metric: "
-                        "{'mean': x, 'se': s}}} to compare the run(s) against; metrics " + ", ".join(METRICS) +
-                        ", rates as fractions")
+    parser.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("A.json", "B.json"),
+        default=None,
+        help="compare two run files problem by problem instead of evaluating",
+    )
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        metavar="TABLE.json",
+        help="JSON table {benchmark: {metric: "
+        "{'mean': x, 'se': s}}} to compare the run(s) against; metrics " + ", ".join(METRICS) + ", rates as fractions",
+    )
     args = parser.parse_args(argv)
     args.from_run = []
     if args.run is not None:
@@ -649,8 +829,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         (0 < args.top_p <= 1, f"--top-p {args.top_p}: must be in (0, 1]"),
         (args.max_new_tokens >= 1, f"--max-new-tokens {args.max_new_tokens}: must be >= 1"),
         (args.batch_size >= 1, f"--batch-size {args.batch_size}: must be >= 1"),
-        (args.code_timeout > 0 and math.isfinite(args.code_timeout), f"--code-timeout {args.code_timeout}: must be "
-                                                                      "a positive number of seconds"),
+        (
+            args.code_timeout > 0 and math.isfinite(args.code_timeout),
+            f"--code-timeout {args.code_timeout}: must be a positive number of seconds",
+        ),
     ]
     for ok, message in checks:
         if not ok:
@@ -686,9 +868,11 @@ def take_run_settings(args: argparse.Namespace) -> list[str]:
         best = Path(args.run) / "best"
         if "model" in filled:
             if not (best / "config.json").is_file():
-                raise FileNotFoundError(f"--run {args.run}: a full-parameter run without best weights yet; export its "
-                                        f"last checkpoint (python train.py --resume {args.run} --steps 0 --export DIR) "
-                                        "and evaluate --model DIR")
+                raise FileNotFoundError(
+                    f"--run {args.run}: a full-parameter run without best weights yet; export its "
+                    f"last checkpoint (python train.py --resume {args.run} --steps 0 --export DIR) "
+                    "and evaluate --model DIR"
+                )
             args.model = str(best)
         return filled
     if args.adapter is None:
@@ -708,8 +892,11 @@ def resolve_adapter(path: str) -> tuple[Path, str]:
     summary_file = folder / "summary.json"
     if (folder / "best" / "adapter_config.json").is_file():
         best = json.loads(summary_file.read_text()).get("best") if summary_file.is_file() else None
-        what = (f"the run's best: held-out accuracy {100 * best['accuracy']:.1f}% at step {best['step']}"
-                if isinstance(best, dict) else "the run's best so far")
+        what = (
+            f"the run's best: held-out accuracy {100 * best['accuracy']:.1f}% at step {best['step']}"
+            if isinstance(best, dict)
+            else "the run's best so far"
+        )
         return folder / "best", what
     latest = folder / "latest"
     if latest.is_file() and (folder / latest.read_text().strip() / "adapter" / "adapter_config.json").is_file():
@@ -719,15 +906,27 @@ def resolve_adapter(path: str) -> tuple[Path, str]:
 
 def settings_line(args: argparse.Namespace, adapter: Path | None, adapter_what: str) -> str:
     """The command these settings are, for the reader to see (and rerun) what was evaluated."""
-    flags = [("--model", args.model), ("--adapter", adapter), ("--bench", args.bench), ("--limit", args.limit),
-             ("--k", args.k), ("--temperature", args.temperature), ("--top-p", args.top_p),
-             ("--max-new-tokens", args.max_new_tokens), ("--template", args.template), ("--system", args.system),
-             ("--seed", args.seed), ("--thinking", args.thinking)]
+    flags = [
+        ("--model", args.model),
+        ("--adapter", adapter),
+        ("--bench", args.bench),
+        ("--limit", args.limit),
+        ("--k", args.k),
+        ("--temperature", args.temperature),
+        ("--top-p", args.top_p),
+        ("--max-new-tokens", args.max_new_tokens),
+        ("--template", args.template),
+        ("--system", args.system),
+        ("--seed", args.seed),
+        ("--thinking", args.thinking),
+    ]
     command = " ".join(f"{flag} {shlex.quote(str(value))}" for flag, value in flags if value is not None)
     given = [flag for flag in RUN_SETTINGS if flag not in args.from_run and hasattr(args, flag)]
-    return (f"eval.py: {args.run} evaluated as: python eval.py {command}\neval.py: adapter {adapter} "
-            f"({adapter_what}); from the run: {', '.join(args.from_run) or 'nothing'}; yours or eval.py's defaults: "
-            f"{', '.join(given) or 'none'}")
+    return (
+        f"eval.py: {args.run} evaluated as: python eval.py {command}\neval.py: adapter {adapter} "
+        f"({adapter_what}); from the run: {', '.join(args.from_run) or 'nothing'}; yours or eval.py's defaults: "
+        f"{', '.join(given) or 'none'}"
+    )
 
 
 def limit_problems(problems: Sequence[Mapping], limit: int | None, seed: int | None = None) -> list[dict]:
@@ -812,16 +1011,22 @@ def load_benchmarks(args: argparse.Namespace) -> dict[str, list[dict]]:
     if not names:
         raise ValueError("--bench: no benchmark given")
     data_dir = {} if args.data_dir is None else {"data_dir": args.data_dir}
-    return {Path(name).stem if name.endswith((".jsonl", ".json", ".parquet")) else name:
-            limit_problems(load_problems(name, **data_dir), args.limit, args.limit_seed) for name in names}
+    return {
+        Path(name).stem if name.endswith((".jsonl", ".json", ".parquet")) else name: limit_problems(
+            load_problems(name, **data_dir), args.limit, args.limit_seed
+        )
+        for name in names
+    }
 
 
-def save_partial(out: Path, config: Mapping, finished: Mapping[str, list[ProblemResult]], k: int,
-                 seed: int) -> Path | None:
+def save_partial(
+    out: Path, config: Mapping, finished: Mapping[str, list[ProblemResult]], k: int, seed: int
+) -> Path | None:
     """After a late failure, the problems finished so far as a run file beside `out` (OUT.partial.json), or in
     the temporary folder when that cannot be written either; None when nothing was finished."""
-    evaluations = {name: Evaluation(k, results, summarize(results, k, seed=seed))
-                   for name, results in finished.items() if results}
+    evaluations = {
+        name: Evaluation(k, results, summarize(results, k, seed=seed)) for name, results in finished.items() if results
+    }
     if not evaluations:
         return None
     for folder in (out.parent, Path(tempfile.gettempdir())):
@@ -840,23 +1045,41 @@ def _keep_finished(out: Path, config: Mapping, finished: Mapping[str, list[Probl
     return f"the {count} problems finished are in {kept}" if kept else "no finished problem could be kept"
 
 
-def run_eval(args: argparse.Namespace, benchmarks: Mapping[str, list[dict]], out: Path, model, tokenizer,
-             config: Mapping) -> dict[str, Evaluation]:
+def run_eval(
+    args: argparse.Namespace, benchmarks: Mapping[str, list[dict]], out: Path, model, tokenizer, config: Mapping
+) -> dict[str, Evaluation]:
     """Sample, grade, print the table and write the run file; a late failure keeps what was finished."""
     finished = {name: [] for name in benchmarks}
     try:
-        evaluations = {name: evaluate(model, tokenizer, problems, k=args.k, n=args.n, temperature=args.temperature,
-                                      top_p=args.top_p, max_new_tokens=args.max_new_tokens, template=args.template,
-                                      system=args.system, thinking=args.thinking == "on",
-                                      batch_size=args.batch_size, seed=args.seed, desc=name, finished=finished[name],
-                                      code_limits=sandbox.Limits(timeout=args.code_timeout))
-                       for name, problems in benchmarks.items()}
+        evaluations = {
+            name: evaluate(
+                model,
+                tokenizer,
+                problems,
+                k=args.k,
+                n=args.n,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                max_new_tokens=args.max_new_tokens,
+                template=args.template,
+                system=args.system,
+                thinking=args.thinking == "on",
+                batch_size=args.batch_size,
+                seed=args.seed,
+                desc=name,
+                finished=finished[name],
+                code_limits=sandbox.Limits(timeout=args.code_timeout),
+            )
+            for name, problems in benchmarks.items()
+        }
     except KeyboardInterrupt:
         print(f"\neval.py: interrupted; {_keep_finished(out, config, finished, args.k, args.seed)}", file=sys.stderr)
         raise SystemExit(130) from None
     except Exception:
-        print(f"eval.py: the evaluation failed; {_keep_finished(out, config, finished, args.k, args.seed)}",
-              file=sys.stderr)
+        print(
+            f"eval.py: the evaluation failed; {_keep_finished(out, config, finished, args.k, args.seed)}",
+            file=sys.stderr,
+        )
         raise
     avg = average(evaluations, seed=args.seed)
     print(f"\nk={args.k}, n={args.n or args.k} samples per problem; mean ± se [{LEVEL:.0%} bootstrap interval]\n")
@@ -864,8 +1087,11 @@ def run_eval(args: argparse.Namespace, benchmarks: Mapping[str, list[dict]], out
     try:
         save_run(out, config, evaluations, avg)
     except OSError as error:
-        print(f"eval.py: --out {out}: cannot write ({error.strerror or error}); "
-              f"{_keep_finished(out, config, finished, args.k, args.seed)}", file=sys.stderr)
+        print(
+            f"eval.py: --out {out}: cannot write ({error.strerror or error}); "
+            f"{_keep_finished(out, config, finished, args.k, args.seed)}",
+            file=sys.stderr,
+        )
         raise SystemExit(2) from None
     print(f"\nper-problem results: {out}")
     return evaluations
@@ -902,8 +1128,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(2) from None
 
     config = {key: value for key, value in vars(args).items() if key not in ("compare", "out", "force")}
-    config.update(n=args.n or args.k, device=device, dtype=str(dtype),
-                  adapter=None if adapter is None else str(adapter))
+    config.update(
+        n=args.n or args.k, device=device, dtype=str(dtype), adapter=None if adapter is None else str(adapter)
+    )
     evaluations = run_eval(args, benchmarks, out, model, tokenizer, config)
     if baseline is not None:
         _print_baseline(evaluations, baseline, "run")

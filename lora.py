@@ -241,22 +241,31 @@ def load(model: nn.Module, path: str | Path) -> nn.Module:
         if module.merged:
             raise ValueError("load(): adapters are merged into the base weights; unmerge(model) first")
         if (module.rank, module.alpha) != (config["r"], config["lora_alpha"]):
-            raise ValueError(f"{config_file}: r={config['r']}, lora_alpha={config['lora_alpha']} differ from the "
-                             f"model's adapters (r={module.rank}, alpha={module.alpha})")
+            raise ValueError(
+                f"{config_file}: r={config['r']}, lora_alpha={config['lora_alpha']} differ from the "
+                f"model's adapters (r={module.rank}, alpha={module.alpha})"
+            )
     try:
         tensors = load_file(weights_file)
     except SafetensorError as error:  # truncated or not a safetensors file at all
         raise ValueError(f"{weights_file}: not a readable safetensors file ({error})") from None
-    expected = {f"{PEFT_PREFIX}{name}.lora_{ab}.weight": getattr(module, f"lora_{ab}").weight
-                for name, module in modules.items() for ab in "AB"}
+    expected = {
+        f"{PEFT_PREFIX}{name}.lora_{ab}.weight": getattr(module, f"lora_{ab}").weight
+        for name, module in modules.items()
+        for ab in "AB"
+    }
     if set(tensors) != set(expected):
         missing, unexpected = sorted(expected.keys() - tensors.keys()), sorted(tensors.keys() - expected.keys())
-        raise ValueError(f"{weights_file}: keys do not match the model's adapters; "
-                         f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise ValueError(
+            f"{weights_file}: keys do not match the model's adapters; "
+            f"missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     for key, weight in expected.items():
         if tensors[key].shape != weight.shape:
-            raise ValueError(f"{weights_file}: {key} has shape {list(tensors[key].shape)}, the model's adapter "
-                             f"{list(weight.shape)}: an adapter of another model?")
+            raise ValueError(
+                f"{weights_file}: {key} has shape {list(tensors[key].shape)}, the model's adapter "
+                f"{list(weight.shape)}: an adapter of another model?"
+            )
     with torch.no_grad():
         for name, module in modules.items():
             module.lora_A.weight.copy_(tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"])
@@ -287,10 +296,18 @@ def _check_supported(config: dict, config_file: Path) -> None:
     if config.get("peft_type") != "LORA":
         raise ValueError(f"{config_file}: peft_type {config.get('peft_type')!r} is not supported (only 'LORA')")
     if not isinstance(config.get("target_modules"), list):
-        raise ValueError(f"{config_file}: target_modules must be a list of module names, "
-                         f"got {config.get('target_modules')!r}")
-    unsupported = {"use_rslora": False, "use_dora": False, "modules_to_save": None, "bias": "none",
-                   "rank_pattern": {}, "alpha_pattern": {}, "fan_in_fan_out": False}
+        raise ValueError(
+            f"{config_file}: target_modules must be a list of module names, got {config.get('target_modules')!r}"
+        )
+    unsupported = {
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "bias": "none",
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "fan_in_fan_out": False,
+    }
     for key, plain in unsupported.items():
         if config.get(key, plain) not in (plain, None):
             raise ValueError(f"{config_file}: {key}={config[key]!r} is not supported (only {plain!r})")

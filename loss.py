@@ -101,8 +101,14 @@ INPUTS = {  # what a trainer can hand policy_loss by name, when the config asks 
 # ----------------------------------------------------------------------------- advantages
 
 
-def group_advantages(rewards: Tensor | Sequence[float], group_size: int, *, std: str = "group",
-                     leave_one_out: bool = False, eps: float = 1e-6) -> Tensor:
+def group_advantages(
+    rewards: Tensor | Sequence[float],
+    group_size: int,
+    *,
+    std: str = "group",
+    leave_one_out: bool = False,
+    eps: float = 1e-6,
+) -> Tensor:
     """Advantages [N] for rewards [N] laid out prompt-major (the G samples of a prompt are adjacent).
 
     A = (r - baseline) / (std + eps). baseline: the group mean, or with leave_one_out the mean of the
@@ -146,9 +152,14 @@ class Clip(NamedTuple):
     limit: Tensor  # bool: stopped by ratio_limits or dual_clip while inside the region
 
 
-def trust_region_clip(ratio: Tensor, inside: Tensor, advantages: Tensor, *,
-                      limits: tuple[float, float] | None = None,
-                      dual_clip: float | tuple[float, float] | None = None) -> Clip:
+def trust_region_clip(
+    ratio: Tensor,
+    inside: Tensor,
+    advantages: Tensor,
+    *,
+    limits: tuple[float, float] | None = None,
+    dual_clip: float | tuple[float, float] | None = None,
+) -> Clip:
     """PPO's min(w*A, clip(w)*A) for any region: w where the token may move, stop-gradient w where not.
 
     clip(w) is w moved to the region's edge, a constant. Inside the region the two terms are equal.
@@ -211,47 +222,90 @@ class LossConfig:
     (a JSON round trip) and "a,b" strings (a command line).
     """
 
-    rule: str | tuple[str, str] = field(default="grpo", metadata={
-        "help": "clip rule: a name from loss.py's table (grpo, dapo, atr, interval, ...) or a GPPO cell "
-                "divergence-estimator (kl-atomic, tv-binary, ...)"})
-    delta: float | None = field(default=None, metadata={
-        "help": "trust-region size d; empty = the rule's default (grid cells: f(0.8))"})
-    delta_high: float | None = field(default=None, metadata={
-        "help": "upper size of asymmetric rules (dapo, dcpo, gspo, gmpo); empty = delta times the rule's ratio"})
-    ratio_limits: tuple[float, float] | None = field(default=None, metadata={
-        "help": "lo,hi: outer ratio limits intersected with the rule's interval (a token pushed outward "
-                "past them loses its gradient); GPPO's [0.5, 10] read as limits; empty = none"})
-    dual_clip: float | tuple[float, float] | None = field(default=None, metadata={
-        "help": "c: tokens with A < 0 and ratio > c lose their gradient; lo,hi: also A > 0 and ratio < lo "
-                "(GPPO's [0.5, 10] read as mirrored dual clips); empty = off"})
-    aggregation: str | None = field(default=None, metadata={
-        "help": "token-mean, seq-mean-token-mean or seq-mean-token-sum-norm; empty = the rule's own "
-                "(seq-mean-token-mean for gspo, gmpo, sapo; token-mean otherwise)"})
-    norm_len: int | None = field(default=None, metadata={
-        "help": "seq-mean-token-sum-norm's constant length; empty = the batch's T"})
-    adv_std: str = field(default="group", metadata={
-        "help": "advantage scale: group (GRPO), batch (one std over the batch) or none (Dr. GRPO)"})
-    leave_one_out: bool = field(default=False, metadata={
-        "help": "baseline = mean of the other G-1 rewards of the group instead of the group mean"})
+    rule: str | tuple[str, str] = field(
+        default="grpo",
+        metadata={
+            "help": "clip rule: a name from loss.py's table (grpo, dapo, atr, interval, ...) or a GPPO cell "
+            "divergence-estimator (kl-atomic, tv-binary, ...)"
+        },
+    )
+    delta: float | None = field(
+        default=None, metadata={"help": "trust-region size d; empty = the rule's default (grid cells: f(0.8))"}
+    )
+    delta_high: float | None = field(
+        default=None,
+        metadata={
+            "help": "upper size of asymmetric rules (dapo, dcpo, gspo, gmpo); empty = delta times the rule's ratio"
+        },
+    )
+    ratio_limits: tuple[float, float] | None = field(
+        default=None,
+        metadata={
+            "help": "lo,hi: outer ratio limits intersected with the rule's interval (a token pushed outward "
+            "past them loses its gradient); GPPO's [0.5, 10] read as limits; empty = none"
+        },
+    )
+    dual_clip: float | tuple[float, float] | None = field(
+        default=None,
+        metadata={
+            "help": "c: tokens with A < 0 and ratio > c lose their gradient; lo,hi: also A > 0 and ratio < lo "
+            "(GPPO's [0.5, 10] read as mirrored dual clips); empty = off"
+        },
+    )
+    aggregation: str | None = field(
+        default=None,
+        metadata={
+            "help": "token-mean, seq-mean-token-mean or seq-mean-token-sum-norm; empty = the rule's own "
+            "(seq-mean-token-mean for gspo, gmpo, sapo; token-mean otherwise)"
+        },
+    )
+    norm_len: int | None = field(
+        default=None, metadata={"help": "seq-mean-token-sum-norm's constant length; empty = the batch's T"}
+    )
+    adv_std: str = field(
+        default="group",
+        metadata={"help": "advantage scale: group (GRPO), batch (one std over the batch) or none (Dr. GRPO)"},
+    )
+    leave_one_out: bool = field(
+        default=False,
+        metadata={"help": "baseline = mean of the other G-1 rewards of the group instead of the group mean"},
+    )
     kl_beta: float = field(default=0.0, metadata={"help": "weight of the KL penalty to the frozen base policy"})
-    entropy_coef: float = field(default=0.0, metadata={
-        "help": "weight of an entropy bonus: the loss subtracts entropy_coef x the policy's token entropy, "
-                "aggregated like the loss; 0 = off"})
-    kl_estimator: str = field(default="k3", metadata={
-        "help": "KL penalty estimator: k1 log(pi/ref), k2 log^2(pi/ref)/2, k3 ref/pi - 1 - log(ref/pi)"})
-    tv_half: bool = field(default=False, metadata={
-        "help": "TV = |w-1|/2 instead of |w-1|: tv cells' default delta becomes 0.1 (interval unchanged, "
-                "[0.8, 1.2] for tv-mc), and delta 0.2 gives tv-mc [0.6, 1.4]"})
-    kl_two_sided: bool = field(default=True, metadata={
-        "help": "kl cells use |log w|; false: -log w, so kl-mc at 0.223 is [0.8, inf) instead of "
-                "[0.8, 1.25] and kl-binary is the exact Bernoulli KL"})
+    entropy_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "weight of an entropy bonus: the loss subtracts entropy_coef x the policy's token entropy, "
+            "aggregated like the loss; 0 = off"
+        },
+    )
+    kl_estimator: str = field(
+        default="k3",
+        metadata={"help": "KL penalty estimator: k1 log(pi/ref), k2 log^2(pi/ref)/2, k3 ref/pi - 1 - log(ref/pi)"},
+    )
+    tv_half: bool = field(
+        default=False,
+        metadata={
+            "help": "TV = |w-1|/2 instead of |w-1|: tv cells' default delta becomes 0.1 (interval unchanged, "
+            "[0.8, 1.2] for tv-mc), and delta 0.2 gives tv-mc [0.6, 1.4]"
+        },
+    )
+    kl_two_sided: bool = field(
+        default=True,
+        metadata={
+            "help": "kl cells use |log w|; false: -log w, so kl-mc at 0.223 is [0.8, inf) instead of "
+            "[0.8, 1.25] and kl-binary is the exact Bernoulli KL"
+        },
+    )
     sapo_tau_pos: float = field(default=1.0, metadata={"help": "sapo: gate temperature for A > 0"})
-    sapo_tau_neg: float = field(default=1.05, metadata={
-        "help": "sapo: gate temperature for A < 0 (sharper: negative updates fade faster)"})
-    cov_ratio: float = field(default=2e-4, metadata={
-        "help": "clip_cov, kl_cov: fraction of tokens selected by cov(A, log pi)"})
-    clip_cov_bounds: tuple[float, float] = field(default=(1.0, 5.0), metadata={
-        "help": "clip_cov: lo,hi covariance window the stopped tokens are drawn from"})
+    sapo_tau_neg: float = field(
+        default=1.05, metadata={"help": "sapo: gate temperature for A < 0 (sharper: negative updates fade faster)"}
+    )
+    cov_ratio: float = field(
+        default=2e-4, metadata={"help": "clip_cov, kl_cov: fraction of tokens selected by cov(A, log pi)"}
+    )
+    clip_cov_bounds: tuple[float, float] = field(
+        default=(1.0, 5.0), metadata={"help": "clip_cov: lo,hi covariance window the stopped tokens are drawn from"}
+    )
     kl_cov_coef: float = field(default=1.0, metadata={"help": "kl_cov: weight of |log w| on the selected tokens"})
 
     def __post_init__(self):
@@ -275,23 +329,33 @@ class LossConfig:
         if self.aggregation is None:
             self.aggregation = rule.aggregation or "token-mean"
         elif rule.aggregation not in (None, self.aggregation):
-            raise _invalid("aggregation", self.aggregation, f"rule {self.rule} is sequence-level and is defined "
-                           f"with {rule.aggregation}; leave --aggregation unset for it")
+            raise _invalid(
+                "aggregation",
+                self.aggregation,
+                f"rule {self.rule} is sequence-level and is defined "
+                f"with {rule.aggregation}; leave --aggregation unset for it",
+            )
         self._validate()
 
     def _validate(self):
         for f in dataclasses.fields(self):  # nan is no value; a scalar size or weight is finite too
             value = getattr(self, f.name)
-            if isinstance(value, tuple) and any(isinstance(v, float) and math.isnan(v) for v in value) or \
-                    isinstance(value, float) and not math.isfinite(value):
+            if (
+                isinstance(value, tuple)
+                and any(isinstance(v, float) and math.isnan(v) for v in value)
+                or isinstance(value, float)
+                and not math.isfinite(value)
+            ):
                 raise _invalid(f.name, value, "must be a finite number")
         limits, dual, window = self.ratio_limits, self.dual_clip, self.clip_cov_bounds
         for name, ok, why in (
             ("delta", self.delta is None or self.delta >= 0, "must be >= 0"),
             ("delta_high", self.delta_high is None or self.delta_high >= 0, "must be >= 0"),
-            ("ratio_limits", limits is None or (isinstance(limits, tuple) and len(limits) == 2
-                                                and 0 <= limits[0] < 1 < limits[1]),
-             "expected lo,hi with 0 <= lo < 1 < hi"),
+            (
+                "ratio_limits",
+                limits is None or (isinstance(limits, tuple) and len(limits) == 2 and 0 <= limits[0] < 1 < limits[1]),
+                "expected lo,hi with 0 <= lo < 1 < hi",
+            ),
             ("dual_clip", dual is None or _valid_dual_clip(dual), "expected c > 1, or lo,hi with 0 < lo < 1 < hi"),
             ("aggregation", self.aggregation in AGGREGATIONS, f"expected one of {', '.join(AGGREGATIONS)}"),
             ("norm_len", self.norm_len is None or self.norm_len >= 1, "must be >= 1"),
@@ -302,8 +366,11 @@ class LossConfig:
             ("sapo_tau_pos", self.sapo_tau_pos > 0, "must be > 0"),
             ("sapo_tau_neg", self.sapo_tau_neg > 0, "must be > 0"),
             ("cov_ratio", 0 < self.cov_ratio <= 1, "must be in (0, 1]"),
-            ("clip_cov_bounds", isinstance(window, tuple) and len(window) == 2 and window[0] < window[1],
-             "expected lo,hi with lo < hi"),
+            (
+                "clip_cov_bounds",
+                isinstance(window, tuple) and len(window) == 2 and window[0] < window[1],
+                "expected lo,hi with lo < hi",
+            ),
             ("kl_cov_coef", self.kl_cov_coef >= 0, "must be >= 0"),
         ):
             if not ok:
@@ -319,8 +386,11 @@ def _valid_dual_clip(dual_clip) -> bool:
 def required_inputs(cfg: LossConfig) -> frozenset[str]:
     """The names policy_loss needs beyond the log-probs: the rule's declared needs, ref_logp for a KL penalty,
     and the differentiable entropy for an entropy bonus."""
-    return (frozenset(get_rule(cfg.rule).needs) | ({"ref_logp"} if cfg.kl_beta > 0 else set())
-            | ({"entropy"} if cfg.entropy_coef > 0 else set()))
+    return (
+        frozenset(get_rule(cfg.rule).needs)
+        | ({"ref_logp"} if cfg.kl_beta > 0 else set())
+        | ({"entropy"} if cfg.entropy_coef > 0 else set())
+    )
 
 
 # ----------------------------------------------------------------------------- the rule interface
@@ -346,8 +416,9 @@ class Tokens:
     def clip(self, log_w: Tensor, inside: Tensor | None = None) -> Clip:
         """The clip operator at ratios exp(log_w), with the rule's region or the given `inside`."""
         inside = self.inside(log_w) if inside is None else inside
-        return trust_region_clip(log_w.exp(), inside, self.adv, limits=self.cfg.ratio_limits,
-                                 dual_clip=self.cfg.dual_clip)
+        return trust_region_clip(
+            log_w.exp(), inside, self.adv, limits=self.cfg.ratio_limits, dual_clip=self.cfg.dual_clip
+        )
 
 
 Objective = Callable[[Tokens], tuple[Tensor, Clip]]
@@ -392,9 +463,18 @@ def inside(rule: Rule, log_w: Tensor, old_logp: Tensor, cfg: LossConfig) -> Tens
 # ----------------------------------------------------------------------------- the loss
 
 
-def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: LossConfig, *,
-                num_tokens: int | Tensor | None = None, num_seqs: int | Tensor | None = None,
-                records: list | None = None, **inputs) -> tuple[Tensor, dict[str, float]]:
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: LossConfig,
+    *,
+    num_tokens: int | Tensor | None = None,
+    num_seqs: int | Tensor | None = None,
+    records: list | None = None,
+    **inputs,
+) -> tuple[Tensor, dict[str, float]]:
     """The policy-gradient loss of cfg.rule and its diagnostics.
 
     Per token: -objective, + kl_beta x the KL estimate to the reference, - entropy_coef x the entropy;
@@ -436,16 +516,22 @@ def _check_inputs(logp, old_logp, advantages, mask, cfg, inputs) -> tuple[Tensor
         raise ValueError(f"unknown inputs {', '.join(unknown)}; policy_loss takes {', '.join(INPUTS)}")
     missing = sorted(required_inputs(cfg) - set(inputs))
     if missing:
-        raise ValueError(f"rule {cfg.rule!r} with kl_beta={cfg.kl_beta} needs the inputs {', '.join(missing)} "
-                         "(see loss.INPUTS)")
-    for name, t in (("old_logp", old_logp), ("mask", mask), ("ref_logp", inputs.get("ref_logp")),
-                    ("entropy", inputs.get("entropy"))):
+        raise ValueError(
+            f"rule {cfg.rule!r} with kl_beta={cfg.kl_beta} needs the inputs {', '.join(missing)} (see loss.INPUTS)"
+        )
+    for name, t in (
+        ("old_logp", old_logp),
+        ("mask", mask),
+        ("ref_logp", inputs.get("ref_logp")),
+        ("entropy", inputs.get("entropy")),
+    ):
         if t is not None and t.shape != logp.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected logp's {tuple(logp.shape)}")
     for name in ("old_hidden", "hidden"):
         if name in inputs and (inputs[name].dim() != 3 or inputs[name].shape[:2] != logp.shape):
-            raise ValueError(f"{name} has shape {tuple(inputs[name].shape)}, expected [B, T, H] with [B, T] "
-                             f"= {tuple(logp.shape)}")
+            raise ValueError(
+                f"{name} has shape {tuple(inputs[name].shape)}, expected [B, T, H] with [B, T] = {tuple(logp.shape)}"
+            )
     if "temperature" in inputs and not inputs["temperature"] > 0:
         raise ValueError(f"temperature must be > 0, got {inputs['temperature']}")
     if advantages.shape not in (logp.shape[:1], logp.shape):
@@ -487,7 +573,9 @@ def _metrics(log_ratio, old_logp, adv, mask, clip: Clip, ref_kl) -> dict[str, fl
         "clip_high_frac": high.mean(),
         "limit_clip_frac": limit.mean(),  # stopped by ratio_limits or dual_clip
         "approx_kl": (torch.expm1(log_w) - log_w).mean(),  # k3 estimate of KL(old || new)
-        "ratio_min": w.min(), "ratio_mean": w.mean(), "ratio_max": w.max(),
+        "ratio_min": w.min(),
+        "ratio_mean": w.mean(),
+        "ratio_max": w.max(),
     }
     if ref_kl is not None:
         stats["ref_kl"] = ref_kl.detach()[mask].double().mean()
@@ -503,9 +591,14 @@ def _metrics(log_ratio, old_logp, adv, mask, clip: Clip, ref_kl) -> dict[str, fl
     active_count = (bucket * active[:, None]).sum(0)
     active_share, active_clip = active_count / len(w), (bucket * stopped[:, None]).sum(0) / active_count.clamp_min(1)
     for i, label in enumerate(MU_LABELS):
-        stats |= {f"mu[{label}]/share": share[i], f"mu[{label}]/adv_sign": sign[i],
-                  f"mu[{label}]/clip_frac": region_clip[i], f"mu[{label}]/limit_frac": limit_clip[i],
-                  f"mu[{label}]/active_share": active_share[i], f"mu[{label}]/active_clip_frac": active_clip[i]}
+        stats |= {
+            f"mu[{label}]/share": share[i],
+            f"mu[{label}]/adv_sign": sign[i],
+            f"mu[{label}]/clip_frac": region_clip[i],
+            f"mu[{label}]/limit_frac": limit_clip[i],
+            f"mu[{label}]/active_share": active_share[i],
+            f"mu[{label}]/active_clip_frac": active_clip[i],
+        }
     return dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one device sync
 
 
@@ -568,10 +661,14 @@ def _token_record(old_logp: Tensor, adv: Tensor, mask: Tensor, clip: Clip) -> di
     def column(x: Tensor, dtype) -> np.ndarray:
         return x[mask].to(dtype).cpu().numpy()
 
-    return {"mu": column(old_logp.double().exp().clamp_min(tiny), torch.float32),
-            "w": column(clip.ratio.detach(), torch.float32), "advantage": column(adv, torch.float32),
-            "region_low": column(clip.low, torch.bool), "region_high": column(clip.high, torch.bool),
-            "limit": column(clip.limit, torch.bool)}
+    return {
+        "mu": column(old_logp.double().exp().clamp_min(tiny), torch.float32),
+        "w": column(clip.ratio.detach(), torch.float32),
+        "advantage": column(adv, torch.float32),
+        "region_low": column(clip.low, torch.bool),
+        "region_high": column(clip.high, torch.bool),
+        "limit": column(clip.limit, torch.bool),
+    }
 
 
 # ----------------------------------------------------------------------------- the rules: objectives
@@ -652,8 +749,10 @@ def _clip_cov_objective(t: Tokens) -> tuple[Tensor, Clip]:
     random_key = torch.where(candidate, torch.rand_like(cov), -math.inf)  # global RNG: seeded by the trainer
     picked = _top_tokens(random_key, max(1, int(t.cfg.cov_ratio * t.mask.sum())))
     below = clip.ratio.detach() < 1
-    return (t.adv * torch.where(picked, clip.ratio.detach(), clip.ratio),
-            clip._replace(low=clip.low | (picked & below), high=clip.high | (picked & ~below)))
+    return (
+        t.adv * torch.where(picked, clip.ratio.detach(), clip.ratio),
+        clip._replace(low=clip.low | (picked & below), high=clip.high | (picked & ~below)),
+    )
 
 
 def _kl_cov_objective(t: Tokens) -> tuple[Tensor, Clip]:
@@ -673,8 +772,9 @@ def _kl_full_objective(t: Tokens) -> tuple[Tensor, Clip]:
 
 
 @torch.no_grad()
-def full_vocab_kl(old_hidden: Tensor, new_hidden: Tensor, lm_head_weight: Tensor, *,
-                  temperature: float = 1.0, chunk_tokens: int = 256) -> Tensor:
+def full_vocab_kl(
+    old_hidden: Tensor, new_hidden: Tensor, lm_head_weight: Tensor, *, temperature: float = 1.0, chunk_tokens: int = 256
+) -> Tensor:
     """Exact KL(old || new) of the next-token distributions over the whole vocabulary, [B, T] float32.
 
     old_hidden, new_hidden: [B, T, H] final hidden states (after the last norm) of the sampling and
@@ -683,8 +783,10 @@ def full_vocab_kl(old_hidden: Tensor, new_hidden: Tensor, lm_head_weight: Tensor
     (2 * 2*H*V FLOPs per token), and O(chunk_tokens * V) float32 memory, never [B, T, V].
     """
     if old_hidden.shape != new_hidden.shape or old_hidden.dim() != 3 or old_hidden.shape[-1] != lm_head_weight.shape[1]:
-        raise ValueError(f"old_hidden {tuple(old_hidden.shape)} and new_hidden {tuple(new_hidden.shape)} must be "
-                         f"[B, T, H] with H = lm_head_weight.shape[1] = {lm_head_weight.shape[1]}")
+        raise ValueError(
+            f"old_hidden {tuple(old_hidden.shape)} and new_hidden {tuple(new_hidden.shape)} must be "
+            f"[B, T, H] with H = lm_head_weight.shape[1] = {lm_head_weight.shape[1]}"
+        )
     old_flat, new_flat = old_hidden.flatten(0, 1), new_hidden.flatten(0, 1)  # [B*T, H]
     kl = torch.empty(old_flat.shape[0], dtype=torch.float32, device=old_hidden.device)
     for start in range(0, old_flat.shape[0], chunk_tokens):  # chunks of tokens, each [chunk, V]
@@ -774,8 +876,7 @@ DIVERGENCES: dict[str, Callable[[Tensor, LossConfig], Tensor]] = {  # f as a fun
 ESTIMATORS = ("mc", "atomic", "binary")
 
 
-def grid_distance(divergence: str, estimator: str, log_w: Tensor, old_logp: Tensor,
-                  cfg: LossConfig) -> Tensor:
+def grid_distance(divergence: str, estimator: str, log_w: Tensor, old_logp: Tensor, cfg: LossConfig) -> Tensor:
     """The GPPO grid's estimate of the divergence between old and new policy at one token (float64)."""
     f = DIVERGENCES[divergence]
     if estimator == "mc":
@@ -804,8 +905,12 @@ RULES: dict[str, Rule] = {  # the registry: add a rule here
     "kl2": Rule(_ppo_objective, _sampled_kl_region(lambda lw: lw**2 / 2), _kl2_bounds, delta=math.log(0.8) ** 2 / 2),
     "kl3": _KL3,
     "atr": _KL3,
-    "kl_full": Rule(_kl_full_objective, _bernoulli_kl_region, delta=0.07,
-                    needs=("old_hidden", "hidden", "lm_head_weight", "temperature")),
+    "kl_full": Rule(
+        _kl_full_objective,
+        _bernoulli_kl_region,
+        delta=0.07,
+        needs=("old_hidden", "hidden", "lm_head_weight", "temperature"),
+    ),
     "dcpo": Rule(_ppo_objective, bounds=_dcpo_bounds, delta=0.2, delta_high=0.28),
     "dppo": Rule(_ppo_objective, bounds=_dppo_bounds, delta=0.2),
     "gspo": Rule(_gspo_objective, bounds=_interval_bounds, delta=3e-4, delta_high=4e-4, aggregation=SEQUENCE_MEAN),
@@ -838,14 +943,19 @@ def inert_settings(cfg: LossConfig) -> dict[str, str]:
     if rule.delta is None and divergence is None:
         inert["delta"] = f"--rule {shown} has no trust-region size"
     if rule.bounds not in (_interval_bounds, _gmpo_bounds, _dcpo_bounds):
-        inert["delta_high"] = f"--rule {shown} has no separate upper size (grpo, dapo, dcpo, gspo, gmpo and " \
-                              "clip_cov do)"
+        inert["delta_high"] = (
+            f"--rule {shown} has no separate upper size (grpo, dapo, dcpo, gspo, gmpo and clip_cov do)"
+        )
     for field_name, owner in (("tv_half", "tv"), ("kl_two_sided", "kl")):
         if divergence != owner:
             inert[field_name] = f"only the {owner} cells of the GPPO grid read it, not --rule {shown}"
-    for field_name, owners in (("sapo_tau_pos", ("sapo",)), ("sapo_tau_neg", ("sapo",)),
-                               ("cov_ratio", ("clip_cov", "kl_cov")), ("clip_cov_bounds", ("clip_cov",)),
-                               ("kl_cov_coef", ("kl_cov",))):
+    for field_name, owners in (
+        ("sapo_tau_pos", ("sapo",)),
+        ("sapo_tau_neg", ("sapo",)),
+        ("cov_ratio", ("clip_cov", "kl_cov")),
+        ("clip_cov_bounds", ("clip_cov",)),
+        ("kl_cov_coef", ("kl_cov",)),
+    ):
         if name not in owners:
             inert[field_name] = f"only --rule {' or '.join(owners)} reads it, not --rule {shown}"
     if cfg.aggregation != "seq-mean-token-sum-norm":

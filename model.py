@@ -61,8 +61,10 @@ class ModelConfig:
         """Read a Hugging Face config.json dict; unsupported architectures fail loudly."""
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"config.json: model_type {model_type!r} is not supported; "
-                             f"supported types: {', '.join(SUPPORTED_MODEL_TYPES)}")
+            raise ValueError(
+                f"config.json: model_type {model_type!r} is not supported; "
+                f"supported types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
@@ -174,8 +176,9 @@ class KVPool:
       scores of every row against the whole pool) and needs torch.compile to be fast on a GPU.
     """
 
-    def __init__(self, cfg: ModelConfig, blocks: int, block_size: int, dtype: torch.dtype, device,
-                 attention: str = "gather"):
+    def __init__(
+        self, cfg: ModelConfig, blocks: int, block_size: int, dtype: torch.dtype, device, attention: str = "gather"
+    ):
         if blocks < 2:
             raise ValueError(f"KVPool: blocks={blocks}; block 0 is reserved, so at least 2 are needed")
         if attention not in ("gather", "flash"):
@@ -258,8 +261,10 @@ class DecodeAttention:
         pool, R = rows.pool, len(rows.length)
         bs = pool.block_size
         if span % bs or not 0 < span <= rows.table.shape[1] * bs:
-            raise ValueError(f"span={span}: must be a positive multiple of the block size {bs} within the table "
-                             f"({rows.table.shape[1]} blocks)")
+            raise ValueError(
+                f"span={span}: must be a positive multiple of the block size {bs} within the table "
+                f"({rows.table.shape[1]} blocks)"
+            )
         self.rows, self.span = rows, span
         self.write_slots = rows.slots(rows.length[:, None])[:, 0]  # [R]
         if pool.attention == "flash":
@@ -267,7 +272,7 @@ class DecodeAttention:
             self.seen, self.cu_q = seen, torch.arange(R + 1, dtype=torch.int32, device=seen.device)
             self.cu_k = F.pad(seen.cumsum(0, dtype=torch.int32), (1, 0))
         else:
-            self.gather = rows.table[:, :span // bs].reshape(-1).long()  # [R * blocks]
+            self.gather = rows.table[:, : span // bs].reshape(-1).long()  # [R * blocks]
             positions = torch.arange(span, device=rows.length.device)
             self.mask = (positions <= rows.length[:, None])[:, None, None]  # [R, 1, 1, span]
 
@@ -280,11 +285,27 @@ class DecodeAttention:
         if pool.attention == "flash":
             from torch.nn.attention.varlen import varlen_attn
 
-            out = varlen_attn(q, pool.k[layer], pool.v[layer], self.cu_q, self.cu_k, 1, self.span,
-                              seqused_k=self.seen, block_table=rows.table, enable_gqa=True)
+            out = varlen_attn(
+                q,
+                pool.k[layer],
+                pool.v[layer],
+                self.cu_q,
+                self.cu_k,
+                1,
+                self.span,
+                seqused_k=self.seen,
+                block_table=rows.table,
+                enable_gqa=True,
+            )
             return out.reshape(R, H * D)
-        keys, values = (pool_[layer].view(pool.blocks, -1).index_select(0, self.gather)
-                        .view(R, self.span, kv_heads, D).transpose(1, 2) for pool_ in (pool.k, pool.v))
+        keys, values = (
+            pool_[layer]
+            .view(pool.blocks, -1)
+            .index_select(0, self.gather)
+            .view(R, self.span, kv_heads, D)
+            .transpose(1, 2)
+            for pool_ in (pool.k, pool.v)
+        )
         # the query heads sharing a kv head are one query axis of length H / kv_heads: no copy per head
         out = F.scaled_dot_product_attention(q.view(R, kv_heads, H // kv_heads, D), keys, values, attn_mask=self.mask)
         return out.reshape(R, H * D)
@@ -344,8 +365,10 @@ class DecodeWeights:
                     continue
                 device, dtype = model.device, model.dtype
                 A = torch.zeros(modules[0].weight.shape[1], sum(ranks), dtype=dtype, device=device)
-                Bs = [None if not r else torch.zeros(sum(ranks), m.weight.shape[0], dtype=dtype, device=device)
-                      for m, r in zip(modules, ranks)]
+                Bs = [
+                    None if not r else torch.zeros(sum(ranks), m.weight.shape[0], dtype=dtype, device=device)
+                    for m, r in zip(modules, ranks)
+                ]
                 self.groups.append((modules, A, Bs))
         self.refresh(model)
 
@@ -353,8 +376,12 @@ class DecodeWeights:
     def signature_of(model: Transformer) -> tuple:
         """Which projections carry a low-rank term and of what rank: buffers built for one signature
         serve any adapter values of it."""
-        return tuple(None if (t := _low_rank(_projection(block, name))) is None else t[0].shape
-                     for block in model.model.layers for names in PROJECTION_GROUPS for name in names)
+        return tuple(
+            None if (t := _low_rank(_projection(block, name))) is None else t[0].shape
+            for block in model.model.layers
+            for names in PROJECTION_GROUPS
+            for name in names
+        )
 
     @torch.no_grad()
     def refresh(self, model: Transformer) -> None:
@@ -368,8 +395,8 @@ class DecodeWeights:
                 if term is None:
                     continue
                 a, scaled_b = term
-                A[:, lo:lo + len(a)].copy_(a.t())
-                B[lo:lo + len(a)].copy_(scaled_b.t())
+                A[:, lo : lo + len(a)].copy_(a.t())
+                B[lo : lo + len(a)].copy_(scaled_b.t())
                 lo += len(a)
 
     def project(self, index: int, x: torch.Tensor) -> list[torch.Tensor]:
@@ -411,8 +438,14 @@ class SharedPrompts:
     per folded head; longer ones copy each layer's keys and values per query head instead.
     """
 
-    def __init__(self, prompt_mask: torch.Tensor, owner: torch.Tensor, completion_mask: torch.Tensor,
-                 cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(
+        self,
+        prompt_mask: torch.Tensor,
+        owner: torch.Tensor,
+        completion_mask: torch.Tensor,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+    ):
         (U, P), (R, C), device = prompt_mask.shape, completion_mask.shape, owner.device
         self.owner, self.sizes = owner, (U, P, R, C)
         self.fold = C <= 2 * cfg.head_dim
@@ -544,8 +577,14 @@ class Transformer(nn.Module):
         scatter = (torch.arange(T, device=input_ids.device) - shift[:, None]) % T
         return h.gather(1, scatter[..., None].expand_as(h))
 
-    def hidden_shared(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, owner: torch.Tensor,
-                      completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    def hidden_shared(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        owner: torch.Tensor,
+        completion_ids: torch.Tensor,
+        completion_mask: torch.Tensor,
+    ) -> torch.Tensor:
         """Final-normed states [R, 1 + C, hidden] of R rows that share U prompts, each prompt run once
         (SharedPrompts): for row r, the state of the last token of its prompt prompt_ids[owner[r]], then
         those of its completion completion_ids[r]. They are hidden() of the row run whole, at those tokens.
@@ -560,8 +599,12 @@ class Transformer(nn.Module):
         _check_contiguous(completion_mask)
         lengths = prompt_mask.sum(1)  # [U]
         ids = torch.cat([prompt_ids.flatten(), completion_ids.flatten()])[None]  # [1, U * P + R * C]
-        positions = torch.cat([torch.arange(P, device=device).repeat(U),
-                               (lengths[owner, None] + torch.arange(C, device=device)).flatten()])[None]
+        positions = torch.cat(
+            [
+                torch.arange(P, device=device).repeat(U),
+                (lengths[owner, None] + torch.arange(C, device=device)).flatten(),
+            ]
+        )[None]
         x = self.model.embed_tokens(ids)
         # the mask in the dtype the blocks compute in (under FSDP2, the gathered weights', not the shards')
         shared = SharedPrompts(prompt_mask, owner, completion_mask, self.config, x.dtype)
@@ -571,9 +614,9 @@ class Transformer(nn.Module):
                 x = checkpoint(block, x, cos, sin, i, shared, use_reentrant=False)
             else:
                 x = block(x, cos, sin, i, shared)
-        last_prompt_token = x[0, :U * P].view(U, P, -1)[torch.arange(U, device=device), lengths - 1]  # [U, hidden]
+        last_prompt_token = x[0, : U * P].view(U, P, -1)[torch.arange(U, device=device), lengths - 1]  # [U, hidden]
         # normed after the selection: the norm is per token, and most prompt states are not needed
-        return self.model.norm(torch.cat([last_prompt_token[owner, None], x[0, U * P:].view(R, C, -1)], 1))
+        return self.model.norm(torch.cat([last_prompt_token[owner, None], x[0, U * P :].view(R, C, -1)], 1))
 
     def _run_blocks(self, input_ids, positions, cache: PrefillWrite | None = None):
         x = self.model.embed_tokens(input_ids)
@@ -599,8 +642,9 @@ class Transformer(nn.Module):
         h = self._run_blocks(rotated, arange.expand_as(input_ids), PrefillWrite(rows, T))
         return h[torch.arange(len(h), device=h.device), T - 1 - shift]
 
-    def decode_step(self, tokens: torch.Tensor, rows: PagedRows, span: int,
-                    weights: DecodeWeights | None = None) -> torch.Tensor:
+    def decode_step(
+        self, tokens: torch.Tensor, rows: PagedRows, span: int, weights: DecodeWeights | None = None
+    ) -> torch.Tensor:
         """Logits [rows, V] for one token per row (tokens [rows] long): each is stored at slot rows.length of
         its row (its position) and attends over slots 0..length; rows.length is not advanced.
 
@@ -615,8 +659,7 @@ class Transformer(nn.Module):
         weights = weights if weights is not None else DecodeWeights(self)
         attend = DecodeAttention(rows, span)
         x = self.model.embed_tokens(tokens)  # [R, hidden]
-        cos, sin = (t.view(R, 1, -1) for t in rope_cos_sin(rows.length[:, None], cfg.head_dim, cfg.rope_theta,
-                                                           x.dtype))
+        cos, sin = (t.view(R, 1, -1) for t in rope_cos_sin(rows.length[:, None], cfg.head_dim, cfg.rope_theta, x.dtype))
         for i, block in enumerate(self.model.layers):
             q, k, v = weights.project(4 * i, block.input_layernorm(x))
             q = q.view(R, cfg.num_heads, cfg.head_dim)
@@ -635,21 +678,37 @@ class Transformer(nn.Module):
         """Logits [B, T, vocab] in the model's dtype."""
         return self.lm_head(self.hidden(input_ids, pad_mask))
 
-    def token_logprobs(self, input_ids: torch.Tensor, pad_mask: torch.Tensor | None = None, *,
-                       temperature: float = 1.0, with_entropy: bool = False, chunk_tokens: int = 1024):
+    def token_logprobs(
+        self,
+        input_ids: torch.Tensor,
+        pad_mask: torch.Tensor | None = None,
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        chunk_tokens: int = 1024,
+    ):
         """log p(input_ids[:, t] | input_ids[:, :t]) as [B, T] fp32, with logp[:, 0] = 0.
 
         Returns (logp, entropy) with entropy [B, T] or None. See hidden_logprobs for the memory cost.
         """
         h = self.hidden(input_ids, pad_mask)
-        logp, entropy = self.hidden_logprobs(h, input_ids, start=1, temperature=temperature,
-                                             with_entropy=with_entropy, chunk_tokens=chunk_tokens)
+        logp, entropy = self.hidden_logprobs(
+            h, input_ids, start=1, temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens
+        )
         zero = logp.new_zeros(input_ids.shape[0], 1)
         return torch.cat([zero, logp], 1), None if entropy is None else torch.cat([zero, entropy], 1)
 
-    def hidden_logprobs(self, h: torch.Tensor, input_ids: torch.Tensor, *, start: int = 1,
-                        temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False,
-                        chunk_tokens: int = 1024):
+    def hidden_logprobs(
+        self,
+        h: torch.Tensor,
+        input_ids: torch.Tensor,
+        *,
+        start: int = 1,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        entropy_grad: bool = False,
+        chunk_tokens: int = 1024,
+    ):
         """log-probs [B, T - start] fp32 (float64 for a float64 model) of input_ids[:, start:] from
         hidden states h [B, T, hidden].
 
@@ -662,13 +721,18 @@ class Transformer(nn.Module):
         chunk (with a graph, each would stay alive until the backward). entropy_grad=True (an entropy
         bonus) differentiates it; inside the chunk's checkpoint, so memory still holds one block.
         """
-        h = h[:, start - 1:-1]  # the states that predict tokens start..T-1
+        h = h[:, start - 1 : -1]  # the states that predict tokens start..T-1
         B, T, H = h.shape
         flat_h, flat_targets = h.reshape(-1, H), input_ids[:, start:].reshape(-1)
         logps, entropies = [], []
         for lo in range(0, flat_h.shape[0], chunk_tokens):
-            args = (flat_h[lo:lo + chunk_tokens], flat_targets[lo:lo + chunk_tokens], temperature, with_entropy,
-                    entropy_grad)
+            args = (
+                flat_h[lo : lo + chunk_tokens],
+                flat_targets[lo : lo + chunk_tokens],
+                temperature,
+                with_entropy,
+                entropy_grad,
+            )
             if torch.is_grad_enabled() and flat_h.requires_grad:
                 logp, entropy = checkpoint(self._chunk_logprobs, *args, use_reentrant=False)
             else:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from grading import latex
+
 TIMEOUT_S = 2.0  # per symbolic comparison; a worker that takes longer is killed and the answer is wrong
 REL_TOL = 1e-12  # irrational constants this close (relative, at 40 digits) are equal: simplify may miss it
 MIN_SIGNIFICANT_DIGITS = 4  # a decimal stands for a rounded value only with this many digits: 3.142 ~ pi, 3.14 not
@@ -73,11 +74,12 @@ def split_thinking(text: str, open_at_start: bool = False) -> Thought:
     close = text.rfind(THINK_CLOSE)
     if close >= 0:
         thought, opened = text[:close], text.find(THINK_OPEN)
-        return Thought(thought[opened + len(THINK_OPEN):] if 0 <= opened < close else thought,
-                       text[close + len(THINK_CLOSE):])
+        return Thought(
+            thought[opened + len(THINK_OPEN) :] if 0 <= opened < close else thought, text[close + len(THINK_CLOSE) :]
+        )
     opened = text.find(THINK_OPEN)
     if opened >= 0 or open_at_start:
-        return Thought(text[opened + len(THINK_OPEN):] if opened >= 0 else text, None)
+        return Thought(text[opened + len(THINK_OPEN) :] if opened >= 0 else text, None)
     return Thought("", text)
 
 
@@ -86,21 +88,40 @@ def split_thinking(text: str, open_at_start: bool = False) -> Thought:
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*")
 _BOX_TOKEN_RE = re.compile(r"[^\s$]+")  # the argument of "\boxed 5"
 # what may stand between two boxes of one answer list: "\boxed{2} \quad \text{and} \quad x = \boxed{3}"
-_CONNECTOR_RE = re.compile(r"(?:[\s,;:.$~]|\\[,;:! ]|\\q?quad|\\(?:text|textnormal|mathrm)\s*\{\s*(?:and|or)\s*\}|"
-                           r"\b(?:and|or|und|oder|et|ou|y|o)\b|和|或|[A-Za-z](?:_\{?\w+\}?)?\s*=|\\[()\[\]])*")
+_CONNECTOR_RE = re.compile(
+    r"(?:[\s,;:.$~]|\\[,;:! ]|\\q?quad|\\(?:text|textnormal|mathrm)\s*\{\s*(?:and|or)\s*\}|"
+    r"\b(?:and|or|und|oder|et|ou|y|o)\b|和|或|[A-Za-z](?:_\{?\w+\}?)?\s*=|\\[()\[\]])*"
+)
 _ANSWER_LINE_RE = re.compile(r"^[ \t>*_#]*(?:final )?answer[ \t*_]*:(.*)$", re.I | re.M)  # the DAPO format
 # "The final answer is X", "Answer: X", "Answer \[ X \]", and the same in a few other languages
 _ANSWER_PHRASE_RE = re.compile(
     r"(?:(?:final\s+)?answer\**(?:\s+is\b|\s*[:：])|answer(?=\s*(?:\$|\\\[|\\\())|"
     r"(?:respuesta|soluci[oó]n)(?:\s+\w+)?\s+es\b|(?:réponse|solution)(?:\s+\w+)?\s+est\b|resposta(?:\s+\w+)?\s+é|"
     r"risposta(?:\s+\w+)?\s+è|(?:antwort|lösung)\s+(?:\w+\s+)?(?:ist|lautet)\b|ответ\s*(?:[:：]|—|-)|"
-    r"答案(?:是|为|為|[:：])|答えは|답은?\s*[:：]?)[ \t*_:：]*", re.I)
-_ANSWER_WORDS = ("answer", "respuesta", "soluci", "réponse", "solution", "resposta", "risposta", "antwort", "lösung",
-                 "ответ", "答案", "答え", "답")
+    r"答案(?:是|为|為|[:：])|答えは|답은?\s*[:：]?)[ \t*_:：]*",
+    re.I,
+)
+_ANSWER_WORDS = (
+    "answer",
+    "respuesta",
+    "soluci",
+    "réponse",
+    "solution",
+    "resposta",
+    "risposta",
+    "antwort",
+    "lösung",
+    "ответ",
+    "答案",
+    "答え",
+    "답",
+)
 _MATH_START_RE = re.compile(r"\$\$(.+?)\$\$|\\\[(.+?)\\\]|\$((?:\\\$|[^$\n])+?)(?<!\\)\$|\\\(([^\n]+?)\\\)", re.S)
 _SENTENCE_END_RE = re.compile(r"(?<!\.)\.(?=\s|$)|\n|<\|")
-_NUMBER_IN_TEXT_RE = re.compile(r"(?:(?<![\w)\]}])-)?(?<![\d.,])(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)"
-                                r"(?:\.\d+|,\d{1,2}(?!\d))?(?:/\d+)?")  # 1,234.5 and 2,74 (a decimal comma)
+_NUMBER_IN_TEXT_RE = re.compile(
+    r"(?:(?<![\w)\]}])-)?(?<![\d.,])(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)"
+    r"(?:\.\d+|,\d{1,2}(?!\d))?(?:/\d+)?"
+)  # 1,234.5 and 2,74 (a decimal comma)
 _MATH_SEGMENT_RE = re.compile(r"(?<!\\)\$\$(.+?)(?<!\\)\$\$|(?<!\\)\$(.+?)(?<!\\)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.S)
 _LATEX_WORD_RE = re.compile(r"\\[a-zA-Z]+(?:\s*\{[^{}]*\})?")  # commands and \text{...}: not prose
 _CJK_RE = re.compile(r"[\u3040-\u30ff\u4e00-\u9fff\uac00-\ud7af]")
@@ -203,9 +224,27 @@ def extract_answer(text: str) -> str | None:
 
 # ----------------------------------------------------------------------------- normalization
 
-_UNICODE = {"−": "-", "–": "-", "×": "\\times ", "·": "\\cdot ", "÷": "\\div ", "π": "\\pi ", "∞": "\\infty ",
-            "≤": "\\le ", "≥": "\\ge ", "≠": "\\ne ", "≈": "\\approx ", "°": "^\\circ", "√": "\\sqrt",
-            "∪": "\\cup ", "²": "^2", "³": "^3", "€": "", "£": "", "：": ":"}
+_UNICODE = {
+    "−": "-",
+    "–": "-",
+    "×": "\\times ",
+    "·": "\\cdot ",
+    "÷": "\\div ",
+    "π": "\\pi ",
+    "∞": "\\infty ",
+    "≤": "\\le ",
+    "≥": "\\ge ",
+    "≠": "\\ne ",
+    "≈": "\\approx ",
+    "°": "^\\circ",
+    "√": "\\sqrt",
+    "∪": "\\cup ",
+    "²": "^2",
+    "³": "^3",
+    "€": "",
+    "£": "",
+    "：": ":",
+}
 # "\\frac" written with an escaped backslash (JSON twice encoded) is \frac, not a row break and "frac"
 _DOUBLED_RE = re.compile(r"\\\\(?=(?:left|right|[dtc]?frac|sqrt|pi|cdot|times|text|boxed|infty)(?![a-zA-Z]))")
 _SPACING_RE = re.compile(r"\\\\|\\[,;:! ]|\\q?quad|\\(?:left|right|[bB]igg?)(?![a-zA-Z])\.?|\\displaystyle|~")
@@ -213,29 +252,34 @@ _TEXT_CMD = r"\\(?:text|textnormal|textrm|textbf|textit|textsf|mathrm|mathbf|mat
 # a trailing \text{...} after a number is a unit, however short: 1.5\text{ m}, 15\mbox{ cm}^2
 _TEXT_UNIT_RE = re.compile(rf"(?<=[\d}}])\s*{_TEXT_CMD}\{{[^{{}}]*\}}(?:\s*\^\s*\{{?\d\}}?)?$")
 _TEXT_RE = re.compile(rf"{_TEXT_CMD}\{{([^{{}}]*)\}}")
-_REWRITES = [(re.compile(pattern), template) for pattern, template in [  # applied in order
-    (r"\\[dtc]frac", r"\\frac"),
-    (r"\\(?:leqslant|leq|le)(?![a-zA-Z])|<=", r"\\le "),
-    (r"\\(?:geqslant|geq|ge)(?![a-zA-Z])|>=", r"\\ge "),
-    (r"\\(?:neq|ne)(?![a-zA-Z])|!=", r"\\ne "),
-    (r"\\(?:varnothing|emptyset)(?![a-zA-Z])|^\\\{\s*\\\}$", r"\\emptyset"),
-    (r"^(?:[A-Za-z]\s*\\in\s*)?\\mathbb\s*\{?R\}?$|^\\R$", r"(-\\infty, \\infty)"),  # x \in \mathbb{R}
-    (r"\\lt(?![a-zA-Z])", "<"),
-    (r"\\gt(?![a-zA-Z])", ">"),
-    (r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree", ""),  # degrees: 90^\circ = 90
-    (r"\\?%", ""),  # percent: 25\% = 25
-    (r"\s+(?:and|or)\s+", ", "),  # "2 and 3" lists
-    (r",\s*(?=,)", ""),  # "19, 46, \text{ and } 82": the comma before "and" leaves no empty item
-    (r"^[A-Za-z]\s*\\in\s*", ""),  # x \in [-2, 7]
-    # LaTeX's one-token arguments: \frac12, \frac 34, \frac9{19}, \frac{270}7, \sqrt3
-    (r"\\frac\s*([^\s{\\])\s*([^\s{\\])", r"\\frac{\1}{\2}"),
-    (r"\\frac\s*([^\s{\\])\s*\{", r"\\frac{\1}{"),
-    (r"\\frac\s*(\{[^{}]*\})\s*([^\s{\\])", r"\\frac\1{\2}"),
-    (r"\\sqrt\s*([^\s{\\\[])", r"\\sqrt{\1}"),
-]]
+_REWRITES = [
+    (re.compile(pattern), template)
+    for pattern, template in [  # applied in order
+        (r"\\[dtc]frac", r"\\frac"),
+        (r"\\(?:leqslant|leq|le)(?![a-zA-Z])|<=", r"\\le "),
+        (r"\\(?:geqslant|geq|ge)(?![a-zA-Z])|>=", r"\\ge "),
+        (r"\\(?:neq|ne)(?![a-zA-Z])|!=", r"\\ne "),
+        (r"\\(?:varnothing|emptyset)(?![a-zA-Z])|^\\\{\s*\\\}$", r"\\emptyset"),
+        (r"^(?:[A-Za-z]\s*\\in\s*)?\\mathbb\s*\{?R\}?$|^\\R$", r"(-\\infty, \\infty)"),  # x \in \mathbb{R}
+        (r"\\lt(?![a-zA-Z])", "<"),
+        (r"\\gt(?![a-zA-Z])", ">"),
+        (r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree", ""),  # degrees: 90^\circ = 90
+        (r"\\?%", ""),  # percent: 25\% = 25
+        (r"\s+(?:and|or)\s+", ", "),  # "2 and 3" lists
+        (r",\s*(?=,)", ""),  # "19, 46, \text{ and } 82": the comma before "and" leaves no empty item
+        (r"^[A-Za-z]\s*\\in\s*", ""),  # x \in [-2, 7]
+        # LaTeX's one-token arguments: \frac12, \frac 34, \frac9{19}, \frac{270}7, \sqrt3
+        (r"\\frac\s*([^\s{\\])\s*([^\s{\\])", r"\\frac{\1}{\2}"),
+        (r"\\frac\s*([^\s{\\])\s*\{", r"\\frac{\1}{"),
+        (r"\\frac\s*(\{[^{}]*\})\s*([^\s{\\])", r"\\frac\1{\2}"),
+        (r"\\sqrt\s*([^\s{\\\[])", r"\\sqrt{\1}"),
+    ]
+]
 _UNIT_RE = re.compile(r"(?<=[\d}])\s+[^\W\d_]{2,}\.?(?:\s*\^\{?\d\}?)?$")  # 5 cents, 15 cm^2, 64 square feet
-_MIXED_RE = re.compile(r"([-+]?)(\d{1,99})\s*\\frac\{(\d{1,99})\}\{(\d{1,99})\}|"
-                       r"([-+]?)(\d{1,99}) (\d{1,99})/(\d{1,99})")  # 1\frac{4}{5}, 4 4/9
+_MIXED_RE = re.compile(
+    r"([-+]?)(\d{1,99})\s*\\frac\{(\d{1,99})\}\{(\d{1,99})\}|"
+    r"([-+]?)(\d{1,99}) (\d{1,99})/(\d{1,99})"
+)  # 1\frac{4}{5}, 4 4/9
 _THOUSANDS_RE = re.compile(r"-?[1-9]\d{0,2}(?:(?:,\d{3})+|(?: \d{3})+)(?:\.\d+)?")  # 7,425,000 and 1 000 (not 0,111)
 _BASE_RE = re.compile(r"(\d+)_\{?(\d{1,2})\}?")  # 52_8: the digits are the answer
 _CHOICE_RE = re.compile(r"\(([A-Ea-e])\)")
@@ -270,6 +314,7 @@ def normalize(answer: str) -> str:
 
 # ----------------------------------------------------------------------------- structure
 
+
 @dataclass(frozen=True)
 class Node:
     """A parsed answer. kind: expr | text | rel | seq | set | matrix.
@@ -288,8 +333,10 @@ _FLIPPED = {">": "<", "\\ge": "\\le"}  # a > b is b < a
 _MATRIX_RE = re.compile(r"\\begin\{([pbvBV]?matrix|array)\}(?:\{[^{}]*\})?(.*)\\end\{\1\}", re.S)
 _NAME = r"(?:[A-Za-z]{1,3}|\\[a-zA-Z]+)(?:_\{?\w+\}?)?'*(?:\([^()=]*\))?"  # x, AB, a_1, f(3), f'(x), \theta
 # what may label an answer: x = 5, |AB| = 1, \angle ABC = 30, (p, q) = (3, 2), S_{MBCN}:S = 7:32
-_LABEL_RE = re.compile(rf"{_NAME}|\|{_NAME}\||m?\\angle\s*{_NAME}|\(\s*{_NAME}(?:\s*,\s*{_NAME})+\s*\)|"
-                       rf"{_NAME}(?:\s*:\s*{_NAME})+")
+_LABEL_RE = re.compile(
+    rf"{_NAME}|\|{_NAME}\||m?\\angle\s*{_NAME}|\(\s*{_NAME}(?:\s*,\s*{_NAME})+\s*\)|"
+    rf"{_NAME}(?:\s*:\s*{_NAME})+"
+)
 _FUNCTION_NAME_RE = re.compile(r"y|[a-zA-Z]\([a-z]\)")  # y = 2x + 3 and f(x) = 2x + 3 state one function
 
 
@@ -337,17 +384,20 @@ def _list_items(s: str) -> tuple[Node, ...]:
 
 
 def _before_approx(parts: list[str]) -> str:
-    """"x = 1/3 \\approx 0.33" and "\\sqrt{2} \\approx 1.41" answer the exact value; "x \\approx 0.33" answers 0.33."""
+    """ "x = 1/3 \\approx 0.33" and "\\sqrt{2} \\approx 1.41" answer the exact value; "x \\approx 0.33" answers 0.33."""
     first = parts[0]
     return f"{first} = {parts[-1]}" if _LABEL_RE.fullmatch(first) else first
 
 
 def _chain_interval(parts: list[str], ops: list[str]) -> Node | None:
-    """"-2 \\le x < 7" (or "7 > x \\ge -2") as the interval [-2, 7) when x is a name and the bounds constants."""
+    """ "-2 \\le x < 7" (or "7 > x \\ge -2") as the interval [-2, 7) when x is a name and the bounds constants."""
     if all(op in _FLIPPED for op in ops):
         parts, ops = parts[::-1], [_FLIPPED[op] for op in ops[::-1]]
-    if not all(op in ("<", "\\le") for op in ops) or not _LABEL_RE.fullmatch(parts[1]) \
-            or _has_letters(parts[0] + parts[2]):
+    if (
+        not all(op in ("<", "\\le") for op in ops)
+        or not _LABEL_RE.fullmatch(parts[1])
+        or _has_letters(parts[0] + parts[2])
+    ):
         return None
     ends = ("(" if ops[0] == "<" else "[") + (")" if ops[1] == "<" else "]")
     return Node("seq", (_structure(parts[0]), _structure(parts[2])), ends)
@@ -394,7 +444,7 @@ def _structure(s: str) -> Node:
 
 
 def _as_interval(rel: Node) -> Node | None:
-    """"x \\ge 2" as [2, \\infty), "x < 3" as (-\\infty, 3): a one-sided bound on a name."""
+    """ "x \\ge 2" as [2, \\infty), "x < 3" as (-\\infty, 3): a one-sided bound on a name."""
     (lo, hi), closed = rel.items, rel.ends == "\\le"
     if rel.ends not in ("<", "\\le"):
         return None
@@ -437,8 +487,11 @@ def _equal(a: Node, b: Node, judge) -> bool:
     if a.kind == "expr":
         return judge.expr(a.items[0], b.items[0])
     if a.kind == "rel":
-        if a.ends == "=" and a.items[0] != b.items[0] and all(_FUNCTION_NAME_RE.fullmatch(_squash(n.items[0]))
-                                                              for n in (a, b)):
+        if (
+            a.ends == "="
+            and a.items[0] != b.items[0]
+            and all(_FUNCTION_NAME_RE.fullmatch(_squash(n.items[0])) for n in (a, b))
+        ):
             return _equal(_structure(a.items[1]), _structure(b.items[1]), judge)  # y = 2x vs f(x) = 2x
         return a.ends == b.ends and judge.relation(a.ends, a.items, b.items)
     if a.kind == "set":
@@ -452,8 +505,9 @@ def _equal(a: Node, b: Node, judge) -> bool:
 
 def _same_set(xs: tuple, ys: tuple, judge) -> bool:
     """Every element on each side equals one on the other: a repeated element is not another answer."""
-    return all(any(_equal(x, y, judge) for y in ys) for x in xs) and all(any(_equal(x, y, judge) for x in xs)
-                                                                            for y in ys)
+    return all(any(_equal(x, y, judge) for y in ys) for x in xs) and all(
+        any(_equal(x, y, judge) for x in xs) for y in ys
+    )
 
 
 # ----------------------------------------------------------------------------- leaf comparison
@@ -577,23 +631,32 @@ class _SympyJudge(_FastJudge):
     def values(self, expr) -> list | None:
         """expr at two fixed points with positive coordinates, or None where it is not a finite number there."""
         symbols = sorted(expr.free_symbols, key=str)
-        values = [self.sp.N(expr.subs({s: start + 0.1 * i for i, s in enumerate(symbols)}), 20)
-                  for start in (0.6180339887, 1.2599210498)]
+        values = [
+            self.sp.N(expr.subs({s: start + 0.1 * i for i, s in enumerate(symbols)}), 20)
+            for start in (0.6180339887, 1.2599210498)
+        ]
         return values if all(v.is_number and v.is_finite for v in values) else None
 
     def differ_somewhere(self, a, b) -> bool:
         """a and b take clearly different values at a point where both are finite: they are not equal."""
         va, vb = self.values(a), self.values(b)
-        return va is not None and vb is not None and any(bool(abs(x - y) > 1e-8 * max(1, abs(x), abs(y)))
-                                                         for x, y in zip(va, vb))
+        return (
+            va is not None
+            and vb is not None
+            and any(bool(abs(x - y) > 1e-8 * max(1, abs(x), abs(y))) for x, y in zip(va, vb))
+        )
 
     def equal_for_positive(self, a, b) -> bool:
         """Equality when the letters are positive, the usual reading of an answer's unknowns: sqrt(1/n) is
         1/sqrt(n) then. |x| would equal x too, so answers with absolute values are not compared this way;
         nor are those without roots or logarithms, where positivity changes nothing."""
         sp, symbols = self.sp, a.free_symbols | b.free_symbols
-        if not symbols or a.has(sp.Abs) or b.has(sp.Abs) or not any(
-                e.has(sp.log) or any(not p.exp.is_integer for p in e.atoms(sp.Pow)) for e in (a, b)):
+        if (
+            not symbols
+            or a.has(sp.Abs)
+            or b.has(sp.Abs)
+            or not any(e.has(sp.log) or any(not p.exp.is_integer for p in e.atoms(sp.Pow)) for e in (a, b))
+        ):
             return False
         positive = {s: sp.Symbol(s.name, positive=True) for s in symbols}
         return sp.simplify(a.subs(positive) - b.subs(positive)) == 0
@@ -615,8 +678,12 @@ class _SympyJudge(_FastJudge):
 
 # ----------------------------------------------------------------------------- worker processes
 
-_WORKER_CMD = [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import reward; reward._serve()",
-               str(Path(__file__).resolve().parent)]
+_WORKER_CMD = [
+    sys.executable,
+    "-c",
+    "import sys; sys.path.insert(0, sys.argv[1]); import reward; reward._serve()",
+    str(Path(__file__).resolve().parent),
+]
 
 
 def _serve() -> None:
@@ -648,8 +715,17 @@ class _WorkerPool:
         self.lock = threading.Lock()
 
     def _spawn(self, n: int) -> list[subprocess.Popen]:
-        new = [subprocess.Popen(_WORKER_CMD, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True, bufsize=1) for _ in range(n)]
+        new = [
+            subprocess.Popen(
+                _WORKER_CMD,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                bufsize=1,
+            )
+            for _ in range(n)
+        ]
         for proc in new:  # wait for all, so start-up overlaps
             if proc.stdout.readline().strip() != "ready":
                 raise RuntimeError("reward worker failed to start (is sympy installed?)")
@@ -706,11 +782,15 @@ atexit.register(_POOL.close)
 
 # ----------------------------------------------------------------------------- public API
 
+
 def _reference_answer(reference: str) -> str:
     """A reference is usually a bare answer; from a boxed one or a full solution, its final answer
     (every box of the last answer list, so "\\boxed{1}, \\boxed{2}" keeps both)."""
-    if _outer_boxes(reference) or _ANSWER_PHRASE_RE.search(reference) or (
-            ("\n" in reference.strip() or len(reference) > 40) and _is_prose(reference)):
+    if (
+        _outer_boxes(reference)
+        or _ANSWER_PHRASE_RE.search(reference)
+        or (("\n" in reference.strip() or len(reference) > 40) and _is_prose(reference))
+    ):
         return extract_answer(reference) or reference
     return reference
 
@@ -774,8 +854,9 @@ def answer_of(completion: str, template: str | None = None) -> str | None:
     return normalized or None
 
 
-def _grade_fast(completion: str, reference: str, problem: str | None = None,
-                template: str | None = None) -> bool | tuple[str, str]:
+def _grade_fast(
+    completion: str, reference: str, problem: str | None = None, template: str | None = None
+) -> bool | tuple[str, str]:
     """The verdict where exact text or rationals decide, else the normalized (answer, reference) for sympy."""
     answer = extract_answer(completion)
     if answer is not None and template == "equation":  # the template's answer: "2 + 3 = 5" states 5
@@ -800,14 +881,31 @@ def _grade_fast(completion: str, reference: str, problem: str | None = None,
     return (a, r) if not ok and judge.undecided else ok
 
 
-def grade(answer_text: str, reference: str, *, problem: str | None = None, template: str | None = None,
-          timeout: float = TIMEOUT_S, rel_tol: float = REL_TOL) -> bool:
+def grade(
+    answer_text: str,
+    reference: str,
+    *,
+    problem: str | None = None,
+    template: str | None = None,
+    timeout: float = TIMEOUT_S,
+    rel_tol: float = REL_TOL,
+) -> bool:
     """True when the final answer in answer_text (a completion or a bare answer) equals reference; with the
     problem, an answer that restates it is wrong (see reward). Never raises on model output; finishes
     within about `timeout` seconds."""
     problems = None if problem is None else [problem]
-    return reward([answer_text], [reference], problems=problems, template=template, workers=1, timeout=timeout,
-                  rel_tol=rel_tol)[0] == 1.0
+    return (
+        reward(
+            [answer_text],
+            [reference],
+            problems=problems,
+            template=template,
+            workers=1,
+            timeout=timeout,
+            rel_tol=rel_tol,
+        )[0]
+        == 1.0
+    )
 
 
 def has_format(completion: str, answer_format: str | None) -> bool:
@@ -818,10 +916,19 @@ def has_format(completion: str, answer_format: str | None) -> bool:
     return {"boxed": boxed, "answer": answer_line, None: boxed or answer_line}[answer_format]
 
 
-def reward(completions: list[str], references: list[str], *, problems: list[str | None] | None = None,
-           template: str | None = None, format_weight: float = 0.0, answer_format: str | None = None,
-           open_thought: bool = False, workers: int = 2, timeout: float = TIMEOUT_S,
-           rel_tol: float = REL_TOL) -> list[float]:
+def reward(
+    completions: list[str],
+    references: list[str],
+    *,
+    problems: list[str | None] | None = None,
+    template: str | None = None,
+    format_weight: float = 0.0,
+    answer_format: str | None = None,
+    open_thought: bool = False,
+    workers: int = 2,
+    timeout: float = TIMEOUT_S,
+    rel_tol: float = REL_TOL,
+) -> list[float]:
     """Per completion: 1.0 if its answer is correct else 0.0, plus format_weight if has_format(...).
     Only what follows the last </think> is read, and a completion whose thought never closes (open_thought:
     the prompt opened it) earns 0, format bonus included (split_thinking).
@@ -839,27 +946,49 @@ def reward(completions: list[str], references: list[str], *, problems: list[str 
     if answer_format is not None and answer_format not in ANSWER_FORMATS:
         raise ValueError(f"answer_format must be None or one of {ANSWER_FORMATS}, got {answer_format!r}")
     if workers < 1 or timeout <= 0 or rel_tol < 0 or format_weight < 0:
-        raise ValueError(f"need workers >= 1, timeout > 0, rel_tol >= 0, format_weight >= 0; got "
-                         f"workers={workers}, timeout={timeout}, rel_tol={rel_tol}, format_weight={format_weight}")
+        raise ValueError(
+            f"need workers >= 1, timeout > 0, rel_tol >= 0, format_weight >= 0; got "
+            f"workers={workers}, timeout={timeout}, rel_tol={rel_tol}, format_weight={format_weight}"
+        )
     for name, texts in (("completions", completions), ("references", references), ("problems", problems or [])):
         for i, text in enumerate(texts):
             if not isinstance(text, str) and not (name == "problems" and text is None):  # a row without one
                 raise ValueError(f"{name}[{i}] is {type(text).__name__}, expected str")
     answers = [split_thinking(c, open_thought).answer for c in completions]  # None: a thought never closed
-    return _math_reward(answers, references, problems or [None] * len(completions), template, format_weight,
-                        answer_format, workers, timeout, rel_tol)
+    return _math_reward(
+        answers,
+        references,
+        problems or [None] * len(completions),
+        template,
+        format_weight,
+        answer_format,
+        workers,
+        timeout,
+        rel_tol,
+    )
 
 
-def _math_reward(answers: list[str | None], references: list[str], problems: list[str | None],
-                 template: str | None, format_weight: float, answer_format: str | None, workers: int,
-                 timeout: float, rel_tol: float) -> list[float]:
-    correct = [a is not None and _guarded(_grade_fast, a, r, p, template)
-               for a, r, p in zip(answers, references, problems)]
+def _math_reward(
+    answers: list[str | None],
+    references: list[str],
+    problems: list[str | None],
+    template: str | None,
+    format_weight: float,
+    answer_format: str | None,
+    workers: int,
+    timeout: float,
+    rel_tol: float,
+) -> list[float]:
+    correct = [
+        a is not None and _guarded(_grade_fast, a, r, p, template) for a, r, p in zip(answers, references, problems)
+    ]
     if slow := [i for i, verdict in enumerate(correct) if isinstance(verdict, tuple)]:  # only these need sympy
         for i, verdict in zip(slow, _POOL.run([correct[i] for i in slow], workers, timeout, rel_tol)):
             correct[i] = verdict
-    return [float(ok) + (format_weight * has_format(a, answer_format) if format_weight and a is not None else 0.0)
-            for ok, a in zip(correct, answers)]
+    return [
+        float(ok) + (format_weight * has_format(a, answer_format) if format_weight and a is not None else 0.0)
+        for ok, a in zip(correct, answers)
+    ]
 
 
 def _guarded(grade_one, completion: str, *args):
@@ -867,14 +996,22 @@ def _guarded(grade_one, completion: str, *args):
     try:
         return grade_one(completion, *args)
     except Exception as error:  # noqa: BLE001 - one sample must never end a run
-        warnings.warn(f"reward: the checker failed on {completion[:80]!r} ({type(error).__name__}: {error}); "
-                      "graded wrong", stacklevel=3)
+        warnings.warn(
+            f"reward: the checker failed on {completion[:80]!r} ({type(error).__name__}: {error}); graded wrong",
+            stacklevel=3,
+        )
         return False
 
 
-def math_reward(completions: list[str], answer: list[str | None], problem: list[str | None] | None = None,
-                template: list[str] | None = None, open_thought: list[bool] | None = None,
-                task: list[str | None] | None = None, **columns) -> list[float | None]:
+def math_reward(
+    completions: list[str],
+    answer: list[str | None],
+    problem: list[str | None] | None = None,
+    template: list[str] | None = None,
+    open_thought: list[bool] | None = None,
+    task: list[str | None] | None = None,
+    **columns,
+) -> list[float | None]:
     """The built-in reward of math problems as a reward function (TRL's signature, see scoring.py): per
     completion 1.0 if its final answer, after its thought, equals its row's reference answer (the dataset's
     "answer" column), else 0.0; None on a code problem's row (task "code": sandbox.code_reward grades those).
@@ -882,9 +1019,13 @@ def math_reward(completions: list[str], answer: list[str | None], problem: list[
     template that posed them (train.py's template column) says where the answer is (see reward);
     open_thought, a column train.py passes: the prompts opened a thought (split_thinking)."""
     mine = [i for i in range(len(completions)) if not (task and task[i] == "code")]
-    values = reward([completions[i] for i in mine], [answer[i] for i in mine],
-                    problems=[problem[i] for i in mine] if problem else None,
-                    template=template[0] if template else None, open_thought=bool(open_thought and open_thought[0]))
+    values = reward(
+        [completions[i] for i in mine],
+        [answer[i] for i in mine],
+        problems=[problem[i] for i in mine] if problem else None,
+        template=template[0] if template else None,
+        open_thought=bool(open_thought and open_thought[0]),
+    )
     graded: list[float | None] = [None] * len(completions)
     for i, value in zip(mine, values):
         graded[i] = value
@@ -892,6 +1033,7 @@ def math_reward(completions: list[str], answer: list[str | None], problem: list[
 
 
 # ----------------------------------------------------------------------------- command line
+
 
 def main(argv: list[str]) -> int:
     """python reward.py PRED GOLD [--problem TEXT] [--template NAME]: the verdict, and both sides as extracted
@@ -902,13 +1044,19 @@ def main(argv: list[str]) -> int:
         def error(self, message: str):
             self.exit(2, f"reward.py: {message} (see --help)\n")
 
-    parser = Parser(usage="python reward.py PRED GOLD [--problem TEXT] [--template NAME]", allow_abbrev=False,
-                    description="Prints the verdict and the extracted and normalized forms of both sides.")
+    parser = Parser(
+        usage="python reward.py PRED GOLD [--problem TEXT] [--template NAME]",
+        allow_abbrev=False,
+        description="Prints the verdict and the extracted and normalized forms of both sides.",
+    )
     parser.add_argument("prediction", metavar="PRED", help="a completion or a bare answer")
     parser.add_argument("gold", metavar="GOLD", help="the reference answer")
     parser.add_argument("--problem", help="the question answered: an answer restating its arithmetic is wrong")
-    parser.add_argument("--template", help="the prompt template of data/templates.py that posed it (equation: the "
-                                           "answer is what follows the last '=')")
+    parser.add_argument(
+        "--template",
+        help="the prompt template of data/templates.py that posed it (equation: the "
+        "answer is what follows the last '=')",
+    )
     args = parser.parse_args(argv)
     verdict = grade(args.prediction, args.gold, problem=args.problem, template=args.template)
     print(f"verdict: {'correct' if verdict else 'wrong'}")
@@ -916,8 +1064,7 @@ def main(argv: list[str]) -> int:
     if answer is None:
         print(f"prediction: its thought never closes ({THINK_CLOSE} missing), so it has no answer")
     sides = {"prediction": answer and extract_answer(answer), "reference": _reference_answer(args.gold)}
-    normalized = {"prediction": answer and answer_of(answer, args.template),
-                  "reference": normalize(sides["reference"])}
+    normalized = {"prediction": answer and answer_of(answer, args.template), "reference": normalize(sides["reference"])}
     for side, extracted in sides.items():
         print(f"{side}:\n  extracted:  {extracted!r}\n  normalized: {normalized[side]!r}")
     if args.problem is not None and normalized["prediction"] and restates_problem(*normalized.values(), args.problem):

@@ -87,10 +87,24 @@ class Rollout:
     stats: SamplerStats = field(default_factory=SamplerStats)
 
 
-def generate(model: modeling.Transformer, prompts: list[list[int]], *, samples_per_prompt: int, max_new_tokens: int,
-             temperature: float, top_p: float = 1.0, top_k: int = 0, stop_ids: list[int], seed: int,
-             tokenizer=None, max_rows: int | None = None, first_prompt: int = 0, fixed_shapes: bool = False,
-             cuda_graphs: str = "auto", pool: Pool | None = None) -> Rollout:
+def generate(
+    model: modeling.Transformer,
+    prompts: list[list[int]],
+    *,
+    samples_per_prompt: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop_ids: list[int],
+    seed: int,
+    tokenizer=None,
+    max_rows: int | None = None,
+    first_prompt: int = 0,
+    fixed_shapes: bool = False,
+    cuda_graphs: str = "auto",
+    pool: Pool | None = None,
+) -> Rollout:
     """Sample samples_per_prompt completions for each prompt (token-id lists of any lengths).
 
     Rows stop independently at any of stop_ids or after max_new_tokens. A row's sample depends only
@@ -101,19 +115,35 @@ def generate(model: modeling.Transformer, prompts: list[list[int]], *, samples_p
     decode loop that CUDA uses on any device; cuda_graphs says whether it is replayed from graphs
     ("on"), not ("off"), or tried, falling back to eager with a warning ("auto").
     """
-    _check_args(model, prompts, samples_per_prompt, max_new_tokens, temperature, top_p, top_k, max_rows,
-                first_prompt, cuda_graphs, pool)
+    _check_args(
+        model,
+        prompts,
+        samples_per_prompt,
+        max_new_tokens,
+        temperature,
+        top_p,
+        top_k,
+        max_rows,
+        first_prompt,
+        cuda_graphs,
+        pool,
+    )
     G, P, N = samples_per_prompt, max(len(p) for p in prompts), len(prompts) * samples_per_prompt
     device = model.device
-    draw = partial(_sample, keys=_row_keys(seed, first_prompt, len(prompts), G, device), temperature=temperature,
-                   top_p=top_p, top_k=top_k)
+    draw = partial(
+        _sample,
+        keys=_row_keys(seed, first_prompt, len(prompts), G, device),
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+    )
     stop = torch.tensor(stop_ids, dtype=torch.long, device=device)
     fixed = fixed_shapes or device.type == "cuda"
     model.eval()
     loop = None
     try:
         if pool is None:  # every row at full length: the call never preempts
-            largest = sorted(map(len, prompts), reverse=True)[:-(-(max_rows or N) // G)]
+            largest = sorted(map(len, prompts), reverse=True)[: -(-(max_rows or N) // G)]
             pool = Pool.for_groups(model, largest, G, max_new_tokens)
         pool.check_fits([len(p) for p in prompts], G, max_new_tokens)
         with torch.inference_mode():
@@ -123,7 +153,8 @@ def generate(model: modeling.Transformer, prompts: list[list[int]], *, samples_p
         raise torch.OutOfMemoryError(
             f"out of memory sampling {len(prompts)} prompts x {G} samples x {max_new_tokens} new tokens "
             f"({loop.stats.rows_max if loop else 0} rows in flight): lower max_rows (--rollout-batch) or the "
-            f"pool's blocks") from err
+            f"pool's blocks"
+        ) from err
 
     # Outside inference mode, so the results can enter the loss's autograd graph (ops on inference
     # tensors, like cat and pad, return ordinary tensors).
@@ -150,8 +181,19 @@ def generate(model: modeling.Transformer, prompts: list[list[int]], *, samples_p
     )
 
 
-def _check_args(model, prompts, samples_per_prompt, max_new_tokens, temperature, top_p, top_k, max_rows,
-                first_prompt, cuda_graphs, pool) -> None:
+def _check_args(
+    model,
+    prompts,
+    samples_per_prompt,
+    max_new_tokens,
+    temperature,
+    top_p,
+    top_k,
+    max_rows,
+    first_prompt,
+    cuda_graphs,
+    pool,
+) -> None:
     if not prompts:
         raise ValueError("prompts: empty list, nothing to sample")
     context, vocab = model.config.max_position_embeddings, model.config.vocab_size
@@ -168,8 +210,10 @@ def _check_args(model, prompts, samples_per_prompt, max_new_tokens, temperature,
         raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
     longest = max(len(p) for p in prompts)
     if longest + max_new_tokens > context:
-        raise ValueError(f"max_new_tokens={max_new_tokens} plus the longest prompt ({longest}) exceeds the "
-                         f"model's context ({context})")
+        raise ValueError(
+            f"max_new_tokens={max_new_tokens} plus the longest prompt ({longest}) exceeds the "
+            f"model's context ({context})"
+        )
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if not 0 < top_p <= 1:
@@ -183,11 +227,15 @@ def _check_args(model, prompts, samples_per_prompt, max_new_tokens, temperature,
     if cuda_graphs not in CUDA_GRAPHS:
         raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPHS)}, got {cuda_graphs!r}")
     if cuda_graphs == "on" and model.device.type != "cuda" and (pool is None or pool.graph_class is CudaGraph):
-        raise ValueError(f"cuda_graphs='on' needs the model on a CUDA device (or a pool with a graph stand-in); "
-                         f"it is on {model.device}")
+        raise ValueError(
+            f"cuda_graphs='on' needs the model on a CUDA device (or a pool with a graph stand-in); "
+            f"it is on {model.device}"
+        )
     if pool is not None and pool.model is not model:
-        raise ValueError("pool: it was built for another model (its graphs and buffers read that model's weights); "
-                         "Pool.bind serves a new one")
+        raise ValueError(
+            "pool: it was built for another model (its graphs and buffers read that model's weights); "
+            "Pool.bind serves a new one"
+        )
 
 
 # ----------------------------------------------------------------------------- the pool
@@ -210,19 +258,30 @@ class Pool:
     tensors, are dropped, and the blocks are kept.
     """
 
-    def __init__(self, model: modeling.Transformer, blocks: int, *, max_len: int | None = None,
-                 block_size: int | None = None, attention: str = "auto", graph_class: type | None = None):
+    def __init__(
+        self,
+        model: modeling.Transformer,
+        blocks: int,
+        *,
+        max_len: int | None = None,
+        block_size: int | None = None,
+        attention: str = "auto",
+        graph_class: type | None = None,
+    ):
         if attention not in ("auto", "flash", "gather"):
             raise ValueError(f"attention must be auto, flash or gather, got {attention!r}")
         flash = modeling.flash_paged_attention_available(model.device, model.dtype)
         if attention == "flash" and not flash:
-            raise ValueError(f"attention='flash' needs CUDA, bf16 or fp16 and torch's paged varlen_attn "
-                             f"(model on {model.device} in {model.dtype})")
+            raise ValueError(
+                f"attention='flash' needs CUDA, bf16 or fp16 and torch's paged varlen_attn "
+                f"(model on {model.device} in {model.dtype})"
+            )
         kind = "flash" if flash and attention != "gather" else "gather"
         self.block_size = block_size or default_block_size(model, attention)
         if kind == "flash" and self.block_size % FLASH_BLOCK:
-            raise ValueError(f"block_size={self.block_size}: the paged FlashAttention kernel needs a multiple "
-                             f"of {FLASH_BLOCK}")
+            raise ValueError(
+                f"block_size={self.block_size}: the paged FlashAttention kernel needs a multiple of {FLASH_BLOCK}"
+            )
         self.model, self.max_len = model, max_len or model.config.max_position_embeddings
         self.shape = (model.config, model.dtype, model.device)
         self.table_width = -(-self.max_len // self.block_size)
@@ -234,8 +293,7 @@ class Pool:
         self.weights: modeling.DecodeWeights | None = None
 
     @classmethod
-    def for_groups(cls, model: modeling.Transformer, prompt_lens: list[int], G: int, new_tokens: int,
-                   **kwargs) -> Pool:
+    def for_groups(cls, model: modeling.Transformer, prompt_lens: list[int], G: int, new_tokens: int, **kwargs) -> Pool:
         """A pool that holds these prompts' groups of G rows at once, each row at its full length."""
         block_size = kwargs.pop("block_size", None) or default_block_size(model, kwargs.get("attention", "auto"))
         blocks = 1 + sum(group_blocks(p, G, new_tokens, block_size) for p in prompt_lens)
@@ -250,13 +308,17 @@ class Pool:
         alone (preemption could then never finish it) or a row would outgrow the block tables."""
         longest = max(prompt_lens)
         if longest + new_tokens > self.max_len:
-            raise ValueError(f"pool: a prompt of {longest} tokens plus max_new_tokens={new_tokens} exceeds the "
-                             f"pool's max_len={self.max_len}")
+            raise ValueError(
+                f"pool: a prompt of {longest} tokens plus max_new_tokens={new_tokens} exceeds the "
+                f"pool's max_len={self.max_len}"
+            )
         need = group_blocks(longest, G, new_tokens, self.block_size)
         if need > self.kv.blocks - 1:
-            raise ValueError(f"pool: {self.kv.blocks - 1} blocks of {self.block_size} slots hold no group of "
-                             f"{G} samples of the longest prompt ({longest} tokens) at {new_tokens} new tokens, "
-                             f"which needs {need}; give the pool more blocks or lower max_new_tokens")
+            raise ValueError(
+                f"pool: {self.kv.blocks - 1} blocks of {self.block_size} slots hold no group of "
+                f"{G} samples of the longest prompt ({longest} tokens) at {new_tokens} new tokens, "
+                f"which needs {need}; give the pool more blocks or lower max_new_tokens"
+            )
 
     def bind(self, model: modeling.Transformer) -> None:
         """Serve `model` from now on: a model of the pool's config, dtype and device whose weights may be other
@@ -264,8 +326,10 @@ class Pool:
         if model is self.model:
             return
         if (model.config, model.dtype, model.device) != self.shape:
-            raise ValueError(f"pool: made for a model of {self.shape[1]} on {self.shape[2]} with another config, "
-                             f"given one of {model.dtype} on {model.device}")
+            raise ValueError(
+                f"pool: made for a model of {self.shape[1]} on {self.shape[2]} with another config, "
+                f"given one of {model.dtype} on {model.device}"
+            )
         self.release()
         self.model = model
 
@@ -325,8 +389,9 @@ def _flash_agrees(kv: modeling.KVPool) -> bool:
         error = (out["flash"] - out["gather"]).abs().max().item()
         agrees = error < 0.05
         if not agrees:
-            warnings.warn(f"paged FlashAttention differs from the gather path by {error:.3g}; using gather",
-                          stacklevel=3)
+            warnings.warn(
+                f"paged FlashAttention differs from the gather path by {error:.3g}; using gather", stacklevel=3
+            )
     except Exception as err:  # noqa: BLE001 - any failure of the kernel means the gather path
         warnings.warn(f"paged FlashAttention failed its self-check ({err!r}); using gather", stacklevel=3)
         agrees = False
@@ -404,7 +469,7 @@ class Scheduler:
         return -(-min(slots, prompt_len + self.new_tokens - 1) // self.block_size)
 
     def _take(self, n: int) -> list[int]:
-        taken, self.free = self.free[len(self.free) - n:], self.free[:len(self.free) - n]
+        taken, self.free = self.free[len(self.free) - n :], self.free[: len(self.free) - n]
         return taken[::-1]
 
     def finish(self, rows: list[Row]) -> None:
@@ -414,7 +479,7 @@ class Scheduler:
             group = row.group
             group.rows.remove(row)
             group.members.remove(row.member)
-            self.free += row.blocks[len(group.shared):]
+            self.free += row.blocks[len(group.shared) :]
             if not group.rows:
                 self.free += group.shared
                 group.shared = []
@@ -422,7 +487,7 @@ class Scheduler:
 
     def _preempt(self, group: Group) -> None:
         for row in group.rows:
-            self.free += row.blocks[len(group.shared):]
+            self.free += row.blocks[len(group.shared) :]
         self.free += group.shared
         group.shared, group.rows = [], []
         group.restarts += 1
@@ -435,13 +500,16 @@ class Scheduler:
         admitted). An admitted group's rows start at length = prompt, position 1 (the prefill draws one)."""
         preempted = []
         while True:
-            needs = [(row, self._blocks(row.group.prompt_len, row.length + self.chunk) - len(row.blocks))
-                     for row in self.running]
+            needs = [
+                (row, self._blocks(row.group.prompt_len, row.length + self.chunk) - len(row.blocks))
+                for row in self.running
+            ]
             if sum(n for _, n in needs) <= len(self.free):
                 break
             if len(self.admitted) == 1:
-                raise RuntimeError("pool: one prompt group outgrew the whole pool (Pool.check_fits should have "
-                                   "refused the call)")
+                raise RuntimeError(
+                    "pool: one prompt group outgrew the whole pool (Pool.check_fits should have refused the call)"
+                )
             preempted.append(self.admitted[-1])
             self._preempt(self.admitted[-1])
         for row, n in needs:
@@ -475,8 +543,9 @@ class Scheduler:
 
     def _to_full_length(self, rows: list[Row]) -> int:
         """Blocks the rows still ask for until each reaches its full length."""
-        return sum(self._blocks(row.group.prompt_len, row.group.prompt_len + self.new_tokens) - len(row.blocks)
-                   for row in rows)
+        return sum(
+            self._blocks(row.group.prompt_len, row.group.prompt_len + self.new_tokens) - len(row.blocks) for row in rows
+        )
 
     def chunk_steps(self) -> int:
         """Decode steps until the next sync: a chunk, or fewer when every running row reaches its cap sooner."""
@@ -542,7 +611,7 @@ class _Loop:
         sched, batch, rows = self.sched, None, []
         while True:
             if batch is not None:  # the loop's one host sync
-                sched.finish([row for row, done in zip(rows, _to_host(batch.done[:len(rows)])) if done])
+                sched.finish([row for row, done in zip(rows, _to_host(batch.done[: len(rows)])) if done])
             preempted, admitted = sched.sync()
             self.stats.preempted += len(preempted)
             if not sched.running:
@@ -557,7 +626,7 @@ class _Loop:
                 self.stats.row_steps += len(rows)
             self.stats.rows_max = max(self.stats.rows_max, len(rows))
             sched.advance(steps)
-        return self.ids[:self.N], self.logp[:self.N], self.mask[:self.N]
+        return self.ids[: self.N], self.logp[: self.N], self.mask[: self.N]
 
     def _span(self, slots: int) -> int:
         """Slots attention reads to cover `slots`: whole blocks, a power-of-two count of them in fixed shapes."""
@@ -588,8 +657,12 @@ class _Loop:
             rows = modeling.PagedRows(kv, table, torch.zeros(len(part), dtype=torch.long, device=device))
             logits.append(self.model.lm_head(self.model.prefill(ids, pad, rows)))
             self.stats.prefills += 1
-            tails = [(g.rows[0].blocks[len(g.shared)], row.blocks[len(g.shared)])
-                     for g in part if g.prompt_len % bs for row in g.rows[1:]]
+            tails = [
+                (g.rows[0].blocks[len(g.shared)], row.blocks[len(g.shared)])
+                for g in part
+                if g.prompt_len % bs
+                for row in g.rows[1:]
+            ]
             if tails:
                 source, target = (_to_device(list(side), torch.long, device) for side in zip(*tails))
                 kv.copy_blocks(source, target)
@@ -610,7 +683,10 @@ class _Loop:
         select = _to_device([place[id(row)] for row in rows], torch.long, device)
         tokens, done = new_tokens, new_done
         if old is not None:
-            tokens, done = torch.cat([old.tokens[:len(old_rows)], tokens]), torch.cat([old.done[:len(old_rows)], done])
+            tokens, done = (
+                torch.cat([old.tokens[: len(old_rows)], tokens]),
+                torch.cat([old.done[: len(old_rows)], done]),
+            )
         n = len(rows)
         padding = (bucket(n) if self.fixed else n) - n
         batch = _Batch(
@@ -619,8 +695,10 @@ class _Loop:
             length=_to_device([row.length for row in rows] + [0] * padding, torch.long, device),
             position=_to_device([row.position for row in rows] + [0] * padding, torch.long, device),
             out_row=_to_device([row.out_row(self.G) for row in rows] + [self.N] * padding, torch.long, device),
-            table=_to_device([_padded(row.blocks, width) for row in rows] + [[0] * width] * padding, torch.int32,
-                             device))
+            table=_to_device(
+                [_padded(row.blocks, width) for row in rows] + [[0] * width] * padding, torch.int32, device
+            ),
+        )
         return self.pool.graphs.bind(batch) if self.graphs else batch
 
     def _step(self, batch: _Batch, span: int) -> None:
@@ -811,14 +889,22 @@ def _uniform(keys: torch.Tensor, position) -> torch.Tensor:
     """One uniform in (0, 1] per key at its token position (an int or [R]), [R, 1] fp32: 24 hashed bits,
     exact in fp32."""
     h = _mix32(keys ^ position)
-    return (((h >> 8) + 1).float() * 2.0 ** -24)[:, None]
+    return (((h >> 8) + 1).float() * 2.0**-24)[:, None]
 
 
 # ----------------------------------------------------------------------------- drawing a token
 
 
-def _sample(logits: torch.Tensor, *, keys: torch.Tensor, rows: torch.Tensor, position: torch.Tensor,
-            temperature: float, top_p: float, top_k: int):
+def _sample(
+    logits: torch.Tensor,
+    *,
+    keys: torch.Tensor,
+    rows: torch.Tensor,
+    position: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+):
     """One token per row from logits [R, V] for the output rows `rows` [R] (indices into keys) at their
     token positions [R]; returns tokens [R] and their full-distribution logp [R]."""
     logits = logits.float()
@@ -857,8 +943,8 @@ def _restrict(logp: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
 def main(argv: list[str] | None = None) -> None:
     """Talk to a model: sample completions for a prompt, as training poses it, and grade them if asked.
 
-        python rollout.py --adapter runs/NAME/best --template equation "What is 7 + 6?" --answer 13
-        echo "What is 7 + 6?" | python rollout.py --samples 4
+    python rollout.py --adapter runs/NAME/best --template equation "What is 7 + 6?" --answer 13
+    echo "What is 7 + 6?" | python rollout.py --samples 4
     """
     import argparse
     import sys
@@ -866,22 +952,31 @@ def main(argv: list[str] | None = None) -> None:
 
     import lora
     import reward
-    from infra import weights
     from data import TEMPLATES, opens_thought, render_prompt, stop_ids, thinking_note
+    from infra import weights
 
     class Parser(argparse.ArgumentParser):
         def error(self, message: str):  # one line, not the usage block
             self.exit(2, f"rollout.py: {message}\n")
 
-    parser = Parser(prog="rollout.py", description=main.__doc__, allow_abbrev=False,
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(
+        prog="rollout.py",
+        description=main.__doc__,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("prompt", nargs="*", help="the problem; read from stdin when not given")
     parser.add_argument("--model", default=None, help="model directory or hub id (default: the offline SmolLM2)")
     parser.add_argument("--adapter", default=None, help="a LoRA adapter directory, e.g. runs/NAME/best")
     parser.add_argument("--template", default="equation", help=f"one of {', '.join(TEMPLATES)} (default: equation)")
     parser.add_argument("--system", default="You are a helpful assistant.", help="system message, as train.py's")
-    parser.add_argument("--thinking", default="off", choices=["on", "off"], help="enable_thinking for chat "
-                        "templates that take it (Qwen3); grading reads only what follows the last </think>")
+    parser.add_argument(
+        "--thinking",
+        default="off",
+        choices=["on", "off"],
+        help="enable_thinking for chat "
+        "templates that take it (Qwen3); grading reads only what follows the last </think>",
+    )
     parser.add_argument("--samples", type=int, default=4, help="completions to draw (default: 4)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="(default: 64)")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default: 1.0)")
@@ -895,8 +990,9 @@ def main(argv: list[str] | None = None) -> None:
         if not problem:
             parser.error("no prompt: give it as an argument or on stdin")
         if args.template not in TEMPLATES and "{problem}" not in args.template:
-            parser.error(f"--template {args.template!r}: expected one of {', '.join(TEMPLATES)} "
-                         "or a string with {problem}")
+            parser.error(
+                f"--template {args.template!r}: expected one of {', '.join(TEMPLATES)} or a string with {{problem}}"
+            )
         if args.adapter is not None and not Path(args.adapter).is_dir():
             parser.error(f"--adapter {args.adapter}: no such directory")
         model = weights.from_pretrained(args.model)
@@ -908,17 +1004,34 @@ def main(argv: list[str] | None = None) -> None:
             print(f"rollout.py: {note}", file=sys.stderr)
         prompt = render_prompt(tokenizer, problem, args.template, args.system, thinking)
         open_thought = opens_thought(tokenizer, thinking)
-        out = generate(model, [prompt], samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                       stop_ids=stop_ids(model.config, tokenizer), seed=args.seed, tokenizer=tokenizer)
+        out = generate(
+            model,
+            [prompt],
+            samples_per_prompt=args.samples,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            stop_ids=stop_ids(model.config, tokenizer),
+            seed=args.seed,
+            tokenizer=tokenizer,
+        )
     except (ValueError, OSError) as error:
         parser.error(str(error))
     except KeyboardInterrupt:
         print("\nrollout.py: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
-    grades = None if args.answer is None else reward.reward(
-        out.texts, [args.answer] * len(out.texts), problems=[problem] * len(out.texts), template=args.template,
-        open_thought=open_thought)
+    grades = (
+        None
+        if args.answer is None
+        else reward.reward(
+            out.texts,
+            [args.answer] * len(out.texts),
+            problems=[problem] * len(out.texts),
+            template=args.template,
+            open_thought=open_thought,
+        )
+    )
     for i, text in enumerate(out.texts):
         final = reward.split_thinking(text, open_thought).answer
         extracted = "thought never closes" if final is None else repr(reward.answer_of(final, args.template))

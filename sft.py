@@ -40,14 +40,11 @@ import config
 import eval as evaluation
 import lora
 import reward
-from infra import rundir
-from engine import sizes
-from infra import stopping
 import train
-from infra import weights
 from config import SFTConfig
 from data import load_problems, opens_thought, render_prompt, render_solution, thinking_note
-
+from engine import sizes
+from infra import rundir, stopping, weights
 
 # ----------------------------------------------------------------------------- examples and batches
 
@@ -64,8 +61,10 @@ def tokenize(problems: list[dict], tokenizer, cfg: SFTConfig) -> tuple[list[Exam
     examples, too_long = [], 0
     for index, problem in enumerate(problems):
         if not isinstance(problem.get("solution"), str) or not problem["solution"].strip():
-            raise ValueError(f"--dataset {cfg.dataset}: problem {index} has no \"solution\" to train on (prepare a "
-                             "set with solutions: python data/prepare.py openmath, gsm8k_sft or math_sft)")
+            raise ValueError(
+                f'--dataset {cfg.dataset}: problem {index} has no "solution" to train on (prepare a '
+                "set with solutions: python data/prepare.py openmath, gsm8k_sft or math_sft)"
+            )
         prompt = render_prompt(tokenizer, problem["problem"], cfg.template, cfg.system_prompt, cfg.thinking == "on")
         text = render_solution(problem["solution"], problem["answer"], cfg.template, cfg.thinking == "on")
         reply = tokenizer.encode(text, add_special_tokens=False) + [end_of_turn]
@@ -104,8 +103,8 @@ def collate(examples: list[Example], device) -> Batch:
     ids = torch.zeros(len(examples), P + C, dtype=torch.long)
     pad = torch.zeros(len(examples), P + C, dtype=torch.bool)
     for row, (prompt, reply) in enumerate(examples):
-        ids[row, P - len(prompt):P + len(reply)] = torch.tensor(prompt + reply)
-        pad[row, P - len(prompt):P + len(reply)] = True
+        ids[row, P - len(prompt) : P + len(reply)] = torch.tensor(prompt + reply)
+        pad[row, P - len(prompt) : P + len(reply)] = True
     return ids.to(device), pad.to(device), P, pad[:, P:].to(device)
 
 
@@ -125,24 +124,42 @@ def measure(model, tokenizer, eval_sets: dict[str, list[dict]], cfg: SFTConfig, 
     open_thought = opens_thought(tokenizer, cfg.thinking == "on")
     results = {}
     for name, problems in eval_sets.items():
-        run = evaluation.evaluate(model, tokenizer, problems, k=cfg.eval_k, temperature=cfg.eval_temperature,
-                                  max_new_tokens=cfg.max_new_tokens, template=cfg.template, system=cfg.system_prompt,
-                                  thinking=cfg.thinking == "on", batch_size=cfg.eval_batch, seed=cfg.seed,
-                                  desc=f"{desc} {name}" if len(eval_sets) > 1 else desc)
+        run = evaluation.evaluate(
+            model,
+            tokenizer,
+            problems,
+            k=cfg.eval_k,
+            temperature=cfg.eval_temperature,
+            max_new_tokens=cfg.max_new_tokens,
+            template=cfg.template,
+            system=cfg.system_prompt,
+            thinking=cfg.thinking == "on",
+            batch_size=cfg.eval_batch,
+            seed=cfg.seed,
+            desc=f"{desc} {name}" if len(eval_sets) > 1 else desc,
+        )
         texts = [text for problem in run.problems for text in problem.completions]
-        results[name] = {"accuracy": run.summary["mean@k"].mean, "se": run.summary["mean@k"].se,
-                         "format": format_rate(texts, cfg.template, open_thought),
-                         "problems": len(problems), "k": cfg.eval_k}
+        results[name] = {
+            "accuracy": run.summary["mean@k"].mean,
+            "se": run.summary["mean@k"].se,
+            "format": format_rate(texts, cfg.template, open_thought),
+            "problems": len(problems),
+            "k": cfg.eval_k,
+        }
     if len(results) == 1:
         return next(iter(results.values()))
     parts = list(results.values())
-    return {"accuracy": sum(p["accuracy"] for p in parts) / len(parts),
-            "format": sum(p["format"] for p in parts) / len(parts), "sets": results}
+    return {
+        "accuracy": sum(p["accuracy"] for p in parts) / len(parts),
+        "format": sum(p["format"] for p in parts) / len(parts),
+        "sets": results,
+    }
 
 
 def format_rate(texts: list[str], template: str, open_thought: bool = False) -> float:
     """The share of completions that state an answer where the reward looks for it: after the thought, in
     the template's format ("Answer:" line, \\boxed{}), or for other templates any answer it can extract."""
+
     def stated(text: str) -> bool:
         answer = reward.split_thinking(text, open_thought).answer
         if answer is None:
@@ -165,18 +182,19 @@ def run(cfg: SFTConfig) -> dict:
     config.validate_sft(cfg)
     problems = load_problems(cfg.dataset)
     names = [name.strip() for name in cfg.eval_dataset.split(",") if name.strip()]
-    eval_sets = {name: load_problems(name)[:cfg.eval_problems or None] for name in names}
+    eval_sets = {name: load_problems(name)[: cfg.eval_problems or None] for name in names}
     run_dir = rundir.run_path(cfg)
     with rundir.RunLock(run_dir, resume=bool(cfg.resume)) as lock:
         try:
             model, tokenizer, optimizer, _ = train.build(cfg)
             examples, too_long = tokenize(problems, tokenizer, cfg)
             if not examples:
-                raise ValueError(f"--max-length {cfg.max_length}: every one of the {len(problems)} examples is "
-                                 "longer")
+                raise ValueError(f"--max-length {cfg.max_length}: every one of the {len(problems)} examples is longer")
             if too_long:
-                warnings.warn(f"{too_long} of {len(problems)} examples are longer than --max-length "
-                              f"{cfg.max_length} tokens and are left out")
+                warnings.warn(
+                    f"{too_long} of {len(problems)} examples are longer than --max-length "
+                    f"{cfg.max_length} tokens and are left out"
+                )
             if note := thinking_note(tokenizer, cfg.thinking == "on"):
                 warnings.warn(note)
             state = open_run(cfg, run_dir, model, optimizer)
@@ -186,8 +204,17 @@ def run(cfg: SFTConfig) -> dict:
         return train_loop(cfg, run_dir, model, tokenizer, optimizer, state, examples, too_long, eval_sets)
 
 
-def train_loop(cfg: SFTConfig, run_dir: Path, model, tokenizer, optimizer, state: dict, examples: list[Example],
-               too_long: int, eval_sets: dict[str, list[dict]]) -> dict:
+def train_loop(
+    cfg: SFTConfig,
+    run_dir: Path,
+    model,
+    tokenizer,
+    optimizer,
+    state: dict,
+    examples: list[Example],
+    too_long: int,
+    eval_sets: dict[str, list[dict]],
+) -> dict:
     """The steps of a started run, between the measures before and after; then the adapter and summary."""
     batches = length_batches(examples, cfg.batch_tokens)
     steps_per_epoch = math.ceil(len(batches) / cfg.grad_accum)
@@ -197,8 +224,14 @@ def train_loop(cfg: SFTConfig, run_dir: Path, model, tokenizer, optimizer, state
         if state["before"] is None:
             with stop.immediate():
                 state["before"] = measure(model, tokenizer, eval_sets, cfg, "eval before") if eval_sets else {}
-        bar = tqdm(range(state["step"], total_steps), desc="sft", unit="step", initial=state["step"], total=total_steps,
-                   disable=not sys.stderr.isatty())  # no bar's escapes in a redirected log
+        bar = tqdm(
+            range(state["step"], total_steps),
+            desc="sft",
+            unit="step",
+            initial=state["step"],
+            total=total_steps,
+            disable=not sys.stderr.isatty(),
+        )  # no bar's escapes in a redirected log
         for _ in bar:
             step = state["step"] + 1
             record = sft_step(model, optimizer, examples, batches, cfg, step, steps_per_epoch, total_steps)
@@ -206,8 +239,11 @@ def train_loop(cfg: SFTConfig, run_dir: Path, model, tokenizer, optimizer, state
             rundir.append_metrics(metrics_file, record)
             bar.set_postfix(loss=f"{record['loss']:.3f}")
             if bar.disable:  # a log file gets one plain line per step instead of the bar
-                print(f"step {step}/{total_steps}: loss {record['loss']:.4f}, lr {record['lr']:.3g}, "
-                      f"{record['step_seconds']:.1f} s", file=sys.stderr)
+                print(
+                    f"step {step}/{total_steps}: loss {record['loss']:.4f}, lr {record['lr']:.3g}, "
+                    f"{record['step_seconds']:.1f} s",
+                    file=sys.stderr,
+                )
             if step % cfg.checkpoint_every == 0 or stop.requested:
                 rundir.save_checkpoint(run_dir, model, optimizer, state)
             if stop.requested:
@@ -217,9 +253,16 @@ def train_loop(cfg: SFTConfig, run_dir: Path, model, tokenizer, optimizer, state
             state["after"] = measure(model, tokenizer, eval_sets, cfg, "eval after") if eval_sets else {}
     rundir.save_checkpoint(run_dir, model, optimizer, state)
     save_adapter(model, run_dir / "adapter", cfg.model)
-    rundir.write_json(run_dir / "summary.json", {"before": state["before"], "after": state["after"],
-                                                 "examples": len(examples), "left_out": too_long,
-                                                 "steps": state["step"]})
+    rundir.write_json(
+        run_dir / "summary.json",
+        {
+            "before": state["before"],
+            "after": state["after"],
+            "examples": len(examples),
+            "left_out": too_long,
+            "steps": state["step"],
+        },
+    )
     if cfg.export:
         with rundir.writing(Path(cfg.export)):
             weights.save_pretrained(model, cfg.export, tokenizer=tokenizer)
@@ -228,13 +271,21 @@ def train_loop(cfg: SFTConfig, run_dir: Path, model, tokenizer, optimizer, state
     return state
 
 
-def sft_step(model, optimizer, examples: list[Example], batches: list[list[int]], cfg: SFTConfig, step: int,
-             steps_per_epoch: int, total_steps: int) -> dict:
+def sft_step(
+    model,
+    optimizer,
+    examples: list[Example],
+    batches: list[list[int]],
+    cfg: SFTConfig,
+    step: int,
+    steps_per_epoch: int,
+    total_steps: int,
+) -> dict:
     """One optimizer step over grad_accum micro-batches of the epoch's order; its metrics line."""
     start = time.perf_counter()
     epoch, position = divmod(step - 1, steps_per_epoch)
     order = epoch_order(len(batches), epoch, cfg.seed)
-    chosen = [batches[i] for i in order[position * cfg.grad_accum:(position + 1) * cfg.grad_accum]]
+    chosen = [batches[i] for i in order[position * cfg.grad_accum : (position + 1) * cfg.grad_accum]]
     micro = [collate([examples[i] for i in rows], model.device) for rows in chosen]
     step_tokens = sum(int(batch[3].sum()) for batch in micro)
     lr = train.learning_rate(cfg.lr, cfg.lr_schedule, cfg.warmup_steps, total_steps, step)
@@ -243,8 +294,9 @@ def sft_step(model, optimizer, examples: list[Example], batches: list[list[int]]
     model.train()
     total = torch.zeros((), device=model.device)
     for batch in micro:
-        with sizes.oom_hint(f"an SFT micro-batch of {batch[0].numel()} padded tokens",
-                            f"lower --batch-tokens (now {cfg.batch_tokens})"):
+        with sizes.oom_hint(
+            f"an SFT micro-batch of {batch[0].numel()} padded tokens", f"lower --batch-tokens (now {cfg.batch_tokens})"
+        ):
             value = reply_loss(model, batch, step_tokens)
             value.backward()
         total += value.detach()
@@ -252,9 +304,18 @@ def sft_step(model, optimizer, examples: list[Example], batches: list[list[int]]
     padded = sum(batch[0].numel() for batch in micro)
     real = sum(int(batch[1].sum()) for batch in micro)
     seconds = time.perf_counter() - start
-    return {"step": step, "epoch": epoch + 1, "loss": float(total), "lr": lr, "grad_norm": grad_norm,
-            "reply_tokens": step_tokens, "examples": sum(len(rows) for rows in chosen),
-            "padding_frac": 1 - real / padded, "step_seconds": seconds, "tokens_per_s": real / seconds}
+    return {
+        "step": step,
+        "epoch": epoch + 1,
+        "loss": float(total),
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "reply_tokens": step_tokens,
+        "examples": sum(len(rows) for rows in chosen),
+        "padding_frac": 1 - real / padded,
+        "step_seconds": seconds,
+        "tokens_per_s": real / seconds,
+    }
 
 
 def open_run(cfg: SFTConfig, run_dir: Path, model, optimizer) -> dict:

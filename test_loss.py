@@ -10,8 +10,19 @@ import sympy
 import torch
 import torch.nn.functional as F
 
-from loss import (AGGREGATIONS, INPUTS, RULES, LossConfig, advantages, full_vocab_kl, group_advantages, metric_share,
-                  policy_loss, ratio_bounds, required_inputs)
+from loss import (
+    AGGREGATIONS,
+    INPUTS,
+    RULES,
+    LossConfig,
+    advantages,
+    full_vocab_kl,
+    group_advantages,
+    metric_share,
+    policy_loss,
+    ratio_bounds,
+    required_inputs,
+)
 
 f64 = torch.float64
 
@@ -55,10 +66,12 @@ INSIDE = {
     ("tv", "mc"): lambda mu, w: (w - 1).abs() <= 0.2,
     ("kl", "atomic"): lambda mu, w: mu * torch.log(w).abs() <= -math.log(0.8),
     ("chi2", "atomic"): lambda mu, w: mu * (w - 1) ** 2 <= 0.04,
-    ("hellinger", "binary"): lambda mu, w: mu * (w.sqrt() - 1) ** 2
-    + (1 - mu) * (bernoulli_rest(mu, w).sqrt() - 1) ** 2 <= (math.sqrt(0.8) - 1) ** 2,
-    ("kl", "binary"): lambda mu, w: mu * torch.log(w).abs()
-    + (1 - mu) * torch.log(bernoulli_rest(mu, w)).abs() <= -math.log(0.8),
+    ("hellinger", "binary"): lambda mu, w: (
+        mu * (w.sqrt() - 1) ** 2 + (1 - mu) * (bernoulli_rest(mu, w).sqrt() - 1) ** 2 <= (math.sqrt(0.8) - 1) ** 2
+    ),
+    ("kl", "binary"): lambda mu, w: (
+        mu * torch.log(w).abs() + (1 - mu) * torch.log(bernoulli_rest(mu, w)).abs() <= -math.log(0.8)
+    ),
     "dcpo": dcpo_inside,
     "dppo": lambda mu, w: (mu * w - mu).abs() <= 0.2,  # DPPO's Binary-TV: |pi - mu| <= delta
 }
@@ -205,7 +218,7 @@ def test_dual_clip_stops_negative_advantage_tokens_above_c():
     mask = torch.ones(1, 4, dtype=torch.bool)
     _, grad, metrics = grad_of(logp, old_logp, adv, mask, LossConfig(rule="grpo", dual_clip=3.0))
     # w=4, A<0: dual-clipped. w=2, A<0: outside but pulled back in, kept. w=4, A>0 and w=0.5, A<0: pushed out.
-    expected = torch.tensor([0.0, -(-1.0) * 2.0 / 4, 0.0, 0.0], dtype=f64)
+    expected = torch.tensor([0.0, 1.0 * 2.0 / 4, 0.0, 0.0], dtype=f64)
     assert torch.equal(grad[0] == 0, expected == 0)
     torch.testing.assert_close(grad[0], expected)
     assert metrics["limit_clip_frac"] == 0.25 and metrics["clip_high_frac"] == 0.25  # counted apart
@@ -217,8 +230,9 @@ def test_dual_clip_pair_also_stops_positive_advantage_tokens_below_lo():
     adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]], dtype=f64)
     mask = torch.ones(1, 4, dtype=torch.bool)
     # (kl, atomic) at mu = e^-3 admits every one of these ratios, so only the dual clip stops any
-    _, grad, metrics = grad_of(old_logp + w.log()[None], old_logp, adv, mask,
-                               LossConfig(rule=("kl", "atomic"), dual_clip=(0.5, 10.0)))
+    _, grad, metrics = grad_of(
+        old_logp + w.log()[None], old_logp, adv, mask, LossConfig(rule=("kl", "atomic"), dual_clip=(0.5, 10.0))
+    )
     expected = torch.tensor([0.0, -1.0 * 0.6 / 4, 0.0, 1.0 * 8.0 / 4], dtype=f64)
     torch.testing.assert_close(grad[0], expected)
     assert metrics["limit_clip_frac"] == 0.5
@@ -337,8 +351,9 @@ def test_kl_full_uses_the_exact_vocabulary_kl():
     cfg = LossConfig(rule="kl_full", delta=delta)
     with pytest.raises(ValueError, match="hidden, lm_head_weight, old_hidden, temperature"):
         policy_loss(logp, old_logp, adv, mask, cfg)
-    _, grad, _ = grad_of(logp, old_logp, adv, mask, cfg, old_hidden=old_hidden, hidden=new_hidden,
-                         lm_head_weight=head, temperature=0.7)
+    _, grad, _ = grad_of(
+        logp, old_logp, adv, mask, cfg, old_hidden=old_hidden, hidden=new_hidden, lm_head_weight=head, temperature=0.7
+    )
     w, a = (logp - old_logp).exp(), adv[:, None].expand(B, T)
     outward = (kl > delta) & (a * (w - 1) > 0)
     assert outward.any() and (~outward).any()
@@ -372,8 +387,9 @@ def test_gradient_accumulation_equals_one_big_batch():
             full_grad = weight.grad.clone()
             weight.grad, total = None, 0.0
             for rows in micro_batches:
-                part, _ = policy_loss(logp_of(rows, weight), old_logp[rows], adv[rows], mask[rows], cfg,
-                                      num_tokens=mask.sum(), num_seqs=B)
+                part, _ = policy_loss(
+                    logp_of(rows, weight), old_logp[rows], adv[rows], mask[rows], cfg, num_tokens=mask.sum(), num_seqs=B
+                )
                 part.backward()
                 total += part.item()
             torch.testing.assert_close(weight.grad, full_grad, rtol=1e-10, atol=1e-14)
@@ -410,9 +426,11 @@ def test_reference_kl_penalty(estimator):
     zero_adv = torch.zeros_like(adv)
     loss, grad, metrics = grad_of(logp, old_logp, zero_adv, mask, cfg, ref_logp=ref_logp)
     ratio = ref_logp.exp() / logp.detach().exp()  # pi_ref / pi
-    value, slope = {"k1": (-torch.log(ratio), torch.ones_like(ratio)),
-                    "k2": (0.5 * torch.log(ratio) ** 2, -torch.log(ratio)),
-                    "k3": (ratio - 1 - torch.log(ratio), 1 - ratio)}[estimator]
+    value, slope = {
+        "k1": (-torch.log(ratio), torch.ones_like(ratio)),
+        "k2": (0.5 * torch.log(ratio) ** 2, -torch.log(ratio)),
+        "k3": (ratio - 1 - torch.log(ratio), 1 - ratio),
+    }[estimator]
     n = mask.sum()
     assert loss.item() == pytest.approx((0.1 * value[mask].sum() / n).item(), rel=1e-12)
     torch.testing.assert_close(grad[mask], 0.1 * slope[mask] / n, rtol=1e-10, atol=0)
@@ -453,7 +471,7 @@ def test_group_advantages_against_hand_computation():
     grpo = [(r - statistics.mean(g)) / (statistics.stdev(g) + eps) for g in groups for r in g]
     dr_grpo = [r - statistics.mean(g) for g in groups for r in g]
     batch = [(r - statistics.mean(g)) / (statistics.stdev(rewards) + eps) for g in groups for r in g]
-    loo = [r - statistics.mean(g[:i] + g[i + 1:]) for g in groups for i, r in enumerate(g)]
+    loo = [r - statistics.mean(g[:i] + g[i + 1 :]) for g in groups for i, r in enumerate(g)]
     assert group_advantages(rewards, 4).tolist() == pytest.approx(grpo, rel=1e-6)
     assert group_advantages(rewards, 4, std="none").tolist() == pytest.approx(dr_grpo, rel=1e-6)
     assert group_advantages(rewards, 4, std="batch").tolist() == pytest.approx(batch, rel=1e-6)
@@ -484,8 +502,12 @@ def test_no_nan_for_extreme_ratios(rule):
     mask = torch.ones(2, 41, dtype=torch.bool)
     cfg = LossConfig(rule=rule, dual_clip=3.0, kl_beta=0.01)
     g = torch.Generator().manual_seed(0)
-    hidden = dict(old_hidden=torch.randn(2, 41, 4, generator=g), hidden=torch.randn(2, 41, 4, generator=g),
-                  lm_head_weight=torch.randn(5, 4, generator=g), temperature=1.0)
+    hidden = dict(
+        old_hidden=torch.randn(2, 41, 4, generator=g),
+        hidden=torch.randn(2, 41, 4, generator=g),
+        lm_head_weight=torch.randn(5, 4, generator=g),
+        temperature=1.0,
+    )
     loss, metrics = policy_loss(logp, old_logp, adv, mask, cfg, ref_logp=old_logp, **hidden)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
@@ -504,8 +526,13 @@ def test_metrics_table_by_old_probability_bucket():
     assert all(type(v) is float for v in metrics.values())
     # clipped (pushed outward): w=1.5 A>0 (mu .95), w=0.5 A<0 (mu .3), w=2 A>0 (mu .005)
     assert metrics["clip_high_frac"] == pytest.approx(2 / 7) and metrics["clip_low_frac"] == pytest.approx(1 / 7)
-    expected = {">0.9": (2 / 7, 1.0, 0.5), "0.5-0.9": (1 / 7, -1.0, 0.0), "0.1-0.5": (1 / 7, -1.0, 1.0),
-                "0.01-0.1": (1 / 7, 1.0, 0.0), "<0.01": (2 / 7, 0.0, 0.5)}
+    expected = {
+        ">0.9": (2 / 7, 1.0, 0.5),
+        "0.5-0.9": (1 / 7, -1.0, 0.0),
+        "0.1-0.5": (1 / 7, -1.0, 1.0),
+        "0.01-0.1": (1 / 7, 1.0, 0.0),
+        "<0.01": (2 / 7, 0.0, 0.5),
+    }
     for label, (share, sign, clip) in expected.items():
         got = (metrics[f"mu[{label}]/share"], metrics[f"mu[{label}]/adv_sign"], metrics[f"mu[{label}]/clip_frac"])
         assert got == pytest.approx((share, sign, clip)), label
@@ -683,7 +710,16 @@ def test_required_inputs_and_missing_or_unknown_inputs():
     with pytest.raises(ValueError, match="unknown inputs vocab_kl"):
         policy_loss(logp, old_logp, adv, mask, LossConfig(), vocab_kl=torch.zeros_like(logp))
     with pytest.raises(ValueError, match="hidden"):
-        policy_loss(logp, old_logp, adv, mask, LossConfig(rule="kl_full"), old_hidden=torch.zeros(6, 8, 4),
-                    hidden=torch.zeros(6, 7, 4), lm_head_weight=torch.zeros(5, 4), temperature=1.0)
+        policy_loss(
+            logp,
+            old_logp,
+            adv,
+            mask,
+            LossConfig(rule="kl_full"),
+            old_hidden=torch.zeros(6, 8, 4),
+            hidden=torch.zeros(6, 7, 4),
+            lm_head_weight=torch.zeros(5, 4),
+            temperature=1.0,
+        )
     loss, _ = policy_loss(logp, old_logp, adv, mask, LossConfig(), ref_logp=old_logp)  # given, not needed: unused
     assert loss.item() == policy_loss(logp, old_logp, adv, mask, LossConfig())[0].item()

@@ -38,32 +38,45 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from research import calibrate  # noqa: E402
 import config  # noqa: E402
-from infra import distributed  # noqa: E402
 import eval as evaluation  # noqa: E402
-from infra import fsdp  # noqa: E402
 import lora  # noqa: E402
 import loss  # noqa: E402
-from engine import memory  # noqa: E402
 import reward  # noqa: E402
 import rollout  # noqa: E402
-from infra import rundir  # noqa: E402
-from grading import sandbox  # noqa: E402
-from grading import scoring  # noqa: E402
-from engine import sizes  # noqa: E402
-from infra import weights  # noqa: E402
 from config import Config  # noqa: E402
 from data import load_problems, opens_thought, render_prompt, stop_ids, thinking_note, user_message  # noqa: E402
-from infra.stopping import Interrupted, StopRequest, Stopped, exit_interrupted  # noqa: E402
-
+from engine import (
+    memory,  # noqa: E402
+    sizes,  # noqa: E402
+)
+from grading import (
+    sandbox,  # noqa: E402
+    scoring,  # noqa: E402
+)
+from infra import (
+    distributed,  # noqa: E402
+    fsdp,  # noqa: E402
+    rundir,  # noqa: E402
+    weights,  # noqa: E402
+)
+from infra.stopping import Interrupted, Stopped, StopRequest, exit_interrupted  # noqa: E402
+from research import calibrate  # noqa: E402
 
 # ----------------------------------------------------------------------------- one step
 
 
-def train_step(model, optimizer, tokenizer, problems: list[dict], cfg: Config, step: int,
-               world: distributed.World | None = None, reference=None,
-               pool: rollout.Pool | None = None) -> tuple[dict, list]:
+def train_step(
+    model,
+    optimizer,
+    tokenizer,
+    problems: list[dict],
+    cfg: Config,
+    step: int,
+    world: distributed.World | None = None,
+    reference=None,
+    pool: rollout.Pool | None = None,
+) -> tuple[dict, list]:
     """One GRPO step on `problems`; returns its metrics line and the per-token records (empty unless logged).
 
     With several processes (world), `problems` is the whole step's, the same on every rank, and each rank
@@ -79,8 +92,14 @@ def train_step(model, optimizer, tokenizer, problems: list[dict], cfg: Config, s
     rewards, correct, by_function, code = score(out, problems[mine], cfg, step, open_thought)
     watch.lap("reward")
     lengths = out.completion_mask.sum(1).float()
-    columns = [rewards, correct, lengths, out.truncated.float(), *thought_lengths(out, tokenizer, open_thought).T,
-               *by_function.values()]
+    columns = [
+        rewards,
+        correct,
+        lengths,
+        out.truncated.float(),
+        *thought_lengths(out, tokenizer, open_thought).T,
+        *by_function.values(),
+    ]
     rows = world.cat(torch.cat([torch.stack(columns, 1), code], 1))  # [N of the step, 7 + functions + code]
     # from the whole step's rewards: one process's advantages, whatever they normalize over
     my_rows = slice(mine.start * cfg.group_size, mine.stop * cfg.group_size)
@@ -92,40 +111,69 @@ def train_step(model, optimizer, tokenizer, problems: list[dict], cfg: Config, s
     tokens = torch.tensor([lengths.sum().item(), out.pad_mask.sum().item()], dtype=torch.float64, device="cpu")
     slowest, tokens = world.max(seconds), world.sum(tokens)
     records = [] if records is None else sum(world.gather(records), [])
-    (reward_mean, accuracy, completion_length, truncated, unclosed, think_length, answer_length,
-     *function_means) = rows[:, :len(columns)].mean(0).tolist()
-    return {"step": step, "reward": reward_mean, "accuracy": accuracy,
-            **{f"rewards/{name}": mean for name, mean in zip(by_function, function_means)},
-            **sandbox.step_metrics(rows[:, len(columns):]),
-            "completion_length": completion_length, "truncated": truncated, "think_unclosed_frac": unclosed,
-            "think_length": think_length, "answer_length": answer_length, **update,
-            "step_seconds": watch.total, "reward_seconds": watch.laps["reward"],
-            "rollout_tokens_per_s": float(tokens[0] / slowest[0]),
-            # every row is trained on once per epoch, prompt included
-            "train_tokens_per_s": float(cfg.epochs * tokens[1] / slowest[1])}, records
+    (reward_mean, accuracy, completion_length, truncated, unclosed, think_length, answer_length, *function_means) = (
+        rows[:, : len(columns)].mean(0).tolist()
+    )
+    return {
+        "step": step,
+        "reward": reward_mean,
+        "accuracy": accuracy,
+        **{f"rewards/{name}": mean for name, mean in zip(by_function, function_means)},
+        **sandbox.step_metrics(rows[:, len(columns) :]),
+        "completion_length": completion_length,
+        "truncated": truncated,
+        "think_unclosed_frac": unclosed,
+        "think_length": think_length,
+        "answer_length": answer_length,
+        **update,
+        "step_seconds": watch.total,
+        "reward_seconds": watch.laps["reward"],
+        "rollout_tokens_per_s": float(tokens[0] / slowest[0]),
+        # every row is trained on once per epoch, prompt included
+        "train_tokens_per_s": float(cfg.epochs * tokens[1] / slowest[1]),
+    }, records
 
 
-def sample(model, tokenizer, problems: list[dict], cfg: Config, step: int, first_prompt: int = 0,
-           pool: rollout.Pool | None = None) -> rollout.Rollout:
+def sample(
+    model,
+    tokenizer,
+    problems: list[dict],
+    cfg: Config,
+    step: int,
+    first_prompt: int = 0,
+    pool: rollout.Pool | None = None,
+) -> rollout.Rollout:
     """G completions for each problem, with the sampling policy's log-probs: one sampler call, at most
     rollout_batch prompts in flight, over the run's KV pool. first_prompt is the index of problems[0] in
     the step: a prompt's samples depend on it, not on the process. A sharded model samples with its whole
     weights, gathered for the rollout (sampling_policy)."""
-    prompts = [render_prompt(tokenizer, p["problem"], cfg.template, cfg.system_prompt, cfg.thinking == "on")
-               for p in problems]
+    prompts = [
+        render_prompt(tokenizer, p["problem"], cfg.template, cfg.system_prompt, cfg.thinking == "on") for p in problems
+    ]
     model.eval()  # no LoRA dropout while sampling: the old log-probs must be the sampling policy's
     hint = f"lower --rollout-batch (now {cfg.rollout_batch} prompts in flight) or --kv-blocks (now {cfg.kv_blocks})"
     with sizes.oom_hint("the rollout", hint), sizes.sampling_policy(model, pool) as policy:
-        return rollout.generate(policy, prompts, samples_per_prompt=cfg.group_size,
-                                max_new_tokens=cfg.max_new_tokens,
-                                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                stop_ids=stop_ids(model.config, tokenizer), seed=cfg.seed * 1_000_003 + step,
-                                tokenizer=tokenizer, max_rows=cfg.rollout_batch * cfg.group_size or None,
-                                first_prompt=first_prompt, cuda_graphs=cfg.cuda_graphs, pool=pool)
+        return rollout.generate(
+            policy,
+            prompts,
+            samples_per_prompt=cfg.group_size,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            stop_ids=stop_ids(model.config, tokenizer),
+            seed=cfg.seed * 1_000_003 + step,
+            tokenizer=tokenizer,
+            max_rows=cfg.rollout_batch * cfg.group_size or None,
+            first_prompt=first_prompt,
+            cuda_graphs=cfg.cuda_graphs,
+            pool=pool,
+        )
 
 
-def score(out: rollout.Rollout, problems: list[dict], cfg: Config, step: int = 0, open_thought: bool = False
-          ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+def score(
+    out: rollout.Rollout, problems: list[dict], cfg: Config, step: int = 0, open_thought: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """(rewards [N], correct [N], {name: values [N]} of each reward function when there are several, code
     [N, 2 + reasons]), on the model's device. The reward is the weighted sum of the --reward-fn functions
     (scoring.py) plus the format bonus. correct is the built-in verdict (scoring.verdicts), whatever the
@@ -138,21 +186,35 @@ def score(out: rollout.Rollout, problems: list[dict], cfg: Config, step: int = 0
     one-hot of why it failed (sandbox.REASONS)."""
     rows = [p for p in problems for _ in range(cfg.group_size)]
     grades = []  # per row, a code problem's sandbox.Grade (None for math): the code metrics
-    verdicts = scoring.verdicts(out.texts, rows, template=cfg.template, open_thought=open_thought,
-                                code_fraction=cfg.code_reward == "fraction",
-                                code_limits=sandbox.Limits(timeout=cfg.code_timeout), grades=grades)
+    verdicts = scoring.verdicts(
+        out.texts,
+        rows,
+        template=cfg.template,
+        open_thought=open_thought,
+        code_fraction=cfg.code_reward == "fraction",
+        code_limits=sandbox.Limits(timeout=cfg.code_timeout),
+        grades=grades,
+    )
     is_code = [grade is not None for grade in grades]
-    given = {reward.math_reward: [None if c else v for v, c in zip(verdicts, is_code)],
-             sandbox.code_reward: [v if c else None for v, c in zip(verdicts, is_code)]}
+    given = {
+        reward.math_reward: [None if c else v for v, c in zip(verdicts, is_code)],
+        sandbox.code_reward: [v if c else None for v, c in zip(verdicts, is_code)],
+    }
     functions = scoring.functions(cfg.reward_fn, cfg.reward_weights, cfg.reward_timeout)
-    columns = {"prompts": [user_message(p["problem"], cfg.template) for p in rows], "completion_ids": out.completions,
-               "template": [cfg.template] * len(rows), **scoring.columns_of(rows),
-               "open_thought": [open_thought] * len(rows)}
+    columns = {
+        "prompts": [user_message(p["problem"], cfg.template) for p in rows],
+        "completion_ids": out.completions,
+        "template": [cfg.template] * len(rows),
+        **scoring.columns_of(rows),
+        "open_thought": [open_thought] * len(rows),
+    }
     totals, by_name = functions(out.texts, columns, where=f"step {step}", group_size=cfg.group_size, given=given)
     if cfg.format_weight:
         answers = [reward.split_thinking(text, open_thought).answer for text in out.texts]
-        totals = [total + cfg.format_weight * (answer is not None and reward.has_format(answer, cfg.template))
-                  for total, answer in zip(totals, answers)]
+        totals = [
+            total + cfg.format_weight * (answer is not None and reward.has_format(answer, cfg.template))
+            for total, answer in zip(totals, answers)
+        ]
     code = sandbox.metric_rows(grades)  # built on the host, then one copy to the device
 
     def tensor(values: list) -> torch.Tensor:
@@ -180,8 +242,17 @@ def thought_lengths(out: rollout.Rollout, tokenizer, open_thought: bool) -> torc
     return torch.tensor(stats, dtype=torch.float32, device=out.old_logp.device)
 
 
-def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tensor, cfg: Config, step: int,
-                  records: list | None = None, world: distributed.World | None = None, reference=None) -> dict:
+def policy_update(
+    model,
+    optimizer,
+    out: rollout.Rollout,
+    advantages: torch.Tensor,
+    cfg: Config,
+    step: int,
+    records: list | None = None,
+    world: distributed.World | None = None,
+    reference=None,
+) -> dict:
     """epochs passes over the rollout's rows, each shuffled afresh into updates_per_rollout mini-batches (--shuffle:
     rows one by one, or whole prompt groups); one optimizer step per mini-batch, the sum of grad_accum
     micro-batches. Metrics: token-weighted means over micro-batches; *_min / *_max are extremes;
@@ -218,10 +289,12 @@ def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tens
                 continue
             if idle:
                 rows = torch.zeros(1, dtype=torch.long, device=advantages.device)
-            with sizes.oom_hint(f"a training micro-batch of {len(rows)} rows",
-                                f"raise --grad-accum (now {cfg.grad_accum})"):
-                value, micro_metrics = micro_batch_loss(model, out, advantages, inputs, rows, cfg, totals,
-                                                        None if idle else records)
+            with sizes.oom_hint(
+                f"a training micro-batch of {len(rows)} rows", f"raise --grad-accum (now {cfg.grad_accum})"
+            ):
+                value, micro_metrics = micro_batch_loss(
+                    model, out, advantages, inputs, rows, cfg, totals, None if idle else records
+                )
                 value = value * 0 if idle else value
                 value.backward()
             losses.append(value.detach())
@@ -237,13 +310,17 @@ def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tens
     per_update = [sum(updates, []) for updates in zip(*world.gather(per_update))]
     summary, start = loss.merge_metrics(sum(per_update, [])), loss.merge_metrics(per_update[0])
     applied = [norm for norm in grad_norms if norm is not None]
-    summary.update(start_ratio_min=start["ratio_min"], start_ratio_max=start["ratio_max"],
-                   grad_norm=float(np.mean(applied)) if applied else None,
-                   skipped_updates=len(grad_norms) - len(applied), **loss.clip_rates(sum(per_update[1:], [])))
+    summary.update(
+        start_ratio_min=start["ratio_min"],
+        start_ratio_max=start["ratio_max"],
+        grad_norm=float(np.mean(applied)) if applied else None,
+        skipped_updates=len(grad_norms) - len(applied),
+        **loss.clip_rates(sum(per_update[1:], [])),
+    )
     if cfg.epochs > 1:  # where the clips happened: later passes start further from the sampling policy
         per_epoch = len(per_update) // cfg.epochs
         for epoch in range(cfg.epochs):
-            merged = loss.merge_metrics(sum(per_update[epoch * per_epoch:(epoch + 1) * per_epoch], []))
+            merged = loss.merge_metrics(sum(per_update[epoch * per_epoch : (epoch + 1) * per_epoch], []))
             summary |= {f"epoch[{epoch + 1}]/{key}": merged[key] for key in CLIP_KEYS}
     return summary
 
@@ -251,20 +328,34 @@ def policy_update(model, optimizer, out: rollout.Rollout, advantages: torch.Tens
 CLIP_KEYS = ("clip_low_frac", "clip_high_frac", "limit_clip_frac")
 
 
-def micro_batch_loss(model, out: rollout.Rollout, advantages: torch.Tensor, inputs: dict, rows: torch.Tensor,
-                     cfg: Config, totals: dict, records: list | None) -> tuple[torch.Tensor, dict]:
+def micro_batch_loss(
+    model,
+    out: rollout.Rollout,
+    advantages: torch.Tensor,
+    inputs: dict,
+    rows: torch.Tensor,
+    cfg: Config,
+    totals: dict,
+    records: list | None,
+) -> tuple[torch.Tensor, dict]:
     """The loss of some rows of the rollout (their share of the optimizer step's loss) and their metrics."""
     h, ids, start, c = policy_states(model, out, rows, cfg.group_size)
     bonus = "entropy" in loss.required_inputs(cfg.loss)  # an entropy bonus differentiates the entropy
-    logp, entropy = model.hidden_logprobs(h, ids, start=start, temperature=cfg.temperature, with_entropy=True,
-                                          entropy_grad=bonus)
+    logp, entropy = model.hidden_logprobs(
+        h, ids, start=start, temperature=cfg.temperature, with_entropy=True, entropy_grad=bonus
+    )
     mask = out.completion_mask[rows, :c]  # [rows, c], like every per-token tensor below
     given = {name: value[rows, :c] for name, value in inputs.items()}
-    live = {"hidden": completion_states(h, start), "lm_head_weight": model.lm_head.weight,
-            "temperature": cfg.temperature, "entropy": entropy}  # what a rule may ask of the policy being trained
+    live = {
+        "hidden": completion_states(h, start),
+        "lm_head_weight": model.lm_head.weight,
+        "temperature": cfg.temperature,
+        "entropy": entropy,
+    }  # what a rule may ask of the policy being trained
     given |= {name: value for name, value in live.items() if name in loss.required_inputs(cfg.loss)}
-    value, metrics = loss.policy_loss(logp, given.pop("old_logp"), advantages[rows], mask, cfg.loss,
-                                      **totals, records=records, **given)
+    value, metrics = loss.policy_loss(
+        logp, given.pop("old_logp"), advantages[rows], mask, cfg.loss, **totals, records=records, **given
+    )
     metrics["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
     metrics["tokens"] = int(mask.sum())
     return value, metrics
@@ -277,8 +368,9 @@ def optimizer_step(model, optimizer, total_loss: torch.Tensor, cfg: Config, step
     if finite:
         optimizer.step()
     else:
-        warnings.warn(f"step {step}: non-finite loss ({float(total_loss)}) or gradient norm ({float(grad_norm)}); "
-                      "update skipped")
+        warnings.warn(
+            f"step {step}: non-finite loss ({float(total_loss)}) or gradient norm ({float(grad_norm)}); update skipped"
+        )
     optimizer.zero_grad(set_to_none=True)
     return float(grad_norm) if finite else None
 
@@ -333,13 +425,16 @@ def shuffled_minibatches(rows: int, cfg: Config, step: int) -> list[torch.Tensor
             minibatches += torch.randperm(rows, generator=generator, device="cpu").chunk(cfg.updates_per_rollout)
         else:
             groups = torch.randperm(rows // G, generator=generator, device="cpu")
-            minibatches += [(part[:, None] * G + torch.arange(G, device="cpu")).flatten()
-                            for part in groups.tensor_split(cfg.updates_per_rollout)]
+            minibatches += [
+                (part[:, None] * G + torch.arange(G, device="cpu")).flatten()
+                for part in groups.tensor_split(cfg.updates_per_rollout)
+            ]
     return minibatches
 
 
-def policy_states(model, out: rollout.Rollout, rows: torch.Tensor,
-                  group_size: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+def policy_states(
+    model, out: rollout.Rollout, rows: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """The policy's final states for some rows of the rollout, with the ids they are read against: (h, ids,
     start, c) such that model.hidden_logprobs(h, ids, start=start) are the rows' log-probs of their first c
     completion tokens, and completion_states(h, start) the states that predict them.
@@ -356,9 +451,14 @@ def policy_states(model, out: rollout.Rollout, rows: torch.Tensor,
     prompt_mask, completion_mask = out.pad_mask[groups * group_size, :P], out.pad_mask[rows, P:]
     first = int(prompt_mask.any(0).nonzero()[0])  # the columns some prompt uses
     c = int(completion_mask.any(0).nonzero()[-1]) + 1  # and some completion
-    h = model.hidden_shared(out.input_ids[groups * group_size, first:P], prompt_mask[:, first:], owner,
-                            out.input_ids[rows, P:P + c], completion_mask[:, :c])  # [rows, 1 + c, hidden]
-    return h, out.input_ids[rows, P - 1:P + c], 1, c  # the last prompt column is real in every row
+    h = model.hidden_shared(
+        out.input_ids[groups * group_size, first:P],
+        prompt_mask[:, first:],
+        owner,
+        out.input_ids[rows, P : P + c],
+        completion_mask[:, :c],
+    )  # [rows, 1 + c, hidden]
+    return h, out.input_ids[rows, P - 1 : P + c], 1, c  # the last prompt column is real in every row
 
 
 @contextmanager
@@ -386,7 +486,7 @@ def window(out: rollout.Rollout, rows: torch.Tensor) -> tuple[torch.Tensor, torc
 
 def completion_states(h: torch.Tensor, start: int) -> torch.Tensor:
     """The hidden states [rows, c, hidden] that predict the completion tokens (positions start-1 .. W-2)."""
-    return h[:, start - 1:-1]
+    return h[:, start - 1 : -1]
 
 
 class Stopwatch:
@@ -436,8 +536,10 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
                 if note := thinking_note(tokenizer, cfg.thinking == "on"):
                     warnings.warn(note)
                 if cfg.world_size and cfg.world_size != world.size:
-                    warnings.warn(f"--world-size {cfg.world_size}: the run is meant for {cfg.world_size} processes "
-                                  f"and runs on {world.size}; every size the memory plan chooses is for {world.size}")
+                    warnings.warn(
+                        f"--world-size {cfg.world_size}: the run is meant for {cfg.world_size} processes "
+                        f"and runs on {world.size}; every size the memory plan chooses is for {world.size}"
+                    )
 
             def save(state: dict) -> None:
                 rundir.save_checkpoint(run_dir, model, optimizer, state, world)
@@ -476,19 +578,38 @@ def check_start(cfg: Config) -> dict:
     return {"train_set": train_set, "eval_sets": eval_sets, "model_dir": model_dir}
 
 
-def run(cfg: Config, world: distributed.World, run_dir: Path, model, tokenizer, optimizer, reference, state: dict,
-        start: dict, save, pool: rollout.Pool) -> dict:
+def run(
+    cfg: Config,
+    world: distributed.World,
+    run_dir: Path,
+    model,
+    tokenizer,
+    optimizer,
+    reference,
+    state: dict,
+    start: dict,
+    save,
+    pool: rollout.Pool,
+) -> dict:
     """The loop of a started run: the evaluation before, the steps, the evaluation after, the summary."""
     writer = world.rank == 0
     train_set, eval_sets = start["train_set"], start["eval_sets"]
-    with StopRequest() as stop, contextlib.closing(rundir.open_trackers(cfg, run_dir, state, list(eval_sets), writer)) \
-            as trackers:
+    with (
+        StopRequest() as stop,
+        contextlib.closing(rundir.open_trackers(cfg, run_dir, state, list(eval_sets), writer)) as trackers,
+    ):
         if state["before"] is None:
             with stop.immediate():
                 state["before"] = evaluation.held_out(model, tokenizer, eval_sets, cfg, "eval before", world, pool)
             trackers.log_eval(state["before"], 0, "before")
-        bar = tqdm(range(state["step"], cfg.steps), desc="train", unit="step", initial=state["step"], total=cfg.steps,
-                   disable=not (writer and sys.stderr.isatty()))  # no bar's escapes in a redirected log
+        bar = tqdm(
+            range(state["step"], cfg.steps),
+            desc="train",
+            unit="step",
+            initial=state["step"],
+            total=cfg.steps,
+            disable=not (writer and sys.stderr.isatty()),
+        )  # no bar's escapes in a redirected log
         for _ in bar:
             step = state["step"] + 1
             problems = batch_of(train_set, state["data_position"], cfg.prompts_per_step, cfg.seed)
@@ -504,15 +625,19 @@ def run(cfg: Config, world: distributed.World, run_dir: Path, model, tokenizer, 
                     calibrate.write_token_records(path, records, cfg.log_tokens, seed=cfg.seed * 1_000_003 + step)
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 with stop.immediate():
-                    record["eval"] = evaluation.held_out(model, tokenizer, eval_sets, cfg, f"eval step {step}",
-                                                         world, pool)
+                    record["eval"] = evaluation.held_out(
+                        model, tokenizer, eval_sets, cfg, f"eval step {step}", world, pool
+                    )
                 rundir.keep_best(run_dir, model, state, record["eval"], writer, tokenizer)
             if writer:
                 rundir.append_metrics(run_dir / "metrics.jsonl", record)
                 trackers.log_step(record)
                 if bar.disable:  # a log file gets one plain line per step instead of the bar
-                    print(f"step {step}/{cfg.steps}: reward {record['reward']:.3f}, accuracy {record['accuracy']:.3f}, "
-                          f"{record['step_seconds']:.1f} s", file=sys.stderr)
+                    print(
+                        f"step {step}/{cfg.steps}: reward {record['reward']:.3f}, accuracy {record['accuracy']:.3f}, "
+                        f"{record['step_seconds']:.1f} s",
+                        file=sys.stderr,
+                    )
             bar.set_postfix(reward=f"{record['reward']:.2f}", acc=f"{record['accuracy']:.2f}")
             # every rank stops after the same step, whichever of them the signal reached first
             stopping = bool(world.max(torch.tensor(float(stop.requested), device="cpu")))
@@ -586,8 +711,9 @@ def build(cfg: Config, init_adapter: str | None = None, model_dir: Path | None =
         model = weights.from_pretrained(source, dtype=dtype, device=device)
         model.requires_grad_(False)
         torch.manual_seed(cfg.seed)  # adapter initialization
-        lora.inject(model, cfg.lora_rank, cfg.lora_alpha, targets=tuple(cfg.lora_targets.split(",")),
-                    dropout=cfg.lora_dropout)
+        lora.inject(
+            model, cfg.lora_rank, cfg.lora_alpha, targets=tuple(cfg.lora_targets.split(",")), dropout=cfg.lora_dropout
+        )
         if init_adapter:  # a resumed run's checkpoint then replaces these weights
             lora.load(model, init_adapter)
     else:
@@ -596,7 +722,8 @@ def build(cfg: Config, init_adapter: str | None = None, model_dir: Path | None =
             frozen = weights.from_pretrained(source, dtype=dtype, device=device).requires_grad_(False)
             reference = fsdp.shard(frozen, dtype)
     model.gradient_checkpointing = cfg.gradient_checkpointing == "on" or (
-        cfg.gradient_checkpointing == "auto" and device.type == "cuda")
+        cfg.gradient_checkpointing == "auto" and device.type == "cuda"
+    )
     optimizer = torch.optim.AdamW(trainable(model), lr=cfg.lr, weight_decay=cfg.weight_decay)
     return model, tokenizer, optimizer, reference
 
@@ -632,8 +759,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"train.py: {_one_line(error)}", file=sys.stderr)
         sys.exit(2)
     except scoring.RewardFunctionError as error:  # the user's function, not the trainer: no traceback
-        print(f"train.py: {error}; the last checkpoint is kept: continue with python train.py --resume "
-              f"{error.run_dir}", file=sys.stderr)
+        print(
+            f"train.py: {error}; the last checkpoint is kept: continue with python train.py --resume {error.run_dir}",
+            file=sys.stderr,
+        )
         sys.exit(1)
     except Stopped as stop:
         if first_rank:
@@ -641,14 +770,20 @@ def main(argv: list[str] | None = None) -> None:
         exit_interrupted()
     except KeyboardInterrupt as interrupt:
         if first_rank:
-            print(f"\n{interrupt}" if isinstance(interrupt, Interrupted) else
-                  "\ninterrupted before the run started: nothing was written", file=sys.stderr)
+            print(
+                f"\n{interrupt}"
+                if isinstance(interrupt, Interrupted)
+                else "\ninterrupted before the run started: nothing was written",
+                file=sys.stderr,
+            )
         exit_interrupted()
     if "after" in state and world.rank == 0:  # an export-only resume trained and evaluated nothing
         before, after, best = state["before"], state["after"], state["best"]
         print(f"best held-out accuracy {100 * best['accuracy']:.1f}% at step {best['step']}")
-        print(f"held-out accuracy: before {100 * before['accuracy']:.1f}% -> after {100 * after['accuracy']:.1f}% "
-              f"(n={after['problems']}, k={after['k']}, se {100 * (after['se'] or 0):.1f})")
+        print(
+            f"held-out accuracy: before {100 * before['accuracy']:.1f}% -> after {100 * after['accuracy']:.1f}% "
+            f"(n={after['problems']}, k={after['k']}, se {100 * (after['se'] or 0):.1f})"
+        )
 
 
 def _one_line(error: BaseException) -> str:

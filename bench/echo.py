@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import eval as evaluation  # noqa: E402
 import lora  # noqa: E402
 import reward  # noqa: E402
-from infra import weights  # noqa: E402
 from data import load_problems  # noqa: E402
+from infra import weights  # noqa: E402
 
 
 def main() -> None:
@@ -41,9 +41,18 @@ def main() -> None:
         lora.load(model, args.adapter)
     tokenizer = weights.load_tokenizer(args.model)
     problems = load_problems(args.dataset)
-    results = evaluation.evaluate(model, tokenizer, problems, k=args.k, temperature=args.temperature,
-                                  max_new_tokens=args.max_new_tokens, template=args.template,
-                                  system="You are a helpful assistant.", batch_size=16, seed=args.seed).problems
+    results = evaluation.evaluate(
+        model,
+        tokenizer,
+        problems,
+        k=args.k,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        template=args.template,
+        system="You are a helpful assistant.",
+        batch_size=16,
+        seed=args.seed,
+    ).problems
     texts = [text for result in results for text in result.completions]
     references = [result.reference for result in results for _ in result.completions]
     questions = [p["problem"] for p in problems for _ in range(args.k)]
@@ -53,10 +62,14 @@ def main() -> None:
     correct = sum(score == 1.0 for score in blind)
     print(f"{len(texts)} samples ({len(problems)} problems x {args.k}, {args.max_new_tokens} new tokens)")
     print(f"correct without the problem: {correct} ({100 * correct / len(texts):.1f}%)")
-    print(f"correct with the problem:    {int(sum(s == 1.0 for s in seeing))} "
-          f"({100 * sum(s == 1.0 for s in seeing) / len(texts):.1f}%)")
-    print(f"echoes: {len(echoes)} of the {correct} correct without the problem "
-          f"({100 * len(echoes) / max(correct, 1):.1f}%)")
+    print(
+        f"correct with the problem:    {int(sum(s == 1.0 for s in seeing))} "
+        f"({100 * sum(s == 1.0 for s in seeing) / len(texts):.1f}%)"
+    )
+    print(
+        f"echoes: {len(echoes)} of the {correct} correct without the problem "
+        f"({100 * len(echoes) / max(correct, 1):.1f}%)"
+    )
     for i in echoes[:8]:
         print(f"  {questions[i]!r} -> {texts[i]!r}")
     gained = [i for i, (b, s) in enumerate(zip(blind, seeing)) if b < 1.0 and s == 1.0]

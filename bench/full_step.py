@@ -27,11 +27,14 @@ import torch
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
-from infra import distributed  # noqa: E402
-from infra import fsdp  # noqa: E402
-from engine import memory  # noqa: E402
-from model import ModelConfig, Transformer  # noqa: E402
 from qwen3_shapes import QWEN3, QWEN3_COMMON, QWEN3_TINY  # noqa: E402
+
+from engine import memory  # noqa: E402
+from infra import (
+    distributed,  # noqa: E402
+    fsdp,  # noqa: E402
+)
+from model import ModelConfig, Transformer  # noqa: E402
 
 
 def model_config(name: str) -> ModelConfig:
@@ -65,9 +68,18 @@ def train_step(model: Transformer, optimizer, ids: torch.Tensor, prompt_len: int
 
 def planned(cfg: ModelConfig, rows: int, prompt_len: int, new_tokens: int, compute: torch.dtype) -> dict:
     """memory.py's peak bytes of the training micro-batch and of the optimizer step for this shape."""
-    work = memory.Workload(dtype=compute, lora_rank=0, prompt_len=prompt_len, max_new_tokens=new_tokens,
-                           group_size=1, prompts_per_step=rows, micro_batch_rows=rows, rollout_prompts=1,
-                           eval_prompts=1, eval_k=1)
+    work = memory.Workload(
+        dtype=compute,
+        lora_rank=0,
+        prompt_len=prompt_len,
+        max_new_tokens=new_tokens,
+        group_size=1,
+        prompts_per_step=rows,
+        micro_batch_rows=rows,
+        rollout_prompts=1,
+        eval_prompts=1,
+        eval_k=1,
+    )
     with memory.planning(cfg, work) as planner:
         return {"train": planner.peak("train", rows), "optimizer": planner.peak("optimizer")}
 
@@ -102,8 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = model_config(name)
     plan = planned(cfg, rows, prompt_len, tokens - prompt_len, compute)
-    report = {"model": name, "device": str(device), "rows": rows, "tokens_per_row": tokens,
-              "planned_bytes": plan, "steps": []}
+    report = {
+        "model": name,
+        "device": str(device),
+        "rows": rows,
+        "tokens_per_row": tokens,
+        "planned_bytes": plan,
+        "steps": [],
+    }
     with distributed.joined(device, 600, group=True):
         model = build(cfg, device, compute)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
@@ -116,8 +134,14 @@ def main(argv: list[str] | None = None) -> int:
         report["gather_seconds"], report["gather_peak_bytes"] = timed(device, gather)
         for step in range(args.steps + 1):
             seconds, peak = timed(device, lambda: train_step(model, optimizer, ids, prompt_len))
-            report["steps"].append({"warm_up": step == 0, "seconds": seconds, "tokens_per_s": rows * tokens / seconds,
-                                    "peak_allocated_bytes": peak})
+            report["steps"].append(
+                {
+                    "warm_up": step == 0,
+                    "seconds": seconds,
+                    "tokens_per_s": rows * tokens / seconds,
+                    "peak_allocated_bytes": peak,
+                }
+            )
     timed_steps = [s for s in report["steps"] if not s["warm_up"]]
     report["tokens_per_s"] = max(s["tokens_per_s"] for s in timed_steps)
     measured = [s["peak_allocated_bytes"] for s in timed_steps if s["peak_allocated_bytes"] is not None]
@@ -127,9 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  gather for the sampler: {report['gather_seconds']:.3f} s")
     print(f"  tokens/s: {report['tokens_per_s']:.0f} (best of {len(timed_steps)} steps)")
     peak = report["peak_allocated_bytes"]
-    print(f"  peak allocated: {'n/a on the CPU' if peak is None else f'{peak / memory.GB:.2f} GB'}; planned "
-          f"{planned_peak / memory.GB:.2f} GB (train {plan['train'] / memory.GB:.2f}, optimizer "
-          f"{plan['optimizer'] / memory.GB:.2f})")
+    print(
+        f"  peak allocated: {'n/a on the CPU' if peak is None else f'{peak / memory.GB:.2f} GB'}; planned "
+        f"{planned_peak / memory.GB:.2f} GB (train {plan['train'] / memory.GB:.2f}, optimizer "
+        f"{plan['optimizer'] / memory.GB:.2f})"
+    )
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "full_step.json").write_text(json.dumps(report, indent=2) + "\n")

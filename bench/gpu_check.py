@@ -49,10 +49,11 @@ import torch  # noqa: E402
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
-import lora  # noqa: E402
-from engine import memory  # noqa: E402
-import rollout  # noqa: E402
 from qwen3_shapes import QWEN3, QWEN3_TINY  # noqa: E402
+
+import lora  # noqa: E402
+import rollout  # noqa: E402
+from engine import memory  # noqa: E402
 
 
 def load_bench(name: str):
@@ -82,13 +83,33 @@ class Check:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def run(self, model: str, phase: str, side: str, fn, tokens=None, steps=None, ours: bool = True,
-            work: float = 0.0, kind: str | None = None, planned=None):
+    def run(
+        self,
+        model: str,
+        phase: str,
+        side: str,
+        fn,
+        tokens=None,
+        steps=None,
+        ours: bool = True,
+        work: float = 0.0,
+        kind: str | None = None,
+        planned=None,
+    ):
         """fn() timed once; returns its result (None if it failed or was skipped). tokens and steps may be
         functions of the result; they give tokens/s and ms per decode step. work (in any unit) and kind
         estimate the time from earlier runs of the kind; planned(result) gives the planned peak bytes."""
-        row = dict(model=model, phase=phase, side=side, seconds=None, tokens_per_s=None, ms_per_step=None,
-                   peak_allocated_bytes=None, planned_peak_bytes=None, status="ok")
+        row = dict(
+            model=model,
+            phase=phase,
+            side=side,
+            seconds=None,
+            tokens_per_s=None,
+            ms_per_step=None,
+            peak_allocated_bytes=None,
+            planned_peak_bytes=None,
+            status="ok",
+        )
         elapsed = time.perf_counter() - self.start
         estimate = self.rates.get(kind, 0.0) * work
         if elapsed + estimate > self.budget_s:
@@ -166,11 +187,28 @@ def check_parity(check: Check, name: str, ours, tiny: bool) -> dict:
     variants = {"graphs": "on", "eager": "off"}
     result = {"compared": "graphs vs eager", "attention": pool.attention, "ok": True}
     for temperature in (0.0, 1.0):
-        outs = [check.run(name, f"parity t={temperature:g} {variant}", "ours", lambda graphs=graphs: rollout.generate(
-                    ours, prompts, samples_per_prompt=4, max_new_tokens=new_tokens, temperature=temperature,
-                    stop_ids=stops, seed=0, fixed_shapes=True, cuda_graphs=graphs, pool=pool),
-                    tokens=lambda out: int(out.completion_mask.sum()), steps=lambda out: out.stats.decode_steps)
-                for variant, graphs in variants.items()]
+        outs = [
+            check.run(
+                name,
+                f"parity t={temperature:g} {variant}",
+                "ours",
+                lambda graphs=graphs: rollout.generate(
+                    ours,
+                    prompts,
+                    samples_per_prompt=4,
+                    max_new_tokens=new_tokens,
+                    temperature=temperature,
+                    stop_ids=stops,
+                    seed=0,
+                    fixed_shapes=True,
+                    cuda_graphs=graphs,
+                    pool=pool,
+                ),
+                tokens=lambda out: int(out.completion_mask.sum()),
+                steps=lambda out: out.stats.decode_steps,
+            )
+            for variant, graphs in variants.items()
+        ]
         if any(row["status"].startswith("skipped") for row in check.rows[-2:]):
             result[f"t={temperature:g}"], result["ok"] = "skipped: budget", None
             break
@@ -199,8 +237,15 @@ def rollout_shape(cap: int, tiny: bool) -> tuple[int, int, int]:
 def planned_peak(ours, pool: rollout.Pool, prompts: int, samples: int, prompt_len: int, cap: int) -> int:
     """The memory plan's peak for a rollout of this shape: weights, adapters and pool as allocated (no
     optimizer in this script), plus memory.sampling_phase's transients counted on the meta device."""
-    work = memory.Workload(dtype=ours.dtype, lora_rank=bench_model.RANK, prompt_len=prompt_len,
-                           max_new_tokens=cap, group_size=samples, prompts_per_step=prompts, rollout_prompts=prompts)
+    work = memory.Workload(
+        dtype=ours.dtype,
+        lora_rank=bench_model.RANK,
+        prompt_len=prompt_len,
+        max_new_tokens=cap,
+        group_size=samples,
+        prompts_per_step=prompts,
+        rollout_prompts=prompts,
+    )
     planner = memory.Planner.of(ours.config, work)
     resident = sum(p.numel() * p.element_size() for p in ours.parameters())
     resident += pool.kv.k.numel() * pool.kv.k.element_size() * 2
@@ -221,12 +266,14 @@ def check_rollout(check: Check, name: str, hf, ours, cap: int, tiny: bool) -> No
     compile_config = compile_settings(check.device)
 
     def ours_run(new_tokens, row_lengths):
-        return lambda: bench_rollout.ours_generate(ours, prompts, samples, new_tokens, row_lengths, pool=pool,
-                                                   cuda_graphs="on")
+        return lambda: bench_rollout.ours_generate(
+            ours, prompts, samples, new_tokens, row_lengths, pool=pool, cuda_graphs="on"
+        )
 
     def hf_run(row_lengths):
-        return lambda: bench_rollout.hf_generate(hf, prompts, samples, cap, 0, row_lengths,
-                                                 cache_implementation="static", compile_config=compile_config)
+        return lambda: bench_rollout.hf_generate(
+            hf, prompts, samples, cap, 0, row_lengths, cache_implementation="static", compile_config=compile_config
+        )
 
     def steps(out) -> int:  # decode steps taken, from either side's output
         return out.stats.decode_steps if isinstance(out, rollout.Rollout) else out.shape[1] - prompt_len
@@ -235,19 +282,69 @@ def check_rollout(check: Check, name: str, hf, ours, cap: int, tiny: bool) -> No
         return planned_peak(ours, pool, prompts_n, samples, prompt_len, cap)
 
     ours_kind, hf_kind = f"{name} ours rollout", f"{name} hf rollout"
-    check.run(name, f"rollout {shape}, warm-up (graph captures)", "ours", ours_run(cap, lengths), ours=True,
-              work=rows * mean, kind=ours_kind)
-    check.run(name, f"rollout {shape}, forced", "ours", ours_run(cap, None), tokens=rows * cap, steps=steps,
-              work=rows * cap, kind=ours_kind, planned=planned)
-    check.run(name, f"rollout {shape}, long tail (mean {mean})", "ours", ours_run(cap, lengths),
-              tokens=sum(lengths), steps=steps, work=rows * mean, kind=ours_kind, planned=planned)
+    check.run(
+        name,
+        f"rollout {shape}, warm-up (graph captures)",
+        "ours",
+        ours_run(cap, lengths),
+        ours=True,
+        work=rows * mean,
+        kind=ours_kind,
+    )
+    check.run(
+        name,
+        f"rollout {shape}, forced",
+        "ours",
+        ours_run(cap, None),
+        tokens=rows * cap,
+        steps=steps,
+        work=rows * cap,
+        kind=ours_kind,
+        planned=planned,
+    )
+    check.run(
+        name,
+        f"rollout {shape}, long tail (mean {mean})",
+        "ours",
+        ours_run(cap, lengths),
+        tokens=sum(lengths),
+        steps=steps,
+        work=rows * mean,
+        kind=ours_kind,
+        planned=planned,
+    )
     # warm-up at the same static-cache shape (rows stop after 4 tokens): compile is not timed
-    check.run(name, f"rollout {shape}, warm-up (compile)", "transformers", hf_run([4] * rows), ours=False,
-              work=rows * 4, kind=f"{name} hf compile")
-    check.run(name, f"rollout {shape}, forced", "transformers", hf_run(None), tokens=rows * cap, steps=cap,
-              ours=False, work=rows * cap, kind=hf_kind)
-    check.run(name, f"rollout {shape}, long tail (mean {mean})", "transformers", hf_run(lengths),
-              tokens=sum(lengths), steps=steps, ours=False, work=rows * cap, kind=hf_kind)
+    check.run(
+        name,
+        f"rollout {shape}, warm-up (compile)",
+        "transformers",
+        hf_run([4] * rows),
+        ours=False,
+        work=rows * 4,
+        kind=f"{name} hf compile",
+    )
+    check.run(
+        name,
+        f"rollout {shape}, forced",
+        "transformers",
+        hf_run(None),
+        tokens=rows * cap,
+        steps=cap,
+        ours=False,
+        work=rows * cap,
+        kind=hf_kind,
+    )
+    check.run(
+        name,
+        f"rollout {shape}, long tail (mean {mean})",
+        "transformers",
+        hf_run(lengths),
+        tokens=sum(lengths),
+        steps=steps,
+        ours=False,
+        work=rows * cap,
+        kind=hf_kind,
+    )
 
 
 def compile_settings(device: torch.device):
@@ -269,23 +366,51 @@ def check_training(check: Check, name: str, tiny: bool) -> None:
         print("peft is not installed: the training step runs without its reference", flush=True)
     for side, build, step in sides:
         kind = f"{name} train {side}"
-        model = check.run(name, f"{shape}: build", side, lambda: build(name, check.device.type), ours=side == "ours",
-                          work=1, kind=f"{name} build")
+        model = check.run(
+            name,
+            f"{shape}: build",
+            side,
+            lambda: build(name, check.device.type),
+            ours=side == "ours",
+            work=1,
+            kind=f"{name} build",
+        )
         if model is None:
             continue
         ids, pad_mask = bench_model.random_batch(batch, seq, model.config.vocab_size, check.device)
-        check.run(name, f"{shape}: warm-up step", side, lambda: step(model, ids, pad_mask), ours=side == "ours",
-                  work=batch * seq, kind=kind)
+        check.run(
+            name,
+            f"{shape}: warm-up step",
+            side,
+            lambda: step(model, ids, pad_mask),
+            ours=side == "ours",
+            work=batch * seq,
+            kind=kind,
+        )
         for _ in range(2):
-            check.run(name, f"{shape}: step", side, lambda: step(model, ids, pad_mask),
-                      tokens=batch * seq, ours=side == "ours", work=batch * seq, kind=kind)
+            check.run(
+                name,
+                f"{shape}: step",
+                side,
+                lambda: step(model, ids, pad_mask),
+                tokens=batch * seq,
+                ours=side == "ours",
+                work=batch * seq,
+                kind=kind,
+            )
         del model  # before the next side's is built
 
 
 def check_model(check: Check, name: str, caps: list[int], tiny: bool) -> dict:
     torch.manual_seed(0)
-    built = check.run(name, "build (random weights, LoRA r32)", "ours",
-                      lambda: bench_rollout.build_qwen3(name, check.device.type), work=1, kind="build")
+    built = check.run(
+        name,
+        "build (random weights, LoRA r32)",
+        "ours",
+        lambda: bench_rollout.build_qwen3(name, check.device.type),
+        work=1,
+        kind="build",
+    )
     if built is None:
         return {"built": False}
     hf, ours = built
@@ -312,9 +437,11 @@ def format_row(row: dict) -> str:
     peak = None if row["peak_allocated_bytes"] is None else row["peak_allocated_bytes"] / 2**30
     plan = "" if row["planned_peak_bytes"] is None else f" (plan {row['planned_peak_bytes'] / 2**30:.2f})"
     status = "" if row["status"] == "ok" else row["status"][:70]
-    return (f"{row['model']:<11} {row['phase']:<52} {row['side']:<20} {number(row['seconds'], '8.2f')} "
-            f"{number(row['tokens_per_s'], '10,.0f')} {number(row['ms_per_step'], '8.2f')} {number(peak, '9.2f')}"
-            f"{plan} {status}")
+    return (
+        f"{row['model']:<11} {row['phase']:<52} {row['side']:<20} {number(row['seconds'], '8.2f')} "
+        f"{number(row['tokens_per_s'], '10,.0f')} {number(row['ms_per_step'], '8.2f')} {number(peak, '9.2f')}"
+        f"{plan} {status}"
+    )
 
 
 def version_of(package: str) -> str | None:
@@ -324,19 +451,23 @@ def version_of(package: str) -> str | None:
         return None
 
 
-HEADER = (f"{'model':<11} {'phase':<52} {'side':<20} {'seconds':>8} {'tokens/s':>10} {'ms/step':>8} "
-          f"{'peak GiB':>9}")
+HEADER = f"{'model':<11} {'phase':<52} {'side':<20} {'seconds':>8} {'tokens/s':>10} {'ms/step':>8} {'peak GiB':>9}"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"directory for gpu_check.json (default: {DEFAULT_OUT})")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--models", nargs="+", choices=list(QWEN3), default=list(QWEN3))
     parser.add_argument("--caps", nargs="+", type=int, default=[512, 4096], help="max_new_tokens of the rollout runs")
-    parser.add_argument("--budget-s", type=float, default=540.0,
-                        help="seconds the check may take; runs that would end later are skipped (default: 540)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=540.0,
+        help="seconds the check may take; runs that would end later are skipped (default: 540)",
+    )
     parser.add_argument("--tiny", action="store_true", help="a tiny Qwen3 and caps of 8 and 16: a dry run")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -362,8 +493,11 @@ def main(argv: list[str] | None = None) -> int:
         "models": {},
         "rows": [],
     }
-    print(f"{report['device']}, torch {report['torch']}, transformers {report['transformers']}, "
-          f"peft {report['peft']}, budget {args.budget_s:.0f} s\n{HEADER}", flush=True)
+    print(
+        f"{report['device']}, torch {report['torch']}, transformers {report['transformers']}, "
+        f"peft {report['peft']}, budget {args.budget_s:.0f} s\n{HEADER}",
+        flush=True,
+    )
     check = Check(device, report, out_dir / "gpu_check.json", args.budget_s)
     for name in models:
         report["models"][name] = check_model(check, name, caps, args.tiny)
@@ -371,8 +505,10 @@ def main(argv: list[str] | None = None) -> int:
     report["skipped"] = sum(row["status"].startswith("skipped") for row in check.rows)
     (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2))
     print(f"\n{HEADER}\n" + "\n".join(format_row(row) for row in check.rows))
-    print(f"\n{'ok' if report['ok'] else 'FAILED'} ({report['skipped']} runs skipped for the budget): "
-          f"{out_dir / 'gpu_check.json'}")
+    print(
+        f"\n{'ok' if report['ok'] else 'FAILED'} ({report['skipped']} runs skipped for the budget): "
+        f"{out_dir / 'gpu_check.json'}"
+    )
     return 0 if report["ok"] else 1
 
 

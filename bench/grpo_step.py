@@ -35,11 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import config  # noqa: E402
 import reward  # noqa: E402
-from engine import sizes  # noqa: E402
 import train  # noqa: E402
-from infra import weights  # noqa: E402
 from data import load_problems, render_prompt  # noqa: E402
 from data.templates import EXAMPLES, user_message  # noqa: E402
+from engine import sizes  # noqa: E402
+from infra import weights  # noqa: E402
 
 SIDES = ("train.py", "TRL GRPOTrainer")
 DEMO = config.make_config({})  # the demo's settings: train.py with no flags
@@ -75,6 +75,7 @@ class Laps:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - start
+
         return timed
 
 
@@ -91,7 +92,7 @@ def ours_worker(conn, steps: int, prompts: int) -> None:
     for step in range(1, steps + 1):
         conn.recv()
         sampling.seconds, start = 0.0, time.perf_counter()
-        batch = problems[(step - 1) * cfg.prompts_per_step:step * cfg.prompts_per_step]
+        batch = problems[(step - 1) * cfg.prompts_per_step : step * cfg.prompts_per_step]
         train.train_step(model, optimizer, tokenizer, batch, cfg, step, pool=pool)
         conn.send((time.perf_counter() - start, sampling.seconds))
     conn.recv()
@@ -140,19 +141,52 @@ def trl_worker(conn, steps: int, prompts: int) -> None:
     rows_per_step = cfg.prompts_per_step * cfg.group_size
     with tempfile.TemporaryDirectory() as out_dir:
         args = GRPOConfig(
-            output_dir=out_dir, per_device_train_batch_size=rows_per_step, gradient_accumulation_steps=1,
-            num_generations=DEMO.group_size, max_completion_length=DEMO.max_new_tokens,
-            temperature=DEMO.temperature, top_p=DEMO.top_p, top_k=DEMO.top_k, learning_rate=DEMO.lr,
-            lr_scheduler_type="constant", weight_decay=DEMO.weight_decay, max_grad_norm=DEMO.grad_clip,
-            beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group", num_iterations=1,
-            max_steps=steps, shuffle_dataset=False, seed=DEMO.seed, gradient_checkpointing=False,
-            use_cpu=True, bf16=False, save_strategy="no", report_to="none", logging_steps=steps,
-            disable_tqdm=True, dataloader_num_workers=0)
-        peft_config = LoraConfig(r=DEMO.lora_rank, lora_alpha=DEMO.lora_alpha, lora_dropout=DEMO.lora_dropout,
-                                 target_modules=DEMO.lora_targets.split(","), task_type="CAUSAL_LM")
+            output_dir=out_dir,
+            per_device_train_batch_size=rows_per_step,
+            gradient_accumulation_steps=1,
+            num_generations=DEMO.group_size,
+            max_completion_length=DEMO.max_new_tokens,
+            temperature=DEMO.temperature,
+            top_p=DEMO.top_p,
+            top_k=DEMO.top_k,
+            learning_rate=DEMO.lr,
+            lr_scheduler_type="constant",
+            weight_decay=DEMO.weight_decay,
+            max_grad_norm=DEMO.grad_clip,
+            beta=0.0,
+            epsilon=0.2,
+            loss_type="dapo",
+            scale_rewards="group",
+            num_iterations=1,
+            max_steps=steps,
+            shuffle_dataset=False,
+            seed=DEMO.seed,
+            gradient_checkpointing=False,
+            use_cpu=True,
+            bf16=False,
+            save_strategy="no",
+            report_to="none",
+            logging_steps=steps,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+        )
+        peft_config = LoraConfig(
+            r=DEMO.lora_rank,
+            lora_alpha=DEMO.lora_alpha,
+            lora_dropout=DEMO.lora_dropout,
+            target_modules=DEMO.lora_targets.split(","),
+            task_type="CAUSAL_LM",
+        )
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-        trainer = GRPOTrainer(model=model, reward_funcs=trl_reward, args=args, train_dataset=Dataset.from_list(rows),
-                              processing_class=tokenizer, peft_config=peft_config, callbacks=[Turns()])
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=trl_reward,
+            args=args,
+            train_dataset=Dataset.from_list(rows),
+            processing_class=tokenizer,
+            peft_config=peft_config,
+            callbacks=[Turns()],
+        )
         trainer._generate_and_score_completions = sampling.wrap(trainer._generate_and_score_completions)
         conn.send("ready")
         trainer.train()
@@ -163,8 +197,12 @@ def trl_worker(conn, steps: int, prompts: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=3, help="timed steps per side after the warm-up pair")
-    parser.add_argument("--prompts", type=int, default=DEMO.prompts_per_step,
-                        help="prompts per step (the demo's 8; fewer for a quick check that both sides run)")
+    parser.add_argument(
+        "--prompts",
+        type=int,
+        default=DEMO.prompts_per_step,
+        help="prompts per step (the demo's 8; fewer for a quick check that both sides run)",
+    )
     args = parser.parse_args()
     if importlib.util.find_spec("trl") is None:
         print("bench/grpo_step.py skipped: trl is not installed (`make bench-trl` installs requirements-bench.txt)")
@@ -174,9 +212,11 @@ def main() -> None:
     import trl
 
     steps = args.pairs + 1
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
-          f"peft {peft.__version__}; one thread per side; {args.prompts} prompts x {DEMO.group_size} "
-          f"samples x {DEMO.max_new_tokens} new tokens, LoRA r{DEMO.lora_rank}; {args.pairs} pairs after a warm-up")
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
+        f"peft {peft.__version__}; one thread per side; {args.prompts} prompts x {DEMO.group_size} "
+        f"samples x {DEMO.max_new_tokens} new tokens, LoRA r{DEMO.lora_rank}; {args.pairs} pairs after a warm-up"
+    )
     context = multiprocessing.get_context("spawn")
     pipes, processes = {}, []
     for side, worker in zip(SIDES, (ours_worker, trl_worker)):
@@ -210,8 +250,10 @@ def main() -> None:
     for side, (step, sampling, update, peak) in rows.items():
         print(f"{side:<18} {step:>8.1f} {sampling:>11.1f} {update:>9.1f} {peak:>8.1f}")
     ours, theirs = rows[SIDES[0]], rows[SIDES[1]]
-    print(f"{'TRL / train.py':<18} {theirs[0] / ours[0]:>7.2f}x {theirs[1] / ours[1]:>10.2f}x "
-          f"{theirs[2] / ours[2]:>8.2f}x {ours[3] / theirs[3]:>7.2f}x (peak: train.py / TRL)")
+    print(
+        f"{'TRL / train.py':<18} {theirs[0] / ours[0]:>7.2f}x {theirs[1] / ours[1]:>10.2f}x "
+        f"{theirs[2] / ours[2]:>8.2f}x {ours[3] / theirs[3]:>7.2f}x (peak: train.py / TRL)"
+    )
 
 
 if __name__ == "__main__":

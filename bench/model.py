@@ -42,12 +42,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from qwen3_shapes import QWEN3, QWEN3_COMMON, QWEN3_TINY  # noqa: E402
+
 import lora  # noqa: E402
 import loss  # noqa: E402
-from engine import memory  # noqa: E402
 import model as modeling  # noqa: E402
+from engine import memory  # noqa: E402
 from infra import weights  # noqa: E402
-from qwen3_shapes import QWEN3, QWEN3_COMMON, QWEN3_TINY  # noqa: E402
 
 RANK, ALPHA = 32, 64
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -116,8 +117,12 @@ def peft_step(model, ids, pad_mask):
     positions = (pad_mask.long().cumsum(1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=pad_mask.long(), position_ids=positions).logits[:, :-1]
     # One row at a time, so only one [T, V] fp32 block exists at once (TRL's selective_log_softmax).
-    logp = torch.stack([torch.log_softmax(row.float(), -1).gather(-1, targets[:, None]).squeeze(-1)
-                        for row, targets in zip(logits, ids[:, 1:])])  # [B, T-1]
+    logp = torch.stack(
+        [
+            torch.log_softmax(row.float(), -1).gather(-1, targets[:, None]).squeeze(-1)
+            for row, targets in zip(logits, ids[:, 1:])
+        ]
+    )  # [B, T-1]
     loss_mask = pad_mask[:, 1:]
     (-(logp * loss_mask).sum() / loss_mask.sum()).backward()
     model.zero_grad(set_to_none=True)
@@ -130,8 +135,9 @@ def build_demo(device: str) -> modeling.Transformer:
         with torch.device("meta"):
             model = modeling.Transformer(modeling.ModelConfig())
     else:
-        model = weights.from_pretrained(None, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
-                                        device=device)
+        model = weights.from_pretrained(
+            None, dtype=torch.bfloat16 if device == "cuda" else torch.float32, device=device
+        )
     lora.inject(model, 16, 32.0)
     model.gradient_checkpointing = device == "cuda"
     return model.train()
@@ -144,11 +150,15 @@ def demo_batch(device) -> dict[str, torch.Tensor]:
     U, G, P, C, vocab = DEMO_PROMPTS, DEMO_GROUP, 55, DEMO_NEW_TOKENS, 49152
     prompt_mask = torch.arange(P)[None] >= P - torch.randint(54, 56, (U,), generator=g)[:, None]
     completion_mask = torch.arange(C)[None] < torch.randint(10, 17, (U * G,), generator=g)[:, None]
-    batch = dict(prompt_ids=torch.randint(3, vocab, (U, P), generator=g) * prompt_mask, prompt_mask=prompt_mask,
-                 owner=torch.arange(U).repeat_interleave(G),
-                 completion_ids=torch.randint(3, vocab, (U * G, C), generator=g) * completion_mask,
-                 completion_mask=completion_mask, old_logp=-torch.rand(U * G, C, generator=g),
-                 advantages=torch.randn(U * G, generator=g))
+    batch = dict(
+        prompt_ids=torch.randint(3, vocab, (U, P), generator=g) * prompt_mask,
+        prompt_mask=prompt_mask,
+        owner=torch.arange(U).repeat_interleave(G),
+        completion_ids=torch.randint(3, vocab, (U * G, C), generator=g) * completion_mask,
+        completion_mask=completion_mask,
+        old_logp=-torch.rand(U * G, C, generator=g),
+        advantages=torch.randn(U * G, generator=g),
+    )
     return {name: value.to(device) for name, value in batch.items()}
 
 
@@ -301,8 +311,10 @@ def compare(model_name: str, device: str, batch: int, seq: int, steps: int, side
         print(f"{side:<22} {r['tokens_per_s']:>9,.0f} {mib(r['peak']):>10} {mib(r['step']):>10}")
     ours, theirs = results[sides[0]], results[sides[1]]
     ratio = lambda key: "n/a" if ours[key] is None else f"{ours[key] / theirs[key]:.2f}x"  # noqa: E731
-    print(f"{'first / second':<22} {ours['tokens_per_s'] / theirs['tokens_per_s']:>8.2f}x "
-          f"{ratio('peak'):>10} {ratio('step'):>10}")
+    print(
+        f"{'first / second':<22} {ours['tokens_per_s'] / theirs['tokens_per_s']:>8.2f}x "
+        f"{ratio('peak'):>10} {ratio('step'):>10}"
+    )
 
 
 def check_on_meta(models: list[str]) -> None:
@@ -316,19 +328,32 @@ def check_on_meta(models: list[str]) -> None:
         ids, _ = random_batch(2, 64, ours.config.vocab_size, "meta")
         ours.token_logprobs(ids)[0].sum().backward()  # no pad_mask: checking it needs real values
         params = sum(p.numel() for p in ours.parameters())
-        print(f"{name}: built on meta, {params / 1e9:.2f}B parameters, {ours_lora / 1e6:.1f}M LoRA parameters "
-              f"(same as peft), forward + backward ran")
+        print(
+            f"{name}: built on meta, {params / 1e9:.2f}B parameters, {ours_lora / 1e6:.1f}M LoRA parameters "
+            f"(same as peft), forward + backward ran"
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--device", choices=["cpu", "cuda", "meta"], default="cpu")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per side; the best one counts")
-    parser.add_argument("--models", nargs="+", choices=list(QWEN3), default=list(QWEN3),
-                        help="GPU and meta: which Qwen3 shapes (one at a time fits a short device session)")
-    parser.add_argument("--bench", nargs="+", choices=["logprobs", "grpo"], default=["logprobs", "grpo"],
-                        help="which benchmarks (default: both)")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=list(QWEN3),
+        default=list(QWEN3),
+        help="GPU and meta: which Qwen3 shapes (one at a time fits a short device session)",
+    )
+    parser.add_argument(
+        "--bench",
+        nargs="+",
+        choices=["logprobs", "grpo"],
+        default=["logprobs", "grpo"],
+        help="which benchmarks (default: both)",
+    )
     args = parser.parse_args()
     if args.device == "meta":
         if "logprobs" in args.bench:
@@ -346,18 +371,24 @@ def main() -> None:
     if "logprobs" in args.bench and args.device == "cuda":
         for name in args.models:
             batch, seq = GPU_BATCHES[name]
-            print(f"\n{where}: {name} random bf16 weights, {batch} x {seq} tokens, LoRA r={RANK} on all linear "
-                  "layers, gradient checkpointing")
+            print(
+                f"\n{where}: {name} random bf16 weights, {batch} x {seq} tokens, LoRA r={RANK} on all linear "
+                "layers, gradient checkpointing"
+            )
             compare(name, "cuda", batch, seq, args.steps)
     elif "logprobs" in args.bench:
         batch, seq = 4, 128
-        print(f"{where}: SmolLM2-135M-Instruct fp32, {batch} x {seq} tokens, LoRA r={RANK} on all linear layers, "
-              "gradient checkpointing")
+        print(
+            f"{where}: SmolLM2-135M-Instruct fp32, {batch} x {seq} tokens, LoRA r={RANK} on all linear layers, "
+            "gradient checkpointing"
+        )
         compare("SmolLM2-135M-Instruct", "cpu", batch, seq, args.steps)
     if "grpo" in args.bench:
         rows = DEMO_PROMPTS * DEMO_GROUP
-        print(f"\n{where}: the demo's training pass, SmolLM2-135M-Instruct, {DEMO_PROMPTS} prompts of 54-55 tokens "
-              f"x {DEMO_GROUP} completions of 10-16 tokens, LoRA r16 (tokens/s: of the {rows} rows' completions)")
+        print(
+            f"\n{where}: the demo's training pass, SmolLM2-135M-Instruct, {DEMO_PROMPTS} prompts of 54-55 tokens "
+            f"x {DEMO_GROUP} completions of 10-16 tokens, LoRA r16 (tokens/s: of the {rows} rows' completions)"
+        )
         compare("SmolLM2-135M-Instruct", args.device, rows, DEMO_NEW_TOKENS, args.steps, sides=GRPO_SIDES)
 
 

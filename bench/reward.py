@@ -52,11 +52,16 @@ def measure(completions: list[str], references: list[str], workers: int) -> tupl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--workers", type=int, default=2, help="sympy worker processes (default 2)")
-    parser.add_argument("--data", type=Path, default=None, help="folder with gsm8k.jsonl (or gsm8k_test.jsonl) "
-                        "and math500.jsonl (default: data/, else ../shared/data)")
+    parser.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="folder with gsm8k.jsonl (or gsm8k_test.jsonl) and math500.jsonl (default: data/, else ../shared/data)",
+    )
     args = parser.parse_args()
     workers = args.workers
     if workers < 1:
@@ -64,8 +69,11 @@ def main() -> None:
     files = find_data(args.data)
     if files is None:
         where = args.data or " or ".join(str(place) for place in PLACES)
-        print(f"bench/reward.py: no GSM8K and MATH-500 answers in {where} (gsm8k.jsonl or gsm8k_test.jsonl, and "
-              "math500.jsonl); run `python data/prepare.py gsm8k math500` or give --data DIR", file=sys.stderr)
+        print(
+            f"bench/reward.py: no GSM8K and MATH-500 answers in {where} (gsm8k.jsonl or gsm8k_test.jsonl, and "
+            "math500.jsonl); run `python data/prepare.py gsm8k math500` or give --data DIR",
+            file=sys.stderr,
+        )
         sys.exit(2)
     gsm8k, math500 = read_problems(files["gsm8k"]), read_problems(files["math500"])
     print(f"data: {files['gsm8k']}, {files['math500']}")
@@ -91,8 +99,10 @@ def main() -> None:
         rates[name] = rate
         print(f"{name:32s} {len(completions):6d} {equal:13.3f} {rate:10.0f}")
     fast, slow = rates["GSM8K answers vs shuffled"], rates["MATH-500 boxed vs shuffled"]
-    print(f"fast path (GSM8K shuffled) / symbolic mix (MATH-500 shuffled): {fast / slow:.1f}x, "
-          f"with {workers} worker processes; target >= 5,000 answers/s on GSM8K")
+    print(
+        f"fast path (GSM8K shuffled) / symbolic mix (MATH-500 shuffled): {fast / slow:.1f}x, "
+        f"with {workers} worker processes; target >= 5,000 answers/s on GSM8K"
+    )
 
 
 if __name__ == "__main__":

@@ -32,11 +32,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine import memory  # noqa: E402
+from qwen3_shapes import QWEN3, QWEN3_COMMON, QWEN3_TINY  # noqa: E402
+
 import model as modeling  # noqa: E402
 import rollout  # noqa: E402
+from engine import memory  # noqa: E402
 from infra import weights  # noqa: E402
-from qwen3_shapes import QWEN3, QWEN3_COMMON, QWEN3_TINY  # noqa: E402
 
 long_tail_lengths = memory.long_tail_lengths  # the memory plan's length model
 
@@ -54,7 +55,6 @@ QUESTIONS = [
     "Albert buys 2 large pizzas and 2 small pizzas. A large pizza has 16 slices and a small pizza has 8 slices. "
     "If he eats it all, how many pieces does he eat that day?",
 ]
-
 
 
 def timed(fn, device: torch.device):
@@ -109,16 +109,19 @@ def forced_lengths(lengths: list[int] | None, stop_id: int):
 
 def hf_stop_processor(lengths: list[int], prompt_len: int, stop_id: int):
     """A transformers logits processor that makes row i emit stop_id as its lengths[i]-th new token."""
+
     def force(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         stop_now = torch.tensor(lengths, device=scores.device) == input_ids.shape[1] - prompt_len + 1
         forced = torch.full_like(scores, float("-inf"))
         forced[:, stop_id] = 0
         return torch.where(stop_now[:, None], forced, scores)
+
     return force
 
 
-def hf_generate(hf_model, prompts, samples: int, new_tokens: int, pad_id: int, lengths: list[int] | None = None,
-                **extra) -> torch.Tensor:
+def hf_generate(
+    hf_model, prompts, samples: int, new_tokens: int, pad_id: int, lengths: list[int] | None = None, **extra
+) -> torch.Tensor:
     """transformers' sampling; rows run to new_tokens, or stop at `lengths` (one per row, prompt-major)."""
     from transformers import LogitsProcessorList
 
@@ -129,20 +132,39 @@ def hf_generate(hf_model, prompts, samples: int, new_tokens: int, pad_id: int, l
         stop_id = hf_model.config.vocab_size - 1  # a rare token: the model itself seldom ends a row early
         force = hf_stop_processor(lengths, ids.shape[1], stop_id)
         stopping = dict(eos_token_id=stop_id, logits_processor=LogitsProcessorList([force]))
-    out = hf_model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                            num_return_sequences=samples, max_new_tokens=new_tokens, pad_token_id=pad_id,
-                            **stopping, **extra)
+    out = hf_model.generate(
+        ids,
+        attention_mask=mask,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        num_return_sequences=samples,
+        max_new_tokens=new_tokens,
+        pad_token_id=pad_id,
+        **stopping,
+        **extra,
+    )
     assert out.shape[0] == len(prompts) * samples and out.shape[1] <= ids.shape[1] + new_tokens, out.shape
     return out
 
 
-def ours_generate(model, prompts, samples: int, new_tokens: int, lengths: list[int] | None = None,
-                  **extra) -> rollout.Rollout:
+def ours_generate(
+    model, prompts, samples: int, new_tokens: int, lengths: list[int] | None = None, **extra
+) -> rollout.Rollout:
     """rollout.generate; rows run to new_tokens, or stop at `lengths` (one per row, prompt-major)."""
     stop_id = model.config.vocab_size - 1  # a rare token: the model itself seldom ends a row early
     with forced_lengths(lengths, stop_id):
-        out = rollout.generate(model, prompts, samples_per_prompt=samples, max_new_tokens=new_tokens,
-                               temperature=1.0, stop_ids=[] if lengths is None else [stop_id], seed=0, **extra)
+        out = rollout.generate(
+            model,
+            prompts,
+            samples_per_prompt=samples,
+            max_new_tokens=new_tokens,
+            temperature=1.0,
+            stop_ids=[] if lengths is None else [stop_id],
+            seed=0,
+            **extra,
+        )
     expected = [new_tokens] * len(out.completions) if lengths is None else lengths
     assert all(n <= cap for n, cap in zip(out.completion_mask.sum(1).tolist(), expected))
     return out
@@ -163,8 +185,10 @@ def compare(runs: dict, tokens: int, device: torch.device, repeats: int) -> None
         rate = tokens / seconds
         print(f"{name:<34} {seconds:>8.2f} {rate:>10.0f} {ours / rate:>7.2f}x")
     if stats is not None:
-        print(f"rollout.generate: {stats.decode_steps} decode steps, {stats.prefills} prefills, rows in flight max "
-              f"{stats.rows_max}, mean {stats.rows_mean:.1f}")
+        print(
+            f"rollout.generate: {stats.decode_steps} decode steps, {stats.prefills} prefills, rows in flight max "
+            f"{stats.rows_max}, mean {stats.rows_mean:.1f}"
+        )
 
 
 def bench_cpu(repeats: int, dtype: torch.dtype, long_tail: bool, fixed_shapes: bool) -> None:
@@ -173,22 +197,31 @@ def bench_cpu(repeats: int, dtype: torch.dtype, long_tail: bool, fixed_shapes: b
     prompts_n, samples, new_tokens = 8, 4, 64
     checkpoint = weights.resolve_checkpoint(None)
     tokenizer = weights.load_tokenizer(None)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False) for q in QUESTIONS[:prompts_n]]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for q in QUESTIONS[:prompts_n]
+    ]
     ours = weights.from_pretrained(None, dtype=dtype)
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval()
     pad_id = tokenizer.pad_token_id or 0
     device = torch.device("cpu")
     lengths = long_tail_lengths(prompts_n * samples, new_tokens) if long_tail else None
     mode = "forced length" if lengths is None else f"long tail (mean {sum(lengths) / len(lengths):.1f})"
-    print(f"CPU, {torch.get_num_threads()} threads: SmolLM2-135M-Instruct {dtype}, {prompts_n} prompts "
-          f"({min(map(len, prompts))}-{max(map(len, prompts))} tokens) x {samples} samples, "
-          f"{new_tokens} new tokens, {mode}, temperature 1{', fixed shapes' if fixed_shapes else ''}")
+    print(
+        f"CPU, {torch.get_num_threads()} threads: SmolLM2-135M-Instruct {dtype}, {prompts_n} prompts "
+        f"({min(map(len, prompts))}-{max(map(len, prompts))} tokens) x {samples} samples, "
+        f"{new_tokens} new tokens, {mode}, temperature 1{', fixed shapes' if fixed_shapes else ''}"
+    )
     ours_generate(ours, prompts, samples, 4)  # warm-up: first-call allocations
     hf_generate(hf, prompts, samples, 4, pad_id)
-    runs = {"rollout.generate": lambda: ours_generate(ours, prompts, samples, new_tokens, lengths,
-                                                      fixed_shapes=fixed_shapes),
-            "transformers generate": lambda: hf_generate(hf, prompts, samples, new_tokens, pad_id, lengths)}
+    runs = {
+        "rollout.generate": lambda: ours_generate(
+            ours, prompts, samples, new_tokens, lengths, fixed_shapes=fixed_shapes
+        ),
+        "transformers generate": lambda: hf_generate(hf, prompts, samples, new_tokens, pad_id, lengths),
+    }
     if lengths is None:
         runs["decode matrix products alone"] = lambda: decode_matmuls(ours, prompts_n * samples, new_tokens - 1)
     compare(runs, prompts_n * samples * new_tokens if lengths is None else sum(lengths), device, repeats)
@@ -217,8 +250,10 @@ def bench_products(repeats: int) -> None:
     """Seconds of one decode step's matrix products, F.linear against model.decode_linear, per shape and rows.
     Each shape runs on as many distinct random matrices as the model has of it, so the weights stream from
     memory as in a decode step, not from the cache. Best of `repeats` rounds, interleaved."""
-    print(f"CPU, {torch.get_num_threads()} threads, fp32: one decode step's products, F.linear / "
-          f"decode_linear in ms (weight on the left at rows: in_features up to {modeling.WEIGHT_LEFT_ROWS})")
+    print(
+        f"CPU, {torch.get_num_threads()} threads, fp32: one decode step's products, F.linear / "
+        f"decode_linear in ms (weight on the left at rows: in_features up to {modeling.WEIGHT_LEFT_ROWS})"
+    )
     torch.manual_seed(0)
     for name, shapes in PRODUCT_SHAPES.items():
         print(f"{name:>14} rows " + "".join(f"{f'{o}x{i}':>20}" for o, i in shapes) + f"{'step':>20}")
@@ -234,8 +269,11 @@ def bench_products(repeats: int) -> None:
                         best[side] = min(best[side], seconds)
                 totals = [total + b for total, b in zip(totals, best)]
                 cells.append(best)
-            print(f"{'':>14} {rows:>4} " + "".join(f"{1e3 * a:>8.1f} /{1e3 * b:>6.1f} {a / b:>3.1f}x" for a, b in cells)
-                  + f"{1e3 * totals[0]:>8.1f} /{1e3 * totals[1]:>6.1f} {totals[0] / totals[1]:>3.1f}x")
+            print(
+                f"{'':>14} {rows:>4} "
+                + "".join(f"{1e3 * a:>8.1f} /{1e3 * b:>6.1f} {a / b:>3.1f}x" for a, b in cells)
+                + f"{1e3 * totals[0]:>8.1f} /{1e3 * totals[1]:>6.1f} {totals[0] / totals[1]:>3.1f}x"
+            )
         del matrices
 
 
@@ -258,15 +296,24 @@ def bench_gpu(repeats: int, models: list[str], long_tail: bool) -> None:
         torch.manual_seed(0)
         hf, ours = build_qwen3(name, "cuda")
         prompts = torch.randint(1000, 100000, (prompts_n, prompt_len)).tolist()
-        print(f"\n{torch.cuda.get_device_name()}: {name} random bf16 weights, {prompts_n} prompts x {samples} "
-              f"samples, {prompt_len}-token prompts, {new_tokens} new tokens, "
-              f"{'forced length' if lengths is None else 'long tail'}, temperature 1")
+        print(
+            f"\n{torch.cuda.get_device_name()}: {name} random bf16 weights, {prompts_n} prompts x {samples} "
+            f"samples, {prompt_len}-token prompts, {new_tokens} new tokens, "
+            f"{'forced length' if lengths is None else 'long tail'}, temperature 1"
+        )
         runs = {
             "rollout.generate": lambda: ours_generate(ours, prompts, samples, new_tokens, lengths),
             "transformers generate": lambda: hf_generate(hf, prompts, samples, new_tokens, 0, lengths),
             "transformers static cache+compile": lambda: hf_generate(
-                hf, prompts, samples, new_tokens, 0, lengths, cache_implementation="static",
-                compile_config=CompileConfig()),
+                hf,
+                prompts,
+                samples,
+                new_tokens,
+                0,
+                lengths,
+                cache_implementation="static",
+                compile_config=CompileConfig(),
+            ),
         }
         for fn in runs.values():  # warm-up: CUDA and cuBLAS set-up, torch.compile
             fn()
@@ -288,31 +335,46 @@ def build_on_meta(models: list[str]) -> None:
         lora.inject(ours, 32, 64.0)
         pool = rollout.Pool(ours, 1 + 4 * rollout.group_blocks(128, 4, 256, rollout.FLASH_BLOCK), max_len=128 + 256)
         table = torch.ones(4, pool.table_width, dtype=torch.int32, device=meta)
-        ours.prefill(torch.zeros(4, 128, dtype=torch.long, device=meta), torch.ones(4, 128, dtype=torch.bool,
-                     device=meta), modeling.PagedRows(pool.kv, table, torch.zeros(4, dtype=torch.long, device=meta)))
+        ours.prefill(
+            torch.zeros(4, 128, dtype=torch.long, device=meta),
+            torch.ones(4, 128, dtype=torch.bool, device=meta),
+            modeling.PagedRows(pool.kv, table, torch.zeros(4, dtype=torch.long, device=meta)),
+        )
         rows = modeling.PagedRows(pool.kv, table.repeat_interleave(4, 0), torch.full((16,), 128, device=meta))
-        logits = ours.decode_step(torch.zeros(16, dtype=torch.long, device=meta), rows, pool.block_size,
-                                  pool.decode_weights())
+        logits = ours.decode_step(
+            torch.zeros(16, dtype=torch.long, device=meta), rows, pool.block_size, pool.decode_weights()
+        )
         assert logits.shape == (16, ours.config.vocab_size)
         params = sum(p.numel() for p in ours.parameters())
-        print(f"{name}: built on meta, {params / 1e9:.2f}B {ours.dtype} parameters with LoRA, "
-              f"{ours.config.num_layers} layers; {pool.attention} attention over {pool.block_size}-slot blocks; "
-              f"decode_step logits {tuple(logits.shape)}")
+        print(
+            f"{name}: built on meta, {params / 1e9:.2f}B {ours.dtype} parameters with LoRA, "
+            f"{ours.config.num_layers} layers; {pool.attention} attention over {pool.block_size}-slot blocks; "
+            f"decode_step logits {tuple(logits.shape)}"
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--device", choices=["cpu", "cuda", "meta"], default="cpu")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per sampler; the best one counts")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="CPU weights")
-    parser.add_argument("--models", nargs="+", choices=list(QWEN3), default=list(QWEN3),
-                        help="GPU and meta: which Qwen3 shapes (one at a time fits a short device session)")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=list(QWEN3),
+        default=list(QWEN3),
+        help="GPU and meta: which Qwen3 shapes (one at a time fits a short device session)",
+    )
     parser.add_argument("--long-tail", action="store_true", help="rows stop at seeded log-normal lengths")
     parser.add_argument("--fixed-shapes", action="store_true", help="CPU: run our CUDA decode loop")
-    parser.add_argument("--products", action="store_true",
-                        help="CPU: time only the decode step's matrix products, decode_linear against F.linear")
+    parser.add_argument(
+        "--products",
+        action="store_true",
+        help="CPU: time only the decode step's matrix products, decode_linear against F.linear",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -46,8 +46,9 @@ def bare(count: int, tests: int, workers: int) -> float:
 
         def one(_):
             for i in range(tests):
-                out = subprocess.run([python, "-I", "-S", str(path)], input=f"{i} {i + 1}\n", capture_output=True,
-                                     text=True, timeout=60).stdout
+                out = subprocess.run(
+                    [python, "-I", "-S", str(path)], input=f"{i} {i + 1}\n", capture_output=True, text=True, timeout=60
+                ).stdout
                 assert out.split() == [str(2 * i + 1)]
 
         start = time.perf_counter()
@@ -73,8 +74,10 @@ def main() -> None:
     count = 4 * args.workers
     limits = sandbox.Limits(timeout=args.timeout)
     heavy = sandboxed(["while True:\n    pass\n"] * count, [problem(1)] * count, args.workers, limits)
-    print(f"| infinite loop, timeout {args.timeout} s | 1 | {heavy:.2f} | - | "
-          f"{heavy / (args.workers / args.timeout):.2f}x of workers/timeout |")
+    print(
+        f"| infinite loop, timeout {args.timeout} s | 1 | {heavy:.2f} | - | "
+        f"{heavy / (args.workers / args.timeout):.2f}x of workers/timeout |"
+    )
 
 
 if __name__ == "__main__":

@@ -15,15 +15,24 @@ from pathlib import Path
 from .arithmetic import DEFAULT_KINDS, KINDS, TWO_DIGIT_KINDS, arithmetic_problems
 from .prepare import DATA_DIR, FORMATS, HUB, read_problems, read_rows
 from .programs import code_problems
-from .templates import (TEMPLATES, opens_thought, render_prompt, render_solution, stop_ids, takes_thinking,
-                        thinking_note, user_message)
+from .templates import (
+    TEMPLATES,
+    opens_thought,
+    render_prompt,
+    render_solution,
+    stop_ids,
+    takes_thinking,
+    thinking_note,
+    user_message,
+)
 
 GENERATED = {  # name -> the problems, made on the fly
     "arithmetic": lambda: arithmetic_problems("train", DEFAULT_KINDS),
     "arithmetic_test": lambda: arithmetic_problems("test", DEFAULT_KINDS),
     "two_digit": lambda: arithmetic_problems("train", TWO_DIGIT_KINDS),
     "two_digit_test": lambda: arithmetic_problems("test", TWO_DIGIT_KINDS),
-    "code": lambda: code_problems("train"), "code_test": lambda: code_problems("test"),
+    "code": lambda: code_problems("train"),
+    "code_test": lambda: code_problems("test"),
 }
 
 

@@ -52,8 +52,12 @@ def problems_of(kind: str, split: str) -> list[dict]:
     """All problems of one kind in one split, in a fixed order."""
     op, pairs = KINDS[kind]
     return [
-        {"problem": QUESTION.format(a=a, op=op, b=b), "answer": str(OPERATORS[op](a, b)), "kind": kind,
-         "solution": SOLUTION.format(a=a, op=op, b=b, result=OPERATORS[op](a, b))}
+        {
+            "problem": QUESTION.format(a=a, op=op, b=b),
+            "answer": str(OPERATORS[op](a, b)),
+            "kind": kind,
+            "solution": SOLUTION.format(a=a, op=op, b=b, result=OPERATORS[op](a, b)),
+        }
         for a, b in pairs
         if split_of(kind, a, b) == split
     ]

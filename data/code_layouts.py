@@ -19,7 +19,6 @@ import pickle
 import re
 import zlib
 
-
 CODE_STYLES = ("stdio", "call")  # the test styles sandbox.py grades
 
 
@@ -31,17 +30,18 @@ def check_code_problem(problem: dict, where: str) -> None:
     if style not in CODE_STYLES:
         raise ValueError(f"{where}: style must be one of {', '.join(CODE_STYLES)}, got {style!r}")
     if not isinstance(tests, list) or not tests:
-        raise ValueError(f"{where}: a code problem needs \"tests\", a non-empty list of {{\"input\", \"output\"}}")
+        raise ValueError(f'{where}: a code problem needs "tests", a non-empty list of {{"input", "output"}}')
     name = problem.get("fn_name")
     if style == "call" and not (isinstance(name, str) and name.isidentifier()):
-        raise ValueError(f"{where}: call-style tests need \"fn_name\", the function to call, got {name!r}")
+        raise ValueError(f'{where}: call-style tests need "fn_name", the function to call, got {name!r}')
     tolerance = problem.get("tolerance")
-    if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
-                                  or not tolerance >= 0):
+    if tolerance is not None and (
+        isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance >= 0
+    ):
         raise ValueError(f"{where}: tolerance must be a number >= 0, got {tolerance!r}")
     for i, test in enumerate(tests):
         if not (isinstance(test, dict) and "input" in test and "output" in test):
-            raise ValueError(f"{where}: test {i} is not an object with \"input\" and \"output\"")
+            raise ValueError(f'{where}: test {i} is not an object with "input" and "output"')
         if style == "stdio" and not (isinstance(test["input"], str) and isinstance(test["output"], str)):
             raise ValueError(f"{where}: test {i}: stdio input and output must be text")
         if style == "call" and not isinstance(test["input"], list):
@@ -53,8 +53,11 @@ class Skip(Exception):
 
 
 # "Your answer is correct if its absolute or relative error does not exceed 10^{-6}": judges that say so
-_TOLERANCE_RE = re.compile(r"(?:absolute|relative)\s+(?:or\s+(?:absolute|relative)\s+)?error.{0,160}?"
-                           r"(?:10\s*\^\s*\{?\s*\(?\s*[-−]\s*(\d+)|1\s*[eE]\s*[-−]\s*(\d+))", re.I | re.S)
+_TOLERANCE_RE = re.compile(
+    r"(?:absolute|relative)\s+(?:or\s+(?:absolute|relative)\s+)?error.{0,160}?"
+    r"(?:10\s*\^\s*\{?\s*\(?\s*[-−]\s*(\d+)|1\s*[eE]\s*[-−]\s*(\d+))",
+    re.I | re.S,
+)
 STDIO_NOTE = "Read the input from standard input and write the answer to standard output."
 
 
@@ -64,8 +67,9 @@ def tolerance_of(statement: str) -> float | None:
     return None if match is None else 10.0 ** -int(match[1] or match[2])
 
 
-def code_problem(statement: str, tests: list[dict], source_id, *, fn_name: str | None = None,
-                 starter: str = "") -> dict:
+def code_problem(
+    statement: str, tests: list[dict], source_id, *, fn_name: str | None = None, starter: str = ""
+) -> dict:
     """The prepared record of a code problem. The statement gets what the program must do: read stdin and
     write stdout, or complete the starter code, whose function the tests call with their arguments."""
     if not tests:
@@ -76,8 +80,13 @@ def code_problem(statement: str, tests: list[dict], source_id, *, fn_name: str |
         statement += f"\n\nComplete this code; each test calls {fn_name} with its arguments:\n```python\n{code}\n```"
     else:
         statement += "\n\n" + STDIO_NOTE
-    record = {"problem": statement, "task": "code", "style": "call" if fn_name else "stdio", "tests": tests,
-              "id": str(source_id)}
+    record = {
+        "problem": statement,
+        "task": "code",
+        "style": "call" if fn_name else "stdio",
+        "tests": tests,
+        "id": str(source_id),
+    }
     if fn_name:
         record["fn_name"] = fn_name
     if (tolerance := tolerance_of(statement)) is not None:
@@ -98,12 +107,15 @@ def apps_row(row: dict, index: int = 0) -> dict:
     io = json.loads(row["input_output"])
     name = io.get("fn_name")
     if name:
-        tests = [{"input": list(args), "output": out[0] if isinstance(out, list) and len(out) == 1 else out}
-                 for args, out in zip(io["inputs"], io["outputs"])]
+        tests = [
+            {"input": list(args), "output": out[0] if isinstance(out, list) and len(out) == 1 else out}
+            for args, out in zip(io["inputs"], io["outputs"])
+        ]
     else:
         tests = [{"input": _lines(i), "output": _lines(o)} for i, o in zip(io["inputs"], io["outputs"])]
-    return code_problem(row["question"], tests, row.get("problem_id", index), fn_name=name,
-                        starter=row.get("starter_code") or "")
+    return code_problem(
+        row["question"], tests, row.get("problem_id", index), fn_name=name, starter=row.get("starter_code") or ""
+    )
 
 
 def code_contests_row(row: dict, index: int = 0) -> dict:
@@ -111,8 +123,11 @@ def code_contests_row(row: dict, index: int = 0) -> dict:
     Problems that read or write named files are skipped."""
     if row.get("input_file") or row.get("output_file"):
         raise Skip("reads or writes a file")
-    tests = [{"input": i, "output": o} for kind in ("public_tests", "private_tests", "generated_tests")
-             for i, o in zip((row.get(kind) or {}).get("input", []), (row.get(kind) or {}).get("output", []))]
+    tests = [
+        {"input": i, "output": o}
+        for kind in ("public_tests", "private_tests", "generated_tests")
+        for i, o in zip((row.get(kind) or {}).get("input", []), (row.get(kind) or {}).get("output", []))
+    ]
     return code_problem(row["description"], tests, row.get("name", index))
 
 
@@ -125,12 +140,18 @@ def codeforces_row(row: dict, index: int = 0) -> dict:
         raise Skip("reads or writes a file")
     if row.get("generated_checker"):
         raise Skip("needs a checker")
-    examples = "".join(f"\n\nExample input:\n{e['input']}\nExample output:\n{e['output']}"
-                       for e in row.get("examples") or [])
-    parts = [row["title"], row["description"], f"Input\n{row.get('input_format') or ''}",
-             f"Output\n{row.get('output_format') or ''}"]
-    statement = "\n\n".join(p.strip() for p in parts) + examples + (f"\n\nNote\n{row['note']}" if row.get("note")
-                                                                         else "")
+    examples = "".join(
+        f"\n\nExample input:\n{e['input']}\nExample output:\n{e['output']}" for e in row.get("examples") or []
+    )
+    parts = [
+        row["title"],
+        row["description"],
+        f"Input\n{row.get('input_format') or ''}",
+        f"Output\n{row.get('output_format') or ''}",
+    ]
+    statement = (
+        "\n\n".join(p.strip() for p in parts) + examples + (f"\n\nNote\n{row['note']}" if row.get("note") else "")
+    )
     tests = [{"input": t["input"], "output": t["output"]} for t in row.get("official_tests") or []]
     return code_problem(statement, tests, row.get("id", index))
 
@@ -159,13 +180,28 @@ def livecodebench_row(row: dict, index: int = 0) -> dict:
     tests = livecodebench_tests(row["public_test_cases"]) + livecodebench_tests(row["private_test_cases"])
     name = json.loads(row.get("metadata") or "{}").get("func_name")
     if name:
-        tests = [{"input": [json.loads(line) for line in t["input"].split("\n") if line.strip()],
-                  "output": json.loads(t["output"])} for t in tests]
+        tests = [
+            {
+                "input": [json.loads(line) for line in t["input"].split("\n") if line.strip()],
+                "output": json.loads(t["output"]),
+            }
+            for t in tests
+        ]
     else:
         tests = [{"input": t["input"], "output": t["output"]} for t in tests]
-    return code_problem(row["question_content"], tests, row.get("question_id", index), fn_name=name,
-                        starter=row.get("starter_code") or "")
+    return code_problem(
+        row["question_content"],
+        tests,
+        row.get("question_id", index),
+        fn_name=name,
+        starter=row.get("starter_code") or "",
+    )
 
 
-CODE_LAYOUTS = {"apps": apps_row, "taco": apps_row, "code_contests": code_contests_row, "codeforces": codeforces_row,
-                "livecodebench": livecodebench_row}
+CODE_LAYOUTS = {
+    "apps": apps_row,
+    "taco": apps_row,
+    "code_contests": code_contests_row,
+    "codeforces": codeforces_row,
+    "livecodebench": livecodebench_row,
+}

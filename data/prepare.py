@@ -121,8 +121,9 @@ def read_rows(path: str | Path) -> Iterator[tuple[str, object]]:
         text = path.read_text(encoding="utf-8-sig")  # a byte-order mark, as some editors write, is not data
     except UnicodeDecodeError as e:
         hint = "; it is a parquet file: name it .parquet" if path.read_bytes()[:4] == b"PAR1" else ""
-        raise ValueError(f"{path}: cannot read as {FORMATS[path.suffix]}: not UTF-8 text (byte {e.start}){hint}"
-                         ) from None
+        raise ValueError(
+            f"{path}: cannot read as {FORMATS[path.suffix]}: not UTF-8 text (byte {e.start}){hint}"
+        ) from None
     if path.suffix == ".json" and text.lstrip().startswith(("[", "{")):
         try:
             items = json.loads(text)
@@ -130,11 +131,20 @@ def read_rows(path: str | Path) -> Iterator[tuple[str, object]]:
             if text.lstrip().startswith("["):
                 raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
             items = None  # not one object: JSON lines, read below
-        lists = [key for key, value in items.items() if isinstance(value, list)
-                 and all(isinstance(item, dict) for item in value)] if isinstance(items, dict) else []
+        lists = (
+            [
+                key
+                for key, value in items.items()
+                if isinstance(value, list) and all(isinstance(item, dict) for item in value)
+            ]
+            if isinstance(items, dict)
+            else []
+        )
         if len(lists) > 1:
-            raise ValueError(f"{path}: one JSON object holding {len(lists)} lists ({', '.join(lists)}); expected a "
-                             "list of records, JSON lines, or an object whose one list holds the records")
+            raise ValueError(
+                f"{path}: one JSON object holding {len(lists)} lists ({', '.join(lists)}); expected a "
+                "list of records, JSON lines, or an object whose one list holds the records"
+            )
         if lists:  # {"data": [...]}: the records are the one list the object holds
             yield from ((f"{path}: {lists[0]} item {index}", item) for index, item in enumerate(items[lists[0]]))
             return
@@ -290,8 +300,10 @@ def integer_answer(answer) -> str:
 
 def dapo_row(row: dict) -> dict:
     """DAPO-Math-17k: a chat-format prompt in DAPO's wrapper, the answer in reward_model.ground_truth."""
-    return {"problem": strip_dapo_prompt(row["prompt"][0]["content"]),
-            "answer": _answer_text(row["reward_model"]["ground_truth"])}
+    return {
+        "problem": strip_dapo_prompt(row["prompt"][0]["content"]),
+        "answer": _answer_text(row["reward_model"]["ground_truth"]),
+    }
 
 
 def gsm8k_row(row: dict) -> dict:
@@ -319,32 +331,49 @@ def matharena_row(row: dict) -> dict:
 def openmath_row(row: dict) -> dict:
     """OpenMathReasoning: a problem, a generated solution (a thought, then a summary ending in \\boxed{}) and
     the expected answer; whether the solution reaches that answer is checked by convert_rows."""
-    return {"problem": row["problem"].strip(), "answer": _answer_text(row["expected_answer"]) or "",
-            "solution": row["generated_solution"].strip()}
+    return {
+        "problem": row["problem"].strip(),
+        "answer": _answer_text(row["expected_answer"]) or "",
+        "solution": row["generated_solution"].strip(),
+    }
 
 
 def gsm8k_solution_row(row: dict) -> dict:
     """GSM8K's worked solution without its calculator notes and its "#### n" line, which a template rewrites."""
     solution = GSM8K_CALCULATOR.sub("", row["answer"])
-    return {"problem": row["question"].strip(), "answer": gsm8k_answer(row["answer"]),
-            "solution": GSM8K_SOLUTION.sub("", solution).strip()}
+    return {
+        "problem": row["question"].strip(),
+        "answer": gsm8k_answer(row["answer"]),
+        "solution": GSM8K_SOLUTION.sub("", solution).strip(),
+    }
 
 
 def math_solution_row(row: dict) -> dict:
     """MATH: the solution ends in \\boxed{answer}, which is the answer."""
     import reward
 
-    return {"problem": row["problem"].strip(), "answer": reward.extract_answer(row["solution"]) or "",
-            "solution": row["solution"].strip()}
+    return {
+        "problem": row["problem"].strip(),
+        "answer": reward.extract_answer(row["solution"]) or "",
+        "solution": row["solution"].strip(),
+    }
 
 
 class LayoutError(ValueError):
     """A row that does not fit the layout it was read as."""
 
 
-LAYOUTS = {"dapo": dapo_row, "gsm8k": gsm8k_row, "math500": math500_row, "aime": competition_row,
-           "amc": competition_row, "matharena": matharena_row, "openmath": openmath_row,
-           "gsm8k_solution": gsm8k_solution_row, "math_solution": math_solution_row}
+LAYOUTS = {
+    "dapo": dapo_row,
+    "gsm8k": gsm8k_row,
+    "math500": math500_row,
+    "aime": competition_row,
+    "amc": competition_row,
+    "matharena": matharena_row,
+    "openmath": openmath_row,
+    "gsm8k_solution": gsm8k_solution_row,
+    "math_solution": math_solution_row,
+}
 
 
 def matching_solutions(problems: Iterable[dict]) -> Iterator[dict]:
@@ -400,8 +429,9 @@ def convert_rows(rows: Iterable[tuple[str, dict]], layout: str, source: str) -> 
                 continue
             except (KeyError, IndexError, TypeError, AttributeError) as e:
                 fields = ", ".join(row) if isinstance(row, dict) else type(row).__name__
-                raise LayoutError(f"{where}: not a row of the {layout} layout ({type(e).__name__}: {e}; "
-                                  f"fields: {fields})") from None
+                raise LayoutError(
+                    f"{where}: not a row of the {layout} layout ({type(e).__name__}: {e}; fields: {fields})"
+                ) from None
             except (ValueError, zlib.error, pickle.UnpicklingError) as e:  # json's errors are ValueErrors
                 raise ValueError(f"{where}: {e}") from None
             if code:
@@ -410,8 +440,10 @@ def convert_rows(rows: Iterable[tuple[str, dict]], layout: str, source: str) -> 
                 raise ValueError(f"{where}: empty problem or answer in the {layout} layout")
             yield {**problem, "source": source}
         if skipped:
-            print(f"skipped {sum(skipped.values())} problems these tests cannot grade: "
-                  + ", ".join(f"{count} {reason}" for reason, count in sorted(skipped.items())))
+            print(
+                f"skipped {sum(skipped.values())} problems these tests cannot grade: "
+                + ", ".join(f"{count} {reason}" for reason, count in sorted(skipped.items()))
+            )
 
     if layout == "openmath":  # its rows without an expected answer are dropped with the unmatched ones
         return matching_solutions(problems())
@@ -466,8 +498,16 @@ def download(name: str, data_dir: str | Path = DATA_DIR) -> Path:
     return _write_checked(convert_rows(rows, layout, repo), Path(data_dir) / f"{name}.jsonl")
 
 
-def convert_file(path: str | Path, out: str, *, layout: str | None = None, problem_key: str = "problem",
-                 answer_key: str = "answer", remove_duplicates: bool = False, data_dir: str | Path = DATA_DIR) -> Path:
+def convert_file(
+    path: str | Path,
+    out: str,
+    *,
+    layout: str | None = None,
+    problem_key: str = "problem",
+    answer_key: str = "answer",
+    remove_duplicates: bool = False,
+    data_dir: str | Path = DATA_DIR,
+) -> Path:
     """A local .jsonl/.json/.parquet file -> data_dir/OUT.jsonl in the prepared format.
 
     With a layout (a key of LAYOUTS) the file is a copy of that Hub dataset; without, the problem and
@@ -511,15 +551,26 @@ def _write_checked(problems: Iterable[dict], path: Path) -> Path:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("names", nargs="*", help=f"Hub datasets to download: {', '.join(HUB)}, or all")
-    parser.add_argument("--from", dest="source", metavar="FILE",
-                        help="convert this local .jsonl, .json or .parquet file")
-    parser.add_argument("--layout", choices=[*LAYOUTS, *CODE_LAYOUTS], help="the --from file is a copy of this "
-                        "Hub dataset "
-                        "(default: the layout of --out when it is a Hub name and no key is given)")
-    parser.add_argument("--problem-key", help="field holding the problem, dotted for nested fields such as "
-                        "prompt.0.content (with --from; default: problem)")
-    parser.add_argument("--answer-key", help="field holding the answer, dotted for nested fields such as "
-                        "reward_model.ground_truth (with --from; default: answer)")
+    parser.add_argument(
+        "--from", dest="source", metavar="FILE", help="convert this local .jsonl, .json or .parquet file"
+    )
+    parser.add_argument(
+        "--layout",
+        choices=[*LAYOUTS, *CODE_LAYOUTS],
+        help="the --from file is a copy of this "
+        "Hub dataset "
+        "(default: the layout of --out when it is a Hub name and no key is given)",
+    )
+    parser.add_argument(
+        "--problem-key",
+        help="field holding the problem, dotted for nested fields such as "
+        "prompt.0.content (with --from; default: problem)",
+    )
+    parser.add_argument(
+        "--answer-key",
+        help="field holding the answer, dotted for nested fields such as "
+        "reward_model.ground_truth (with --from; default: answer)",
+    )
     parser.add_argument("--out", help="name of the converted dataset: writes DATA_DIR/OUT.jsonl (with --from)")
     parser.add_argument("--dedupe", action="store_true", help="drop repeated (problem, answer) pairs (with --from)")
     parser.add_argument("--data-dir", default=str(DATA_DIR), help="where prepared datasets are written")
@@ -538,8 +589,12 @@ def main(argv: list[str] | None = None) -> None:
     layout = args.layout or (HUB[args.out][2] if args.out in HUB and not keys else None)
     try:
         if args.source:
-            options = dict(problem_key=args.problem_key or "problem", answer_key=args.answer_key or "answer",
-                           remove_duplicates=args.dedupe, data_dir=args.data_dir)
+            options = dict(
+                problem_key=args.problem_key or "problem",
+                answer_key=args.answer_key or "answer",
+                remove_duplicates=args.dedupe,
+                data_dir=args.data_dir,
+            )
             try:
                 convert_file(args.source, args.out, layout=layout, **options)
             except LayoutError:

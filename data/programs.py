@@ -58,11 +58,17 @@ def _families() -> Iterator[Family]:
     for k in range(0, 11):
         yield f"Read an integer n and print n * n + {k}.", lambda t, k=k: str(n(t) ** 2 + k), _number
     for k in range(2, 13):
-        yield (f"Read an integer n and print YES if n is divisible by {k}, otherwise NO.",
-               lambda t, k=k: "YES" if n(t) % k == 0 else "NO", _number)
+        yield (
+            f"Read an integer n and print YES if n is divisible by {k}, otherwise NO.",
+            lambda t, k=k: "YES" if n(t) % k == 0 else "NO",
+            _number,
+        )
     for k in range(2, 11):
-        yield (f"Read a word and print it {k} times on one line, separated by spaces.",
-               lambda t, k=k: " ".join([t.strip()] * k), _word)
+        yield (
+            f"Read a word and print it {k} times on one line, separated by spaces.",
+            lambda t, k=k: " ".join([t.strip()] * k),
+            _word,
+        )
     pair = lambda t: tuple(map(int, t.split()))  # noqa: E731
     yield "Read two integers a and b on one line and print a + b.", lambda t: str(sum(pair(t))), _pair
     yield "Read two integers a and b on one line and print a - b.", lambda t: str(pair(t)[0] - pair(t)[1]), _pair
@@ -71,28 +77,46 @@ def _families() -> Iterator[Family]:
     yield "Read two integers a and b on one line and print the smaller one.", lambda t: str(min(pair(t))), _pair
     yield "Read an integer n and print n squared.", lambda t: str(n(t) ** 2), _number
     yield "Read an integer n and print its absolute value.", lambda t: str(abs(n(t))), _number
-    yield "Read an integer n and print even if n is even, otherwise odd.", \
-        lambda t: "even" if n(t) % 2 == 0 else "odd", _number
+    yield (
+        "Read an integer n and print even if n is even, otherwise odd.",
+        lambda t: "even" if n(t) % 2 == 0 else "odd",
+        _number,
+    )
     yield "Read a word and print it reversed.", lambda t: t.strip()[::-1], _word
     yield "Read a word and print it in upper case.", lambda t: t.strip().upper(), _word
     yield "Read a word and print its length.", lambda t: str(len(t.strip())), _word
     yield "Read a word and print its first letter.", lambda t: t.strip()[0], _word
     yield "Read a word and print its last letter.", lambda t: t.strip()[-1], _word
-    yield "Read a positive integer n and print the numbers 1 to n, one per line.", \
-        lambda t: "\n".join(str(i) for i in range(1, n(t) + 1)), _positive
-    yield "Read a positive integer n and print the sum 1 + 2 + ... + n.", lambda t: str(n(t) * (n(t) + 1) // 2), \
-        _positive
-    yield "Read a positive integer n and print n factorial.", \
-        lambda t: str(__import__("math").factorial(n(t))), _positive
-    yield "Read a positive integer n and print the sum of its digits.", lambda t: str(sum(map(int, t.strip()))), \
-        _positive
+    yield (
+        "Read a positive integer n and print the numbers 1 to n, one per line.",
+        lambda t: "\n".join(str(i) for i in range(1, n(t) + 1)),
+        _positive,
+    )
+    yield (
+        "Read a positive integer n and print the sum 1 + 2 + ... + n.",
+        lambda t: str(n(t) * (n(t) + 1) // 2),
+        _positive,
+    )
+    yield (
+        "Read a positive integer n and print n factorial.",
+        lambda t: str(__import__("math").factorial(n(t))),
+        _positive,
+    )
+    yield (
+        "Read a positive integer n and print the sum of its digits.",
+        lambda t: str(sum(map(int, t.strip()))),
+        _positive,
+    )
     numbers = lambda t: list(map(int, t.split()))  # noqa: E731
     yield "Read integers on one line and print their sum.", lambda t: str(sum(numbers(t))), _numbers
     yield "Read integers on one line and print the largest.", lambda t: str(max(numbers(t))), _numbers
     yield "Read integers on one line and print the smallest.", lambda t: str(min(numbers(t))), _numbers
     yield "Read integers on one line and print how many there are.", lambda t: str(len(numbers(t))), _numbers
-    yield "Read integers on one line and print them sorted in increasing order, separated by spaces.", \
-        lambda t: " ".join(map(str, sorted(numbers(t)))), _numbers
+    yield (
+        "Read integers on one line and print them sorted in increasing order, separated by spaces.",
+        lambda t: " ".join(map(str, sorted(numbers(t)))),
+        _numbers,
+    )
 
 
 def _seed(statement: str) -> int:
@@ -107,8 +131,12 @@ def split_of(statement: str) -> str:
 def _problem(statement: str, solve: Callable[[str], str], make_input: Callable[[random.Random], str]) -> dict:
     rng = random.Random(_seed(statement))
     inputs = [make_input(rng) for _ in range(TESTS_PER_PROBLEM)]
-    return {"problem": statement, "task": "code", "style": "stdio",
-            "tests": [{"input": text, "output": solve(text)} for text in inputs]}
+    return {
+        "problem": statement,
+        "task": "code",
+        "style": "stdio",
+        "tests": [{"input": text, "output": solve(text)} for text in inputs],
+    }
 
 
 def code_problems(split: str = "train", n: int | None = None, seed: int = 0) -> list[dict]:

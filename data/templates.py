@@ -62,8 +62,9 @@ def user_message(problem: str, template: str) -> str:
     return text.replace("{problem}", problem)
 
 
-def render_prompt(tokenizer, problem: str, template: str = "boxed", system: str | None = None,
-                  thinking: bool = False) -> list[int]:
+def render_prompt(
+    tokenizer, problem: str, template: str = "boxed", system: str | None = None, thinking: bool = False
+) -> list[int]:
     """Token ids of the chat prompt for one problem, ending where the assistant's reply begins.
 
     Goes through tokenizer.apply_chat_template(add_generation_prompt=True, enable_thinking=thinking):
@@ -80,11 +81,12 @@ def render_prompt(tokenizer, problem: str, template: str = "boxed", system: str 
         return tokenizer.encode(text)
     messages = [{"role": "system", "content": system}] if system is not None else []
     for question, answer in EXAMPLES.get(template, []):
-        messages += [{"role": "user", "content": user_message(question, template)},
-                     {"role": "assistant", "content": answer}]
+        messages += [
+            {"role": "user", "content": user_message(question, template)},
+            {"role": "assistant", "content": answer},
+        ]
     messages.append({"role": "user", "content": message})
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                         enable_thinking=thinking)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
     # the rendered text already carries the template's special tokens: adding BOS again would double it
     return tokenizer.encode(text, add_special_tokens=False)
 
@@ -126,11 +128,15 @@ def thinking_note(tokenizer, thinking: bool, flag: str = "--thinking") -> str | 
     if takes_thinking(tokenizer):
         return None
     if thinking:
-        return (f"{flag} on: the chat template does not read enable_thinking, so the prompt is the same as with "
-                f"off; the reward still grades only what follows the last {THINK_CLOSE}")
+        return (
+            f"{flag} on: the chat template does not read enable_thinking, so the prompt is the same as with "
+            f"off; the reward still grades only what follows the last {THINK_CLOSE}"
+        )
     if THINK_OPEN in _chat_template(tokenizer):
-        return (f"{flag} off: the chat template writes {THINK_OPEN} itself and does not read enable_thinking, so "
-                "it cannot be switched off")
+        return (
+            f"{flag} off: the chat template writes {THINK_OPEN} itself and does not read enable_thinking, so "
+            "it cannot be switched off"
+        )
     return None
 
 
@@ -141,9 +147,10 @@ def opens_thought(tokenizer, thinking: bool = False) -> bool:
     if not _chat_template(tokenizer):
         return False
     marker = "@@problem@@"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
-                                         add_generation_prompt=True, enable_thinking=thinking)
-    generation_prompt = text[text.rfind(marker) + len(marker):]
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True, enable_thinking=thinking
+    )
+    generation_prompt = text[text.rfind(marker) + len(marker) :]
     return generation_prompt.rfind(THINK_OPEN) > generation_prompt.rfind(THINK_CLOSE)
 
 
@@ -165,8 +172,11 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="data/templates.py", description=main.__doc__, allow_abbrev=False)
     parser.add_argument("problem", nargs="?", default="What is 7 + 6?", help="a bare problem (default: %(default)s)")
-    parser.add_argument("--template", default="boxed", help=f"one of {', '.join(TEMPLATES)}, or a string with "
-                                                            "{problem} (default: %(default)s)")
+    parser.add_argument(
+        "--template",
+        default="boxed",
+        help=f"one of {', '.join(TEMPLATES)}, or a string with {{problem}} (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     try:
         message = user_message(args.problem, args.template)

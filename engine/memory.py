@@ -71,16 +71,16 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from infra import fsdp
 import lora
 import rollout
+from infra import fsdp
 from model import KVPool, ModelConfig, Transformer
 
 GB = 10**9  # decimal, as GPUs are sold: "40 GB" and "80 GB" cards hold a little more than this
@@ -93,16 +93,45 @@ PASSES_TOLERANCE = 0.02  # fit keeps the fewest prompts in flight within this sh
 PREFILL_TOKENS = rollout.PREFILL_TOKENS
 
 # The published config.json facts of the presets' models, so planning works offline.
-_QWEN3 = dict(model_type="qwen3", vocab_size=151936, num_kv_heads=8, head_dim=128, rope_theta=1e6,
-              rms_norm_eps=1e-6, qk_norm=True, bos_token_id=151643, eos_token_id=151645)
+_QWEN3 = dict(
+    model_type="qwen3",
+    vocab_size=151936,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    qk_norm=True,
+    bos_token_id=151643,
+    eos_token_id=151645,
+)
 KNOWN_CONFIGS: dict[str, ModelConfig] = {
-    "Qwen/Qwen3-1.7B": ModelConfig(**_QWEN3, hidden_size=2048, intermediate_size=6144, num_layers=28,
-                                   num_heads=16, max_position_embeddings=40960, tie_word_embeddings=True),
-    "Qwen/Qwen3-8B": ModelConfig(**_QWEN3, hidden_size=4096, intermediate_size=12288, num_layers=36,
-                                 num_heads=32, max_position_embeddings=40960, tie_word_embeddings=False),
-    "Qwen/Qwen3-8B-Base": ModelConfig(**{**_QWEN3, "eos_token_id": 151643}, hidden_size=4096,
-                                      intermediate_size=12288, num_layers=36, num_heads=32,
-                                      max_position_embeddings=32768, tie_word_embeddings=False),
+    "Qwen/Qwen3-1.7B": ModelConfig(
+        **_QWEN3,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=28,
+        num_heads=16,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+    ),
+    "Qwen/Qwen3-8B": ModelConfig(
+        **_QWEN3,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=36,
+        num_heads=32,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+    ),
+    "Qwen/Qwen3-8B-Base": ModelConfig(
+        **{**_QWEN3, "eos_token_id": 151643},
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=36,
+        num_heads=32,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+    ),
 }
 
 # What lowers each phase's memory, for the messages of report and fit.
@@ -137,8 +166,10 @@ def model_config(name_or_dir: str | None) -> ModelConfig:
         return ModelConfig.from_hf(json.loads(config_file.read_text()))
     if name_or_dir in KNOWN_CONFIGS:
         return KNOWN_CONFIGS[name_or_dir]
-    raise ValueError(f"model {name_or_dir!r}: no config.json there and not a known id; pass the model "
-                     f"directory, or one of: {', '.join(KNOWN_CONFIGS)}")
+    raise ValueError(
+        f"model {name_or_dir!r}: no config.json there and not a known id; pass the model "
+        f"directory, or one of: {', '.join(KNOWN_CONFIGS)}"
+    )
 
 
 @dataclass
@@ -173,8 +204,18 @@ class Workload:
     eval_temperature: float = 1.0
 
     def __post_init__(self):
-        for name in ("world_size", "prompt_len", "max_new_tokens", "group_size", "prompts_per_step",
-                     "updates_per_rollout", "rollout_prompts", "micro_batch_rows", "eval_prompts", "eval_k"):
+        for name in (
+            "world_size",
+            "prompt_len",
+            "max_new_tokens",
+            "group_size",
+            "prompts_per_step",
+            "updates_per_rollout",
+            "rollout_prompts",
+            "micro_batch_rows",
+            "eval_prompts",
+            "eval_k",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"Workload.{name} must be >= 1, got {getattr(self, name)}")
         if self.shuffle not in ("rows", "groups"):
@@ -300,8 +341,16 @@ def flash_attention_on_meta():
 
     def flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if not _no_data(q):
-            return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                            enable_gqa=enable_gqa)
+            return original(
+                q,
+                k,
+                v,
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
         return _FlashAttentionOnMeta.apply(q, k, v)
 
     F.scaled_dot_product_attention = flash
@@ -357,13 +406,15 @@ def optimizer_phase(params: list[torch.nn.Parameter]) -> tuple[int, int]:
 def rollout_results(rows: int, prompt_len: int, new_tokens: int, device) -> list[torch.Tensor]:
     """The tensors of a rollout.Rollout of `rows` rows: what a step keeps from sampling for training."""
     T = prompt_len + new_tokens
-    return [torch.zeros(rows, new_tokens, dtype=torch.long, device=device),  # completion_ids
-            torch.zeros(rows, new_tokens, device=device),  # old_logp
-            torch.zeros(rows, new_tokens, dtype=torch.bool, device=device),  # completion_mask
-            torch.zeros(rows, T, dtype=torch.long, device=device),  # input_ids
-            torch.zeros(rows, T, dtype=torch.bool, device=device),  # pad_mask
-            torch.zeros(rows, dtype=torch.bool, device=device),  # finished
-            torch.zeros(rows, dtype=torch.bool, device=device)]  # truncated
+    return [
+        torch.zeros(rows, new_tokens, dtype=torch.long, device=device),  # completion_ids
+        torch.zeros(rows, new_tokens, device=device),  # old_logp
+        torch.zeros(rows, new_tokens, dtype=torch.bool, device=device),  # completion_mask
+        torch.zeros(rows, T, dtype=torch.long, device=device),  # input_ids
+        torch.zeros(rows, T, dtype=torch.bool, device=device),  # pad_mask
+        torch.zeros(rows, dtype=torch.bool, device=device),  # finished
+        torch.zeros(rows, dtype=torch.bool, device=device),
+    ]  # truncated
 
 
 def _surrogate_loss(logp, old_logp, advantages, mask):
@@ -410,10 +461,13 @@ def _policy_states(model: Transformer, rows: int, prompts: int, work: Workload):
         ids = torch.zeros(rows, P + C, dtype=torch.long, device=device)
         return model.hidden(ids, torch.ones(rows, P + C, dtype=torch.bool, device=device)), ids, P
     completion_ids = torch.zeros(rows, C, dtype=torch.long, device=device)
-    h = model.hidden_shared(torch.zeros(prompts, P, dtype=torch.long, device=device),
-                            torch.ones(prompts, P, dtype=torch.bool, device=device),
-                            torch.arange(rows, device=device) % prompts, completion_ids,
-                            torch.ones(rows, C, dtype=torch.bool, device=device))
+    h = model.hidden_shared(
+        torch.zeros(prompts, P, dtype=torch.long, device=device),
+        torch.ones(prompts, P, dtype=torch.bool, device=device),
+        torch.arange(rows, device=device) % prompts,
+        completion_ids,
+        torch.ones(rows, C, dtype=torch.bool, device=device),
+    )
     return h, torch.zeros(rows, 1 + C, dtype=torch.long, device=device), 1
 
 
@@ -422,7 +476,7 @@ def train_phase(model: Transformer, rows: int, work: Workload, resizable=(), pro
     loss and backward into existing gradients (the adapters', or every weight's shards). resizable: a sharded
     model's gathered weights (LiveBytes)."""
     device, C = model.device, work.max_new_tokens
-    for p in (model.parameters() if work.full else lora.parameters(model)):
+    for p in model.parameters() if work.full else lora.parameters(model):
         if p.grad is None:  # accumulation adds into the gradients a previous micro-batch left
             p.grad = torch.zeros_like(p)
     model.train()
@@ -431,17 +485,28 @@ def train_phase(model: Transformer, rows: int, work: Workload, resizable=(), pro
         mask = torch.ones(rows, C, dtype=torch.bool, device=device)
         advantages = torch.ones(rows, device=device)
         h, ids, start = _policy_states(model, rows, prompts or rows, work)
-        logp, entropy = model.hidden_logprobs(h, ids, start=start, temperature=work.temperature,
-                                              with_entropy=work.with_entropy or work.entropy_grad,
-                                              entropy_grad=work.entropy_grad)
+        logp, entropy = model.hidden_logprobs(
+            h,
+            ids,
+            start=start,
+            temperature=work.temperature,
+            with_entropy=work.with_entropy or work.entropy_grad,
+            entropy_grad=work.entropy_grad,
+        )
         bonus = entropy.mean() if work.entropy_grad else 0
         (_surrogate_loss(logp, old_logp, advantages, mask) - bonus).backward()
         del h, logp, entropy
     return tracker.peak
 
 
-def frozen_phase(model: Transformer, rows: int, work: Workload, reference: Transformer | None = None,
-                 resizable=(), prompts: int | None = None) -> int:
+def frozen_phase(
+    model: Transformer,
+    rows: int,
+    work: Workload,
+    reference: Transformer | None = None,
+    resizable=(),
+    prompts: int | None = None,
+) -> int:
     """One micro-batch of the no-grad passes (old log-probs, reference log-probs), as train.py runs them, of
     `rows` rows of `prompts` distinct prompts (default: all distinct); the reference pass runs on `reference`
     (a full run's frozen copy) or on the model (LoRA's base)."""
@@ -457,8 +522,9 @@ def frozen_phase(model: Transformer, rows: int, work: Workload, reference: Trans
     return tracker.peak
 
 
-def sampling_phase(model: Transformer, work: Workload, prompts_in_flight: int, eval: bool = False,
-                   graphs: bool = True) -> int:
+def sampling_phase(
+    model: Transformer, work: Workload, prompts_in_flight: int, eval: bool = False, graphs: bool = True
+) -> int:
     """One sampler call as rollout.generate makes it on CUDA (rollout._Loop, fixed shapes), beside the resident
     pool, at its widest moments:
     - the call's [N + 1, C] outputs and the results it returns for its N rows, throughout;
@@ -474,8 +540,13 @@ def sampling_phase(model: Transformer, work: Workload, prompts_in_flight: int, e
     call_prompts = work.eval_prompts if eval else work.prompts_per_step
     rows = min(prompts_in_flight, call_prompts) * G
     pool = rollout.Pool(model, 2, max_len=P + C)  # the resident pool is counted apart: blocks x block bytes
-    draw = partial(rollout._sample, keys=rollout._row_keys(0, 0, call_prompts, G, device), temperature=temperature,
-                   top_p=work.top_p, top_k=work.top_k)
+    draw = partial(
+        rollout._sample,
+        keys=rollout._row_keys(0, 0, call_prompts, G, device),
+        temperature=temperature,
+        top_p=work.top_p,
+        top_k=work.top_k,
+    )
     stop = torch.zeros(1, dtype=torch.long, device=device)
     model.eval()
     with LiveBytes() as tracker, torch.inference_mode():
@@ -488,11 +559,14 @@ def sampling_phase(model: Transformer, work: Workload, prompts_in_flight: int, e
         prefill_peak = tracker.peak
 
         R = rollout.bucket(rows)
-        static_logits = [torch.empty(r, model.config.vocab_size, dtype=model.dtype, device=device)
-                         for r in ({R, max(1, R // 2)} if graphs else ())]
+        static_logits = [
+            torch.empty(r, model.config.vocab_size, dtype=model.dtype, device=device)
+            for r in ({R, max(1, R // 2)} if graphs else ())
+        ]
         zeros = torch.zeros(R, dtype=torch.long, device=device)
-        batch = rollout._Batch(zeros, zeros.bool(), zeros, zeros, zeros,
-                               torch.zeros(R, pool.table_width, dtype=torch.int32, device=device))
+        batch = rollout._Batch(
+            zeros, zeros.bool(), zeros, zeros, zeros, torch.zeros(R, pool.table_width, dtype=torch.int32, device=device)
+        )
         tracker.reset_peak()
         logits = loop._decode(batch, loop._span(P + C))
         # freed on return, but a graph keeps them reserved
@@ -512,8 +586,16 @@ def long_tail_lengths(rows: int, cap: int, seed: int = 0) -> list[int]:
     return drawn.round().clamp(1, cap).long().tolist()
 
 
-def simulate_rollout(prompt_lens: list[int], G: int, lengths: list[int], blocks: int, block_size: int,
-                     max_rows: int, new_tokens: int, chunk: int = rollout.SYNC_EVERY) -> rollout.SamplerStats:
+def simulate_rollout(
+    prompt_lens: list[int],
+    G: int,
+    lengths: list[int],
+    blocks: int,
+    block_size: int,
+    max_rows: int,
+    new_tokens: int,
+    chunk: int = rollout.SYNC_EVERY,
+) -> rollout.SamplerStats:
     """What a generate call with a pool of `blocks` blocks does when row i (prompt-major) ends after lengths[i]
     tokens: rollout.Scheduler's decisions, in the order the sampler's loop takes them, with no model."""
     sched = rollout.Scheduler(blocks - 1, block_size, chunk, max_rows, new_tokens)
@@ -546,9 +628,15 @@ def measure(model_cfg: ModelConfig, work: Workload) -> dict[str, int]:
 
 def phase_sizes(work: Workload) -> dict[str, int]:
     """The size each phase runs at: rows per micro-batch, or prompts in flight in the sampler."""
-    return {"weights": 0, state_phase(work): 0, "pool": 0, "train": work.micro_batch_rows,
-            "frozen": work.micro_batch_rows,
-            "rollout": work.rollout_prompts, "eval": work.eval_prompts}
+    return {
+        "weights": 0,
+        state_phase(work): 0,
+        "pool": 0,
+        "train": work.micro_batch_rows,
+        "frozen": work.micro_batch_rows,
+        "rollout": work.rollout_prompts,
+        "eval": work.eval_prompts,
+    }
 
 
 def state_phase(work: Workload) -> str:
@@ -604,8 +692,9 @@ class Planner:
         shallow = [dataclasses.replace(model_cfg, num_layers=d) for d in depths]
         if work.full and mesh is None:
             raise ValueError("a full run's Planner shards its models over a mesh: use memory.planning()")
-        self.runs = [_ShardedRun(cfg, work, mesh) if work.full else _MetaRun(meta_model(cfg, work), work)
-                     for cfg in shallow]
+        self.runs = [
+            _ShardedRun(cfg, work, mesh) if work.full else _MetaRun(meta_model(cfg, work), work) for cfg in shallow
+        ]
         self.block_size = self.runs[0].block_size
         self.block_bytes = KVPool.block_bytes(model_cfg, self.block_size, work.dtype)
         self._memo: dict[tuple[str, int], tuple[int, int]] = {}
@@ -613,8 +702,9 @@ class Planner:
     @classmethod
     def of(cls, model_cfg: ModelConfig, work: Workload) -> Planner:
         """The planner of a recent call with the same model and workload (sizes aside), or a new one."""
-        key = repr((model_cfg, dataclasses.replace(work, micro_batch_rows=1, rollout_prompts=1, eval_prompts=1,
-                                                   pool_blocks=0)))
+        key = repr(
+            (model_cfg, dataclasses.replace(work, micro_batch_rows=1, rollout_prompts=1, eval_prompts=1, pool_blocks=0))
+        )
         if key not in cls._recent:
             if len(cls._recent) >= 4:
                 cls._recent.clear()
@@ -648,8 +738,10 @@ class Planner:
         """The smallest pool that samples: one group of the longest prompt at full length, training's and
         evaluation's (Pool.check_fits refuses a call otherwise)."""
         C = work.max_new_tokens
-        return 1 + max(rollout.group_blocks(work.prompt_len, work.group_size, C, self.block_size),
-                       rollout.group_blocks(work.eval_len, work.eval_k, C, self.block_size))
+        return 1 + max(
+            rollout.group_blocks(work.prompt_len, work.group_size, C, self.block_size),
+            rollout.group_blocks(work.eval_len, work.eval_k, C, self.block_size),
+        )
 
 
 class _MetaRun:
@@ -657,8 +749,9 @@ class _MetaRun:
 
     def __init__(self, model: Transformer, work: Workload):
         self.model, self.work = model, work
-        self.weights = storage_bytes([t for name, t in model.state_dict(keep_vars=True).items()
-                                      if ".lora_" not in name])
+        self.weights = storage_bytes(
+            [t for name, t in model.state_dict(keep_vars=True).items() if ".lora_" not in name]
+        )
         self.lora, self.lora_peak = (0, 0) if work.full else lora_state_phase(model)
         self.block_size = rollout.Pool(model, 2).block_size
 
@@ -671,8 +764,9 @@ class _MetaRun:
             frozen_outputs = w.recompute_old_logp + w.ref_logp
             kept += [torch.zeros(rows, w.max_new_tokens, device=device) for _ in range(frozen_outputs)]
             if w.old_hidden:
-                kept.append(torch.zeros(rows, w.max_new_tokens, self.model.config.hidden_size, dtype=w.dtype,
-                                        device=device))
+                kept.append(
+                    torch.zeros(rows, w.max_new_tokens, self.model.config.hidden_size, dtype=w.dtype, device=device)
+                )
         del kept
         return tracker.peak
 
@@ -686,12 +780,14 @@ class _MetaRun:
                 return self.weights, self.lora_peak
             if name == "train":
                 return resident + self.step_data(w.step_rows), max(
-                    train_phase(model, size, w, prompts=prompts) for prompts in prompts_per_pass(w, size, name))
+                    train_phase(model, size, w, prompts=prompts) for prompts in prompts_per_pass(w, size, name)
+                )
             if name == "frozen":
                 if not (w.recompute_old_logp or w.ref_logp or w.old_hidden):
                     return 0, 0
                 return resident + self.step_data(w.step_rows), max(
-                    frozen_phase(model, size, w, prompts=prompts) for prompts in prompts_per_pass(w, size, name))
+                    frozen_phase(model, size, w, prompts=prompts) for prompts in prompts_per_pass(w, size, name)
+                )
             if name == "rollout":
                 return resident, sampling_phase(model, w, size)
             if name == "eval":
@@ -786,8 +882,13 @@ def usable_bytes(budget_bytes: int) -> int:
 FREE_SIZES = ("micro_batch_rows", "rollout_prompts", "eval_prompts")
 
 
-def fit(model_cfg: ModelConfig, work: Workload, budget_bytes: int, free: tuple[str, ...] = FREE_SIZES,
-        planner: Planner | None = None) -> Workload:
+def fit(
+    model_cfg: ModelConfig,
+    work: Workload,
+    budget_bytes: int,
+    free: tuple[str, ...] = FREE_SIZES,
+    planner: Planner | None = None,
+) -> Workload:
     """The workload with its `free` sizes chosen and the sampler's pool sized, every phase within
     usable_bytes(budget_bytes). The pool is resident, so it gets what the largest other phase leaves:
     - micro_batch_rows: the fewest rows whose pass runs TRAIN_TOKENS tokens (pass_tokens; at least one
@@ -815,8 +916,10 @@ def _fit(planner: Planner, work: Workload, budget_bytes: int, free: tuple[str, .
             raise ValueError(_no_fit(name, planner.peak(name), usable, budget_bytes, _what_lowers(name, work)))
     micro = work.micro_batch_rows
     if "micro_batch_rows" in free:
-        micro = next((rows for rows in range(1, work.minibatch_rows) if pass_tokens(work, rows) >= TRAIN_TOKENS),
-                     work.minibatch_rows)
+        micro = next(
+            (rows for rows in range(1, work.minibatch_rows) if pass_tokens(work, rows) >= TRAIN_TOKENS),
+            work.minibatch_rows,
+        )
     if "rollout_prompts" in free:
         most = min(work.prompts_per_step, max(1, ROWS_CAP // work.group_size))
         candidates = sorted({*(1 << k for k in range(most.bit_length()) if 1 << k <= most), most})
@@ -828,11 +931,14 @@ def _fit(planner: Planner, work: Workload, budget_bytes: int, free: tuple[str, .
             eval_prompts = work.eval_prompts
             if "eval_prompts" in free:
                 eval_prompts = max(1, prompts * work.group_size // work.eval_k)
-            trial = dataclasses.replace(work, micro_batch_rows=micro, rollout_prompts=prompts,
-                                        eval_prompts=eval_prompts)
+            trial = dataclasses.replace(
+                work, micro_batch_rows=micro, rollout_prompts=prompts, eval_prompts=eval_prompts
+            )
             # the pool is kept through every phase, the optimizer step (the trained state's peak) included
-            largest = max((state_phase(work), "train", "frozen", "rollout", "eval"),
-                          key=lambda name: planner.peak(name, phase_sizes(trial)[name]))
+            largest = max(
+                (state_phase(work), "train", "frozen", "rollout", "eval"),
+                key=lambda name: planner.peak(name, phase_sizes(trial)[name]),
+            )
             blocks = (usable - planner.peak(largest, phase_sizes(trial)[largest])) // planner.block_bytes
             if blocks < floor:
                 break  # more prompts in flight only need more memory
@@ -844,9 +950,16 @@ def _fit(planner: Planner, work: Workload, budget_bytes: int, free: tuple[str, .
                 continue
             trial = dataclasses.replace(work, micro_batch_rows=micro, rollout_prompts=candidates[0])
             need = planner.peak(largest, phase_sizes(trial)[largest]) + floor * planner.block_bytes
-            raise ValueError(_no_fit(f"{largest} with the smallest pool ({floor} blocks: one group of "
-                                     f"{work.group_size} rows at full length)", need, usable, budget_bytes,
-                                     f"{PHASE_FLOOR_FLAGS[largest]}, or lower --max-new-tokens"))
+            raise ValueError(
+                _no_fit(
+                    f"{largest} with the smallest pool ({floor} blocks: one group of "
+                    f"{work.group_size} rows at full length)",
+                    need,
+                    usable,
+                    budget_bytes,
+                    f"{PHASE_FLOOR_FLAGS[largest]}, or lower --max-new-tokens",
+                )
+            )
     fewest = min(passes for passes, _ in trials)
     return next(trial for passes, trial in trials if passes <= (1 + PASSES_TOLERANCE) * fewest)
 
@@ -856,14 +969,23 @@ def rollout_estimate(planner: Planner, work: Workload) -> rollout.SamplerStats:
     and completion lengths from long_tail_lengths."""
     rows = work.step_rows
     lengths = long_tail_lengths(rows, work.max_new_tokens)
-    return simulate_rollout([work.prompt_len] * work.prompts_per_step, work.group_size, lengths, work.pool_blocks,
-                            planner.block_size, work.rollout_prompts * work.group_size, work.max_new_tokens)
+    return simulate_rollout(
+        [work.prompt_len] * work.prompts_per_step,
+        work.group_size,
+        lengths,
+        work.pool_blocks,
+        planner.block_size,
+        work.rollout_prompts * work.group_size,
+        work.max_new_tokens,
+    )
 
 
 def _no_fit(phase: str, need: int, usable: int, budget: int, hint: str, floor: bool = False) -> str:
     at = " even at 1 row / prompt per call" if floor else ""
-    return (f"memory plan: {phase} needs {need / GB:.1f} GB{at}, more than the {usable / GB:.1f} GB usable "
-            f"of {budget / GB:.1f} GB; {hint}")
+    return (
+        f"memory plan: {phase} needs {need / GB:.1f} GB{at}, more than the {usable / GB:.1f} GB usable "
+        f"of {budget / GB:.1f} GB; {hint}"
+    )
 
 
 def _measured(planner: Planner, work: Workload) -> tuple[Workload, dict[str, tuple[int, int]]]:
@@ -873,8 +995,9 @@ def _measured(planner: Planner, work: Workload) -> tuple[Workload, dict[str, tup
     return work, {name: planner.held_and_own(name, size, work.pool_blocks) for name, size in phase_sizes(work).items()}
 
 
-def report(model_cfg: ModelConfig, work: Workload, budget_bytes: int,
-           planner: Planner | None = None) -> tuple[str, bool]:
+def report(
+    model_cfg: ModelConfig, work: Workload, budget_bytes: int, planner: Planner | None = None
+) -> tuple[str, bool]:
     """A table of the phases (own peak, peak with what is resident, what they hold), the sampler's estimate
     for the length model, ending `plan: peak X GB of Y GB (fits)` or `... (does not fit: PHASE needs Z GB;
     what lowers it)`. Returns (text, fits); fits means every phase's peak is within usable_bytes(budget_bytes).
@@ -895,33 +1018,39 @@ def report(model_cfg: ModelConfig, work: Workload, budget_bytes: int,
         "lora": f"r{w.lora_rank} on {len(w.lora_targets)} targets: fp32 adapters, gradients, AdamW moments",
         "pool": f"KV cache: {w.pool_blocks - 1:,} blocks of {planner.block_size} slots ({slots:,} tokens), kept",
         "train": f"{_layouts_text(w, 'train')}, checkpointing {'on' if w.gradient_checkpointing else 'off'}, "
-                 f"step data{' with old_hidden' * w.old_hidden}",
+        f"step data{' with old_hidden' * w.old_hidden}",
         "frozen": "no-grad log-prob passes" if measured["frozen"][1] else "none needed",
         "rollout": f"up to {w.rollout_prompts} prompts x {w.group_size} samples in flight, {w.prompt_len}-token "
-                   f"prompts, {w.max_new_tokens} new tokens",
+        f"prompts, {w.max_new_tokens} new tokens",
         "eval": f"up to {w.eval_prompts} prompts x {w.eval_k} samples in flight, {w.eval_len}-token prompts",
     }
     if w.full:
         share = f"1/{w.world_size} of each" if w.world_size > 1 else "whole, one process"
         holds.update(
             weights=f"{model_cfg.num_layers} layers x {model_cfg.hidden_size}: fp32 weight shards ({share})"
-                    + (f", the frozen reference's {dtype} shards" if w.ref_logp else ""),
+            + (f", the frozen reference's {dtype} shards" if w.ref_logp else ""),
             optimizer=f"every weight's fp32 gradient and AdamW moment shards ({share})",
             train=holds["train"] + f", blocks gathered in {dtype} one at a time",
             rollout=holds["rollout"] + f", the whole model gathered in {dtype}",
-            eval=holds["eval"] + f", the whole model gathered in {dtype}")
+            eval=holds["eval"] + f", the whole model gathered in {dtype}",
+        )
     ranks = f"per rank of {w.world_size} processes" if w.world_size > 1 else "one process, a world of one"
     lines = [f"{ranks} (FSDP2)"] if w.full else []
     lines += [f"{'phase':<9}{'own GB':>8}{'peak GB':>9}  holds"]
-    lines += [f"{name:<9}{own / GB:>8.2f}{(held + own) / GB:>9.2f}  {holds[name]}"
-              for name, (held, own) in measured.items()]
+    lines += [
+        f"{name:<9}{own / GB:>8.2f}{(held + own) / GB:>9.2f}  {holds[name]}" for name, (held, own) in measured.items()
+    ]
     estimate = rollout_estimate(planner, w)
-    lines.append(f"rollout estimate, lengths log-normal (median {w.max_new_tokens // 6}, sigma 0.9, capped at "
-                 f"{w.max_new_tokens}) for the step's {w.step_rows} rows: rows in flight max {estimate.rows_max}, "
-                 f"mean {estimate.rows_mean:.0f}; {estimate.decode_steps:,} decode passes, {estimate.prefills} "
-                 f"prefill passes, {estimate.preempted} groups preempted")
-    lines.append(f"usable: {usable / GB:.1f} GB of {budget_bytes / GB:.1f} GB, after {SLACK:.0%} allocator slack and "
-                 f"{RESERVED / GB:.0f} GB for the CUDA context (planned in {time.perf_counter() - start:.1f} s)")
+    lines.append(
+        f"rollout estimate, lengths log-normal (median {w.max_new_tokens // 6}, sigma 0.9, capped at "
+        f"{w.max_new_tokens}) for the step's {w.step_rows} rows: rows in flight max {estimate.rows_max}, "
+        f"mean {estimate.rows_mean:.0f}; {estimate.decode_steps:,} decode passes, {estimate.prefills} "
+        f"prefill passes, {estimate.preempted} groups preempted"
+    )
+    lines.append(
+        f"usable: {usable / GB:.1f} GB of {budget_bytes / GB:.1f} GB, after {SLACK:.0%} allocator slack and "
+        f"{RESERVED / GB:.0f} GB for the CUDA context (planned in {time.perf_counter() - start:.1f} s)"
+    )
     worst = max(measured, key=lambda name: sum(measured[name]))
     peak = sum(measured[worst])
     fits = peak <= usable
@@ -935,13 +1064,18 @@ def _what_lowers(phase: str, work: Workload) -> str:
     if phase == "weights" and work.dtype.itemsize <= 2:
         return "use a smaller model"
     return PHASE_FLAGS[phase]
+
+
 def _layouts_text(w: Workload, phase: str) -> str:
     """The layouts a pass is planned for, e.g. "16 rows x 4,608 tokens, or 16 rows of 15 prompts: ..."."""
     rows, P, C = w.micro_batch_rows, w.prompt_len, w.max_new_tokens
     some_rows = f"{rows} row{'s' * (rows > 1)}"
-    return ", or ".join(f"{some_rows} x {P + C:,} tokens" if prompts == rows else
-                        f"{some_rows} of {prompts} prompt{'s' * (prompts > 1)}: "
-                        f"{prompts} x {P:,} + {rows} x {C:,} tokens" for prompts in prompts_per_pass(w, rows, phase))
+    return ", or ".join(
+        f"{some_rows} x {P + C:,} tokens"
+        if prompts == rows
+        else f"{some_rows} of {prompts} prompt{'s' * (prompts > 1)}: {prompts} x {P:,} + {rows} x {C:,} tokens"
+        for prompts in prompts_per_pass(w, rows, phase)
+    )
 
 
 def gpu_memory_bytes(device: str | None, given_gb: float | None) -> int:

@@ -19,13 +19,12 @@ from contextlib import contextmanager
 import torch
 
 import config
-from infra import distributed
-from infra import fsdp
 import loss
-from engine import memory
 import rollout
 from config import Config
 from data import render_prompt
+from engine import memory
+from infra import distributed, fsdp
 
 
 @contextmanager
@@ -37,8 +36,14 @@ def oom_hint(what: str, advice: str):
         raise torch.OutOfMemoryError(f"out of memory in {what}: {advice}") from error
 
 
-def resolve_sizes(cfg: Config, model, tokenizer, train_set: list[dict], world: distributed.World,
-                  eval_sets: dict[str, list[dict]] | None = None) -> Config:
+def resolve_sizes(
+    cfg: Config,
+    model,
+    tokenizer,
+    train_set: list[dict],
+    world: distributed.World,
+    eval_sets: dict[str, list[dict]] | None = None,
+) -> Config:
     """resolve_automatic for one rank's share of a step (its prompts), the same on every rank: where the
     sizes come from the memory plan, the most cautious rank's (GPUs may differ in memory)."""
     share = dataclasses.replace(cfg, prompts_per_step=cfg.prompts_per_step // world.size, world_size=world.size)
@@ -46,50 +51,87 @@ def resolve_sizes(cfg: Config, model, tokenizer, train_set: list[dict], world: d
     sizes = [share.rollout_batch, share.eval_batch, share.kv_blocks, -share.grad_accum]
     # the fewest rows in flight, the smallest pool, the most micro-batches
     rollout_batch, eval_batch, kv_blocks, negated_accum = world.min(torch.tensor(sizes, device="cpu")).tolist()
-    return dataclasses.replace(share, prompts_per_step=cfg.prompts_per_step, world_size=cfg.world_size,
-                               rollout_batch=rollout_batch, eval_batch=eval_batch, kv_blocks=kv_blocks,
-                               grad_accum=-negated_accum)
+    return dataclasses.replace(
+        share,
+        prompts_per_step=cfg.prompts_per_step,
+        world_size=cfg.world_size,
+        rollout_batch=rollout_batch,
+        eval_batch=eval_batch,
+        kv_blocks=kv_blocks,
+        grad_accum=-negated_accum,
+    )
 
 
-def resolve_automatic(cfg: Config, model, tokenizer, train_set: list[dict],
-                      eval_sets: dict[str, list[dict]] | None = None) -> Config:
+def resolve_automatic(
+    cfg: Config, model, tokenizer, train_set: list[dict], eval_sets: dict[str, list[dict]] | None = None
+) -> Config:
     """Fill the sizes left at 0: from the memory plan on a GPU; on the CPU all of a step's prompts in flight, one
     micro-batch, 16 evaluation prompts per call and a pool that holds every row at full length."""
     prompt_len, eval_len = prompt_lengths(cfg, tokenizer, train_set, eval_sets)
     if model.device.type != "cuda":
-        cfg = dataclasses.replace(cfg, rollout_batch=cfg.rollout_batch or cfg.prompts_per_step,
-                                  grad_accum=cfg.grad_accum or 1, eval_batch=cfg.eval_batch or 16)
+        cfg = dataclasses.replace(
+            cfg,
+            rollout_batch=cfg.rollout_batch or cfg.prompts_per_step,
+            grad_accum=cfg.grad_accum or 1,
+            eval_batch=cfg.eval_batch or 16,
+        )
         if not cfg.kv_blocks:
             block = rollout.default_block_size(model)
-            need = max(cfg.rollout_batch * rollout.group_blocks(prompt_len, cfg.group_size, cfg.max_new_tokens, block),
-                       cfg.eval_batch * rollout.group_blocks(eval_len, cfg.eval_k, cfg.max_new_tokens, block))
+            need = max(
+                cfg.rollout_batch * rollout.group_blocks(prompt_len, cfg.group_size, cfg.max_new_tokens, block),
+                cfg.eval_batch * rollout.group_blocks(eval_len, cfg.eval_k, cfg.max_new_tokens, block),
+            )
             cfg = dataclasses.replace(cfg, kv_blocks=1 + need)
         return cfg
     budget = memory.gpu_memory_bytes(str(model.device), cfg.gpu_memory)
     return planned_config(cfg, model.config, budget, prompt_len=prompt_len, eval_prompt_len=eval_len)
 
 
-def prompt_lengths(cfg: Config, tokenizer, train_set: list[dict],
-                   eval_sets: dict[str, list[dict]] | None = None) -> tuple[int, int]:
+def prompt_lengths(
+    cfg: Config, tokenizer, train_set: list[dict], eval_sets: dict[str, list[dict]] | None = None
+) -> tuple[int, int]:
     """Tokens of the longest training prompt and of the longest evaluation prompt (the training one without
     evaluation sets), as the sampler sees them."""
+
     def longest(problems):
-        return max((len(render_prompt(tokenizer, p["problem"], cfg.template, cfg.system_prompt, cfg.thinking == "on"))
-                    for p in problems), default=1)
+        return max(
+            (
+                len(render_prompt(tokenizer, p["problem"], cfg.template, cfg.system_prompt, cfg.thinking == "on"))
+                for p in problems
+            ),
+            default=1,
+        )
+
     train_len = longest(train_set)
     return train_len, max((longest(problems) for problems in (eval_sets or {}).values()), default=train_len)
 
 
-def planned_config(cfg: Config, model_cfg, budget: int, prompt_len: int = memory.Workload.prompt_len,
-                   eval_prompt_len: int = 0, planner: memory.Planner | None = None) -> Config:
+def planned_config(
+    cfg: Config,
+    model_cfg,
+    budget: int,
+    prompt_len: int = memory.Workload.prompt_len,
+    eval_prompt_len: int = 0,
+    planner: memory.Planner | None = None,
+) -> Config:
     """cfg with rollout_batch, grad_accum, eval_batch and kv_blocks chosen by the memory plan where they are 0."""
-    free = tuple(size for size, flag in (("micro_batch_rows", cfg.grad_accum), ("rollout_prompts", cfg.rollout_batch),
-                                         ("eval_prompts", cfg.eval_batch)) if not flag)
+    free = tuple(
+        size
+        for size, flag in (
+            ("micro_batch_rows", cfg.grad_accum),
+            ("rollout_prompts", cfg.rollout_batch),
+            ("eval_prompts", cfg.eval_batch),
+        )
+        if not flag
+    )
     work = memory.fit(model_cfg, workload(cfg, prompt_len, eval_prompt_len), budget, free, planner)
-    return dataclasses.replace(cfg, rollout_batch=cfg.rollout_batch or work.rollout_prompts,
-                               grad_accum=cfg.grad_accum or math.ceil(work.minibatch_rows / work.micro_batch_rows),
-                               eval_batch=cfg.eval_batch or work.eval_prompts,
-                               kv_blocks=cfg.kv_blocks or work.pool_blocks)
+    return dataclasses.replace(
+        cfg,
+        rollout_batch=cfg.rollout_batch or work.rollout_prompts,
+        grad_accum=cfg.grad_accum or math.ceil(work.minibatch_rows / work.micro_batch_rows),
+        eval_batch=cfg.eval_batch or work.eval_prompts,
+        kv_blocks=cfg.kv_blocks or work.pool_blocks,
+    )
 
 
 def workload(cfg: Config, prompt_len: int = memory.Workload.prompt_len, eval_prompt_len: int = 0) -> memory.Workload:
@@ -99,19 +141,33 @@ def workload(cfg: Config, prompt_len: int = memory.Workload.prompt_len, eval_pro
     minibatch_rows = math.ceil(cfg.prompts_per_step * cfg.group_size / cfg.updates_per_rollout)
     needs = loss.required_inputs(cfg.loss)
     return memory.Workload(
-        dtype=dtype, lora_rank=cfg.lora_rank, world_size=cfg.world_size or distributed.world_size(),
+        dtype=dtype,
+        lora_rank=cfg.lora_rank,
+        world_size=cfg.world_size or distributed.world_size(),
         lora_targets=tuple(cfg.lora_targets.split(",")),
-        gradient_checkpointing=cfg.gradient_checkpointing != "off", prompt_len=prompt_len,
-        eval_prompt_len=eval_prompt_len, max_new_tokens=cfg.max_new_tokens, group_size=cfg.group_size,
-        prompts_per_step=cfg.prompts_per_step, updates_per_rollout=cfg.updates_per_rollout, shuffle=cfg.shuffle,
+        gradient_checkpointing=cfg.gradient_checkpointing != "off",
+        prompt_len=prompt_len,
+        eval_prompt_len=eval_prompt_len,
+        max_new_tokens=cfg.max_new_tokens,
+        group_size=cfg.group_size,
+        prompts_per_step=cfg.prompts_per_step,
+        updates_per_rollout=cfg.updates_per_rollout,
+        shuffle=cfg.shuffle,
         rollout_prompts=cfg.rollout_batch or cfg.prompts_per_step,
         micro_batch_rows=math.ceil(minibatch_rows / cfg.grad_accum) if cfg.grad_accum else minibatch_rows,
-        pool_blocks=cfg.kv_blocks, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-        recompute_old_logp=cfg.recompute_old_logp == "on" or (cfg.recompute_old_logp == "auto"
-                                                             and dtype != torch.float32),
-        ref_logp="ref_logp" in needs, old_hidden="old_hidden" in needs, eval_prompts=cfg.eval_batch or 16,
+        pool_blocks=cfg.kv_blocks,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        recompute_old_logp=cfg.recompute_old_logp == "on"
+        or (cfg.recompute_old_logp == "auto" and dtype != torch.float32),
+        ref_logp="ref_logp" in needs,
+        old_hidden="old_hidden" in needs,
+        eval_prompts=cfg.eval_batch or 16,
         entropy_grad="entropy" in needs,
-        eval_k=cfg.eval_k, eval_temperature=cfg.eval_temperature)
+        eval_k=cfg.eval_k,
+        eval_temperature=cfg.eval_temperature,
+    )
 
 
 def plan(cfg: Config) -> bool:
@@ -132,15 +188,18 @@ def plan(cfg: Config) -> bool:
             print(error)
             chosen = cfg
         else:
-            print(f"chosen: --rollout-batch {chosen.rollout_batch} --grad-accum {chosen.grad_accum} "
-                  f"--eval-batch {chosen.eval_batch} --kv-blocks {chosen.kv_blocks}")
+            print(
+                f"chosen: --rollout-batch {chosen.rollout_batch} --grad-accum {chosen.grad_accum} "
+                f"--eval-batch {chosen.eval_batch} --kv-blocks {chosen.kv_blocks}"
+            )
         text, fits = memory.report(model_cfg, workload(chosen), budget, planner)
     print(text)  # its last line: plan: peak X GB of Y GB (fits), or (does not fit: ...)
     return fits
 
 
-def sampler_pool(cfg: Config, model, tokenizer, train_set: list[dict],
-                 eval_sets: dict[str, list[dict]]) -> rollout.Pool:
+def sampler_pool(
+    cfg: Config, model, tokenizer, train_set: list[dict], eval_sets: dict[str, list[dict]]
+) -> rollout.Pool:
     """The run's KV pool: allocated once, before the first step, and reused by every rollout and evaluation.
     A sharded model's pool is made for its gathered weights (their compute dtype) and released until each
     rollout binds it (sampling_policy)."""

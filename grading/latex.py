@@ -25,14 +25,35 @@ MAX_FACTORIAL = 10_000  # 2006! is fine, (10^8)! is refused
 MAX_SUM_TERMS = 1_000  # \sum_{k=1}^{100} k^2 is added up term by term (nested sums share this); no symbolic bounds
 
 TOKEN_RE = re.compile(r"\s*(\d+\.?\d*|\.\d+|\\[a-zA-Z]+|[a-zA-Z]|[-+*/^!(){}\[\]|_]|\S)")
-FUNCTIONS = {"sin": "sin", "cos": "cos", "tan": "tan", "cot": "cot", "sec": "sec", "csc": "csc", "arcsin": "asin",
-             "arccos": "acos", "arctan": "atan", "ln": "log", "log": "log", "exp": "exp"}  # LaTeX -> sympy name
+FUNCTIONS = {
+    "sin": "sin",
+    "cos": "cos",
+    "tan": "tan",
+    "cot": "cot",
+    "sec": "sec",
+    "csc": "csc",
+    "arcsin": "asin",
+    "arccos": "acos",
+    "arctan": "atan",
+    "ln": "log",
+    "log": "log",
+    "exp": "exp",
+}  # LaTeX -> sympy name
 BARE_WORD_RE = re.compile(rf"(?<![\\a-zA-Z])({'|'.join([*FUNCTIONS, 'sqrt', 'pi'])})(?![a-zA-Z])")  # sin x = \sin x
-GREEK = set("alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa lambda mu nu xi rho "
-            "sigma tau phi varphi chi psi omega Gamma Delta Theta Lambda Xi Sigma Phi Psi Omega".split())
+GREEK = set(
+    "alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa lambda mu nu xi rho "
+    "sigma tau phi varphi chi psi omega Gamma Delta Theta Lambda Xi Sigma Phi Psi Omega".split()
+)
 BRACKETS = {"(": ")", "[": "]", "{": "}"}
-COMMANDS = {"\\frac": "fraction", "\\sqrt": "root", "\\binom": "binomial", "\\pi": "pi", "\\infty": "infinity",
-            "\\sum": "big_sum", "\\prod": "big_product"}  # a command -> the method that reads it
+COMMANDS = {
+    "\\frac": "fraction",
+    "\\sqrt": "root",
+    "\\binom": "binomial",
+    "\\pi": "pi",
+    "\\infty": "infinity",
+    "\\sum": "big_sum",
+    "\\prod": "big_product",
+}  # a command -> the method that reads it
 ATOM_STARTS = {*BRACKETS, *COMMANDS, *("\\" + name for name in [*FUNCTIONS, *GREEK])}
 
 
@@ -147,8 +168,11 @@ class Parser:
     def term(self):
         """A factor and the implicit products that follow it: the argument of \\sin 2x or of \\sum."""
         value = self.power()
-        while self.starts_atom(self.peek()) and self.peek()[1:] not in FUNCTIONS and self.peek() not in (
-                "\\sum", "\\prod"):
+        while (
+            self.starts_atom(self.peek())
+            and self.peek()[1:] not in FUNCTIONS
+            and self.peek() not in ("\\sum", "\\prod")
+        ):
             value = value * self.power()
         return value
 
@@ -227,6 +251,8 @@ class Parser:
         self.budget[0] -= int(high - low) + 1
         start = self.pos
         self.term()  # finds where the term ends
-        tokens = self.tokens[start:self.pos]
-        return [Parser(tokens, self.sp, {**self.bindings, index: self.sp.Integer(k)}, self.budget).term()
-                for k in range(int(low), int(high) + 1)]
+        tokens = self.tokens[start : self.pos]
+        return [
+            Parser(tokens, self.sp, {**self.bindings, index: self.sp.Integer(k)}, self.budget).term()
+            for k in range(int(low), int(high) + 1)
+        ]

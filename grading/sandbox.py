@@ -128,8 +128,9 @@ def same_output(actual: str, expected: str, tolerance: float | None = None) -> b
     """Whether stdout matches: the same whitespace-separated tokens; with a tolerance, two numeric tokens
     also match when |a - e| <= tolerance * max(1, |e|) (absolute or relative error, as judges state it)."""
     got, want = actual.split(), expected.split()
-    return len(got) == len(want) and all(g == w or (tolerance is not None and _close(g, w, tolerance))
-                                         for g, w in zip(got, want))
+    return len(got) == len(want) and all(
+        g == w or (tolerance is not None and _close(g, w, tolerance)) for g, w in zip(got, want)
+    )
 
 
 def _close(got: str, want: str, tolerance: float) -> bool:
@@ -145,8 +146,9 @@ def same_value(actual, expected, tolerance: float | None = None) -> bool:
     if isinstance(actual, bool) or isinstance(expected, bool):
         return type(actual) is type(expected) and actual == expected
     if isinstance(actual, (int, float)) and isinstance(expected, (int, float)):
-        return actual == expected or (tolerance is not None and abs(actual - expected) <= tolerance *
-                                      max(1.0, abs(expected)))
+        return actual == expected or (
+            tolerance is not None and abs(actual - expected) <= tolerance * max(1.0, abs(expected))
+        )
     if isinstance(actual, list) and isinstance(expected, list):
         return len(actual) == len(expected) and all(same_value(a, e, tolerance) for a, e in zip(actual, expected))
     if isinstance(actual, dict) and isinstance(expected, dict):
@@ -192,8 +194,14 @@ else:
 
 # The whole environment a program sees. Two malloc arenas: each arena reserves 64 MB of address space, and
 # RLIMIT_AS counts reservations, so a program with a few threads would otherwise run out of memory it never used.
-ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORK, "TMPDIR": WORK, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
-       "MALLOC_ARENA_MAX": "2"}
+ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": WORK,
+    "TMPDIR": WORK,
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "MALLOC_ARENA_MAX": "2",
+}
 
 
 # ----------------------------------------------------------------------------- the supervisor (root)
@@ -218,8 +226,9 @@ def _check(result: int, what: str) -> None:
 
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
     encode = lambda s: None if s is None else s.encode()  # noqa: E731
-    _check(_libc.mount(encode(source), encode(target), encode(fstype), flags, encode(data)),
-           f"mount {source} on {target}")
+    _check(
+        _libc.mount(encode(source), encode(target), encode(fstype), flags, encode(data)), f"mount {source} on {target}"
+    )
 
 
 def _unshare(flags: int) -> None:
@@ -238,8 +247,17 @@ def _bind_read_only(source: str, target: str, flags: int = MS_NOSUID | MS_NODEV)
 def _view_paths() -> list[str]:
     """What the program sees of the machine: system binaries and libraries, and this interpreter's prefix."""
     paths = []
-    for path in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache",
-                 os.path.realpath(sys.base_prefix)):
+    for path in (
+        "/usr",
+        "/bin",
+        "/sbin",
+        "/lib",
+        "/lib32",
+        "/lib64",
+        "/libx32",
+        "/etc/ld.so.cache",
+        os.path.realpath(sys.base_prefix),
+    ):
         if os.path.lexists(path) and not any(path == p or path.startswith(p + "/") for p in paths):
             paths.append(path)
     return paths
@@ -343,12 +361,16 @@ def _run(job: dict, tests: list[dict], root: str, uid: int, python: str, limits:
     return result
 
 
-def _run_in_child(job: dict, tests: list[dict], root: str, uid: int, python: str, limits: Limits,
-                  end: float) -> dict:
+def _run_in_child(job: dict, tests: list[dict], root: str, uid: int, python: str, limits: Limits, end: float) -> dict:
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     _unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC)
-    _mount("tmpfs", root + WORK, "tmpfs", MS_NOSUID | MS_NODEV,
-           f"size={limits.disk_bytes},nr_inodes=1024,mode=700,uid={uid},gid={uid}")
+    _mount(
+        "tmpfs",
+        root + WORK,
+        "tmpfs",
+        MS_NOSUID | MS_NODEV,
+        f"size={limits.disk_bytes},nr_inodes=1024,mode=700,uid={uid},gid={uid}",
+    )
     with open(root + PROGRAM, "w") as f:
         f.write(job["source"])
     call = job["style"] == "call"
@@ -397,7 +419,7 @@ def _memory_file(name: str, fd: int) -> int:
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def _exec_program(root: str, uid: int, limits: Limits, cpu: int, argv: list[str]) -> None:
@@ -411,10 +433,16 @@ def _exec_program(root: str, uid: int, limits: Limits, cpu: int, argv: list[str]
             os.dup2(FD_BASE + target, target)
         os.closerange(4, report)
         os.closerange(FD_BASE + 6, 1 << 16)
-        for which, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, limits.memory_bytes),
-                             (resource.RLIMIT_FSIZE, limits.output_bytes), (resource.RLIMIT_NPROC, limits.processes),
-                             (resource.RLIMIT_NOFILE, limits.open_files), (resource.RLIMIT_CORE, 0),
-                             (resource.RLIMIT_MSGQUEUE, 0), (resource.RLIMIT_MEMLOCK, 0)):
+        for which, value in (
+            (resource.RLIMIT_CPU, cpu),
+            (resource.RLIMIT_AS, limits.memory_bytes),
+            (resource.RLIMIT_FSIZE, limits.output_bytes),
+            (resource.RLIMIT_NPROC, limits.processes),
+            (resource.RLIMIT_NOFILE, limits.open_files),
+            (resource.RLIMIT_CORE, 0),
+            (resource.RLIMIT_MSGQUEUE, 0),
+            (resource.RLIMIT_MEMLOCK, 0),
+        ):
             resource.setrlimit(which, (value, value))  # soft = hard: at the CPU limit SIGKILL, not SIGXCPU
         os.setgroups([])
         os.setresgid(uid, uid, uid)
@@ -472,8 +500,11 @@ def _ended(status: int, usage, timed_out: bool, cpu: int, stdout: bytes, stderr:
         return "output_limit"
     if os.WIFSIGNALED(status):
         used = usage.ru_utime + usage.ru_stime
-        return "timeout" if os.WTERMSIG(status) in (signal.SIGKILL, signal.SIGXCPU) and used >= cpu - 0.1 else \
-            "runtime_error"
+        return (
+            "timeout"
+            if os.WTERMSIG(status) in (signal.SIGKILL, signal.SIGXCPU) and used >= cpu - 0.1
+            else "runtime_error"
+        )
     if os.WEXITSTATUS(status) != 0:
         return "memory" if b"MemoryError" in stderr[-2000:] else "runtime_error"
     return None
@@ -521,14 +552,25 @@ class _Pool:
 
     def _spawn(self) -> _Supervisor:
         if os.geteuid() != 0:
-            raise SandboxUnavailable("sandbox.py runs programs only as root: it builds namespaces and runs each "
-                                     "program as a user of its own (run the trainer as root, e.g. in a container)")
+            raise SandboxUnavailable(
+                "sandbox.py runs programs only as root: it builds namespaces and runs each "
+                "program as a user of its own (run the trainer as root, e.g. in a container)"
+            )
         root, uid, log = tempfile.mkdtemp(prefix="sandbox-"), self.free_uids.pop(), tempfile.TemporaryFile()
-        code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import sandbox; "
-                f"sandbox._supervise({root!r}, {uid}, {os.getpid()}, {_interpreter()!r})")
-        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", code], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=log, env={}, text=True, bufsize=1,
-                                start_new_session=True)  # the terminal's Ctrl-C is the trainer's, not its
+        code = (
+            f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import sandbox; "
+            f"sandbox._supervise({root!r}, {uid}, {os.getpid()}, {_interpreter()!r})"
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env={},
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )  # the terminal's Ctrl-C is the trainer's, not its
         supervisor = _Supervisor(proc, root, uid, log)
         ready, _, _ = select.select([proc.stdout], [], [], 60)
         answer = json.loads(proc.stdout.readline() or "{}") if ready else {}
@@ -596,8 +638,16 @@ class _Pool:
         supervisor.proc.kill()
         supervisor.proc.wait()
         # kill(-1) as that user reaches every process it owns, in any pid namespace, and nothing else
-        subprocess.run([_KILL, "-9", "--", "-1"], user=supervisor.uid, group=supervisor.uid, extra_groups=[], env={},
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+        subprocess.run(
+            [_KILL, "-9", "--", "-1"],
+            user=supervisor.uid,
+            group=supervisor.uid,
+            extra_groups=[],
+            env={},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            check=False,
+        )
         try:
             os.rmdir(supervisor.root)  # its mounts lived in its own namespace: here it is an empty folder
         except OSError as error:
@@ -627,8 +677,13 @@ atexit.register(_POOL.close)
 # ----------------------------------------------------------------------------- public API
 
 
-def grade(programs: Sequence[str | None], problems: Sequence[Mapping], *, limits: Limits = Limits(),
-          workers: int | None = None) -> list[Grade]:
+def grade(
+    programs: Sequence[str | None],
+    problems: Sequence[Mapping],
+    *,
+    limits: Limits = Limits(),
+    workers: int | None = None,
+) -> list[Grade]:
     """Grade each program against its problem's tests, `workers` programs at a time (default: one per CPU).
 
     A problem is {"tests": [{"input", "output"}, ...], "style": "stdio" or "call", "fn_name" (call style),
@@ -642,9 +697,18 @@ def grade(programs: Sequence[str | None], problems: Sequence[Mapping], *, limits
         raise ValueError(f"programs and problems differ in length: {len(programs)} vs {len(problems)}")
     for i, problem in enumerate(problems):
         check_code_problem(problem, f"problems[{i}]")
-    jobs = [{"source": program, "tests": problem["tests"], "style": problem.get("style", "stdio"),
-             "fn_name": problem.get("fn_name"), "tolerance": problem.get("tolerance"), "limits": asdict(limits)}
-            for program, problem in zip(programs, problems) if program is not None]
+    jobs = [
+        {
+            "source": program,
+            "tests": problem["tests"],
+            "style": problem.get("style", "stdio"),
+            "fn_name": problem.get("fn_name"),
+            "tolerance": problem.get("tolerance"),
+            "limits": asdict(limits),
+        }
+        for program, problem in zip(programs, problems)
+        if program is not None
+    ]
     ran = iter(_POOL.run(jobs, workers or os.cpu_count() or 1) if jobs else [])
     grades = []
     for program, problem in zip(programs, problems):
@@ -655,13 +719,28 @@ def grade(programs: Sequence[str | None], problems: Sequence[Mapping], *, limits
         result = next(ran)
         verdicts = result["verdicts"]
         failed = next((i for i, verdict in enumerate(verdicts) if verdict is not None), None)
-        grades.append(Grade(verdicts.count(None), total, None if failed is None else verdicts[failed],
-                            result["seconds"], failed, result["detail"] if failed is not None else ""))
+        grades.append(
+            Grade(
+                verdicts.count(None),
+                total,
+                None if failed is None else verdicts[failed],
+                result["seconds"],
+                failed,
+                result["detail"] if failed is not None else "",
+            )
+        )
     return grades
 
 
-def reward(completions: Sequence[str], problems: Sequence[Mapping], *, fraction: bool = False,
-           limits: Limits = Limits(), workers: int | None = None, grades: list | None = None) -> list[float]:
+def reward(
+    completions: Sequence[str],
+    problems: Sequence[Mapping],
+    *,
+    fraction: bool = False,
+    limits: Limits = Limits(),
+    workers: int | None = None,
+    grades: list | None = None,
+) -> list[float]:
     """Per completion: 1.0 when its program passes every test of its problem (fraction: the share passed).
     `grades`, a list, receives each completion's Grade (for metrics: reasons, tests passed, seconds)."""
     graded = grade([extract_program(c) for c in completions], problems, limits=limits, workers=workers)
@@ -670,10 +749,16 @@ def reward(completions: Sequence[str], problems: Sequence[Mapping], *, fraction:
     return [g.reward(fraction) for g in graded]
 
 
-def code_reward(completions: list[str], tests: list | None = None, task: list[str | None] | None = None,
-                style: list[str | None] | None = None, fn_name: list[str | None] | None = None,
-                tolerance: list[float | None] | None = None, open_thought: list[bool] | None = None,
-                **columns) -> list[float | None]:
+def code_reward(
+    completions: list[str],
+    tests: list | None = None,
+    task: list[str | None] | None = None,
+    style: list[str | None] | None = None,
+    fn_name: list[str | None] | None = None,
+    tolerance: list[float | None] | None = None,
+    open_thought: list[bool] | None = None,
+    **columns,
+) -> list[float | None]:
     """The built-in reward of code problems as a reward function (TRL's signature, see scoring.py): per
     completion 1.0 when the program of its answer part (after its thought, reward.split_thinking) passes
     every test of its row's problem, else 0.0; None on a row that is not a code problem (task "code"), which
@@ -682,8 +767,15 @@ def code_reward(completions: list[str], tests: list | None = None, task: list[st
     import reward as math_checker  # split_thinking: one reading of a thought for every grader
 
     mine = [i for i in range(len(completions)) if task and task[i] == "code"]
-    problems = [{"tests": tests[i], "style": (style and style[i]) or "stdio", "fn_name": fn_name and fn_name[i],
-                 "tolerance": tolerance and tolerance[i]} for i in mine]
+    problems = [
+        {
+            "tests": tests[i],
+            "style": (style and style[i]) or "stdio",
+            "fn_name": fn_name and fn_name[i],
+            "tolerance": tolerance and tolerance[i],
+        }
+        for i in mine
+    ]
     opened = bool(open_thought and open_thought[0])
     answers = [math_checker.split_thinking(completions[i], opened).answer or "" for i in mine]  # "": no program
     values: list[float | None] = [None] * len(completions)
@@ -711,8 +803,10 @@ def step_metrics(rows) -> dict:
     code = rows[rows[:, 0] == 1]
     if not len(code):
         return {}
-    return {"code_tests_passed": float(code[:, 1].mean()),
-            **{f"code_{reason}": float(code[:, 2 + i].mean()) for i, reason in enumerate(REASONS)}}
+    return {
+        "code_tests_passed": float(code[:, 1].mean()),
+        **{f"code_{reason}": float(code[:, 2 + i].mean()) for i, reason in enumerate(REASONS)},
+    }
 
 
 def close() -> None:
@@ -727,15 +821,24 @@ def main(argv: list[str] | None = None) -> int:
     """python sandbox.py PROGRAM.py --tests TESTS.json: one JSON line; exit 0 when graded, 2 on bad arguments."""
     parser = argparse.ArgumentParser(prog="sandbox.py", description=main.__doc__)
     parser.add_argument("program", help="a Python program, or with --completion a completion to extract it from")
-    parser.add_argument("--tests", required=True, help="JSON: a list of {\"input\", \"output\"} tests, or a code "
-                        "problem {\"tests\", \"style\", \"fn_name\", \"tolerance\"} as data/prepare.py writes them")
+    parser.add_argument(
+        "--tests",
+        required=True,
+        help='JSON: a list of {"input", "output"} tests, or a code '
+        'problem {"tests", "style", "fn_name", "tolerance"} as data/prepare.py writes them',
+    )
     parser.add_argument("--fn-name", help="call style: call this function (or Solution().NAME) with each input")
     parser.add_argument("--tolerance", type=float, help="numbers match within this absolute or relative error")
-    parser.add_argument("--completion", action="store_true", help="PROGRAM is a model's completion: grade its "
-                        "last ```python block")
+    parser.add_argument(
+        "--completion", action="store_true", help="PROGRAM is a model's completion: grade its last ```python block"
+    )
     parser.add_argument("--timeout", type=float, default=Limits.timeout, help="seconds per test (default: %(default)s)")
-    parser.add_argument("--memory-mb", type=float, default=Limits.memory_bytes / 2**20,
-                        help="address space in MiB (default: %(default)s)")
+    parser.add_argument(
+        "--memory-mb",
+        type=float,
+        default=Limits.memory_bytes / 2**20,
+        help="address space in MiB (default: %(default)s)",
+    )
     parser.error = lambda message: parser.exit(2, f"sandbox.py: {message}\n")
     args = parser.parse_args(argv)
     try:
@@ -758,9 +861,18 @@ def main(argv: list[str] | None = None) -> int:
     except SandboxUnavailable as error:
         print(f"sandbox.py: {error}", file=sys.stderr)
         return 1
-    print(json.dumps({"passed": result.passed, "total": result.total, "reason": result.reason,
-                      "failed_test": result.failed_test, "seconds": round(result.seconds, 4),
-                      "detail": result.detail}))
+    print(
+        json.dumps(
+            {
+                "passed": result.passed,
+                "total": result.total,
+                "reason": result.reason,
+                "failed_test": result.failed_test,
+                "seconds": round(result.seconds, 4),
+                "detail": result.detail,
+            }
+        )
+    )
     return 0
 
 

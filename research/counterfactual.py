@@ -52,16 +52,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from research import calibrate
 import config
 import lora
 import loss
-from infra import rundir
-from engine import sizes
-from research import study
 import train
 from data import load_problems
+from engine import sizes
 from eval import strict_json
+from infra import rundir
+from research import calibrate, study
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,8 +92,10 @@ class State:
 
     @classmethod
     def of(cls, model, optimizer) -> State:
-        return cls({name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad},
-                   copy.deepcopy(optimizer.state_dict()))
+        return cls(
+            {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad},
+            copy.deepcopy(optimizer.state_dict()),
+        )
 
     def restore(self, model, optimizer) -> None:
         with torch.no_grad():
@@ -148,14 +149,18 @@ def run_pilot(cfg: config.Config, out: Path, points: list[int]) -> None:
         problems = train.batch_of(train_set, (step - 1) * cfg.prompts_per_step, cfg.prompts_per_step, cfg.seed)
         record, records = train.train_step(model, optimizer, tokenizer, problems, cfg, step)
         if records:
-            calibrate.write_token_records(pilot / "tokens" / f"step-{step:06d}.npz", records, cfg.log_tokens,
-                                     seed=cfg.seed * 1_000_003 + step)
+            calibrate.write_token_records(
+                pilot / "tokens" / f"step-{step:06d}.npz", records, cfg.log_tokens, seed=cfg.seed * 1_000_003 + step
+            )
         with (pilot / "metrics.jsonl").open("a") as f:
             f.write(rundir.to_json(record) + "\n")
         if step in points:
             save_point(pilot / "points" / f"step-{step}", model, optimizer)
-        print(f"pilot step {step}/{max(points)}: reward {record['reward']:.2f}, clip rate "
-              f"{_percent(record['clip_rate'])} ({time.time() - started:.0f} s)", flush=True)
+        print(
+            f"pilot step {step}/{max(points)}: reward {record['reward']:.2f}, clip rate "
+            f"{_percent(record['clip_rate'])} ({time.time() - started:.0f} s)",
+            flush=True,
+        )
 
 
 def _percent(x: float | None) -> str:
@@ -185,8 +190,9 @@ def view(model, out, cfg: config.Config) -> View:
     for rows in torch.arange(N, device=device).chunk(cfg.updates_per_rollout * cfg.grad_accum):
         ids, pad, start, c = train.window(out, rows)
         h = model.hidden(ids, pad)
-        logp[rows, :c], entropy[rows, :c] = model.hidden_logprobs(h, ids, start=start, temperature=cfg.temperature,
-                                                                  with_entropy=True)
+        logp[rows, :c], entropy[rows, :c] = model.hidden_logprobs(
+            h, ids, start=start, temperature=cfg.temperature, with_entropy=True
+        )
         hidden[rows, :c] = train.completion_states(h, start).float()
     return View(logp, entropy, hidden)
 
@@ -199,8 +205,16 @@ def fresh_reward(model, tokenizer, problems: list[dict], cfg: config.Config, sam
     return float(rewards.mean())
 
 
-def effects(out, advantages: torch.Tensor, correct: torch.Tensor, before: View, after: View, records: list[dict],
-            lm_head_weight: torch.Tensor, temperature: float) -> dict:
+def effects(
+    out,
+    advantages: torch.Tensor,
+    correct: torch.Tensor,
+    before: View,
+    after: View,
+    records: list[dict],
+    lm_head_weight: torch.Tensor,
+    temperature: float,
+) -> dict:
     """What one update did to the policy, measured on the rollout it was computed from (see the file's top)."""
     mask = out.completion_mask
     tokens = mask.sum()
@@ -210,9 +224,15 @@ def effects(out, advantages: torch.Tensor, correct: torch.Tensor, before: View, 
     moved = torch.where(mask & (mu < RARE), after.logp.exp() - mu, 0)  # [N, C]
     positive = advantages[:, None] > 0
     rates = clip_rates(records)
-    return {"kl": float(kl[mask].mean()), "entropy": float((after.entropy - before.entropy)[mask].mean()),
-            "correct": _mean_or_nan(change[correct > 0]), "wrong": _mean_or_nan(change[correct == 0]),
-            "rare": float(moved.sum() / tokens), "rare+": float((moved * positive).sum() / tokens), **rates}
+    return {
+        "kl": float(kl[mask].mean()),
+        "entropy": float((after.entropy - before.entropy)[mask].mean()),
+        "correct": _mean_or_nan(change[correct > 0]),
+        "wrong": _mean_or_nan(change[correct == 0]),
+        "rare": float(moved.sum() / tokens),
+        "rare+": float((moved * positive).sum() / tokens),
+        **rates,
+    }
 
 
 def _mean_or_nan(x: torch.Tensor) -> float:
@@ -226,14 +246,27 @@ def clip_rates(records: list[dict]) -> dict:
     stopped = columns["region_low"] | columns["region_high"] | columns["limit"]
     acting = calibrate.acting_tokens(columns)
     bucket = np.digitize(columns["mu"], loss.MU_EDGES, right=True)  # the buckets of torch.bucketize in loss.py
-    by_bucket = {f"clip[{label}]": float(stopped[acting & (bucket == i)].mean()) if (acting & (bucket == i)).any()
-                 else math.nan for i, label in enumerate(loss.MU_LABELS)}
-    return {"clip": float(stopped[acting].mean()) if acting.any() else math.nan,
-            "clip_all": float(stopped.mean()), **by_bucket}
+    by_bucket = {
+        f"clip[{label}]": float(stopped[acting & (bucket == i)].mean()) if (acting & (bucket == i)).any() else math.nan
+        for i, label in enumerate(loss.MU_LABELS)
+    }
+    return {
+        "clip": float(stopped[acting].mean()) if acting.any() else math.nan,
+        "clip_all": float(stopped.mean()),
+        **by_bucket,
+    }
 
 
-def counterfactual_rollout(model, optimizer, tokenizer, state: State, arms: dict[str, config.Config],
-                           problems: list[dict], stream: int, fresh_samples: int) -> dict:
+def counterfactual_rollout(
+    model,
+    optimizer,
+    tokenizer,
+    state: State,
+    arms: dict[str, config.Config],
+    problems: list[dict],
+    stream: int,
+    fresh_samples: int,
+) -> dict:
     """Sample one rollout from `state`, apply every arm's update to it from that same state, and measure each.
 
     stream names the rollout's random streams and mini-batch order (the `step` of train.sample and
@@ -250,8 +283,13 @@ def counterfactual_rollout(model, optimizer, tokenizer, state: State, arms: dict
         return {"reward": float(rewards.mean()), "accuracy": float(correct.mean()), "acting": 0.0, "skipped": True}
     before = view(model, out, base)
     no_update = fresh_reward(model, tokenizer, problems, base, fresh_samples, stream + 1)
-    line = {"reward": float(rewards.mean()), "accuracy": float(correct.mean()),
-            "acting": float((advantages != 0).float().mean()), "fresh_reward_before": no_update, "arms": {}}
+    line = {
+        "reward": float(rewards.mean()),
+        "accuracy": float(correct.mean()),
+        "acting": float((advantages != 0).float().mean()),
+        "fresh_reward_before": no_update,
+        "arms": {},
+    }
     for name, cfg in arms.items():
         state.restore(model, optimizer)
         records = []
@@ -267,8 +305,9 @@ def counterfactual_rollout(model, optimizer, tokenizer, state: State, arms: dict
 # ----------------------------------------------------------------------------- arms and settings
 
 
-def arm_configs(shared: list[str], arms: list[str], deltas: dict[str, float],
-                rollout_prompts: int | None = None) -> dict[str, config.Config]:
+def arm_configs(
+    shared: list[str], arms: list[str], deltas: dict[str, float], rollout_prompts: int | None = None
+) -> dict[str, config.Config]:
     """The train.py Config of every arm: the shared flags, then the arm's (an -eq arm: its base's at its
     calibrated delta), with rollout_prompts prompts per rollout (None: the pilot's --prompts-per-step).
     They differ in the loss alone."""
@@ -277,9 +316,13 @@ def arm_configs(shared: list[str], arms: list[str], deltas: dict[str, float],
         flags = study.arm_flags(arm, deltas)
         cfg, _, _ = config.parse_args(shared + flags)
         prompts = rollout_prompts or cfg.prompts_per_step
-        cfgs[arm] = dataclasses.replace(cfg, prompts_per_step=prompts, rollout_batch=min(cfg.rollout_batch or prompts,
-                                                                                           prompts),
-                                        grad_accum=cfg.grad_accum or 1, eval_batch=cfg.eval_batch or 16)
+        cfgs[arm] = dataclasses.replace(
+            cfg,
+            prompts_per_step=prompts,
+            rollout_batch=min(cfg.rollout_batch or prompts, prompts),
+            grad_accum=cfg.grad_accum or 1,
+            eval_batch=cfg.eval_batch or 16,
+        )
     first = next(iter(cfgs.values()))
     for arm, cfg in cfgs.items():
         assert dataclasses.replace(cfg, loss=first.loss) == first, f"arm {arm} changes more than the loss"
@@ -318,12 +361,17 @@ def summarize(lines: list[dict], arms: list[str], baseline: str = "grpo") -> dic
     """Per arm and measure: mean and se over rollouts; per arm other than the baseline and measure: the paired
     gap to it (study.Comparison, judged with every other gap of the table as one family)."""
     columns = list(MEASURES) + [f"clip[{label}]" for label in loss.MU_LABELS]
-    values = {arm: {m: np.array([line["arms"][arm][m] for line in lines], dtype=float) for m in columns}
-              for arm in arms}
-    means = {arm: {m: study.mean_se(v[~np.isnan(v)]) for m, v in by_measure.items()}
-             for arm, by_measure in values.items()}
-    gaps = {arm: {m: study.paired(values[arm][m] - values[baseline][m]) for m in MEASURES}
-            for arm in arms if arm != baseline and baseline in values}
+    values = {
+        arm: {m: np.array([line["arms"][arm][m] for line in lines], dtype=float) for m in columns} for arm in arms
+    }
+    means = {
+        arm: {m: study.mean_se(v[~np.isnan(v)]) for m, v in by_measure.items()} for arm, by_measure in values.items()
+    }
+    gaps = {
+        arm: {m: study.paired(values[arm][m] - values[baseline][m]) for m in MEASURES}
+        for arm in arms
+        if arm != baseline and baseline in values
+    }
     study.judge([c for by_measure in gaps.values() for c in by_measure.values()])
     return {"means": means, "gaps": gaps, "rollouts": len(lines)}
 
@@ -339,18 +387,30 @@ def markdown(summary: dict, arms: list[str], baseline: str = "grpo") -> str:
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     if summary["gaps"]:
         k = study.power_multiplier(summary["rollouts"], len(family))
-        lines += ["", f"Paired gaps to {baseline} (arm - {baseline}, ± se over {summary['rollouts']} rollouts). "
-                  f"* marks a gap called a difference: beyond the gap detectable with 80% power at the 5% level "
-                  f"two-sided over the family of {len(family)} tests (Bonferroni), {k:.2f} se here; such a gap "
-                  f"also passes Holm's test.", "", head.replace("| arm |", f"| arm - {baseline} |"), rule]
+        lines += [
+            "",
+            f"Paired gaps to {baseline} (arm - {baseline}, ± se over {summary['rollouts']} rollouts). "
+            f"* marks a gap called a difference: beyond the gap detectable with 80% power at the 5% level "
+            f"two-sided over the family of {len(family)} tests (Bonferroni), {k:.2f} se here; such a gap "
+            f"also passes Holm's test.",
+            "",
+            head.replace("| arm |", f"| arm - {baseline} |"),
+            rule,
+        ]
         for arm, by_measure in summary["gaps"].items():
             cells = [_gap_cell(by_measure[m], scale, digits) for m, (_, scale, digits) in MEASURES.items()]
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")
-    lines += ["", "| arm | " + " | ".join(f"clipped % at μ {label}" for label in loss.MU_LABELS) + " |",
-              "| --- | " + " | ".join("--:" for _ in loss.MU_LABELS) + " |"]
+    lines += [
+        "",
+        "| arm | " + " | ".join(f"clipped % at μ {label}" for label in loss.MU_LABELS) + " |",
+        "| --- | " + " | ".join("--:" for _ in loss.MU_LABELS) + " |",
+    ]
     for arm in arms:
-        lines.append(f"| {arm} | " + " | ".join(_cell(*summary["means"][arm][f"clip[{label}]"], 100, 1)
-                                               for label in loss.MU_LABELS) + " |")
+        lines.append(
+            f"| {arm} | "
+            + " | ".join(_cell(*summary["means"][arm][f"clip[{label}]"], 100, 1) for label in loss.MU_LABELS)
+            + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -371,32 +431,54 @@ def _gap_cell(c: study.Comparison, scale: float, digits: int) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="counterfactual.py", description=__doc__.split("\n")[0],
-                                     epilog="Flags after -- are passed to every arm's train.py config.")
-    parser.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated, of {', '.join(study.all_arms())} "
-                                                             "(default: %(default)s); grpo comes first")
-    parser.add_argument("--points", default="0,5,10",
-                        help="pilot steps to start rollouts from (default: %(default)s)")
+    parser = argparse.ArgumentParser(
+        prog="counterfactual.py",
+        description=__doc__.split("\n")[0],
+        epilog="Flags after -- are passed to every arm's train.py config.",
+    )
+    parser.add_argument(
+        "--arms",
+        default=DEFAULT_ARMS,
+        help=f"comma-separated, of {', '.join(study.all_arms())} (default: %(default)s); grpo comes first",
+    )
+    parser.add_argument("--points", default="0,5,10", help="pilot steps to start rollouts from (default: %(default)s)")
     parser.add_argument("--rollouts", type=int, default=10, help="measured rollouts per point (default: %(default)s)")
-    parser.add_argument("--rollout-prompts", type=int, default=1,
-                        help="prompts per measured rollout, each with --group-size completions; the pilot trains "
-                             "with --prompts-per-step (default: %(default)s)")
-    parser.add_argument("--fresh-samples", type=int, default=4,
-                        help="fresh completions per prompt for the reward measure (default: %(default)s)")
-    parser.add_argument("--out", type=Path, default=Path("runs/counterfactual"),
-                        help="directory (default: %(default)s)")
-    parser.add_argument("--workers", type=int, default=2,
-                        help="points measured at once, each in a process of its own (default: %(default)s, for two "
-                             "CPU cores; with OMP_NUM_THREADS=1)")
-    parser.add_argument("--max-draws", type=int, default=20,
-                        help="rollouts drawn per rollout wanted before a point whose rollouts never have an acting "
-                             "token is given up (default: %(default)s)")
+    parser.add_argument(
+        "--rollout-prompts",
+        type=int,
+        default=1,
+        help="prompts per measured rollout, each with --group-size completions; the pilot trains "
+        "with --prompts-per-step (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--fresh-samples",
+        type=int,
+        default=4,
+        help="fresh completions per prompt for the reward measure (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("runs/counterfactual"), help="directory (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="points measured at once, each in a process of its own (default: %(default)s, for two "
+        "CPU cores; with OMP_NUM_THREADS=1)",
+    )
+    parser.add_argument(
+        "--max-draws",
+        type=int,
+        default=20,
+        help="rollouts drawn per rollout wanted before a point whose rollouts never have an acting "
+        "token is given up (default: %(default)s)",
+    )
     parser.add_argument("--point", type=int, default=None, help=argparse.SUPPRESS)  # a worker's one point
     study.add_train_flags(parser, skip=PILOT_ONLY)
     argv = sys.argv[1:] if argv is None else list(argv)
     cut = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:cut])
-    args.train_args = argv[cut + 1:]
+    args.train_args = argv[cut + 1 :]
     args.argv = argv  # what a worker is started with
     try:
         args.points = sorted({int(p) for p in args.points.split(",") if p.strip()})
@@ -408,8 +490,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.arms[0] != "grpo":
         parser.error(f"--arms {','.join(args.arms)}: grpo must come first, the baseline of every gap")
     if min(args.rollouts, args.rollout_prompts, args.fresh_samples, args.workers, args.max_draws) < 1:
-        parser.error(f"--rollouts {args.rollouts}, --rollout-prompts {args.rollout_prompts}, --fresh-samples "
-                     f"{args.fresh_samples}, --workers {args.workers} and --max-draws {args.max_draws}: must be >= 1")
+        parser.error(
+            f"--rollouts {args.rollouts}, --rollout-prompts {args.rollout_prompts}, --fresh-samples "
+            f"{args.fresh_samples}, --workers {args.workers} and --max-draws {args.max_draws}: must be >= 1"
+        )
     if args.point is not None and args.point not in args.points:
         parser.error(f"--point {args.point}: not one of --points")
     study.resolve_setting(args)
@@ -420,38 +504,59 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     started = time.time()
     shared = study.train_flags(args, exclude=PILOT_ONLY)
-    settings = {"train_flags": shared, "points": args.points, "rollout_prompts": args.rollout_prompts,
-                "fresh_samples": args.fresh_samples}
+    settings = {
+        "train_flags": shared,
+        "points": args.points,
+        "rollout_prompts": args.rollout_prompts,
+        "fresh_samples": args.fresh_samples,
+    }
     if args.point is None:
         pilot_cfg, _, _ = config.parse_args(shared + ["--rule", "grpo", "--steps", str(max(args.points))])
         if not pilot_cfg.lora_rank:  # a point is saved and restored as LoRA adapters and their AdamW moments
             raise SystemExit("counterfactual.py: --lora-rank 0: the points are LoRA adapters; give a rank above 0")
-        study.check_settings(args.out, settings | {"arms": args.arms}, keys=tuple(settings),
-                             started=(args.out / "pilot").exists())
+        study.check_settings(
+            args.out, settings | {"arms": args.arms}, keys=tuple(settings), started=(args.out / "pilot").exists()
+        )
         run_pilot(pilot_cfg, args.out, args.points)
     equal_rate = any(arm.endswith(study.EQUAL_RATE) for arm in args.arms)
     calibration = calibrated_deltas(args.out, shared, args.arms) if equal_rate else {}
-    arms = arm_configs(shared, [arm for arm in args.arms if arm not in calibration.get("unreachable", {})],
-                       calibration.get("deltas", {}), args.rollout_prompts)
+    arms = arm_configs(
+        shared,
+        [arm for arm in args.arms if arm not in calibration.get("unreachable", {})],
+        calibration.get("deltas", {}),
+        args.rollout_prompts,
+    )
     if args.point is not None:  # one worker of run_points
         run_point(args, arms, args.point)
         return
-    todo = [p for p in args.points if len(kept_rollouts(read_rollouts(rollout_file(args.out, p)), list(arms))[0])
-            < args.rollouts]
+    todo = [
+        p
+        for p in args.points
+        if len(kept_rollouts(read_rollouts(rollout_file(args.out, p)), list(arms))[0]) < args.rollouts
+    ]
     run_points(args, arms, todo)
     lines = {p: read_rollouts(rollout_file(args.out, p)) for p in args.points}
-    kept = [line for p in args.points for line in kept_rollouts(lines[p], list(arms))[0][:args.rollouts]]
+    kept = [line for p in args.points for line in kept_rollouts(lines[p], list(arms))[0][: args.rollouts]]
     skipped = {p: kept_rollouts(lines[p], list(arms))[1] for p in args.points}
     summary = summarize(kept, list(arms)) | {"skipped": skipped}
     summary["by_point"] = {p: summarize([line for line in kept if line["point"] == p], list(arms)) for p in args.points}
     table = markdown(summary, list(arms))
     (args.out / "table.md").write_text(table)
-    results = {"settings": settings, "measures": MEASURES, "calibration": calibration,
-               "arms": {arm: study.arm_flags(arm, calibration.get("deltas", {})) for arm in arms},
-               **summary, "seconds": time.time() - started}
+    results = {
+        "settings": settings,
+        "measures": MEASURES,
+        "calibration": calibration,
+        "arms": {arm: study.arm_flags(arm, calibration.get("deltas", {})) for arm in arms},
+        **summary,
+        "seconds": time.time() - started,
+    }
     (args.out / "results.json").write_text(json.dumps(strict_json(_plain(results)), indent=1, allow_nan=False) + "\n")
-    subprocess.run([sys.executable, "-m", "research.plot", "--counterfactual", str(args.out), "--out",
-                    str(args.out / "figures")], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "research.plot", "--counterfactual", str(args.out), "--out", str(args.out / "figures")],
+        check=True,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+    )
     print(table + f"\n{args.out}: table.md, results.json, figures/, rollouts/, pilot/ ({time.time() - started:.0f} s)")
 
 
@@ -488,16 +593,22 @@ def run_points(args: argparse.Namespace, arms: dict[str, config.Config], points:
                 cut = args.argv.index("--") if "--" in args.argv else len(args.argv)  # before the train.py flags
                 command = [*args.argv[:cut], "--point", str(p), *args.argv[cut:]]
                 with log.open("a") as f:
-                    running[p] = subprocess.Popen([sys.executable, "-m", "research.counterfactual", *command],
-                                                  stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+                    running[p] = subprocess.Popen(
+                        [sys.executable, "-m", "research.counterfactual", *command],
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                        cwd=ROOT,
+                    )
                 print(f"point {p}: a worker started, output in {log}", flush=True)
             time.sleep(1)
             for p, process in list(running.items()):
                 if process.poll() is not None:
                     del running[p]
                     if process.returncode != 0:
-                        raise SystemExit(f"counterfactual.py: the worker of point {p} failed (exit status "
-                                         f"{process.returncode}); its output is in {args.out / 'logs'}/point-{p}.log")
+                        raise SystemExit(
+                            f"counterfactual.py: the worker of point {p} failed (exit status "
+                            f"{process.returncode}); its output is in {args.out / 'logs'}/point-{p}.log"
+                        )
                     print(f"point {p}: done", flush=True)
     finally:
         for process in running.values():  # stopped or failed: the others end too; a rerun continues
@@ -531,19 +642,31 @@ def run_point(args: argparse.Namespace, arms: dict[str, config.Config], point: i
         if draw in done:
             continue
         problems = train.batch_of(train_set, draw * base.prompts_per_step, base.prompts_per_step, base.seed + 1)
-        line = {"point": point, "draw": draw, **counterfactual_rollout(model, optimizer, tokenizer, state, arms,
-                                                                       problems, 1_000_000 + 2 * draw,
-                                                                       args.fresh_samples)}
+        line = {
+            "point": point,
+            "draw": draw,
+            **counterfactual_rollout(
+                model, optimizer, tokenizer, state, arms, problems, 1_000_000 + 2 * draw, args.fresh_samples
+            ),
+        }
         with path.open("a") as f:
             f.write(json.dumps(strict_json(line), allow_nan=False) + "\n")
         kept += not line.get("skipped")
-        what = "no acting token, skipped" if line.get("skipped") else \
-            f"grpo clips {_percent(line['arms']['grpo']['clip'])}"
-        print(f"point {point} draw {draw} ({kept}/{args.rollouts} kept): reward {line['reward']:.2f}, {what} "
-              f"({time.time() - started:.0f} s)", flush=True)
+        what = (
+            "no acting token, skipped"
+            if line.get("skipped")
+            else f"grpo clips {_percent(line['arms']['grpo']['clip'])}"
+        )
+        print(
+            f"point {point} draw {draw} ({kept}/{args.rollouts} kept): reward {line['reward']:.2f}, {what} "
+            f"({time.time() - started:.0f} s)",
+            flush=True,
+        )
     if kept < args.rollouts:
-        raise SystemExit(f"counterfactual.py: point {point}: {args.max_draws * args.rollouts} rollouts drawn, {kept} "
-                         "with an acting token (a group of mixed rewards); the policy there gives no signal")
+        raise SystemExit(
+            f"counterfactual.py: point {point}: {args.max_draws * args.rollouts} rollouts drawn, {kept} "
+            "with an acting token (a group of mixed rewards); the policy there gives no signal"
+        )
 
 
 def _plain(value):

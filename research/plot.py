@@ -45,24 +45,40 @@ class Panel:
 TOKENS = "fraction of completion tokens"
 # file name -> panels; a panel shows up when any run logged one of its keys
 FIGURES = {
-    "reward": [Panel("training reward", ("reward",), "reward per completion (mean)"),
-               Panel("training accuracy (the answer checker)", ("accuracy",), "fraction of completions correct",
-                     fraction=True),
-               Panel("reward of each function (--reward-fn)", ("rewards/*",), "reward per completion (mean)")],
+    "reward": [
+        Panel("training reward", ("reward",), "reward per completion (mean)"),
+        Panel(
+            "training accuracy (the answer checker)", ("accuracy",), "fraction of completions correct", fraction=True
+        ),
+        Panel("reward of each function (--reward-fn)", ("rewards/*",), "reward per completion (mean)"),
+    ],
     "entropy": [Panel("policy entropy", ("entropy",), "nats per completion token")],
-    "length": [Panel("completion length", ("completion_length",), "tokens per completion (mean)"),
-               Panel("truncated at max_new_tokens", ("truncated",), "fraction of completions", fraction=True)],
-    "clipping": [Panel("clip rate: acting tokens after a rollout's first update", ("clip_rate",),
-                       "fraction of tokens with A != 0", fraction=True),
-                 Panel("clipped below (ratio under its lower bound)", ("clip_low_frac",), TOKENS, fraction=True),
-                 Panel("clipped above (ratio over its upper bound)", ("clip_high_frac",), TOKENS, fraction=True),
-                 Panel("stopped by --ratio-limits or --dual-clip", ("limit_clip_frac",), TOKENS, fraction=True)],
-    "kl": [Panel("KL to the sampling policy (k3 estimate)", ("approx_kl",), "nats per completion token"),
-           Panel("KL to the reference policy", ("ref_kl",), "nats per completion token")],
-    "grad_norm": [Panel("gradient norm before clipping", ("grad_norm",), "L2 norm of the adapters' gradient "
-                                                                          "(no unit)")],
-    "speed": [Panel("step time", ("step_seconds",), "seconds per step"),
-              Panel("throughput", ("rollout_tokens_per_s", "train_tokens_per_s"), "tokens per second")],
+    "length": [
+        Panel("completion length", ("completion_length",), "tokens per completion (mean)"),
+        Panel("truncated at max_new_tokens", ("truncated",), "fraction of completions", fraction=True),
+    ],
+    "clipping": [
+        Panel(
+            "clip rate: acting tokens after a rollout's first update",
+            ("clip_rate",),
+            "fraction of tokens with A != 0",
+            fraction=True,
+        ),
+        Panel("clipped below (ratio under its lower bound)", ("clip_low_frac",), TOKENS, fraction=True),
+        Panel("clipped above (ratio over its upper bound)", ("clip_high_frac",), TOKENS, fraction=True),
+        Panel("stopped by --ratio-limits or --dual-clip", ("limit_clip_frac",), TOKENS, fraction=True),
+    ],
+    "kl": [
+        Panel("KL to the sampling policy (k3 estimate)", ("approx_kl",), "nats per completion token"),
+        Panel("KL to the reference policy", ("ref_kl",), "nats per completion token"),
+    ],
+    "grad_norm": [
+        Panel("gradient norm before clipping", ("grad_norm",), "L2 norm of the adapters' gradient (no unit)")
+    ],
+    "speed": [
+        Panel("step time", ("step_seconds",), "seconds per step"),
+        Panel("throughput", ("rollout_tokens_per_s", "train_tokens_per_s"), "tokens per second"),
+    ],
 }
 KEY_LABELS = {"rollout_tokens_per_s": "sampling", "train_tokens_per_s": "training"}  # a legend's words for a key
 LINE_STYLES = ("-", "--", ":", "-.")
@@ -76,8 +92,11 @@ class Run:
 
     def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
         """(steps, values) over the steps that logged `key` as a number or null (NaN: a gap in the line)."""
-        points = [(r["step"], math.nan if r[key] is None else r[key]) for r in self.records
-                  if key in r and (r[key] is None or isinstance(r[key], (int, float)))]
+        points = [
+            (r["step"], math.nan if r[key] is None else r[key])
+            for r in self.records
+            if key in r and (r[key] is None or isinstance(r[key], (int, float)))
+        ]
         steps, values = zip(*points) if points else ((), ())
         return np.array(steps, dtype=float), np.array(values, dtype=float)
 
@@ -98,7 +117,7 @@ def load_run(path: Path, name: str) -> Run:
         except json.JSONDecodeError as error:
             raise ValueError(f"{metrics}:{number}: invalid JSON ({error.msg})") from None
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            raise ValueError(f"{metrics}:{number}: expected a JSON object with an integer \"step\"")
+            raise ValueError(f'{metrics}:{number}: expected a JSON object with an integer "step"')
         if "event" not in record:  # a resume's note of changed settings, not a step
             by_step[record["step"]] = record
     summary_file = path / "summary.json"
@@ -193,8 +212,16 @@ def draw_held_out(ax, runs: Sequence[Run], colors) -> None:
     for run, color in zip(runs, colors):
         steps, accuracy, se = held_out_points(run)
         if len(steps):
-            ax.errorbar(steps, accuracy, yerr=se, color=color, marker="o", markersize=4, capsize=3,
-                        label=run.name if len(runs) > 1 else None)
+            ax.errorbar(
+                steps,
+                accuracy,
+                yerr=se,
+                color=color,
+                marker="o",
+                markersize=4,
+                capsize=3,
+                label=run.name if len(runs) > 1 else None,
+            )
     k = held_out_k(runs)
     label = f"Mean@{k}" if "," not in k else f"Mean@k (k = {k})"
     ax.set(title="held-out accuracy (± se over problems)", xlabel="step", ylabel=f"{label}, fraction correct")
@@ -261,15 +288,19 @@ def draw_bucket_table(runs: Sequence[Run]):
         percent = 100 * table
         middle = (steps[:-1] + steps[1:]) / 2
         edges = np.concatenate([[steps[0] - 0.5], middle, [steps[-1] + 0.5]])  # a cell per step, gaps allowed
-        mesh = ax.pcolormesh(edges, np.arange(len(labels) + 1), np.ma.masked_invalid(percent), vmin=0.0, vmax=top,
-                             cmap="viridis")
+        mesh = ax.pcolormesh(
+            edges, np.arange(len(labels) + 1), np.ma.masked_invalid(percent), vmin=0.0, vmax=top, cmap="viridis"
+        )
         ax.set_facecolor("0.85")  # a bucket with no token that step
         ax.set_yticks(np.arange(len(labels)) + 0.5, labels, fontsize=11)
         ax.tick_params(axis="x", labelsize=11)
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         honest = any(f"mu[{labels[0]}]/clip_rate" in r for r in run.records)
-        ax.set_title(f"{run.name}: clipped by the region or the limits, per old probability (grey: no token)"
-                     + ("\nof the tokens with A != 0 after a rollout's first update" if honest else ""), fontsize=12)
+        ax.set_title(
+            f"{run.name}: clipped by the region or the limits, per old probability (grey: no token)"
+            + ("\nof the tokens with A != 0 after a rollout's first update" if honest else ""),
+            fontsize=12,
+        )
         ax.set_xlabel("step", fontsize=11)
         ax.set_ylabel("old probability of the token", fontsize=11)
         bar = fig.colorbar(mesh, ax=ax)
@@ -277,9 +308,15 @@ def draw_bucket_table(runs: Sequence[Run]):
         if numbers:
             for row, column in np.ndindex(percent.shape):
                 if np.isfinite(percent[row, column]):
-                    ax.text((edges[column] + edges[column + 1]) / 2, row + 0.5, f"{percent[row, column]:.1f}",
-                            ha="center", va="center", fontsize=11,
-                            color="white" if percent[row, column] < top / 2 else "k")
+                    ax.text(
+                        (edges[column] + edges[column + 1]) / 2,
+                        row + 0.5,
+                        f"{percent[row, column]:.1f}",
+                        ha="center",
+                        va="center",
+                        fontsize=11,
+                        color="white" if percent[row, column] < top / 2 else "k",
+                    )
     return fig
 
 
@@ -355,9 +392,10 @@ def plot_counterfactual(results: dict, out: Path) -> list[Path]:
     if gaps:
         columns = 3
         rows = math.ceil(len(measures) / columns)
-        fig, grid = plt.subplots(rows, columns, figsize=(5 * columns, max(2.6, 0.35 * len(gaps) + 1.4) * rows),
-                                 squeeze=False)
-        for ax in list(grid.flat)[len(measures):]:
+        fig, grid = plt.subplots(
+            rows, columns, figsize=(5 * columns, max(2.6, 0.35 * len(gaps) + 1.4) * rows), squeeze=False
+        )
+        for ax in list(grid.flat)[len(measures) :]:
             fig.delaxes(ax)
         for ax, (measure, (heading, scale, _)) in zip(grid.flat, measures.items()):
             names = list(gaps)
@@ -366,27 +404,43 @@ def plot_counterfactual(results: dict, out: Path) -> list[Path]:
                 if c["gap"] is None:
                     continue
                 half = (c["ci95"] or 0.0) * scale
-                ax.errorbar(c["gap"] * scale, y, xerr=half, fmt="o", color="C0" if c["called"] else "0.5",
-                            markerfacecolor="C0" if c["called"] else "white", capsize=3)
+                ax.errorbar(
+                    c["gap"] * scale,
+                    y,
+                    xerr=half,
+                    fmt="o",
+                    color="C0" if c["called"] else "0.5",
+                    markerfacecolor="C0" if c["called"] else "white",
+                    capsize=3,
+                )
             ax.axvline(0, color="k", linewidth=0.8)
             ax.set_yticks(range(len(names)), names)
             ax.invert_yaxis()
             ax.set(title=f"{heading}: arm - grpo", xlabel="paired gap (95% interval)")
             ax.grid(alpha=0.3, axis="x")
         written.append(write(fig, out / "gaps.png"))
-    labels = [key[len("clip["):-1] for key in next(iter(means.values())) if key.startswith("clip[")]
+    labels = [key[len("clip[") : -1] for key in next(iter(means.values())) if key.startswith("clip[")]
     fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(arms) * len(labels) / 3), 4.2))
     width = 0.8 / len(arms)
     for i, arm in enumerate(arms):
         rates = [means[arm][f"clip[{label}]"] for label in labels]
         heights = [np.nan if m is None else 100 * m for m, _ in rates]
         errors = [0 if se is None else 100 * se for _, se in rates]
-        ax.bar(np.arange(len(labels)) + (i - (len(arms) - 1) / 2) * width, heights, width, yerr=errors,
-               label=arm, color=plt.get_cmap("tab10")(i % 10), capsize=2)
+        ax.bar(
+            np.arange(len(labels)) + (i - (len(arms) - 1) / 2) * width,
+            heights,
+            width,
+            yerr=errors,
+            label=arm,
+            color=plt.get_cmap("tab10")(i % 10),
+            capsize=2,
+        )
     ax.set_xticks(range(len(labels)), [f"μ {label}" for label in labels])
     ax.set_xlim(-0.5, len(labels) - 0.5)
-    ax.set(title="clipped % of the acting tokens after a rollout's first update, by old probability μ",
-           ylabel="% clipped (± se over rollouts)")
+    ax.set(
+        title="clipped % of the acting tokens after a rollout's first update, by old probability μ",
+        ylabel="% clipped (± se over rollouts)",
+    )
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8, ncol=2)
     written.append(write(fig, out / "clip_buckets.png"))
@@ -409,12 +463,26 @@ def load_counterfactual(path: Path) -> dict:
 def main(argv: Sequence[str] | None = None) -> list[Path]:
     parser = _Parser(description=__doc__.strip().splitlines()[0], allow_abbrev=False)
     parser.add_argument("runs", nargs="*", type=Path, help="run directories written by train.py (runs/NAME)")
-    parser.add_argument("--counterfactual", type=Path, default=None, metavar="DIR",
-                        help="draw counterfactual.py's table from DIR/results.json instead of runs")
-    parser.add_argument("--out", type=Path, default=None, help="folder for the PNG files (default: RUN/plots for "
-                        "one run, plots-A-vs-B beside the first run for several)")
-    parser.add_argument("--smooth", type=int, default=1, metavar="N", help="draw the trailing mean over N steps, "
-                        "the raw values faint behind it (default: 1, no smoothing)")
+    parser.add_argument(
+        "--counterfactual",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="draw counterfactual.py's table from DIR/results.json instead of runs",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for the PNG files (default: RUN/plots for one run, plots-A-vs-B beside the first run for several)",
+    )
+    parser.add_argument(
+        "--smooth",
+        type=int,
+        default=1,
+        metavar="N",
+        help="draw the trailing mean over N steps, the raw values faint behind it (default: 1, no smoothing)",
+    )
     args = parser.parse_args(argv)
     if args.smooth < 1:
         parser.error(f"--smooth {args.smooth}: must be >= 1")

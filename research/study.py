@@ -39,11 +39,11 @@ from pathlib import Path
 
 import numpy as np
 
-from research import calibrate
 import config
-from infra import rundir
 from eval import strict_json
+from infra import rundir
 from loss import MU_LABELS  # the old-probability buckets of the metrics
+from research import calibrate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -94,10 +94,10 @@ def arm_flags(arm: str, deltas: dict[str, float] | None = None) -> list[str]:
         return list(ARMS[arm])
     if deltas is None or arm not in deltas:
         raise ValueError(f"arm {arm}: its delta is calibrated on grpo's per-token records, which are not there yet")
-    base = ARMS[arm[:-len(EQUAL_RATE)]]
+    base = ARMS[arm[: -len(EQUAL_RATE)]]
     if "--delta" in base:  # the base arm's own size gives way to the calibrated one
         at = base.index("--delta")
-        base = base[:at] + base[at + 2:]
+        base = base[:at] + base[at + 2 :]
     return base + ["--delta", f"{deltas[arm]:.6g}"]
 
 
@@ -132,10 +132,11 @@ def calibrate_arms(records: dict[str, np.ndarray], shared: list[str], arms: list
         if not arm.endswith(EQUAL_RATE):
             continue
         if not acting.any():
-            calibration["unreachable"][arm] = "grpo's records hold no token a clip can act on (no advantage != 0 " \
-                                              "after a rollout's first update)"
+            calibration["unreachable"][arm] = (
+                "grpo's records hold no token a clip can act on (no advantage != 0 after a rollout's first update)"
+            )
             continue
-        cfg, _, _ = config.parse_args(shared + ARMS[arm[:-len(EQUAL_RATE)]])
+        cfg, _, _ = config.parse_args(shared + ARMS[arm[: -len(EQUAL_RATE)]])
         try:
             calibration["deltas"][arm] = calibrate.calibrate_to(records, cfg.loss, target)
         except ValueError as error:
@@ -289,17 +290,25 @@ def run_numbers(metrics: list[dict], summary: dict) -> dict:
         rate = np.array([m[f"mu[{label}]/clip_frac"] + m.get(f"mu[{label}]/limit_frac", 0.0) for m in steps])
         all_by_bucket[label] = float((rate * count).sum() / count.sum()) if count.sum() > 0 else math.nan
         by_bucket[label] = _weighted_rate(steps, f"mu[{label}]/")
-    return {"before": summary["before"]["accuracy"], "after": summary["after"]["accuracy"],
-            "final_entropy": steps[-1]["entropy"], "clip": _weighted_rate(steps, ""),
-            "clip_all": float((clip * tokens).sum() / tokens.sum()), "clip_by_bucket": by_bucket,
-            "clip_all_by_bucket": all_by_bucket}
+    return {
+        "before": summary["before"]["accuracy"],
+        "after": summary["after"]["accuracy"],
+        "final_entropy": steps[-1]["entropy"],
+        "clip": _weighted_rate(steps, ""),
+        "clip_all": float((clip * tokens).sum() / tokens.sum()),
+        "clip_by_bucket": by_bucket,
+        "clip_all_by_bucket": all_by_bucket,
+    }
 
 
 def _weighted_rate(steps: list[dict], prefix: str) -> float:
     """A rate train.py logs per step with its token count (clip_rate, clip_rate_tokens), over the run; nan
     where no step has it (one update per rollout, or a run logged before the rate existed)."""
-    pairs = [(m[f"{prefix}clip_rate"], m[f"{prefix}clip_rate_tokens"]) for m in steps
-             if m.get(f"{prefix}clip_rate") is not None]
+    pairs = [
+        (m[f"{prefix}clip_rate"], m[f"{prefix}clip_rate_tokens"])
+        for m in steps
+        if m.get(f"{prefix}clip_rate") is not None
+    ]
     count = sum(n for _, n in pairs)
     return sum(rate * n for rate, n in pairs) / count if count else math.nan
 
@@ -313,15 +322,26 @@ def arm_rows(results: dict[str, dict[int, dict]], baseline: str = "grpo") -> lis
     rows = []
     for arm, by_seed in results.items():
         seeds = sorted(by_seed)
-        column = {key: [by_seed[s][key] for s in seeds] for key in ("before", "after", "final_entropy", "clip",
-                                                                     "clip_all")}
-        row = {"arm": arm, "seeds": len(seeds), **{key: mean_se(values) for key, values in column.items()},
-               "clip_by_bucket": {label: float(np.nanmean([by_seed[s]["clip_by_bucket"][label] for s in seeds]))
-                                  if any(not math.isnan(by_seed[s]["clip_by_bucket"][label]) for s in seeds)
-                                  else math.nan for label in MU_LABELS}}
+        column = {
+            key: [by_seed[s][key] for s in seeds] for key in ("before", "after", "final_entropy", "clip", "clip_all")
+        }
+        row = {
+            "arm": arm,
+            "seeds": len(seeds),
+            **{key: mean_se(values) for key, values in column.items()},
+            "clip_by_bucket": {
+                label: float(np.nanmean([by_seed[s]["clip_by_bucket"][label] for s in seeds]))
+                if any(not math.isnan(by_seed[s]["clip_by_bucket"][label]) for s in seeds)
+                else math.nan
+                for label in MU_LABELS
+            },
+        }
         shared = [s for s in seeds if s in results.get(baseline, {})] if arm != baseline else []
-        row["gaps"] = {key: paired([by_seed[s][key] - results[baseline][s][key] for s in shared])
-                       for key in GAP_KEYS} if shared else None
+        row["gaps"] = (
+            {key: paired([by_seed[s][key] - results[baseline][s][key] for s in shared]) for key in GAP_KEYS}
+            if shared
+            else None
+        )
         rows.append(row)
     judge([row["gaps"][key] for row in rows if row["gaps"] for key in GAP_KEYS])
     return rows
@@ -352,44 +372,58 @@ def power_lines(rows: list[dict], problems: int, k: int) -> list[str]:
     multiplier = power_multiplier(seeds, family)
     accuracy = float(np.nanmean([row["after"][0] for row in rows]))
     floor = held_out_floor(accuracy, problems, k, seeds, family) if 0 < accuracy < 1 else math.nan
-    lines = [f"Power first. {seeds} seeds, each arm paired with grpo seed by seed; held-out {problems} problems x "
-             f"{k} samples. The family is the table's {family} gaps (accuracy, entropy and clip rate of each arm), "
-             f"two-sided at 5% over it: a gap is detected with 80% power when it is {_number(multiplier, 2, 1)} of "
-             f"its standard errors (paired t, {seeds - 1} df, Bonferroni level; Holm for the tests), and called "
-             f"a difference (*) only then. The held-out sampling alone (binomial, at the mean accuracy "
-             f"{_number(accuracy)}%) puts a floor of {_number(floor)} points under a detectable accuracy gap.",
-             "", "| arm | detectable accuracy gap, points | detectable entropy gap "
-                 "| detectable clip-rate gap, points |", "| --- | --: | --: | --: |"]
+    lines = [
+        f"Power first. {seeds} seeds, each arm paired with grpo seed by seed; held-out {problems} problems x "
+        f"{k} samples. The family is the table's {family} gaps (accuracy, entropy and clip rate of each arm), "
+        f"two-sided at 5% over it: a gap is detected with 80% power when it is {_number(multiplier, 2, 1)} of "
+        f"its standard errors (paired t, {seeds - 1} df, Bonferroni level; Holm for the tests), and called "
+        f"a difference (*) only then. The held-out sampling alone (binomial, at the mean accuracy "
+        f"{_number(accuracy)}%) puts a floor of {_number(floor)} points under a detectable accuracy gap.",
+        "",
+        "| arm | detectable accuracy gap, points | detectable entropy gap | detectable clip-rate gap, points |",
+        "| --- | --: | --: | --: |",
+    ]
     for row in rows:
         if row["gaps"]:
             g = row["gaps"]
-            lines.append(f"| {row['arm']} | {_number(g['after'].mde)} | {_number(g['final_entropy'].mde, 3, 1)} "
-                         f"| {_number(g['clip'].mde)} |")
+            lines.append(
+                f"| {row['arm']} | {_number(g['after'].mde)} | {_number(g['final_entropy'].mde, 3, 1)} "
+                f"| {_number(g['clip'].mde)} |"
+            )
     return lines
 
 
 def markdown_table(rows: list[dict], baseline: str = "grpo", problems: int = 0, k: int = 0) -> str:
     """The power statement, then two markdown tables: held-out accuracy with the paired gap, the diagnostics."""
     lines = power_lines(rows, problems, k) + [""] if any(row["gaps"] for row in rows) and problems else []
-    lines += [f"| arm | train.py flags | seeds | held-out before % | after % | after - {baseline} % | t | Holm p |",
-              "| --- | --- | --: | --: | --: | --: | --: | --: |"]
+    lines += [
+        f"| arm | train.py flags | seeds | held-out before % | after % | after - {baseline} % | t | Holm p |",
+        "| --- | --- | --: | --: | --: | --: | --: | --: |",
+    ]
     for r in rows:
         c = r["gaps"]["after"] if r["gaps"] else Comparison(math.nan, math.nan, 0, math.nan, math.nan)
         t = "-" if math.isnan(c.t) else f"{c.t:+.1f}"
         holm = "-" if math.isnan(c.p_holm) else f"{c.p_holm:.2f}"
-        lines.append(f"| {r['arm']} | `{' '.join(r.get('flags', ARMS.get(r['arm'], [])))}` | {r['seeds']} "
-                     f"| {_pct(*r['before'])} | {_pct(*r['after'])} | {_gap(c, 100, 1)} | {t} | {holm} |")
-    lines += ["", f"| arm | final entropy | - {baseline} | clipped % (acting, after 1st) | - {baseline} "
-              f"| clipped % (all tokens) | " + " | ".join(f"at mu {b}" for b in MU_LABELS) + " |",
-              "| --- | --: | --: | --: | --: | --: | " + " | ".join("--:" for _ in MU_LABELS) + " |"]
+        lines.append(
+            f"| {r['arm']} | `{' '.join(r.get('flags', ARMS.get(r['arm'], [])))}` | {r['seeds']} "
+            f"| {_pct(*r['before'])} | {_pct(*r['after'])} | {_gap(c, 100, 1)} | {t} | {holm} |"
+        )
+    lines += [
+        "",
+        f"| arm | final entropy | - {baseline} | clipped % (acting, after 1st) | - {baseline} "
+        f"| clipped % (all tokens) | " + " | ".join(f"at mu {b}" for b in MU_LABELS) + " |",
+        "| --- | --: | --: | --: | --: | --: | " + " | ".join("--:" for _ in MU_LABELS) + " |",
+    ]
     for r in rows:
         entropy, entropy_se = r["final_entropy"]
         entropy_text = f"{entropy:.3f}" + (f" ± {entropy_se:.3f}" if not math.isnan(entropy_se) else "")
         buckets = " | ".join(_pct(r["clip_by_bucket"][b]) for b in MU_LABELS)
         none = Comparison(math.nan, math.nan, 0, math.nan, math.nan)
-        lines.append(f"| {r['arm']} | {entropy_text} | {_gap(r['gaps']['final_entropy'] if r['gaps'] else none, 1, 3)} "
-                     f"| {_pct(*r['clip'])} | {_gap(r['gaps']['clip'] if r['gaps'] else none, 100, 1)} "
-                     f"| {_pct(*r['clip_all'])} | {buckets} |")
+        lines.append(
+            f"| {r['arm']} | {entropy_text} | {_gap(r['gaps']['final_entropy'] if r['gaps'] else none, 1, 3)} "
+            f"| {_pct(*r['clip'])} | {_gap(r['gaps']['clip'] if r['gaps'] else none, 100, 1)} "
+            f"| {_pct(*r['clip_all'])} | {buckets} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -398,15 +432,23 @@ def markdown_table(rows: list[dict], baseline: str = "grpo", problems: int = 0, 
 
 def add_train_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """--setting, --model and the TRAIN_FLAGS (but `skip`) on a parser; resolve_setting fills the rest."""
-    parser.add_argument("--setting", choices=tuple(SETTINGS), default="binding",
-                        help="updates per rollout and learning rate: " + "; ".join(
-                            f"{name} {v['updates_per_rollout']} and {v['lr']:g}" for name, v in SETTINGS.items())
-                        + " (default: %(default)s)")
+    parser.add_argument(
+        "--setting",
+        choices=tuple(SETTINGS),
+        default="binding",
+        help="updates per rollout and learning rate: "
+        + "; ".join(f"{name} {v['updates_per_rollout']} and {v['lr']:g}" for name, v in SETTINGS.items())
+        + " (default: %(default)s)",
+    )
     parser.add_argument("--model", default=None, help="model for train.py (default: the offline SmolLM2-135M)")
     for name, (default, text) in TRAIN_FLAGS.items():
         if name not in skip:
-            parser.add_argument(f"--{name.replace('_', '-')}", type=FLAG_TYPES.get(name, type(default)),
-                                default=default, help=text if default is None else f"{text} (default: %(default)s)")
+            parser.add_argument(
+                f"--{name.replace('_', '-')}",
+                type=FLAG_TYPES.get(name, type(default)),
+                default=default,
+                help=text if default is None else f"{text} (default: %(default)s)",
+            )
 
 
 def resolve_setting(args: argparse.Namespace) -> None:
@@ -433,8 +475,9 @@ def run_command(run_dir: Path, arm_flags: list[str], seed: int, shared: list[str
     if rundir.has_checkpoint(run_dir):  # continue from there
         return train + ["--resume", str(run_dir)]
     shutil.rmtree(run_dir, ignore_errors=True)  # a start that died before its first checkpoint
-    return train + shared + arm_flags + ["--seed", str(seed), "--run-name", run_dir.name,
-                                         "--out-dir", str(run_dir.parent)]
+    return (
+        train + shared + arm_flags + ["--seed", str(seed), "--run-name", run_dir.name, "--out-dir", str(run_dir.parent)]
+    )
 
 
 class Runs:
@@ -524,8 +567,9 @@ def check_flags(args: argparse.Namespace) -> None:
             raise SystemExit(2) from None
 
 
-def check_settings(out: Path, settings: dict, keys: tuple[str, ...] = ("train_flags",),
-                   started: bool | None = None) -> None:
+def check_settings(
+    out: Path, settings: dict, keys: tuple[str, ...] = ("train_flags",), started: bool | None = None
+) -> None:
     """A study directory holds one grid's settings; other settings there would mix runs silently. A folder
     where nothing started (by default: none of the grid's runs got to a checkpoint) takes new settings."""
     path = out / "study.json"
@@ -535,11 +579,16 @@ def check_settings(out: Path, settings: dict, keys: tuple[str, ...] = ("train_fl
         before = json.loads(path.read_text())
         for key in keys:
             if before.get(key) != settings[key]:
-                shown = " ".join(before[key]) if isinstance(before.get(key), list) and key == "train_flags" \
+                shown = (
+                    " ".join(before[key])
+                    if isinstance(before.get(key), list) and key == "train_flags"
                     else before.get(key)
+                )
                 name = "train.py flags" if key == "train_flags" else key.replace("_", " ")
-                raise SystemExit(f"{sys.argv[0].split('/')[-1]}: {out} holds a study run with other {name} "
-                                 f"({shown}); pass the same or another --out")
+                raise SystemExit(
+                    f"{sys.argv[0].split('/')[-1]}: {out} holds a study run with other {name} "
+                    f"({shown}); pass the same or another --out"
+                )
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(settings, indent=1) + "\n")
 
@@ -571,8 +620,11 @@ def run_grid(args: argparse.Namespace) -> tuple[dict[str, dict[int, dict]], dict
     started, total = time.time(), len(plan)
     with Runs() as runs:
         while runs.accepting and plan:
-            ready = [run for run in plan if not run[0].endswith(EQUAL_RATE) or calibration
-                     or (pilot / "summary.json").is_file()]
+            ready = [
+                run
+                for run in plan
+                if not run[0].endswith(EQUAL_RATE) or calibration or (pilot / "summary.json").is_file()
+            ]
             if not ready or len(runs.running) >= args.workers:
                 if not runs.running:
                     raise SystemExit(f"study.py: the -eq arms wait for {pilot}, which did not run")
@@ -589,12 +641,18 @@ def run_grid(args: argparse.Namespace) -> tuple[dict[str, dict[int, dict]], dict
             command = run_command(run_dir, flags[arm], seed, shared)
             if command is None:
                 continue
-            print(f"[{total - len(plan)}/{total}] {run_dir.name} ({time.time() - started:.0f} s into the study): "
-                  f"{' '.join(command[1:])}", flush=True)
+            print(
+                f"[{total - len(plan)}/{total}] {run_dir.name} ({time.time() - started:.0f} s into the study): "
+                f"{' '.join(command[1:])}",
+                flush=True,
+            )
             runs.start(run_dir.name, command, args.out / "logs" / f"{run_dir.name}.log")
         runs.wait(all_of_them=True)
-    results = {arm: {seed: read_run(args.out / "runs" / f"{arm}-s{seed}") for seed in range(args.seeds)}
-               for arm in args.arms if arm in flags}
+    results = {
+        arm: {seed: read_run(args.out / "runs" / f"{arm}-s{seed}") for seed in range(args.seeds)}
+        for arm in args.arms
+        if arm in flags
+    }
     return results, calibration, flags
 
 
@@ -602,24 +660,37 @@ def plot(out: Path, arms: list[str], seeds: int) -> None:
     """plot.py's figures, one folder per seed, the arms overlaid (the same prompts for each)."""
     for seed in range(seeds):
         runs = [str(out / "runs" / f"{arm}-s{seed}") for arm in arms]
-        subprocess.run([sys.executable, "-m", "research.plot", *runs, "--out", str(out / "figures" / f"seed-{seed}")],
-                       check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "research.plot", *runs, "--out", str(out / "figures" / f"seed-{seed}")],
+            check=True,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = config.OneLineErrors(prog="study.py", description=__doc__.split("\n")[0], allow_abbrev=False,
-                                     epilog="Flags after -- are passed to every train.py run.")
+    parser = config.OneLineErrors(
+        prog="study.py",
+        description=__doc__.split("\n")[0],
+        allow_abbrev=False,
+        epilog="Flags after -- are passed to every train.py run.",
+    )
     parser.add_argument("--seeds", type=int, default=3, help="seeds per arm, 0..N-1 (default: %(default)s)")
-    parser.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated, of {', '.join(all_arms())} "
-                                                             "(default: %(default)s)")
+    parser.add_argument(
+        "--arms", default=DEFAULT_ARMS, help=f"comma-separated, of {', '.join(all_arms())} (default: %(default)s)"
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/study"), help="study directory (default: %(default)s)")
-    parser.add_argument("--workers", type=int, default=2, help="train.py runs at once (default: %(default)s, for two "
-                                                               "CPU cores with OMP_NUM_THREADS=1)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="train.py runs at once (default: %(default)s, for two CPU cores with OMP_NUM_THREADS=1)",
+    )
     add_train_flags(parser)
     argv = sys.argv[1:] if argv is None else list(argv)
     cut = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:cut])
-    args.train_args = argv[cut + 1:]
+    args.train_args = argv[cut + 1 :]
     args.arms = check_arms(parser, args.arms)
     if args.seeds < 1 or args.workers < 1:
         parser.error(f"--seeds {args.seeds} and --workers {args.workers}: must be >= 1")
@@ -638,9 +709,16 @@ def main(argv: list[str] | None = None) -> None:
         row["flags"] = flags[row["arm"]]
     table = markdown_table(rows, problems=args.eval_problems, k=args.eval_k)
     (args.out / "table.md").write_text(table)
-    summary = {"train_flags": train_flags(args), "arms": flags, "calibration": calibration, "runs": results,
-               "rows": [{**row, "gaps": {key: dataclasses.asdict(c) for key, c in row["gaps"].items()}
-                         if row["gaps"] else None} for row in rows]}
+    summary = {
+        "train_flags": train_flags(args),
+        "arms": flags,
+        "calibration": calibration,
+        "runs": results,
+        "rows": [
+            {**row, "gaps": {key: dataclasses.asdict(c) for key, c in row["gaps"].items()} if row["gaps"] else None}
+            for row in rows
+        ],
+    }
     (args.out / "results.json").write_text(json.dumps(strict_json(summary), indent=1, allow_nan=False) + "\n")
     plot(args.out, list(results), args.seeds)
     print(table + f"\n{args.out}: table.md, results.json, figures/, runs/ ({time.time() - started:.0f} s)")

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from research.calibrate import calibrate_delta, calibration_report, main, read_token_records, write_token_records
 from loss import LossConfig, policy_loss, ratio_bounds
+from research.calibrate import calibrate_delta, calibration_report, main, read_token_records, write_token_records
 from test_loss import random_tokens
 
 f64 = torch.float64
@@ -45,7 +45,7 @@ def test_records_agree_with_the_metrics_and_round_trip(tmp_path):
         np.testing.assert_allclose(r["w"], (logp - old_logp)[rows][mask[rows]].exp().detach().numpy(), rtol=1e-6)
     assert all(records[0][k].any() for k in ("region_low", "region_high", "limit"))
     total = int(mask.sum())
-    write_token_records(tmp_path / "run" / "tokens" / "step-000003.npz", records, n=10 ** 6, seed=0)
+    write_token_records(tmp_path / "run" / "tokens" / "step-000003.npz", records, n=10**6, seed=0)
     write_token_records(tmp_path / "run" / "tokens" / "step-000007.npz", records, n=20, seed=0)
     assert not list((tmp_path / "run" / "tokens").glob("*.tmp"))
     back = read_token_records(tmp_path / "run")
@@ -66,8 +66,14 @@ def synthetic_run(tmp_path, n=5000, seed=15):
     log_w = 0.2 * torch.randn(1, n, dtype=f64, generator=g)
     adv = torch.randn(1, n, dtype=f64, generator=g)
     records = []
-    _, metrics = policy_loss(old_logp + log_w, old_logp, adv, torch.ones(1, n, dtype=torch.bool),
-                             LossConfig(rule="atr", delta=0.07), records=records)
+    _, metrics = policy_loss(
+        old_logp + log_w,
+        old_logp,
+        adv,
+        torch.ones(1, n, dtype=torch.bool),
+        LossConfig(rule="atr", delta=0.07),
+        records=records,
+    )
     write_token_records(tmp_path / "tokens" / "step-000001.npz", records, n=n, seed=0)
     return metrics["clip_low_frac"] + metrics["clip_high_frac"]
 

@@ -4,14 +4,13 @@ import math
 import re
 import subprocess
 import sys
-import warnings
 import tomllib
+import warnings
 from pathlib import Path
 
 import pytest
 
 import config
-
 
 # Each row: (preset, setting, value, where the paper states it). Values the papers leave open are not here:
 # they are our choices, listed in the README.
@@ -40,25 +39,64 @@ PAPER_VALUES = [
     ("gppo-qwen3-8b-full", "world_size", 8, "GPPO: 8 GPUs"),
 ]
 # GPPO's run on every weight states what the LoRA preset states, in a file of its own
-PAPER_VALUES += [("gppo-qwen3-8b-full", name, value, source) for preset, name, value, source in PAPER_VALUES
-                 if preset == "gppo-qwen3-8b"]
+PAPER_VALUES += [
+    ("gppo-qwen3-8b-full", name, value, source)
+    for preset, name, value, source in PAPER_VALUES
+    if preset == "gppo-qwen3-8b"
+]
 # GPPO's code run states 600 steps, its reward and its evaluation sets; the rest as the math run
-PAPER_VALUES += [("gppo-qwen3-8b-code", name, value, source) for preset, name, value, source in PAPER_VALUES
-                 if preset == "gppo-qwen3-8b" and name not in ("steps", "eval_dataset")]
+PAPER_VALUES += [
+    ("gppo-qwen3-8b-code", name, value, source)
+    for preset, name, value, source in PAPER_VALUES
+    if preset == "gppo-qwen3-8b" and name not in ("steps", "eval_dataset")
+]
 PAPER_VALUES += [
     ("gppo-qwen3-8b-code", "steps", 600, "GPPO: 600 steps for code"),
     ("gppo-qwen3-8b-code", "code_reward", "binary", "GPPO: the reward is 1 when every test passes"),
     ("gppo-qwen3-8b-code", "eval_dataset", "codeforces,code_contests,taco,apps", "GPPO: the code results table"),
 ]
 # the 8B twin of ATR-GRPO states the same setup as the 1.7B run, in a file of its own
-PAPER_VALUES += [("atr-grpo-qwen3-8b", name, value, source) for preset, name, value, source in PAPER_VALUES
-                 if preset == "atr-grpo-qwen3-1.7b" and name != "model"]
+PAPER_VALUES += [
+    ("atr-grpo-qwen3-8b", name, value, source)
+    for preset, name, value, source in PAPER_VALUES
+    if preset == "atr-grpo-qwen3-1.7b" and name != "model"
+]
 # What every preset writes out, stated or chosen: a change of a default must not change a paper's run.
-WRITTEN_OUT = ("model", "dataset", "template", "thinking", "system_prompt", "prompts_per_step", "group_size",
-               "max_new_tokens", "temperature", "top_p", "top_k", "steps", "lr", "lr_schedule", "warmup_steps",
-               "weight_decay", "grad_clip", "updates_per_rollout", "epochs", "lora_rank", "lora_alpha",
-               "lora_dropout", "lora_targets", "rule", "aggregation", "adv_std", "leave_one_out", "kl_beta",
-               "entropy_coef", "eval_dataset", "eval_k", "eval_temperature", "eval_every")
+WRITTEN_OUT = (
+    "model",
+    "dataset",
+    "template",
+    "thinking",
+    "system_prompt",
+    "prompts_per_step",
+    "group_size",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "steps",
+    "lr",
+    "lr_schedule",
+    "warmup_steps",
+    "weight_decay",
+    "grad_clip",
+    "updates_per_rollout",
+    "epochs",
+    "lora_rank",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_targets",
+    "rule",
+    "aggregation",
+    "adv_std",
+    "leave_one_out",
+    "kl_beta",
+    "entropy_coef",
+    "eval_dataset",
+    "eval_k",
+    "eval_temperature",
+    "eval_every",
+)
 
 
 @pytest.mark.parametrize("preset, name, value, source", PAPER_VALUES)
@@ -90,27 +128,48 @@ def test_every_setting_is_a_flag_and_presets_yield_to_flags():
     assert cfg.loss.rule == "atr" and cfg.loss.delta == 0.07 and cfg.lora_rank == 32
     assert cfg.lr == 1e-5 and cfg.model is None and given == {"preset", "lr", "model"}
     assert config.parse_args(["--plan"])[2] is True
-    usage = subprocess.run([sys.executable, "train.py", "--help"], cwd=Path(config.__file__).parent,
-                           capture_output=True, text=True).stdout
+    usage = subprocess.run(
+        [sys.executable, "train.py", "--help"], cwd=Path(config.__file__).parent, capture_output=True, text=True
+    ).stdout
     for name in [*config.TRAIN_FIELDS, *config.LOSS_FIELDS]:
         assert "--" + name.replace("_", "-") in usage, name
 
 
 FLAG_VALUES = {  # a value for every loss setting, other than its default, and what LossConfig makes of it
-    "rule": ("dapo", "dapo"), "delta": ("0.3", 0.3), "delta_high": ("0.4", 0.4), "dual_clip": ("3", 3.0),
-    "ratio_limits": ("0.5,10", (0.5, 10.0)), "aggregation": ("seq-mean-token-mean", "seq-mean-token-mean"),
-    "norm_len": ("7", 7), "kl_beta": ("0.1", 0.1), "kl_estimator": ("k2", "k2"), "tv_half": (True, True),
-    "kl_two_sided": (False, False), "sapo_tau_pos": ("2", 2.0), "sapo_tau_neg": ("3", 3.0),
-    "cov_ratio": ("0.01", 0.01), "clip_cov_bounds": ("2,4", (2.0, 4.0)), "kl_cov_coef": ("2", 2.0),
-    "adv_std": ("batch", "batch"), "leave_one_out": (True, True), "entropy_coef": ("0.01", 0.01),
+    "rule": ("dapo", "dapo"),
+    "delta": ("0.3", 0.3),
+    "delta_high": ("0.4", 0.4),
+    "dual_clip": ("3", 3.0),
+    "ratio_limits": ("0.5,10", (0.5, 10.0)),
+    "aggregation": ("seq-mean-token-mean", "seq-mean-token-mean"),
+    "norm_len": ("7", 7),
+    "kl_beta": ("0.1", 0.1),
+    "kl_estimator": ("k2", "k2"),
+    "tv_half": (True, True),
+    "kl_two_sided": (False, False),
+    "sapo_tau_pos": ("2", 2.0),
+    "sapo_tau_neg": ("3", 3.0),
+    "cov_ratio": ("0.01", 0.01),
+    "clip_cov_bounds": ("2,4", (2.0, 4.0)),
+    "kl_cov_coef": ("2", 2.0),
+    "adv_std": ("batch", "batch"),
+    "leave_one_out": (True, True),
+    "entropy_coef": ("0.01", 0.01),
 }
 
 
 # the flags under which a setting acts (given alone, the others would be refused as doing nothing)
-ACTIVE_WITH = {"tv_half": ["--rule", "tv-mc"], "kl_two_sided": ["--rule", "kl-mc"], "sapo_tau_pos": ["--rule", "sapo"],
-               "sapo_tau_neg": ["--rule", "sapo"], "cov_ratio": ["--rule", "kl_cov"],
-               "clip_cov_bounds": ["--rule", "clip_cov"], "kl_cov_coef": ["--rule", "kl_cov"],
-               "norm_len": ["--aggregation", "seq-mean-token-sum-norm"], "kl_estimator": ["--kl-beta", "0.1"]}
+ACTIVE_WITH = {
+    "tv_half": ["--rule", "tv-mc"],
+    "kl_two_sided": ["--rule", "kl-mc"],
+    "sapo_tau_pos": ["--rule", "sapo"],
+    "sapo_tau_neg": ["--rule", "sapo"],
+    "cov_ratio": ["--rule", "kl_cov"],
+    "clip_cov_bounds": ["--rule", "clip_cov"],
+    "kl_cov_coef": ["--rule", "kl_cov"],
+    "norm_len": ["--aggregation", "seq-mean-token-sum-norm"],
+    "kl_estimator": ["--kl-beta", "0.1"],
+}
 
 
 def test_every_loss_setting_reaches_the_loss_config():
@@ -122,16 +181,19 @@ def test_every_loss_setting_reaches_the_loss_config():
         assert getattr(cfg.loss, name) == value, name
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--rule", "interval", "--delta", "0.1"], "--delta 0.1: --rule interval has no trust-region size"),
-    (["--rule", "atr", "--delta-high", "0.1"], "--delta-high 0.1: --rule atr has no separate upper size"),
-    (["--sapo-tau-pos", "2"], "--sapo-tau-pos 2.0: only --rule sapo reads it, not --rule grpo"),
-    (["--tv-half"], "--tv-half: only the tv cells of the GPPO grid read it, not --rule grpo"),
-    (["--rule", "kl-atomic", "--tv-half"], "--tv-half: only the tv cells .* not --rule kl-atomic"),
-    (["--norm-len", "5"], "--norm-len 5: only --aggregation seq-mean-token-sum-norm divides by it, not token-mean"),
-    (["--kl-estimator", "k2"], "--kl-estimator k2: the KL penalty is off"),
-    (["--rule", "clip_cov", "--kl-cov-coef", "2"], "--kl-cov-coef 2.0: only --rule kl_cov reads it"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--rule", "interval", "--delta", "0.1"], "--delta 0.1: --rule interval has no trust-region size"),
+        (["--rule", "atr", "--delta-high", "0.1"], "--delta-high 0.1: --rule atr has no separate upper size"),
+        (["--sapo-tau-pos", "2"], "--sapo-tau-pos 2.0: only --rule sapo reads it, not --rule grpo"),
+        (["--tv-half"], "--tv-half: only the tv cells of the GPPO grid read it, not --rule grpo"),
+        (["--rule", "kl-atomic", "--tv-half"], "--tv-half: only the tv cells .* not --rule kl-atomic"),
+        (["--norm-len", "5"], "--norm-len 5: only --aggregation seq-mean-token-sum-norm divides by it, not token-mean"),
+        (["--kl-estimator", "k2"], "--kl-estimator k2: the KL penalty is off"),
+        (["--rule", "clip_cov", "--kl-cov-coef", "2"], "--kl-cov-coef 2.0: only --rule kl_cov reads it"),
+    ],
+)
 def test_a_flag_that_does_nothing_with_the_others_is_refused(flags, message):
     with pytest.raises(ValueError, match=message):
         config.parse_args(flags)
@@ -162,8 +224,11 @@ def test_every_preset_is_a_file_whose_stated_values_are_all_checked():
     assert sorted(config.PRESETS) == sorted(path.stem for path in files) and files
     checked = {(preset, name) for preset, name, _, _ in PAPER_VALUES}
     for path in files:
-        stated = [line.split("=")[0].strip() for line in path.read_text().splitlines()
-                  if "# stated" in line and not line.startswith("#")]
+        stated = [
+            line.split("=")[0].strip()
+            for line in path.read_text().splitlines()
+            if "# stated" in line and not line.startswith("#")
+        ]
         assert stated, f"{path.name} states no value"
         for name in stated:
             assert (path.stem, name) in checked, f"{path.name}: {name} is stated but PAPER_VALUES has no row for it"
@@ -172,10 +237,12 @@ def test_every_preset_is_a_file_whose_stated_values_are_all_checked():
 
 def test_a_config_file_holds_any_flags_and_explicit_flags_override_it(tmp_path):
     path = tmp_path / "mine.toml"
-    path.write_text('preset = "atr-grpo-qwen3-1.7b"  # the rest of the recipe\n'
-                    'lr = 1e-5\nlora-rank = 8\nsystem_prompt = ""\nrule = "kl-atomic"\nratio_limits = [0.5, 10]\n'
-                    'reward_fn = ["reward:math_reward", "examples/rewards.py:length_penalty"]\n'
-                    'reward_weights = [1, 0.5]\nlora_alpha = 16\n')
+    path.write_text(
+        'preset = "atr-grpo-qwen3-1.7b"  # the rest of the recipe\n'
+        'lr = 1e-5\nlora-rank = 8\nsystem_prompt = ""\nrule = "kl-atomic"\nratio_limits = [0.5, 10]\n'
+        'reward_fn = ["reward:math_reward", "examples/rewards.py:length_penalty"]\n'
+        "reward_weights = [1, 0.5]\nlora_alpha = 16\n"
+    )
     cfg, given, _ = config.parse_args(["--config", str(path), "--lr", "2e-5"])
     assert cfg.lr == 2e-5 and cfg.lora_rank == 8 and cfg.lora_alpha == 16.0 and cfg.system_prompt is None
     assert cfg.loss.rule == ("kl", "atomic") and cfg.loss.ratio_limits == (0.5, 10.0)
@@ -185,11 +252,32 @@ def test_a_config_file_holds_any_flags_and_explicit_flags_override_it(tmp_path):
     assert {"lr", "lora_rank", "rule", "preset"} <= given
 
 
-@pytest.mark.parametrize("argv", [[], *[["--preset", name] for name in config.PRESETS],
-                                  ["--system-prompt", 'say "hi"\n\tthen «stop» \\ done', "--reward-fn", "a.b:c",
-                                   "--reward-fn", "d.py:e", "--dual-clip", "0.5,10", "--norm-len", "7",
-                                   "--gpu-memory", "40", "--no-kl-two-sided", "--rule", "kl-mc",  # where they act
-                                   "--aggregation", "seq-mean-token-sum-norm"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        *[["--preset", name] for name in config.PRESETS],
+        [
+            "--system-prompt",
+            'say "hi"\n\tthen «stop» \\ done',
+            "--reward-fn",
+            "a.b:c",
+            "--reward-fn",
+            "d.py:e",
+            "--dual-clip",
+            "0.5,10",
+            "--norm-len",
+            "7",
+            "--gpu-memory",
+            "40",
+            "--no-kl-two-sided",
+            "--rule",
+            "kl-mc",  # where they act
+            "--aggregation",
+            "seq-mean-token-sum-norm",
+        ],
+    ],
+)
 def test_the_written_toml_reads_back_as_the_same_config(tmp_path, argv):
     cfg, _, _ = config.parse_args(argv)
     path = tmp_path / "config.toml"
@@ -199,26 +287,33 @@ def test_the_written_toml_reads_back_as_the_same_config(tmp_path, argv):
 
 
 def test_print_config_shows_the_resolved_settings_as_toml(tmp_path):
-    out = subprocess.run([sys.executable, "train.py", "--preset", "gppo-qwen3-8b", "--lr", "2e-6", "--print-config"],
-                         cwd=Path(config.__file__).parent, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "train.py", "--preset", "gppo-qwen3-8b", "--lr", "2e-6", "--print-config"],
+        cwd=Path(config.__file__).parent,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0 and out.stderr == "", out.stderr
     values = tomllib.loads(out.stdout)
     assert values["lr"] == 2e-6 and values["rule"] == "kl-atomic" and values["ratio_limits"] == [0.5, 10.0]
     assert values["model"] == "Qwen/Qwen3-8B-Base" and "resume" not in values
 
 
-@pytest.mark.parametrize("text, message", [
-    ("lora_rnak = 4\n", r"'lora_rnak' is not a setting; did you mean 'lora_rank'\?"),
-    ("lora_rank = 4.5\n", r"lora_rank = 4.5: expected an integer"),
-    ("lr = \"fast\"\n", r"lr = \"fast\": expected a number"),
-    ("tv_half = 1\n", r"tv_half = 1: expected true or false"),
-    ("model = 3\n", r"model = 3: expected a string or \"\" \(empty\)"),
-    ("steps = [1, 2]\n", r"steps = \[1, 2\]: expected an integer"),
-    ("[loss]\nrule = \"atr\"\n", r"\[loss\]: a table is not a setting"),
-    ("lr = \n", r"not valid TOML \(.*line 1"),
-    ("ratio_limits = [2, 1]\n", r"ratio.limits"),
-    ("preset = \"nope\"\n", r"--preset 'nope' is unknown"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("lora_rnak = 4\n", r"'lora_rnak' is not a setting; did you mean 'lora_rank'\?"),
+        ("lora_rank = 4.5\n", r"lora_rank = 4.5: expected an integer"),
+        ('lr = "fast"\n', r"lr = \"fast\": expected a number"),
+        ("tv_half = 1\n", r"tv_half = 1: expected true or false"),
+        ("model = 3\n", r"model = 3: expected a string or \"\" \(empty\)"),
+        ("steps = [1, 2]\n", r"steps = \[1, 2\]: expected an integer"),
+        ('[loss]\nrule = "atr"\n', r"\[loss\]: a table is not a setting"),
+        ("lr = \n", r"not valid TOML \(.*line 1"),
+        ("ratio_limits = [2, 1]\n", r"ratio.limits"),
+        ('preset = "nope"\n', r"--preset 'nope' is unknown"),
+    ],
+)
 def test_a_bad_config_file_fails_in_one_line_naming_the_file_and_key(tmp_path, capsys, text, message):
     import train
 

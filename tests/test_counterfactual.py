@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import config
-from research import counterfactual
 import loss
 import train
+from research import counterfactual
 
 
 @pytest.fixture(autouse=True)
@@ -24,8 +24,22 @@ def varied_rewards(monkeypatch):
 
 def study_flags(model_dir) -> list[str]:
     """A tiny model's flags that counterfactual.py and study.py take themselves."""
-    return ["--model", str(model_dir), "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6",
-            "--updates-per-rollout", "4", "--lr", "0.05", "--dataset", "two_digit"]
+    return [
+        "--model",
+        str(model_dir),
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--max-new-tokens",
+        "6",
+        "--updates-per-rollout",
+        "4",
+        "--lr",
+        "0.05",
+        "--dataset",
+        "two_digit",
+    ]
 
 
 def tiny_flags(model_dir) -> list[str]:
@@ -92,11 +106,14 @@ def test_two_rules_differ_only_where_their_regions_differ(setup):
             assert np.array_equal(mine["w"], theirs["w"]), (other, update)
             mu, w = (torch.as_tensor(mine[k], dtype=torch.float64) for k in ("mu", "w"))
             outward = torch.as_tensor(mine["advantage"], dtype=torch.float64) * (w - 1) > 0
-            inside = {rule: loss.inside(loss.get_rule(c.rule), w.log(), mu.log(), c)
-                      for rule, c in (("grpo", cfg.loss), (other, arms[other].loss))}
+            inside = {
+                rule: loss.inside(loss.get_rule(c.rule), w.log(), mu.log(), c)
+                for rule, c in (("grpo", cfg.loss), (other, arms[other].loss))
+            }
             expected = ((inside["grpo"] != inside[other]) & outward).numpy()
-            decided = {name: r["region_low"] | r["region_high"] | r["limit"]
-                       for name, r in (("g", mine), ("o", theirs))}
+            decided = {
+                name: r["region_low"] | r["region_high"] | r["limit"] for name, r in (("g", mine), ("o", theirs))
+            }
             assert np.array_equal(decided["g"] != decided["o"], expected), (other, update)
             if expected.any():  # from here on the weights differ, and so do the ratios
                 diverged += 1
@@ -109,9 +126,26 @@ def test_two_rules_differ_only_where_their_regions_differ(setup):
 def test_a_tiny_table_runs_end_to_end_and_resumes(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / "cf"
-    argv = ["--points", "0,1", "--rollouts", "2", "--out", str(out), "--fresh-samples", "2", "--log-tokens", "40",
-            "--arms", "grpo,atr,limits,atr-eq", "--workers", "1", *study_flags(tiny_model_dir),
-            "--", "--lora-rank", "4"]
+    argv = [
+        "--points",
+        "0,1",
+        "--rollouts",
+        "2",
+        "--out",
+        str(out),
+        "--fresh-samples",
+        "2",
+        "--log-tokens",
+        "40",
+        "--arms",
+        "grpo,atr,limits,atr-eq",
+        "--workers",
+        "1",
+        *study_flags(tiny_model_dir),
+        "--",
+        "--lora-rank",
+        "4",
+    ]
     counterfactual.main(argv)
     results = json.loads((out / "results.json").read_text())
     assert results["rollouts"] == 4 and set(results["means"]) == {"grpo", "atr", "limits", "atr-eq"}
@@ -138,9 +172,24 @@ def test_points_run_in_worker_processes_and_a_failed_one_is_named(tiny_model_dir
     skipped, the worker gives up, and the study says which point and where its output is."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / "cf"
-    argv = ["--points", "0,1", "--rollouts", "1", "--out", str(out), "--arms", "grpo,atr", "--workers", "2",
-            "--max-draws", "2",
-            *study_flags(tiny_model_dir), "--", "--lora-rank", "4"]
+    argv = [
+        "--points",
+        "0,1",
+        "--rollouts",
+        "1",
+        "--out",
+        str(out),
+        "--arms",
+        "grpo,atr",
+        "--workers",
+        "2",
+        "--max-draws",
+        "2",
+        *study_flags(tiny_model_dir),
+        "--",
+        "--lora-rank",
+        "4",
+    ]
     with pytest.raises(SystemExit, match=r"the worker of point [01] failed .*logs/point-[01]\.log"):
         counterfactual.main(argv)
     log = (out / "logs" / "point-0.log").read_text()
@@ -154,10 +203,14 @@ def test_arms_differ_in_the_loss_alone_and_bad_flags_fail_first(tiny_model_dir, 
     assert arms["gppo"].prompts_per_step == 2  # without rollout_prompts: the pilot's
     small = counterfactual.arm_configs(tiny_flags(tiny_model_dir), ["grpo", "atr"], {}, rollout_prompts=1)
     assert {(cfg.prompts_per_step, cfg.rollout_batch) for cfg in small.values()} == {(1, 1)}
-    for argv, message in ((["--arms", "atr,grpo"], "grpo must come first"), (["--arms", "grpo,nope"], "distinct arms"),
-                          (["--points", "a"], "--points a"), (["--rollouts", "0"], "--rollouts 0"),
-                          (["--rollout-prompts", "0"], "--rollout-prompts 0"),
-                          (["--point", "3"], "--point 3")):
+    for argv, message in (
+        (["--arms", "atr,grpo"], "grpo must come first"),
+        (["--arms", "grpo,nope"], "distinct arms"),
+        (["--points", "a"], "--points a"),
+        (["--rollouts", "0"], "--rollouts 0"),
+        (["--rollout-prompts", "0"], "--rollout-prompts 0"),
+        (["--point", "3"], "--point 3"),
+    ):
         with pytest.raises(SystemExit):
             counterfactual.parse_args(argv)
         assert message in capsys.readouterr().err

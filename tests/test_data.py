@@ -13,7 +13,6 @@ from conftest import DAPO_WRAPPER
 from data import arithmetic_problems, load_problems, render_prompt, stop_ids, user_message
 from data.arithmetic import DEFAULT_KINDS, KINDS, problems_of
 
-
 # ---------------------------------------------------------------- arithmetic
 
 
@@ -104,16 +103,28 @@ def tokenizer():
 
     from data.templates import TEMPLATES
 
-    text = " ".join([*TEMPLATES.values(), DEFAULT_SYSTEM, "system user assistant Be brief. What is 7 + 5?",
-                     "Find $\\frac{a}{b}$ if {x} = 2."])
+    text = " ".join(
+        [
+            *TEMPLATES.values(),
+            DEFAULT_SYSTEM,
+            "system user assistant Be brief. What is 7 + 5?",
+            "Find $\\frac{a}{b}$ if {x} = 2.",
+        ]
+    )
     words = sorted(set(re.findall(r"\w+|[^\w\s]+", text)))
     vocab = {token: i for i, token in enumerate(SPECIALS + ["[UNK]", "<s>"] + words)}
     core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
     # encode() prepends a BOS, as Llama-style tokenizers do: the chat path must not add it on top of the template
     core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
-    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", bos_token="<s>", eos_token="<|im_end|>",
-                                   additional_special_tokens=SPECIALS, chat_template=CHAT_TEMPLATE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        unk_token="[UNK]",
+        bos_token="<s>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=SPECIALS,
+        chat_template=CHAT_TEMPLATE,
+    )
 
 
 def tokens(tokenizer, ids: list[int]) -> list[str]:
@@ -128,8 +139,10 @@ def expected_tokens(text: str) -> list[str]:
 
 def test_render_prompt_goes_through_the_chat_template(tokenizer):
     ids = render_prompt(tokenizer, "What is 7 + 5?", "plain")
-    expected = (f"<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n<|im_start|>user\n"
-                "What is 7 + 5? Answer with the number only.<|im_end|>\n<|im_start|>assistant\n")
+    expected = (
+        f"<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n<|im_start|>user\n"
+        "What is 7 + 5? Answer with the number only.<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert tokens(tokenizer, ids) == expected_tokens(expected)
     assert all(isinstance(i, int) for i in ids)
 
@@ -137,8 +150,10 @@ def test_render_prompt_goes_through_the_chat_template(tokenizer):
 def test_short_system_prompt_replaces_the_default(tokenizer):
     default = render_prompt(tokenizer, "What is 7 + 5?", "plain")
     short = render_prompt(tokenizer, "What is 7 + 5?", "plain", system="Be brief.")
-    expected = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
-                "What is 7 + 5? Answer with the number only.<|im_end|>\n<|im_start|>assistant\n")
+    expected = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
+        "What is 7 + 5? Answer with the number only.<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert tokens(tokenizer, short) == expected_tokens(expected)
     assert len(short) < len(default) and "SmolLM" not in tokens(tokenizer, short)
 
@@ -186,10 +201,12 @@ def test_render_solution_ends_in_the_templates_answer_format():
     thought = "<think>\n2 + 3 is 5.\n</think>\n\nAdding, $2+3=\\boxed{5}$."
     assert render_solution(thought, "5", "answer") == "Adding, $2+3=\\boxed{5}$.\nAnswer: 5"
     assert render_solution(thought, "5", "answer", thinking=True) == (
-        "<think>\n2 + 3 is 5.\n</think>\n\nAdding, $2+3=\\boxed{5}$.\nAnswer: 5")
+        "<think>\n2 + 3 is 5.\n</think>\n\nAdding, $2+3=\\boxed{5}$.\nAnswer: 5"
+    )
     assert render_solution(thought, "5", "boxed") == "Adding, $2+3=\\boxed{5}$."  # has its box already
     assert render_solution("3 * 6 = 18 apples.", "18", "boxed") == (
-        "3 * 6 = 18 apples.\nThe final answer is $\\boxed{18}$.")
+        "3 * 6 = 18 apples.\nThe final answer is $\\boxed{18}$."
+    )
     assert render_solution("7 + 5 = 12", "12", "equation") == "7 + 5 = 12"
     assert render_solution("7 + 5 = 12", "12", "plain") == "12"
     for template in ("answer", "boxed", "equation", "plain"):  # what SFT teaches is what the reward reads
@@ -220,13 +237,23 @@ def test_code_template_poses_its_example_in_code(tokenizer):
 
 
 def test_the_templates_module_runs_as_a_script():
-    run = lambda *args: subprocess.run([sys.executable, "data/templates.py", *args], capture_output=True, text=True,
-                                       cwd=Path(__file__).parent.parent, timeout=60)
+    run = lambda *args: subprocess.run(
+        [sys.executable, "data/templates.py", *args],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+        timeout=60,
+    )
     assert run("--help").returncode == 0 and run("--help").stdout.startswith("usage: data/templates.py")
     assert run("--template", "equation", "What is 7 + 6?").stdout.splitlines() == [
-        "user: What is 2 + 3?", "assistant: 2 + 3 = 5", "user: What is 7 + 6?"]
+        "user: What is 2 + 3?",
+        "assistant: 2 + 3 = 5",
+        "user: What is 7 + 6?",
+    ]
     bad = run("--template", "nope")
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and bad.stderr.startswith("data/templates.py: --template")
+    assert (
+        bad.returncode == 2 and bad.stderr.count("\n") == 1 and bad.stderr.startswith("data/templates.py: --template")
+    )
 
 
 # ---------------------------------------------------------------- thinking mode
@@ -243,7 +270,7 @@ def test_qwen3_thinking_switch_and_an_unclosed_thought_earns_nothing():
     off = qwen3.decode(render_prompt(qwen3, "What is 7 + 5?", "plain", "Be brief.", thinking=False))
     on = qwen3.decode(render_prompt(qwen3, "What is 7 + 5?", "plain", "Be brief.", thinking=True))
     assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") and on.endswith("<|im_start|>assistant\n")
-    assert off.startswith(on[:-len("<|im_start|>assistant\n")])
+    assert off.startswith(on[: -len("<|im_start|>assistant\n")])
     assert takes_thinking(qwen3) and thinking_note(qwen3, True) is None and thinking_note(qwen3, False) is None
     assert not opens_thought(qwen3, True) and not opens_thought(qwen3, False)  # the model writes <think> itself
 

@@ -14,10 +14,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import config
-from infra import distributed
-from engine import sizes
 import train
 from conftest import RecordingSGD, assert_equal_to
+from engine import sizes
+from infra import distributed
 
 TIMING_KEYS = {"step_seconds", "rollout_tokens_per_s", "reward_seconds", "train_tokens_per_s"}
 
@@ -31,8 +31,7 @@ def run_ranks(worker, size: int, *args) -> list[int]:
     bind later leaves the port to whoever takes it first on a busy machine, and a store hosted by rank 0
     goes away when rank 0 exits, while rank 1 may still be shutting down.)"""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    context = mp.start_processes(worker, args=(size, store.port, *args), nprocs=size, join=False,
-                                 start_method="spawn")
+    context = mp.start_processes(worker, args=(size, store.port, *args), nprocs=size, join=False, start_method="spawn")
     for process in context.processes:
         process.join(600)
     for process in context.processes:
@@ -44,8 +43,14 @@ def run_ranks(worker, size: int, *args) -> list[int]:
 
 def join_as(rank: int, size: int, port: int) -> None:
     """The environment torchrun gives each process, the store held by the launcher (run_ranks)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(size), TORCHELASTIC_USE_AGENT_STORE="True")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(size),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
     torch.set_num_threads(1)
 
 
@@ -58,14 +63,36 @@ def patch(setattr) -> None:
 
 
 def tiny_args(model_dir, out_dir, name: str, *extra: str) -> list[str]:
-    return ["--model", str(model_dir), "--out-dir", str(out_dir), "--run-name", name, "--prompts-per-step", "4",
-            "--group-size", "4", "--max-new-tokens", "6", "--lora-rank", "4", "--eval-problems", "3", "--eval-k", "2",
-            "--eval-batch", "1", *extra]
+    return [
+        "--model",
+        str(model_dir),
+        "--out-dir",
+        str(out_dir),
+        "--run-name",
+        name,
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--max-new-tokens",
+        "6",
+        "--lora-rank",
+        "4",
+        "--eval-problems",
+        "3",
+        "--eval-k",
+        "2",
+        "--eval-batch",
+        "1",
+        *extra,
+    ]
 
 
-STEP_CASES = {"token-mean": ("--aggregation", "token-mean"),
-              "seq-mean-token-mean": ("--aggregation", "seq-mean-token-mean", "--adv-std", "batch"),
-              "groups": ("--aggregation", "seq-mean-token-mean", "--shuffle", "groups")}
+STEP_CASES = {
+    "token-mean": ("--aggregation", "token-mean"),
+    "seq-mean-token-mean": ("--aggregation", "seq-mean-token-mean", "--adv-std", "batch"),
+    "groups": ("--aggregation", "seq-mean-token-mean", "--shuffle", "groups"),
+}
 STEP_FLAGS = ("--updates-per-rollout", "2", "--grad-accum", "2")
 
 
@@ -94,8 +121,9 @@ def step_worker(rank, size, port, model_dir, out_dir, result_file):
     with distributed.joined(config.resolve_device(cfg)[0], cfg.dist_timeout) as world:
         results = {name: one_step(model_dir, out_dir, flags, world) for name, flags in STEP_CASES.items()}
         whole_rows(setattr)
-        results |= {f"{name}, whole rows": one_step(model_dir, out_dir, flags, world)
-                    for name, flags in STEP_CASES.items()}
+        results |= {
+            f"{name}, whole rows": one_step(model_dir, out_dir, flags, world) for name, flags in STEP_CASES.items()
+        }
     if rank == 0:
         torch.save(results, result_file)
 
@@ -168,8 +196,9 @@ def test_a_run_started_on_two_ranks_resumes_on_one(tiny_model_dir, tmp_path, mon
         assert split[when] == pytest.approx(straight[when], rel=1e-5), when
 
 
-def test_a_batch_that_does_not_split_into_whole_prompts_fails_before_loading(tiny_model_dir, tmp_path, monkeypatch,
-                                                                          capsys):
+def test_a_batch_that_does_not_split_into_whole_prompts_fails_before_loading(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
     monkeypatch.setenv("WORLD_SIZE", "2")  # no peer is started: the check comes before joining
     with pytest.raises(SystemExit) as exit_info:
         train.main(tiny_args(tiny_model_dir, tmp_path, "odd", "--prompts-per-step", "3"))
@@ -190,8 +219,9 @@ def mismatch_worker(rank, size, port, model_dir, out_dir):
 
 def test_ranks_with_different_settings_name_the_difference(tiny_model_dir, tmp_path):
     assert run_ranks(mismatch_worker, 2, tiny_model_dir, tmp_path) == [0, 0]
-    assert (tmp_path / "rank0.txt").read_text().startswith("rank 1 runs other settings than rank 0: lr=0.002 "
-                                                           "(here 0.001)")
+    assert (
+        (tmp_path / "rank0.txt").read_text().startswith("rank 1 runs other settings than rank 0: lr=0.002 (here 0.001)")
+    )
     assert (tmp_path / "rank1.txt").read_text().startswith("rank 0 runs other settings than rank 1: lr=0.001")
 
 
@@ -210,5 +240,8 @@ def dying_worker(rank, size, port, model_dir, out_dir):
 
 def test_a_rank_that_dies_is_an_error_naming_the_cause(tiny_model_dir, tmp_path):
     assert run_ranks(dying_worker, 2, tiny_model_dir, tmp_path)[1] == 1
-    assert (tmp_path / "rank0.txt").read_text().startswith(
-        "rank 0 of 2: a sum across processes failed; another process died or hangs")
+    assert (
+        (tmp_path / "rank0.txt")
+        .read_text()
+        .startswith("rank 0 of 2: a sum across processes failed; another process died or hangs")
+    )

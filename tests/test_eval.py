@@ -11,13 +11,23 @@ import pytest
 import eval as ev
 
 
-def problem(pid: str, correct: list[int], answers: list[str | None] | None = None, lengths: list[int] | None = None,
-            truncated: list[bool] | None = None) -> ev.ProblemResult:
+def problem(
+    pid: str,
+    correct: list[int],
+    answers: list[str | None] | None = None,
+    lengths: list[int] | None = None,
+    truncated: list[bool] | None = None,
+) -> ev.ProblemResult:
     n = len(correct)
-    return ev.ProblemResult(id=pid, reference="0", completions=[""] * n,
-                            answers=answers if answers is not None else ["0" if c else "1" for c in correct],
-                            correct=[bool(c) for c in correct], lengths=lengths or [10] * n,
-                            truncated=truncated or [False] * n)
+    return ev.ProblemResult(
+        id=pid,
+        reference="0",
+        completions=[""] * n,
+        answers=answers if answers is not None else ["0" if c else "1" for c in correct],
+        correct=[bool(c) for c in correct],
+        lengths=lengths or [10] * n,
+        truncated=truncated or [False] * n,
+    )
 
 
 def evaluation(rows: dict[str, list[int]], k: int) -> ev.Evaluation:
@@ -47,9 +57,18 @@ def test_pass_at_k_matches_exact_binomials():
         assert ev.pass_at_k(n, c, k) == pytest.approx(float(exact), rel=1e-9)
 
 
-@pytest.mark.parametrize("n, c, k, word", [(8, 2, 9, "k=9"), (8, 2, 0, "k=0"), (8, 9, 1, "c=9"), (8, -1, 1, "c=-1"),
-                                          (0, 0, 1, "n=0"), (8.0, 2, 4, "n must be an integer"),
-                                          (8, True, 4, "c must be an integer")])
+@pytest.mark.parametrize(
+    "n, c, k, word",
+    [
+        (8, 2, 9, "k=9"),
+        (8, 2, 0, "k=0"),
+        (8, 9, 1, "c=9"),
+        (8, -1, 1, "c=-1"),
+        (0, 0, 1, "n=0"),
+        (8.0, 2, 4, "n must be an integer"),
+        (8, True, 4, "c must be an integer"),
+    ],
+)
 def test_pass_at_k_bad_input(n, c, k, word):
     with pytest.raises(ValueError, match=word):
         ev.pass_at_k(n, c, k)
@@ -75,10 +94,12 @@ def test_majority_vote_ties_and_missing_answers():
 
 
 def test_maj_at_k():
-    answers = [["3", "5", "5", "3"],  # tie won by the wrong "3"
-               ["5", "3", "3", "5"],  # tie won by the right "5"
-               [None, None, None, "7"],  # the lone answer is right
-               [None, None, None, None]]  # no answer: wrong
+    answers = [
+        ["3", "5", "5", "3"],  # tie won by the wrong "3"
+        ["5", "3", "3", "5"],  # tie won by the right "5"
+        [None, None, None, "7"],  # the lone answer is right
+        [None, None, None, None],
+    ]  # no answer: wrong
     correct = [[0, 1, 1, 0], [1, 0, 0, 1], [0, 0, 0, 1], [0, 0, 0, 0]]
     assert ev.maj_at_k(answers, correct) == pytest.approx(2 / 4)
     with pytest.raises(ValueError, match="same"):
@@ -118,11 +139,17 @@ def test_bootstrap_interval_is_seeded_and_matches_normal_width():
 
 
 def test_summarize_per_problem_metrics():
-    problems = [problem("a", [1, 1, 0, 0], answers=["4", "4", "5", "5"], lengths=[10, 20, 30, 40],
-                        truncated=[False, False, False, True]),
-                problem("b", [0, 0, 0, 1], answers=["1", "1", "2", "3"], lengths=[5, 5, 5, 5]),
-                problem("c", [0, 0, 0, 0], answers=[None] * 4, lengths=[100, 100, 100, 100],
-                        truncated=[True] * 4)]
+    problems = [
+        problem(
+            "a",
+            [1, 1, 0, 0],
+            answers=["4", "4", "5", "5"],
+            lengths=[10, 20, 30, 40],
+            truncated=[False, False, False, True],
+        ),
+        problem("b", [0, 0, 0, 1], answers=["1", "1", "2", "3"], lengths=[5, 5, 5, 5]),
+        problem("c", [0, 0, 0, 0], answers=[None] * 4, lengths=[100, 100, 100, 100], truncated=[True] * 4),
+    ]
     summary = ev.summarize(problems, k=2)
     accuracy = np.array([0.5, 0.25, 0.0])
     assert summary["mean@k"].mean == pytest.approx(accuracy.mean())
@@ -140,12 +167,14 @@ def test_summarize_per_problem_metrics():
 
 
 def test_average_over_benchmarks():
-    run = {"x": evaluation({"1": [1, 1], "2": [0, 1], "3": [0, 0]}, k=2),
-           "y": evaluation({"1": [1, 0], "2": [1, 1]}, k=2)}
+    run = {
+        "x": evaluation({"1": [1, 1], "2": [0, 1], "3": [0, 0]}, k=2),
+        "y": evaluation({"1": [1, 0], "2": [1, 1]}, k=2),
+    }
     avg = ev.average(run)
     x, y = run["x"].summary["mean@k"], run["y"].summary["mean@k"]
     assert avg["mean@k"].mean == pytest.approx((0.5 + 0.75) / 2)
-    assert avg["mean@k"].se == pytest.approx(math.sqrt(x.se ** 2 + y.se ** 2) / 2)
+    assert avg["mean@k"].se == pytest.approx(math.sqrt(x.se**2 + y.se**2) / 2)
     assert avg["mean@k"].lo <= avg["mean@k"].mean <= avg["mean@k"].hi
     assert avg == ev.average(run)
 
@@ -206,7 +235,7 @@ def test_compare_to_baseline():
     gaps = ev.compare_to_baseline(run, baseline)
     gap = gaps["x"]["mean@k"]
     assert (gap.a, gap.b, gap.diff) == pytest.approx((0.5, 0.75, 0.25))
-    assert gap.se == pytest.approx(math.sqrt(ours.se ** 2 + 0.1 ** 2))
+    assert gap.se == pytest.approx(math.sqrt(ours.se**2 + 0.1**2))
     assert gap.z == pytest.approx(0.25 / gap.se)
     assert gaps["x"]["pass@k"].se == pytest.approx(run["x"].summary["pass@k"].se)  # no se: the baseline is exact
     assert set(gaps) == {"x", "average"}
@@ -251,22 +280,44 @@ def write_jsonl(path, rows: list[dict]):
 
 
 def eval_args(model_dir, bench, out, *extra: str) -> list[str]:
-    return ["--model", str(model_dir), "--bench", str(bench), "--k", "2", "--n", "3", "--temperature", "1.0",
-            "--top-p", "1.0", "--max-new-tokens", "6", "--batch-size", "2", "--out", str(out), *extra]
+    return [
+        "--model",
+        str(model_dir),
+        "--bench",
+        str(bench),
+        "--k",
+        "2",
+        "--n",
+        "3",
+        "--temperature",
+        "1.0",
+        "--top-p",
+        "1.0",
+        "--max-new-tokens",
+        "6",
+        "--batch-size",
+        "2",
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def test_end_to_end_eval(tiny_model_dir, tmp_path, capsys):
     import reward
 
     questions = ["What is 7 + 5?", "What is 2 + 2?", "Answer: 42"]
-    bench = write_jsonl(tmp_path / "tiny3.jsonl", [{"id": f"q{i}", "problem": q, "answer": "12"}
-                                                    for i, q in enumerate(questions)])
+    bench = write_jsonl(
+        tmp_path / "tiny3.jsonl", [{"id": f"q{i}", "problem": q, "answer": "12"} for i, q in enumerate(questions)]
+    )
     ev.main(eval_args(tiny_model_dir, bench, tmp_path / "first.json"))
     first = ev.load_run(str(tmp_path / "first.json"))["tiny3"]
     # Same seed, same samples: make each problem's first completion the right answer, so the run has both
     # correct and wrong samples and a misaligned row (prompt-major slicing) would show
-    rows = [{"id": p.id, "problem": q, "answer": reward.extract_answer(p.completions[0])}
-            for p, q in zip(first.problems, questions)]
+    rows = [
+        {"id": p.id, "problem": q, "answer": reward.extract_answer(p.completions[0])}
+        for p, q in zip(first.problems, questions)
+    ]
     assert all(row["answer"] for row in rows)
     write_jsonl(bench, rows)
     capsys.readouterr()
@@ -324,8 +375,24 @@ def test_evaluate_with_adapter_restores_train_mode(tiny_model_dir, tmp_path):
 
     bench = write_jsonl(tmp_path / "one.jsonl", problems)
     out = tmp_path / "run.json"
-    ev.main(["--model", str(tiny_model_dir), "--adapter", str(tmp_path / "adapter"), "--bench", str(bench), "--k", "1",
-             "--temperature", "0", "--max-new-tokens", "6", "--out", str(out)])
+    ev.main(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--adapter",
+            str(tmp_path / "adapter"),
+            "--bench",
+            str(bench),
+            "--k",
+            "1",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "6",
+            "--out",
+            str(out),
+        ]
+    )
     assert ev.load_run(str(out))["one"].problems[0].completions == adapted.problems[0].completions
 
 
@@ -342,6 +409,7 @@ def user_error(argv: list[str], capsys) -> str:
 @pytest.fixture
 def no_model(monkeypatch):
     """Makes loading a model fail the test: user errors must be found before it."""
+
     def load(*args, **kwargs):
         pytest.fail("a model was loaded before the input was checked")
 
@@ -355,14 +423,16 @@ def test_cli_bad_input(tmp_path, capsys, no_model):
     assert "eval.py: --adapter: directory" in err and "nowhere does not exist" in err
     assert "unknown dataset 'aime99'; known: " in user_error(["--bench", "aime99"], capsys)
     assert "--k 8 is larger than the --n 4 samples drawn" in user_error(["--k", "8", "--n", "4"], capsys)
-    for flags, message in [(["--limit", "0"], "--limit 0: must be >= 1"),
-                           (["--limit-seed", "3"], "--limit-seed needs --limit N"),
-                           (["--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
-                           (["--temperature", "nan"], "--temperature nan: must be >= 0"),
-                           (["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
-                           (["--batch-size", "0"], "--batch-size 0: must be >= 1"),
-                           (["--template", "nope"], "--template: template must be one of answer, boxed"),
-                           (["--device", "gpu"], "--device gpu: Expected one of cpu, cuda")]:
+    for flags, message in [
+        (["--limit", "0"], "--limit 0: must be >= 1"),
+        (["--limit-seed", "3"], "--limit-seed needs --limit N"),
+        (["--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
+        (["--temperature", "nan"], "--temperature nan: must be >= 0"),
+        (["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
+        (["--batch-size", "0"], "--batch-size 0: must be >= 1"),
+        (["--template", "nope"], "--template: template must be one of answer, boxed"),
+        (["--device", "gpu"], "--device gpu: Expected one of cpu, cuda"),
+    ]:
         assert message in user_error([*out, *flags], capsys)
     with pytest.raises(ValueError, match="k=3 must be between 1 and the number of samples drawn per problem n=2"):
         ev.evaluate(None, None, [{"problem": "1 + 1", "answer": "2"}], k=3, n=2, temperature=1.0, max_new_tokens=4)
@@ -394,8 +464,9 @@ def test_limit_takes_the_first_problems_or_a_seeded_sample():
 
 
 def test_limit_and_strict_json_end_to_end(tiny_model_dir, tmp_path):
-    bench = write_jsonl(tmp_path / "tiny3.jsonl", [{"problem": f"What is {i} + 1?", "answer": str(i + 1)}
-                                                    for i in range(3)])
+    bench = write_jsonl(
+        tmp_path / "tiny3.jsonl", [{"problem": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(3)]
+    )
     out = tmp_path / "run.json"
     ev.main(eval_args(tiny_model_dir, bench, out, "--limit", "1", "--limit-seed", "4"))
     text = out.read_text()
@@ -424,6 +495,7 @@ def test_late_failure_keeps_the_finished_problems(tiny_model_dir, tmp_path, monk
             if len(calls) % 2 == 0:
                 raise error
             return grade(*args, **kwargs)
+
         return grade_or_fail
 
     out = tmp_path / "run.json"
@@ -479,26 +551,43 @@ def test_code_benchmarks_report_pass_and_mean_at_k(tiny_model_dir, monkeypatch):
     """On a code set each sample is graded by running its program; Pass@k and Mean@k follow from those flags."""
     import types
 
-    from grading import sandbox
     import torch
+
+    from grading import sandbox
     from infra.weights import from_pretrained, load_tokenizer
 
-    tests = {"task": "code", "style": "stdio",
-             "tests": [{"input": "2\n", "output": "4"}, {"input": "5\n", "output": "10"}]}
+    tests = {
+        "task": "code",
+        "style": "stdio",
+        "tests": [{"input": "2\n", "output": "4"}, {"input": "5\n", "output": "10"}],
+    }
     problems = [{"id": "a", "problem": "Double n.", **tests}, {"id": "b", "problem": "Also double n.", **tests}]
     right, wrong = "```python\nprint(2 * int(input()))\n```", "```python\nprint(int(input()) + 2)\n```"
     texts = [right, wrong, "no code", wrong, wrong, wrong]  # problem a: 1 of 3 right, problem b: none
 
     def generate(model, prompts, samples_per_prompt, **_):
         rows = len(prompts) * samples_per_prompt
-        return types.SimpleNamespace(texts=texts[:rows], completion_mask=torch.ones(rows, 4, dtype=torch.bool),
-                                     truncated=torch.zeros(rows, dtype=torch.bool))
+        return types.SimpleNamespace(
+            texts=texts[:rows],
+            completion_mask=torch.ones(rows, 4, dtype=torch.bool),
+            truncated=torch.zeros(rows, dtype=torch.bool),
+        )
 
     monkeypatch.setattr(ev.rollout, "generate", generate)
     model, tokenizer = from_pretrained(str(tiny_model_dir)), load_tokenizer(str(tiny_model_dir))
     try:
-        run = ev.evaluate(model, tokenizer, problems, k=2, n=3, temperature=1.0, max_new_tokens=4, template="code",
-                          batch_size=2, progress=False)
+        run = ev.evaluate(
+            model,
+            tokenizer,
+            problems,
+            k=2,
+            n=3,
+            temperature=1.0,
+            max_new_tokens=4,
+            template="code",
+            batch_size=2,
+            progress=False,
+        )
     except sandbox.SandboxUnavailable as error:
         pytest.skip(str(error))
     assert [p.correct for p in run.problems] == [[True, False, False], [False, False, False]]
@@ -506,6 +595,8 @@ def test_code_benchmarks_report_pass_and_mean_at_k(tiny_model_dir, monkeypatch):
     assert run.problems[0].answers[0] == "print(2 * int(input()))"
     assert run.summary["mean@k"].mean == pytest.approx(1 / 6)
     assert run.summary["pass@k"].mean == pytest.approx((1 - 1 / 3) / 2)  # a: 1 - C(2, 2) / C(3, 2)
+
+
 def test_a_damaged_or_foreign_adapter_and_a_binary_run_file_are_one_line_errors(tiny_model_dir, tmp_path, capsys):
     import lora
     from conftest import make_tiny_checkpoint
@@ -531,9 +622,20 @@ def test_a_damaged_or_foreign_adapter_and_a_binary_run_file_are_one_line_errors(
 
 def fake_run(path: Path, **settings) -> Path:
     """A run directory as train.py leaves it, without weights: config.json, a best adapter, a summary."""
-    saved = {"model": "some/model", "template": "equation", "system_prompt": "Be brief.", "eval_temperature": 1.0,
-             "top_p": 0.9, "max_new_tokens": 16, "eval_k": 8, "eval_dataset": "arithmetic_test", "eval_problems": 0,
-             "seed": 3, "dtype": "auto", **settings}
+    saved = {
+        "model": "some/model",
+        "template": "equation",
+        "system_prompt": "Be brief.",
+        "eval_temperature": 1.0,
+        "top_p": 0.9,
+        "max_new_tokens": 16,
+        "eval_k": 8,
+        "eval_dataset": "arithmetic_test",
+        "eval_problems": 0,
+        "seed": 3,
+        "dtype": "auto",
+        **settings,
+    }
     (path / "best").mkdir(parents=True)
     (path / "best" / "adapter_config.json").write_text("{}")
     (path / "config.json").write_text(json.dumps(saved))
@@ -545,7 +647,14 @@ def test_run_settings_fill_the_flags_not_given_and_name_the_best_adapter(tmp_pat
     run = fake_run(tmp_path / "runs" / "demo")
     args = ev.parse_args(["--run", str(run), "--k", "4", "--temperature", "0.6"])
     assert (args.model, args.template, args.system, args.top_p, args.max_new_tokens, args.bench, args.seed) == (
-        "some/model", "equation", "Be brief.", 0.9, 16, "arithmetic_test", 3)
+        "some/model",
+        "equation",
+        "Be brief.",
+        0.9,
+        16,
+        "arithmetic_test",
+        3,
+    )
     assert (args.k, args.temperature, args.limit, args.dtype) == (4, 0.6, None, None), "flags win; auto stays auto"
     assert args.adapter == str(run) and "k" not in args.from_run and "top_p" in args.from_run
     assert ev.resolve_adapter(args.adapter) == (run / "best", "the run's best: held-out accuracy 62.5% at step 20")
@@ -565,7 +674,8 @@ def test_run_and_out_mistakes_fail_before_the_model_loads(tmp_path, capsys, no_m
     assert f"--run {tmp_path}: not a run directory of train.py (no config.json)" in err
     (tmp_path / "empty").mkdir()
     assert "neither an adapter (no adapter_config.json) nor a run directory" in user_error(
-        ["--adapter", str(tmp_path / "empty")], capsys)
+        ["--adapter", str(tmp_path / "empty")], capsys
+    )
     run = fake_run(tmp_path / "demo")
     (run / "eval.json").write_text("mine")
     err = user_error(["--run", str(run), "--out", str(run / "eval.json")], capsys)

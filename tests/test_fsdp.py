@@ -8,42 +8,49 @@ The two-rank runs share one spawn (about 10 s): the steps, a run that checkpoint
 
 import dataclasses
 import functools
+import importlib.util
 import json
 import os
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from test_distributed import TIMING_KEYS, join_as, metric_lines, patch, run_ranks, tiny_args
 from torch.distributed.tensor import DTensor
 
 import config
-from infra import distributed
 import eval as evaluation
-from infra import fsdp
 import lora
-from engine import memory
-from infra import rundir
-from engine import sizes
 import train
-from infra import weights
+from engine import memory, sizes
+from infra import distributed, fsdp, rundir, weights
 from model import ModelConfig, Transformer
-from test_distributed import TIMING_KEYS, join_as, metric_lines, patch, run_ranks, tiny_args
 
 FULL = ("--lora-rank", "0", "--lr", "1e-3")
 STEP_CASES = {  # token-mean in one-row micro-batches: the rank with fewer rows of a mini-batch runs idle passes
     "token-mean": ("--aggregation", "token-mean", "--grad-accum", "4"),
     "seq-mean-token-mean": ("--aggregation", "seq-mean-token-mean", "--adv-std", "batch"),
     # micro-batches of 2 rows of one prompt (model.hidden_shared on the sharded model), idle passes between
-    "shared prompts": ("--shuffle", "groups")}
+    "shared prompts": ("--shuffle", "groups"),
+}
 STEP_FLAGS = (*FULL, "--updates-per-rollout", "2", "--grad-accum", "2")
 RUN_FLAGS = (*FULL, "--checkpoint-every", "1", "--updates-per-rollout", "2")
 # a model to count a sharded micro-batch on: big enough that FSDP's buffers matter, small enough to run
-COUNTED = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False)
-COUNTED_WORK = memory.Workload(dtype=torch.float32, lora_rank=0, prompt_len=16, max_new_tokens=48,
-                               micro_batch_rows=3, gradient_checkpointing=True)
+COUNTED = ModelConfig(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+COUNTED_WORK = memory.Workload(
+    dtype=torch.float32, lora_rank=0, prompt_len=16, max_new_tokens=48, micro_batch_rows=3, gradient_checkpointing=True
+)
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:
@@ -69,14 +76,19 @@ def one_full_step(model_dir, out_dir, flags, world, sharded: bool) -> dict:
     if sharded:
         model, tokenizer, _, _ = train.build(cfg)
     else:
-        model, tokenizer = weights.from_pretrained(str(model_dir), dtype=torch.float64), weights.load_tokenizer(
-            str(model_dir))
+        model, tokenizer = (
+            weights.from_pretrained(str(model_dir), dtype=torch.float64),
+            weights.load_tokenizer(str(model_dir)),
+        )
     cfg = sizes.resolve_sizes(cfg, model, tokenizer, [], world)
     optimizer = RecordingAdamW(train.trainable(model), lr=cfg.lr)
     problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
     record, _ = train.train_step(model, optimizer, tokenizer, problems, cfg, 1, world)
-    return {"record": {k: v for k, v in record.items() if k not in TIMING_KEYS}, "grads": optimizer.grads,
-            "weights": {name: whole(p).detach().clone() for name, p in model.named_parameters()}}
+    return {
+        "record": {k: v for k, v in record.items() if k not in TIMING_KEYS},
+        "grads": optimizer.grads,
+        "weights": {name: whole(p).detach().clone() for name, p in model.named_parameters()},
+    }
 
 
 def counted_micro_batch(mesh=None) -> int:
@@ -85,8 +97,9 @@ def counted_micro_batch(mesh=None) -> int:
     model = fsdp.shard(Transformer(COUNTED), torch.float32, mesh)
     model.gradient_checkpointing = True
     memory.optimizer_phase(list(model.parameters()))  # the gradient shards the micro-batch adds into
-    return memory.train_phase(model, COUNTED_WORK.micro_batch_rows, COUNTED_WORK,
-                              memory._ShardedRun._gathered_storages(model))
+    return memory.train_phase(
+        model, COUNTED_WORK.micro_batch_rows, COUNTED_WORK, memory._ShardedRun._gathered_storages(model)
+    )
 
 
 def ranks_worker(rank, size, port, second_port, model_dir, out_dir, result_file):
@@ -137,8 +150,9 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("case", STEP_CASES)
-def test_two_sharded_ranks_take_the_step_of_one_unsharded_process(two_ranks, tiny_model_dir, tmp_path, monkeypatch,
-                                                                  case):
+def test_two_sharded_ranks_take_the_step_of_one_unsharded_process(
+    two_ranks, tiny_model_dir, tmp_path, monkeypatch, case
+):
     """Two mini-batches, AdamW, accumulated over micro-batches (of one row for token-mean, two per mini-batch for
     seq-mean-token-mean, two rows of one prompt with --shuffle groups): the gradients the shards were reduced
     to, gathered, and every weight after the two updates are one plain process's. The plain process of the
@@ -148,8 +162,10 @@ def test_two_sharded_ranks_take_the_step_of_one_unsharded_process(two_ranks, tin
         policy_states, shared = train.policy_states, []
         monkeypatch.setattr(Transformer, "hidden_shared", lambda *a: shared.append(1))  # never called
         monkeypatch.setattr(train, "policy_states", lambda model, out, rows, G: policy_states(model, out, rows, 1))
-    single, ranks = one_full_step(tiny_model_dir, tmp_path, STEP_CASES[case], distributed.SOLO, sharded=False), \
-        two_ranks["steps"][case]
+    single, ranks = (
+        one_full_step(tiny_model_dir, tmp_path, STEP_CASES[case], distributed.SOLO, sharded=False),
+        two_ranks["steps"][case],
+    )
     assert len(ranks["grads"]) == len(single["grads"]) == 2
     for got, expected in zip(ranks["grads"], single["grads"]):
         assert expected.abs().max() > 1e-3  # a real gradient
@@ -173,8 +189,19 @@ def test_a_full_step_is_the_loss_autograd_and_adamw_written_out(tiny_model_dir, 
     against the GRPO loss of the same rollout by hand on a plain model: the ratio is 1 at the first update,
     so the loss is the advantage-weighted log-probability, token-mean."""
     patch(monkeypatch.setattr)
-    flags = (*FULL, "--grad-accum", "2", "--weight-decay", "0.1", "--grad-clip", "0.05", "--rule", "grpo",
-             "--aggregation", "token-mean")
+    flags = (
+        *FULL,
+        "--grad-accum",
+        "2",
+        "--weight-decay",
+        "0.1",
+        "--grad-clip",
+        "0.05",
+        "--rule",
+        "grpo",
+        "--aggregation",
+        "token-mean",
+    )
     cfg, _, _ = config.parse_args(tiny_args(tiny_model_dir, tmp_path, "by-hand", *flags))
     with distributed.joined(torch.device("cpu"), 60, group=True) as world:
         model, tokenizer, optimizer, _ = train.build(cfg)
@@ -187,7 +214,7 @@ def test_a_full_step_is_the_loss_autograd_and_adamw_written_out(tiny_model_dir, 
         trained = {name: whole(p).detach().clone() for name, p in model.named_parameters()}
 
     plain = weights.from_pretrained(str(tiny_model_dir), dtype=torch.float64)
-    logp = plain.token_logprobs(out.input_ids, out.pad_mask)[0][:, out.prompt_len:]  # [N, C]
+    logp = plain.token_logprobs(out.input_ids, out.pad_mask)[0][:, out.prompt_len :]  # [N, C]
     mask = out.completion_mask
     loss = -(advantages[:, None] * torch.exp(logp - logp.detach()))[mask].sum() / mask.sum()
     loss.backward()
@@ -199,8 +226,9 @@ def test_a_full_step_is_the_loss_autograd_and_adamw_written_out(tiny_model_dir, 
         assert relative_error(trained[name], expected.detach()) < 1e-12, name
 
 
-def test_a_full_run_samples_each_step_with_its_updated_weights_through_the_runs_pool(tiny_model_dir, tmp_path,
-                                                                                     monkeypatch):
+def test_a_full_run_samples_each_step_with_its_updated_weights_through_the_runs_pool(
+    tiny_model_dir, tmp_path, monkeypatch
+):
     """The run's pool is made once; each rollout binds it to the weights fsdp.whole gathers anew and releases them
     after, so the second step's rollout (fixed shapes, graphs replayed by EagerGraph, which would read the first
     step's freed tensors if they were kept) samples with the updated weights: the samples of a fresh pool, and
@@ -223,21 +251,22 @@ def test_a_full_run_samples_each_step_with_its_updated_weights_through_the_runs_
         assert out.stats.captures > 0
         fresh = train.sample(model, tokenizer, second, dataclasses.replace(cfg, cuda_graphs="off"), 2)
         with fsdp.whole(model) as updated:
-            updated_logp = updated.token_logprobs(out.input_ids, out.pad_mask)[0][:, out.prompt_len:]
+            updated_logp = updated.token_logprobs(out.input_ids, out.pad_mask)[0][:, out.prompt_len :]
     mask = out.completion_mask
     assert out.completions == fresh.completions
     torch.testing.assert_close(out.old_logp[mask], fresh.old_logp[mask], rtol=0, atol=1e-12)
     torch.testing.assert_close(out.old_logp[mask], updated_logp[mask].float(), rtol=0, atol=1e-6)  # kept in fp32
     start = weights.from_pretrained(str(tiny_model_dir), dtype=torch.float64)
-    start_logp = start.token_logprobs(out.input_ids, out.pad_mask)[0][:, out.prompt_len:]
+    start_logp = start.token_logprobs(out.input_ids, out.pad_mask)[0][:, out.prompt_len :]
     assert (out.old_logp - start_logp)[mask].abs().max() > 1e-3, "step 1 moved the weights the rollout read"
 
 
 def test_rank_0_trains_every_weight_and_a_rank_only_its_adapters(tiny_model_dir, tmp_path, monkeypatch):
     patch(monkeypatch.setattr)
     for rank in (0, 4):
-        cfg, _, _ = config.parse_args(tiny_args(tiny_model_dir, tmp_path, f"rank{rank}", "--lora-rank", str(rank),
-                                                "--lr", "1e-3"))
+        cfg, _, _ = config.parse_args(
+            tiny_args(tiny_model_dir, tmp_path, f"rank{rank}", "--lora-rank", str(rank), "--lr", "1e-3")
+        )
         with distributed.joined(torch.device("cpu"), 60, group=not rank) as world:
             model, tokenizer, optimizer, _ = train.build(cfg)
             cfg = sizes.resolve_sizes(cfg, model, tokenizer, [], world)
@@ -300,12 +329,22 @@ def test_a_checkpoint_killed_mid_write_is_ignored(tiny_model_dir, straight, tmp_
             assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-14), (got["step"], key)
 
 
-def test_the_export_of_a_full_run_loads_in_transformers_with_the_trained_logits(tiny_model_dir, tmp_path,
-                                                                               monkeypatch):
+def test_the_export_of_a_full_run_loads_in_transformers_with_the_trained_logits(tiny_model_dir, tmp_path, monkeypatch):
     """float32, as a CPU run trains: the export holds the weights of the last checkpoint."""
     monkeypatch.setattr(train.reward, "reward", lambda texts, references, **_: [float(len(t) % 2) for t in texts])
-    args = tiny_args(tiny_model_dir, tmp_path, "full", "--lora-rank", "0", "--lr", "1e-2", "--steps", "1",
-                     "--export", str(tmp_path / "exported"))
+    args = tiny_args(
+        tiny_model_dir,
+        tmp_path,
+        "full",
+        "--lora-rank",
+        "0",
+        "--lr",
+        "1e-2",
+        "--steps",
+        "1",
+        "--export",
+        str(tmp_path / "exported"),
+    )
     train.main(args)
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported", dtype=torch.float32).eval()
     assert json.loads((tmp_path / "exported" / "config.json").read_text())["dtype"] == "float32"

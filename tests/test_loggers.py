@@ -12,8 +12,8 @@ import pytest
 
 import config
 import eval as evaluation
-from infra import loggers
 import train
+from infra import loggers
 
 HERE = Path(__file__).resolve().parent.parent
 
@@ -28,23 +28,43 @@ def test_metric_names_are_stable_and_every_tracker_takes_them():
     assert loggers.metric_name("a new metric[x]") == "train/a_new_metric_x_"
     record = {"step": 3, "reward": 0.5, "grad_norm": None, "skipped_updates": 0, "eval": {"accuracy": 0.25}}
     assert loggers.step_scalars(record) == {"train/reward": 0.5, "optim/skipped_updates": 0.0}
-    result = {"accuracy": 0.5, "se": None, "pass@k": 0.75, "problems": 10, "k": 4,
-              "sets": {"a": {"accuracy": 0.25, "se": 0.1, "pass@k": 0.5, "problems": 4, "k": 4},
-                       "b": {"accuracy": 0.75, "se": 0.1, "pass@k": 1.0, "problems": 6, "k": 4}}}
-    assert loggers.eval_scalars(result) == {"eval/mean_at_k": 0.5, "eval/pass_at_k": 0.75, "eval/a/mean_at_k": 0.25,
-                                            "eval/a/mean_at_k_se": 0.1, "eval/a/pass_at_k": 0.5,
-                                            "eval/b/mean_at_k": 0.75, "eval/b/mean_at_k_se": 0.1,
-                                            "eval/b/pass_at_k": 1.0}
+    result = {
+        "accuracy": 0.5,
+        "se": None,
+        "pass@k": 0.75,
+        "problems": 10,
+        "k": 4,
+        "sets": {
+            "a": {"accuracy": 0.25, "se": 0.1, "pass@k": 0.5, "problems": 4, "k": 4},
+            "b": {"accuracy": 0.75, "se": 0.1, "pass@k": 1.0, "problems": 6, "k": 4},
+        },
+    }
+    assert loggers.eval_scalars(result) == {
+        "eval/mean_at_k": 0.5,
+        "eval/pass_at_k": 0.75,
+        "eval/a/mean_at_k": 0.25,
+        "eval/a/mean_at_k_se": 0.1,
+        "eval/a/pass_at_k": 0.5,
+        "eval/b/mean_at_k": 0.75,
+        "eval/b/mean_at_k_se": 0.1,
+        "eval/b/pass_at_k": 1.0,
+    }
     assert [row[2] for row in loggers.eval_rows(result, 5, "after", ["a", "b"])] == ["a", "b", "average"]
 
 
 def test_unknown_or_missing_trackers_fail_before_anything_runs(monkeypatch):
-    with pytest.raises(ValueError, match=r"--log tensorboard,mlflow: unknown tracker 'mlflow'; known: tensorboard, "
-                                         r"wandb, trackio"):
+    with pytest.raises(
+        ValueError,
+        match=r"--log tensorboard,mlflow: unknown tracker 'mlflow'; known: tensorboard, "
+        r"wandb, trackio",
+    ):
         loggers.check("tensorboard,mlflow")
     monkeypatch.setattr(loggers.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ValueError, match=r"--log wandb: the wandb package is not installed; pip install -r "
-                                         r"requirements-loggers.txt"):
+    with pytest.raises(
+        ValueError,
+        match=r"--log wandb: the wandb package is not installed; pip install -r "
+        r"requirements-loggers.txt",
+    ):
         loggers.check("wandb")
 
 
@@ -59,11 +79,11 @@ def wandb_records(path: Path) -> list:
     records, pending, offset = [], b"", header
     while offset + header <= len(data):
         room = block - offset % block
-        checksum, length, kind = struct.unpack("<IHB", data[offset:offset + header])
+        checksum, length, kind = struct.unpack("<IHB", data[offset : offset + header])
         if room < header or (kind == 0 and length == 0):  # the end of a block is padding
             offset += room
             continue
-        chunk = data[offset + header:offset + header + length]
+        chunk = data[offset + header : offset + header + length]
         assert zlib.crc32(bytes([kind]) + chunk) == checksum, f"{path}: damaged record at byte {offset}"
         offset += header + length
         pending += chunk
@@ -85,14 +105,16 @@ def wandb_history(run_dir: Path) -> tuple[list[str], dict[int, dict], dict]:
                 ids.append(record.run.run_id)
                 settings |= {item.key: json.loads(item.value_json) for item in record.run.config.update}
             elif kind == "history":
-                items = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                         for item in record.history.item}
+                items = {
+                    item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item
+                }
                 history.setdefault(items["_step"], {}).update(items)
     return ids, history, settings
 
 
 def test_a_toml_run_logs_everywhere_trains_on_two_rewards_resumes_and_is_evaluated_from_its_directory(
-        tiny_model_dir, tmp_path, capsys):
+    tiny_model_dir, tmp_path, capsys
+):
     settings = tmp_path / "run.toml"
     settings.write_text(f"""
 model = "{tiny_model_dir}"
@@ -126,7 +148,7 @@ log_project = "test-logged"
         assert line["rewards/math_reward"] == line["accuracy"] == 0.0 and line["rewards/brevity"] < 0
         assert line["reward"] == pytest.approx(line["rewards/math_reward"] + 0.5 * line["rewards/brevity"])
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert "reward_fn = [\"reward:math_reward\"" in (run_dir / "config.toml").read_text()
+    assert 'reward_fn = ["reward:math_reward"' in (run_dir / "config.toml").read_text()
 
     # TensorBoard, read back with its own reader
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -134,24 +156,40 @@ log_project = "test-logged"
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     scalars = events.Tags()["scalars"]
-    for name in ("train/reward", "train/accuracy", "rewards/brevity", "train/entropy", "clip/low_frac",
-                 "kl/sampling_policy", "optim/grad_norm", "perf/step_seconds", "perf/rollout_tokens_per_s",
-                 "perf/train_tokens_per_s", "clip_buckets/gt0.9/share", "eval/mean_at_k", "eval/pass_at_k"):
+    for name in (
+        "train/reward",
+        "train/accuracy",
+        "rewards/brevity",
+        "train/entropy",
+        "clip/low_frac",
+        "kl/sampling_policy",
+        "optim/grad_norm",
+        "perf/step_seconds",
+        "perf/rollout_tokens_per_s",
+        "perf/train_tokens_per_s",
+        "clip_buckets/gt0.9/share",
+        "eval/mean_at_k",
+        "eval/pass_at_k",
+    ):
         assert name in scalars, name
     assert [(e.step, e.value) for e in events.Scalars("train/reward")] == [
-        (line["step"], pytest.approx(line["reward"], rel=1e-6)) for line in lines]
+        (line["step"], pytest.approx(line["reward"], rel=1e-6)) for line in lines
+    ]
     assert [e.step for e in events.Scalars("eval/mean_at_k")] == [0, 1, 2, 3]  # before, step 1, after, after
     assert events.Scalars("eval/mean_at_k")[-1].value == summary["after"]["accuracy"]
-    texts = {tag: [e.tensor_proto.string_val[0].decode() for e in events.Tensors(tag)] for tag in
-             events.Tags()["tensors"]}
+    texts = {
+        tag: [e.tensor_proto.string_val[0].decode() for e in events.Tensors(tag)] for tag in events.Tags()["tensors"]
+    }
     assert "lora_rank = 4" in texts["config/text_summary"][0]
     assert texts["eval/results/text_summary"][-1].count("| arithmetic_test |") == 4  # every evaluation so far
 
     # W&B, offline: its run files read back; the resume continued the same run
     ids, history, wandb_config = wandb_history(run_dir)
     assert len(ids) == 2 and ids[0] == ids[1] == (run_dir / "wandb-id").read_text()
-    assert wandb_config["lr"] == 0.01 and wandb_config["reward_fn"] == ["reward:math_reward",
-                                                                       f"{HERE}/examples/rewards.py:brevity"]
+    assert wandb_config["lr"] == 0.01 and wandb_config["reward_fn"] == [
+        "reward:math_reward",
+        f"{HERE}/examples/rewards.py:brevity",
+    ]
     assert [step for step in sorted(history) if "train/reward" in history[step]] == [1, 2, 3]
     assert history[3]["train/reward"] == pytest.approx(lines[2]["reward"])
     assert history[3]["eval/mean_at_k"] == summary["after"]["accuracy"] and "perf/step_seconds" in history[3]
@@ -159,7 +197,11 @@ log_project = "test-logged"
     table_file = sorted((run_dir / "wandb").glob("offline-run-*"))[-1] / "files" / history[3]["eval/results/path"]
     table = json.loads(table_file.read_text())
     assert table["columns"] == loggers.TABLE_COLUMNS and [row[:2] for row in table["data"]] == [
-        [0, "before"], [1, "step 1"], [2, "after"], [3, "after"]]
+        [0, "before"],
+        [1, "step 1"],
+        [2, "after"],
+        [3, "after"],
+    ]
 
     # trackio, local: read back from its database with its own storage API
     from trackio.sqlite_storage import SQLiteStorage
@@ -176,8 +218,10 @@ log_project = "test-logged"
     out = tmp_path / "eval.json"
     evaluation.main(["--run", str(run_dir), "--out", str(out)])
     err = capsys.readouterr().err
-    assert (f"--adapter {run_dir / 'best'} --bench arithmetic_test --limit 3 --k 2 --temperature 1.0 --top-p 1.0 "
-            f"--max-new-tokens 4 --template equation --system 'You are a helpful assistant.' --seed 0") in err
+    assert (
+        f"--adapter {run_dir / 'best'} --bench arithmetic_test --limit 3 --k 2 --temperature 1.0 --top-p 1.0 "
+        f"--max-new-tokens 4 --template equation --system 'You are a helpful assistant.' --seed 0"
+    ) in err
     assert "from the run: model, template, system, thinking, temperature" in err
     saved = json.loads(out.read_text())
     assert saved["config"]["adapter"] == str(run_dir / "best") and saved["config"]["k"] == 2

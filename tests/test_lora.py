@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import lora
-from infra import weights
 from conftest import make_tiny_checkpoint
+from infra import weights
 
 
 def trained_like(model, seed=0):

@@ -12,24 +12,62 @@ import torch
 import config
 import lora
 import loss
-from engine import memory
 import rollout
-from engine import sizes
+from engine import memory, sizes
 from model import ModelConfig, Transformer
 
-SMALL = ModelConfig(vocab_size=4096, hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4,
-                    num_kv_heads=2, head_dim=32, max_position_embeddings=1024)
+SMALL = ModelConfig(
+    vocab_size=4096,
+    hidden_size=128,
+    intermediate_size=384,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    max_position_embeddings=1024,
+)
 P, C = 32, 96  # prompt and completion tokens of the small runs
 ROWS = 4
-SMALL_WORK = memory.Workload(dtype=torch.float32, lora_rank=16, prompt_len=P, max_new_tokens=C, group_size=4,
-                             prompts_per_step=2, rollout_prompts=2, micro_batch_rows=ROWS, eval_prompts=2, eval_k=4)
+SMALL_WORK = memory.Workload(
+    dtype=torch.float32,
+    lora_rank=16,
+    prompt_len=P,
+    max_new_tokens=C,
+    group_size=4,
+    prompts_per_step=2,
+    rollout_prompts=2,
+    micro_batch_rows=ROWS,
+    eval_prompts=2,
+    eval_k=4,
+)
 # The presets as train.py sets them (prompts of up to 512 tokens), entropy computed without autograd.
-ATR = memory.Workload(lora_rank=32, prompt_len=512, max_new_tokens=4096, group_size=8, prompts_per_step=8,
-                      rollout_prompts=8, micro_batch_rows=64, eval_prompts=30, eval_k=8, with_entropy=False,
-                      eval_temperature=0.6)
-GPPO = memory.Workload(lora_rank=32, prompt_len=512, max_new_tokens=8192, group_size=8, prompts_per_step=128,
-                       updates_per_rollout=8, rollout_prompts=128, micro_batch_rows=128, eval_prompts=30, eval_k=8,
-                       with_entropy=False, eval_temperature=0.6)
+ATR = memory.Workload(
+    lora_rank=32,
+    prompt_len=512,
+    max_new_tokens=4096,
+    group_size=8,
+    prompts_per_step=8,
+    rollout_prompts=8,
+    micro_batch_rows=64,
+    eval_prompts=30,
+    eval_k=8,
+    with_entropy=False,
+    eval_temperature=0.6,
+)
+GPPO = memory.Workload(
+    lora_rank=32,
+    prompt_len=512,
+    max_new_tokens=8192,
+    group_size=8,
+    prompts_per_step=128,
+    updates_per_rollout=8,
+    rollout_prompts=128,
+    micro_batch_rows=128,
+    eval_prompts=30,
+    eval_k=8,
+    with_entropy=False,
+    eval_temperature=0.6,
+)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -107,17 +145,28 @@ def test_plan_matches_a_real_cpu_micro_batch_of_one_prompt_group(small_model, ne
     assert abs(planned - tracker.peak) / tracker.peak < 0.15, (planned, tracker.peak)
 
 
-@pytest.mark.parametrize("shuffle, rows, layouts", [
-    ("rows", 1, [1]), ("rows", 3, [3, 2]), ("rows", 8, [8, 7]), ("rows", 12, [8]),  # 8 prompts of 4 rows
-    ("groups", 1, [1]), ("groups", 2, [2, 1]), ("groups", 4, [1]), ("groups", 6, [3]), ("groups", 16, [4]),
-])
+@pytest.mark.parametrize(
+    "shuffle, rows, layouts",
+    [
+        ("rows", 1, [1]),
+        ("rows", 3, [3, 2]),
+        ("rows", 8, [8, 7]),
+        ("rows", 12, [8]),  # 8 prompts of 4 rows
+        ("groups", 1, [1]),
+        ("groups", 2, [2, 1]),
+        ("groups", 4, [1]),
+        ("groups", 6, [3]),
+        ("groups", 16, [4]),
+    ],
+)
 def test_a_pass_is_planned_at_every_layout_that_can_be_largest(shuffle, rows, layouts):
     """Rows drawn one by one may all have prompts of their own (each runs whole) or all but two; in whole
     groups, consecutive rows span rows / 4 prompts, or one more when they start inside a group."""
     work = dataclasses.replace(SMALL_WORK, prompts_per_step=8, shuffle=shuffle)
     assert memory.prompts_per_pass(work, rows, "train") == layouts
-    assert memory.prompts_per_pass(dataclasses.replace(work, shuffle="groups"), rows, "frozen") == \
-        memory.prompts_per_pass(dataclasses.replace(work, shuffle="groups"), rows, "train")
+    assert memory.prompts_per_pass(
+        dataclasses.replace(work, shuffle="groups"), rows, "frozen"
+    ) == memory.prompts_per_pass(dataclasses.replace(work, shuffle="groups"), rows, "train")
 
 
 def test_automatic_micro_batches_count_a_shared_prompt_once():
@@ -132,10 +181,18 @@ def test_automatic_micro_batches_count_a_shared_prompt_once():
 
 def test_a_pass_of_whole_groups_plans_less_memory_than_rows_alone():
     """The demo's shape: long prompts, short completions; 8 rows of 2 prompts hold 320 tokens, not 896."""
-    work = dataclasses.replace(SMALL_WORK, prompt_len=96, max_new_tokens=16, gradient_checkpointing=False,
-                               prompts_per_step=8, micro_batch_rows=8, recompute_old_logp=True)
-    by_rows, by_groups = (memory.Planner(SMALL, dataclasses.replace(work, shuffle=shuffle))
-                          for shuffle in ("rows", "groups"))
+    work = dataclasses.replace(
+        SMALL_WORK,
+        prompt_len=96,
+        max_new_tokens=16,
+        gradient_checkpointing=False,
+        prompts_per_step=8,
+        micro_batch_rows=8,
+        recompute_old_logp=True,
+    )
+    by_rows, by_groups = (
+        memory.Planner(SMALL, dataclasses.replace(work, shuffle=shuffle)) for shuffle in ("rows", "groups")
+    )
     assert by_groups.measure("train", 8)[1] < 0.6 * by_rows.measure("train", 8)[1]
     assert by_groups.measure("frozen", 8)[1] < by_rows.measure("train", 8)[1]
 
@@ -156,8 +213,17 @@ def test_plan_matches_a_real_cpu_rollout():
     prompts = [list(range(1, 33)), list(range(5, 25))]
     pool = rollout.Pool(model, 200, max_len=P + C)
     with memory.LiveBytes() as tracker:
-        out = rollout.generate(model, prompts, samples_per_prompt=4, max_new_tokens=C, temperature=1.0, seed=0,
-                               stop_ids=[], fixed_shapes=True, pool=pool)
+        out = rollout.generate(
+            model,
+            prompts,
+            samples_per_prompt=4,
+            max_new_tokens=C,
+            temperature=1.0,
+            seed=0,
+            stop_ids=[],
+            fixed_shapes=True,
+            pool=pool,
+        )
     assert out.completion_ids.shape == (8, C)
     assert abs(planned - tracker.peak) / tracker.peak < 0.15, (planned, tracker.peak)
 
@@ -190,17 +256,20 @@ def long_tail_passes_before(work: memory.Workload, prompts_per_call: int) -> int
     longest row, for the plan's length model."""
     rows = prompts_per_call * work.group_size
     lengths = memory.long_tail_lengths(work.step_rows, work.max_new_tokens)
-    return sum(max(lengths[lo:lo + rows]) for lo in range(0, len(lengths), rows))
+    return sum(max(lengths[lo : lo + rows]) for lo in range(0, len(lengths), rows))
 
 
-@pytest.mark.parametrize("preset, gpu_gb, chosen, before_calls, rows_at_least, fewer_passes", [
-    # the whole step in flight at once, in a pool of 948 blocks (28 GB) beside 2-row micro-batches; its
-    # passes are the longest row's (4,095), against 4 calls of 5 prompts before
-    ("atr-grpo-qwen3-1.7b", 40, dict(rollout_batch=16, grad_accum=16, eval_batch=16, kv_blocks=949), 5, 128, 3),
-    # up to 32 prompts x 8 in flight over 1,276 blocks (48 GB) beside 1-row micro-batches, against 43 calls
-    # of 3 prompts before
-    ("gppo-qwen3-8b", 80, dict(rollout_batch=32, grad_accum=128, eval_batch=32, kv_blocks=1277), 3, 150, 5),
-])
+@pytest.mark.parametrize(
+    "preset, gpu_gb, chosen, before_calls, rows_at_least, fewer_passes",
+    [
+        # the whole step in flight at once, in a pool of 948 blocks (28 GB) beside 2-row micro-batches; its
+        # passes are the longest row's (4,095), against 4 calls of 5 prompts before
+        ("atr-grpo-qwen3-1.7b", 40, dict(rollout_batch=16, grad_accum=16, eval_batch=16, kv_blocks=949), 5, 128, 3),
+        # up to 32 prompts x 8 in flight over 1,276 blocks (48 GB) beside 1-row micro-batches, against 43 calls
+        # of 3 prompts before
+        ("gppo-qwen3-8b", 80, dict(rollout_batch=32, grad_accum=128, eval_batch=32, kv_blocks=1277), 3, 150, 5),
+    ],
+)
 def test_preset_plans_fit(preset, gpu_gb, chosen, before_calls, rows_at_least, fewer_passes, capsys):
     cfg, _, _ = config.parse_args(["--preset", preset, "--plan", "--gpu-memory", str(gpu_gb)])
     assert sizes.plan(cfg)
@@ -266,8 +335,11 @@ def test_fit_names_what_cannot_fit():
     work = dataclasses.replace(SMALL_WORK, group_size=64)  # a prompt's 64 rows x 127 slots outweigh training
     planner = memory.Planner(SMALL, work)
     budget = int((planner.peak("train", 1) + memory.RESERVED) / (1 - memory.SLACK)) + 10**6
-    with pytest.raises(ValueError, match=r"with the smallest pool \(\d+ blocks: one group of 64 rows at full "
-                                         r"length\).*--max-new-tokens"):
+    with pytest.raises(
+        ValueError,
+        match=r"with the smallest pool \(\d+ blocks: one group of 64 rows at full "
+        r"length\).*--max-new-tokens",
+    ):
         memory.fit(SMALL, work, budget)
 
 
@@ -275,8 +347,11 @@ def test_report_says_what_does_not_fit():
     work = dataclasses.replace(ATR, micro_batch_rows=64, pool_blocks=900)
     text, fits = memory.report(memory.model_config("Qwen/Qwen3-1.7B"), work, 40 * memory.GB)
     assert not fits  # 64 rows x 4,608 tokens of training beside a 27 GB pool
-    assert re.fullmatch(r"plan: peak \d+\.\d GB of 40\.0 GB \(does not fit: train needs \d+\.\d GB; "
-                        r"raise --grad-accum \(fewer rows per micro-batch\)\)", text.splitlines()[-1])
+    assert re.fullmatch(
+        r"plan: peak \d+\.\d GB of 40\.0 GB \(does not fit: train needs \d+\.\d GB; "
+        r"raise --grad-accum \(fewer rows per micro-batch\)\)",
+        text.splitlines()[-1],
+    )
 
 
 def test_model_config(tiny_model_dir):
@@ -298,8 +373,9 @@ def test_gpu_memory_bytes():
 def test_a_full_run_on_one_process_sizes_its_pool_beside_the_optimizer_state(capsys):
     """ATR's 1.7B setup with every weight trained on one 80 GB GPU: the fp32 gradients and moments (34 GB) are
     resident when the kept pool is, so the pool is sized against the optimizer step as well as the passes."""
-    cfg, _, _ = config.parse_args(["--preset", "atr-grpo-qwen3-1.7b", "--lora-rank", "0", "--plan",
-                                   "--gpu-memory", "80"])
+    cfg, _, _ = config.parse_args(
+        ["--preset", "atr-grpo-qwen3-1.7b", "--lora-rank", "0", "--plan", "--gpu-memory", "80"]
+    )
     assert sizes.plan(cfg)
     lines = capsys.readouterr().out.splitlines()
     table = {line.split()[0]: line.split() for line in lines[3:10]}
@@ -313,8 +389,21 @@ def test_the_full_parameter_preset_plans_each_of_8_ranks_on_80_gb(capsys):
     real step under fully_shard over a fake world of 8 (fake tensors); the sizes are given, so fit measures
     little. Each rank holds an eighth of the fp32 weights, gradients and AdamW moments (16 bytes a parameter,
     132 GB in all), and for the rollout the whole model gathered in bf16."""
-    cfg, _, _ = config.parse_args(["--preset", "gppo-qwen3-8b-full", "--plan", "--gpu-memory", "80",
-                                   "--rollout-batch", "3", "--grad-accum", "4", "--eval-batch", "3"])
+    cfg, _, _ = config.parse_args(
+        [
+            "--preset",
+            "gppo-qwen3-8b-full",
+            "--plan",
+            "--gpu-memory",
+            "80",
+            "--rollout-batch",
+            "3",
+            "--grad-accum",
+            "4",
+            "--eval-batch",
+            "3",
+        ]
+    )
     assert cfg.world_size == 8 and cfg.lora_rank == 0 and cfg.lr == 1e-6
     assert sizes.plan(cfg)
     lines = capsys.readouterr().out.splitlines()
@@ -322,8 +411,10 @@ def test_the_full_parameter_preset_plans_each_of_8_ranks_on_80_gb(capsys):
     assert lines[1] == "per rank of 8 processes (FSDP2)"
     table = {line.split()[0]: line.split() for line in lines[3:10]}
     assert list(table) == ["weights", "optimizer", "pool", "train", "frozen", "rollout", "eval"]
-    shapes = [p.shape for p in memory.meta_model(memory.model_config("Qwen/Qwen3-8B-Base"),
-                                                 memory.Workload(lora_rank=0)).parameters()]
+    shapes = [
+        p.shape
+        for p in memory.meta_model(memory.model_config("Qwen/Qwen3-8B-Base"), memory.Workload(lora_rank=0)).parameters()
+    ]
     shard = sum(-(-s[0] // 8) * s[1:].numel() for s in shapes)  # FSDP2 pads dim 0 to a multiple of the ranks
     assert float(table["weights"][2]) == pytest.approx(4 * shard / memory.GB, abs=0.006)  # fp32 shards
     assert float(table["optimizer"][2]) >= 16 * shard / memory.GB  # weights, gradients, two moments

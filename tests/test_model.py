@@ -12,8 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import lora
 import model as model_module
-from infra import weights
 from conftest import assert_equal_to, hf_model
+from infra import weights
+
 
 def hf_logits(ref, ids, pad_mask=None):
     """Reference logits; with padding, give transformers the positions our model uses (real tokens only)."""
@@ -107,8 +108,15 @@ def test_entropy_keeps_no_graph_and_costs_no_memory(tiny_model_dir):
     # A training micro-batch (4 chunks of [256, 49152] fp32) in three processes: without the entropy,
     # with it as a metric, and differentiated (a bonus). A graph kept per chunk would add about 350 MB to
     # a peak of about 740 MB (1.47x); the bonus's graph lives inside each chunk's checkpoint instead.
-    runs = [subprocess.Popen([sys.executable, "-c", ENTROPY_MEMORY_SCRIPT, flag], cwd=Path(__file__).parent.parent,
-                             stdout=subprocess.PIPE, text=True) for flag in ("0", "1", "2")]
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", ENTROPY_MEMORY_SCRIPT, flag],
+            cwd=Path(__file__).parent.parent,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for flag in ("0", "1", "2")
+    ]
     without, with_entropy, with_bonus = (int(run.communicate(timeout=120)[0]) for run in runs)
     assert with_entropy < 1.3 * without, (with_entropy, without)
     assert with_bonus < 1.3 * without, (with_bonus, without)
@@ -229,14 +237,25 @@ class RecordProducts(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-needs_mkl = pytest.mark.skipif(not model_module.WEIGHT_LEFT_MEASURED,
-                               reason="decode_linear reorders products only where measured: torch with MKL")
+needs_mkl = pytest.mark.skipif(
+    not model_module.WEIGHT_LEFT_MEASURED, reason="decode_linear reorders products only where measured: torch with MKL"
+)
 
 
 @needs_mkl
-@pytest.mark.parametrize("rows, in_features, weight_left", [
-    (1, 1536, True), (1, 2048, False), (2, 6144, True), (3, 6144, True), (4, 1536, True), (4, 2048, False),
-    (5, 576, False), (8, 576, False)])
+@pytest.mark.parametrize(
+    "rows, in_features, weight_left",
+    [
+        (1, 1536, True),
+        (1, 2048, False),
+        (2, 6144, True),
+        (3, 6144, True),
+        (4, 1536, True),
+        (4, 2048, False),
+        (5, 576, False),
+        (8, 576, False),
+    ],
+)
 def test_decode_linear_takes_the_side_measured_faster(rows, in_features, weight_left):
     """The fp32 CPU product has the weight on the left at two and three rows, at one and four up to 1536 input
     features, and never from five rows (bench/rollout.py --products); in bf16 and on meta, as on CUDA, it is
@@ -255,7 +274,9 @@ def test_the_products_benchmark_prints_both_sides_per_shape_and_row_count(monkey
     """bench/rollout.py --products on two small shapes: per row count, each shape's F.linear / decode_linear
     times and their ratio, and the step's total."""
     monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_rollout", Path(__file__).parent.parent / "bench" / "rollout.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_rollout", Path(__file__).parent.parent / "bench" / "rollout.py"
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     monkeypatch.setattr(bench, "PRODUCT_SHAPES", {"tiny": {(24, 16): 3, (16, 24): 2}})
@@ -328,7 +349,8 @@ def test_shared_prompts_give_the_states_and_gradients_of_whole_rows(checkpoint, 
         for module in lora.lora_modules(model).values():
             module.lora_B.weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(7))
     prompt_ids, prompt_mask, owner, completion_ids, completion_mask = shared_prompt_batch(
-        model.config.vocab_size, completion_len)
+        model.config.vocab_size, completion_len
+    )
     P = prompt_ids.shape[1]
     used = torch.cat([torch.ones_like(completion_mask[:, :1]), completion_mask], 1)  # [R, 1 + C]
     loss_weights = torch.randn(*used.shape, model.config.hidden_size, dtype=torch.float64) * used[..., None]
@@ -340,7 +362,7 @@ def test_shared_prompts_give_the_states_and_gradients_of_whole_rows(checkpoint, 
         else:
             ids = torch.cat([prompt_ids[owner], completion_ids], 1)
             # the last prompt token's state, then the completion's
-            h = model.hidden(ids, torch.cat([prompt_mask[owner], completion_mask], 1))[:, P - 1:]
+            h = model.hidden(ids, torch.cat([prompt_mask[owner], completion_mask], 1))[:, P - 1 :]
         (h * loss_weights).sum().backward()
         return h[used], [p.grad.clone() for p in lora.parameters(model)]
 
@@ -354,8 +376,13 @@ def test_shared_prompts_give_the_states_and_gradients_of_whole_rows(checkpoint, 
 def test_the_demo_pass_with_shared_prompts_does_under_half_the_work_in_half_the_memory():
     """bench/model.py counts the demo's training pass on the meta device (FLOPs, and tensor bytes as the
     memory plan counts them): each prompt run once against every row run whole."""
-    run = subprocess.run([sys.executable, "bench/model.py", "--device", "meta", "--bench", "grpo"],
-                         cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "bench/model.py", "--device", "meta", "--bench", "grpo"],
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr
     flops, memory = (float(x.rstrip("x")) for x in run.stdout.splitlines()[-1].split()[-2:])
     assert flops < 0.4 and memory <= 0.5, run.stdout

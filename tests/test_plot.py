@@ -8,17 +8,44 @@ import numpy as np
 import pytest
 
 from research import plot
+
 BUCKETS = ("<0.01", "0.01-0.1", "0.1-0.5", "0.5-0.9", ">0.9")
 # the keys a train.py step logs (read from a real 2-step run), without the bucket table
-STEP_KEYS = ("reward", "accuracy", "completion_length", "truncated", "clip_low_frac", "clip_high_frac",
-             "dual_clip_frac", "approx_kl", "ratio_min", "ratio_mean", "ratio_max", "entropy", "grad_norm",
-             "skipped_updates", "step_seconds", "rollout_tokens_per_s", "reward_seconds", "train_tokens_per_s")
-ALL_FIGURES = {"reward.png", "entropy.png", "length.png", "clipping.png", "kl.png", "grad_norm.png", "speed.png",
-               "clip_buckets.png"}
+STEP_KEYS = (
+    "reward",
+    "accuracy",
+    "completion_length",
+    "truncated",
+    "clip_low_frac",
+    "clip_high_frac",
+    "dual_clip_frac",
+    "approx_kl",
+    "ratio_min",
+    "ratio_mean",
+    "ratio_max",
+    "entropy",
+    "grad_norm",
+    "skipped_updates",
+    "step_seconds",
+    "rollout_tokens_per_s",
+    "reward_seconds",
+    "train_tokens_per_s",
+)
+ALL_FIGURES = {
+    "reward.png",
+    "entropy.png",
+    "length.png",
+    "clipping.png",
+    "kl.png",
+    "grad_norm.png",
+    "speed.png",
+    "clip_buckets.png",
+}
 
 
-def write_run(path: Path, steps: int = 12, seed: int = 0, extra: tuple[str, ...] = (), keys=STEP_KEYS,
-              summary: dict | None = None) -> Path:
+def write_run(
+    path: Path, steps: int = 12, seed: int = 0, extra: tuple[str, ...] = (), keys=STEP_KEYS, summary: dict | None = None
+) -> Path:
     """A run directory as train.py writes it, with random values under the real metric names."""
     rng = np.random.default_rng(seed)
     path.mkdir(parents=True)
@@ -26,14 +53,18 @@ def write_run(path: Path, steps: int = 12, seed: int = 0, extra: tuple[str, ...]
     for step in range(1, steps + 1):
         record = {"step": step, **{key: float(rng.random()) for key in (*keys, *extra)}}
         if "approx_kl" in keys:
-            record.update({f"mu[{b}]/{stat}": float(rng.random()) for b in BUCKETS
-                           for stat in ("share", "adv_sign", "clip_frac")})
+            record.update(
+                {f"mu[{b}]/{stat}": float(rng.random()) for b in BUCKETS for stat in ("share", "adv_sign", "clip_frac")}
+            )
         if step % 4 == 0:
             record["eval"] = {"accuracy": 0.5 + step / 40, "se": 0.05, "pass@k": 0.9, "problems": 72, "k": 8}
         lines.append(json.dumps(record))
     (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    summary = {"before": {"accuracy": 0.5, "se": 0.05}, "after": {"accuracy": 0.8, "se": 0.04}} if summary is None \
+    summary = (
+        {"before": {"accuracy": 0.5, "se": 0.05}, "after": {"accuracy": 0.8, "se": 0.04}}
+        if summary is None
         else summary
+    )
     (path / "summary.json").write_text(json.dumps(summary))
     return path
 
@@ -69,16 +100,23 @@ def test_figures_of_two_runs_overlaid(tmp_path, capsys):
 def test_one_run_defaults_to_its_plots_folder_and_skips_missing_metrics(tmp_path, capsys):
     run = write_run(tmp_path / "bare", keys=("reward",), summary={})  # no eval entries either
     lines = (tmp_path / "bare" / "metrics.jsonl").read_text().splitlines()
-    (tmp_path / "bare" / "metrics.jsonl").write_text("\n".join(json.dumps({k: v for k, v in json.loads(line).items()
-                                                                           if k != "eval"}) for line in lines))
+    (tmp_path / "bare" / "metrics.jsonl").write_text(
+        "\n".join(json.dumps({k: v for k, v in json.loads(line).items() if k != "eval"}) for line in lines)
+    )
     written = plot.main([str(run)])
     assert written == [run / "plots" / "reward.png"]
     check_png(written[0])
 
 
 def test_held_out_points_join_summary_and_periodic_evaluations(tmp_path):
-    run = plot.load_run(write_run(tmp_path / "r", steps=8, summary={"before": {"accuracy": 0.4, "se": None},
-                                                                   "after": {"accuracy": 0.9, "se": 0.1}}), "r")
+    run = plot.load_run(
+        write_run(
+            tmp_path / "r",
+            steps=8,
+            summary={"before": {"accuracy": 0.4, "se": None}, "after": {"accuracy": 0.9, "se": 0.1}},
+        ),
+        "r",
+    )
     steps, accuracy, se = plot.held_out_points(run)
     assert steps.tolist() == [0, 4, 8, 8]
     assert accuracy.tolist() == pytest.approx([0.4, 0.6, 0.7, 0.9])
@@ -88,8 +126,12 @@ def test_held_out_points_join_summary_and_periodic_evaluations(tmp_path):
 def test_a_resumed_run_counts_each_step_once_and_null_is_a_gap(tmp_path):
     run_dir = tmp_path / "resumed"
     run_dir.mkdir()
-    rows = [{"step": 1, "reward": 0.1}, {"step": 2, "reward": 0.2}, {"step": 2, "reward": 0.25},
-            {"step": 3, "reward": None, "grad_norm": None}]
+    rows = [
+        {"step": 1, "reward": 0.1},
+        {"step": 2, "reward": 0.2},
+        {"step": 2, "reward": 0.25},
+        {"step": 3, "reward": None, "grad_norm": None},
+    ]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows) + "\n")
     run = plot.load_run(run_dir, "resumed")
     steps, values = run.series("reward")
@@ -114,8 +156,9 @@ def user_error(argv: list[str], capsys) -> str:
 
 def test_bad_run_directories_are_one_line(tmp_path, capsys):
     good = write_run(tmp_path / "good", steps=2)
-    assert f"{tmp_path / 'nowhere'}: no such run directory" in user_error([str(good), str(tmp_path / "nowhere")],
-                                                                          capsys)
+    assert f"{tmp_path / 'nowhere'}: no such run directory" in user_error(
+        [str(good), str(tmp_path / "nowhere")], capsys
+    )
     (tmp_path / "empty").mkdir()
     assert "empty: no metrics.jsonl in it" in user_error([str(tmp_path / "empty")], capsys)
     broken = tmp_path / "broken"
@@ -128,7 +171,8 @@ def test_bad_run_directories_are_one_line(tmp_path, capsys):
     blocker = tmp_path / "file.txt"
     blocker.write_text("")
     assert f"--out {blocker / 'plots'}: cannot create the folder" in user_error(
-        [str(good), "--out", str(blocker / "plots")], capsys)
+        [str(good), "--out", str(blocker / "plots")], capsys
+    )
     assert not (good / "plots").exists()
 
 
@@ -142,15 +186,31 @@ def test_the_bucket_table_counts_region_and_limit_clips_together():
 
 
 def test_the_counterfactual_table_is_drawn_and_bad_directories_are_one_line(tmp_path, capsys):
-    comparison = {"gap": 0.01, "se": 0.002, "n": 30, "t": 5.0, "p": 1e-5, "p_holm": 1e-4, "mde": 0.009,
-                  "called": True, "ci95": 0.004}
+    comparison = {
+        "gap": 0.01,
+        "se": 0.002,
+        "n": 30,
+        "t": 5.0,
+        "p": 1e-5,
+        "p_holm": 1e-4,
+        "mde": 0.009,
+        "called": True,
+        "ci95": 0.004,
+    }
     measures = {"kl": ["KL", 1000, 2], "clip": ["clipped %", 100, 1]}
-    means = {arm: {"kl": [0.01, 0.001], "clip": [0.2, 0.01], **{f"clip[{b}]": [0.1 * i, 0.01] for i, b in
-                                                                  enumerate(BUCKETS)}} for arm in ("grpo", "atr")}
+    means = {
+        arm: {
+            "kl": [0.01, 0.001],
+            "clip": [0.2, 0.01],
+            **{f"clip[{b}]": [0.1 * i, 0.01] for i, b in enumerate(BUCKETS)},
+        }
+        for arm in ("grpo", "atr")
+    }
     folder = tmp_path / "cf"
     folder.mkdir()
-    (folder / "results.json").write_text(json.dumps({"measures": measures, "means": means,
-                                                     "gaps": {"atr": {"kl": comparison, "clip": comparison}}}))
+    (folder / "results.json").write_text(
+        json.dumps({"measures": measures, "means": means, "gaps": {"atr": {"kl": comparison, "clip": comparison}}})
+    )
     written = plot.main(["--counterfactual", str(folder)])
     assert [path.name for path in written] == ["gaps.png", "clip_buckets.png"]
     for path in written:
@@ -168,11 +228,13 @@ def test_every_figure_is_fit_for_a_report(tmp_path):
     """Each figure rendered: every panel says what it counts and in which unit, shares never go below 0 (an
     all-zero panel included), Mean@k names its k, reward and accuracy have panels of their own, no grid slot is
     empty, one run's figures carry its name, and the clip table's numbers are printed at 11 pt."""
-    run_dir = write_run(tmp_path / "demo-run", extra=("limit_clip_frac", "ref_kl", "rewards/math_reward",
-                                                     "rewards/brevity"))
+    run_dir = write_run(
+        tmp_path / "demo-run", extra=("limit_clip_frac", "ref_kl", "rewards/math_reward", "rewards/brevity")
+    )
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({**line, "limit_clip_frac": 0.0}) + "\n"
-                                                   for line in lines))  # a limit that never binds
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(json.dumps({**line, "limit_clip_frac": 0.0}) + "\n" for line in lines)
+    )  # a limit that never binds
     figures = plot.figures([plot.load_run(run_dir, "demo-run")])
     assert {f"{name}.png" for name in figures} == ALL_FIGURES
     for name, fig in figures.items():
@@ -187,8 +249,12 @@ def test_every_figure_is_fit_for_a_report(tmp_path):
                 assert ax.get_ylim()[0] == 0.0 and ax.get_ylim()[1] <= 1.05, (name, title, ax.get_ylim())
         if name == "reward":
             titles = [ax.get_title() for ax in panels]
-            assert titles == ["training reward", "training accuracy (the answer checker)",
-                              "reward of each function (--reward-fn)", "held-out accuracy (± se over problems)"]
+            assert titles == [
+                "training reward",
+                "training accuracy (the answer checker)",
+                "reward of each function (--reward-fn)",
+                "held-out accuracy (± se over problems)",
+            ]
             assert panels[3].get_ylabel() == "Mean@8, fraction correct"
             assert [t.get_text() for t in panels[2].get_legend().get_texts()] == ["brevity", "math_reward"]
         if name == "clipping":

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import DAPO_WRAPPER
-from data import arithmetic_problems, load_problems
-from data import code_layouts, prepare
+from data import arithmetic_problems, code_layouts, load_problems, prepare
 
 SHARED = Path(__file__).resolve().parent.parent / ".." / "shared" / "data"
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data (third-party copies) not present")
@@ -48,8 +47,12 @@ def test_malformed_line_names_file_and_line(tmp_path, bad_line, message):
 
 
 def test_reading_keeps_every_row_and_normalizes_answers(tmp_path):
-    rows = [{"question": "What is 7 + 5?", "solution": 12}, {"question": "Half of 55?", "solution": 27.5},
-            {"question": " AMC ", "solution": 27.0, "id": "x"}, {"question": "Two\u2028lines?", "solution": "a"}]
+    rows = [
+        {"question": "What is 7 + 5?", "solution": 12},
+        {"question": "Half of 55?", "solution": 27.5},
+        {"question": " AMC ", "solution": 27.0, "id": "x"},
+        {"question": "Two\u2028lines?", "solution": "a"},
+    ]
     lines = [json.dumps(r, ensure_ascii=False) for r in rows]  # raw U+2028 inside a string, as in GSM8K
     path = write_lines(tmp_path / "mine.jsonl", lines + ["", ""])
     problems = load_problems(path, problem_key="question", answer_key="solution")
@@ -98,8 +101,15 @@ def test_names_resolve_to_prepared_files(tmp_path):
 
 @needs_shared
 def test_shared_copies_load_with_their_documented_row_counts():
-    counts = {"aime24": 30, "aime25": 30, "amc23": 40, "math500": 500,
-              "gsm8k_test": 1319, "gsm8k_train": 7473, "dapo_math_17k": 17917}
+    counts = {
+        "aime24": 30,
+        "aime25": 30,
+        "amc23": 40,
+        "math500": 500,
+        "gsm8k_test": 1319,
+        "gsm8k_train": 7473,
+        "dapo_math_17k": 17917,
+    }
     for name, count in counts.items():
         assert len(load_problems(SHARED / f"{name}.jsonl")) == count, name
 
@@ -132,8 +142,10 @@ def test_dapo_conversion_strips_the_wrapper_and_dedupes():
 
 
 def test_gsm8k_answer_is_the_number_after_the_marker():
-    row = {"question": "A farm has 1,200 cows and buys 34 more. How many cows? ",
-           "answer": "1,200 + 34 = <<1200+34=1234>>1,234 cows.\n#### 1,234"}
+    row = {
+        "question": "A farm has 1,200 cows and buys 34 more. How many cows? ",
+        "answer": "1,200 + 34 = <<1200+34=1234>>1,234 cows.\n#### 1,234",
+    }
     (problem,) = prepare.convert_rows(located([row]), "gsm8k", "openai/gsm8k")
     assert problem == {"problem": row["question"].strip(), "answer": "1234", "source": "openai/gsm8k"}
     assert prepare.gsm8k_answer("She is left with -5 dollars.\n#### -5") == "-5"
@@ -154,8 +166,17 @@ def test_gsm8k_conversion_reproduces_the_shared_answers():
 @needs_shared
 def test_math500_conversion_keeps_latex_answers(tmp_path):
     shared = shared_rows("math500")
-    hub = [{"problem": r["problem"], "solution": "...", "answer": r["answer"], "subject": r["subject"],
-            "level": r["level"], "unique_id": r["id"]} for r in shared]
+    hub = [
+        {
+            "problem": r["problem"],
+            "solution": "...",
+            "answer": r["answer"],
+            "subject": r["subject"],
+            "level": r["level"],
+            "unique_id": r["id"],
+        }
+        for r in shared
+    ]
     path = tmp_path / "math500.jsonl"
     prepare.write_jsonl(prepare.convert_rows(located(hub), "math500", "HuggingFaceH4/MATH-500"), path)
     loaded = load_problems("math500", data_dir=tmp_path)
@@ -165,9 +186,13 @@ def test_math500_conversion_keeps_latex_answers(tmp_path):
 
 
 def test_competition_answers_become_plain_integers():
-    rows = [{"problem": "AIME 1", "answer": "025"}, {"question": "AMC 1", "answer": 27.0},
-            {"question": "AMC 2", "answer": "\\frac{1}{2}"}, {"problem": "AIME 2", "answer": "000"},
-            {"Problem": "AIME 3", "Answer": 204}]  # Maxwell-Jia/AIME_2024's capitalized columns
+    rows = [
+        {"problem": "AIME 1", "answer": "025"},
+        {"question": "AMC 1", "answer": 27.0},
+        {"question": "AMC 2", "answer": "\\frac{1}{2}"},
+        {"problem": "AIME 2", "answer": "000"},
+        {"Problem": "AIME 3", "Answer": 204},
+    ]  # Maxwell-Jia/AIME_2024's capitalized columns
     problems = list(prepare.convert_rows(located(rows), "aime", "mirror"))
     assert [p["answer"] for p in problems] == ["25", "27", "\\frac{1}{2}", "0", "204"]
     assert [p["problem"] for p in problems] == ["AIME 1", "AMC 1", "AMC 2", "AIME 2", "AIME 3"]
@@ -187,8 +212,10 @@ def test_cli_converts_a_local_file(tmp_path, capsys):
     ]
     assert "wrote 2 problems" in capsys.readouterr().out
     bad = write_lines(tmp_path / "bad.jsonl", ['{"q": "What is 2 + 2?", "a": 4}', '{"q": "What is 3 + 3?"}'])
-    err = run_cli(["--from", str(bad), "--problem-key", "q", "--answer-key", "a", "--out", "bad",
-                   "--data-dir", str(tmp_path)], capsys)
+    err = run_cli(
+        ["--from", str(bad), "--problem-key", "q", "--answer-key", "a", "--out", "bad", "--data-dir", str(tmp_path)],
+        capsys,
+    )
     assert f"{bad}:2: missing field 'a'" in err
     assert not (tmp_path / "bad.jsonl.tmp").exists() and not (tmp_path / "bad.json").exists()
 
@@ -224,8 +251,10 @@ def test_download_reads_dapo_parquet_with_its_nesting_and_repeats(tmp_path, monk
     snapshot = tmp_path / "snapshot" / "data"
     snapshot.mkdir(parents=True)
     prompt = prepare.DAPO_PREFIX + "{}" + prepare.DAPO_SUFFIX
-    rows = [{"prompt": [{"role": "user", "content": prompt.format(q)}], "reward_model": {"ground_truth": a}}
-            for q, a in [("What is 1 + 1?", "2"), ("Find x if 2x = 6.", "3")]] * 3  # the hub repeats rows
+    rows = [
+        {"prompt": [{"role": "user", "content": prompt.format(q)}], "reward_model": {"ground_truth": a}}
+        for q, a in [("What is 1 + 1?", "2"), ("Find x if 2x = 6.", "3")]
+    ] * 3  # the hub repeats rows
     pq.write_table(pa.Table.from_pylist(rows), snapshot / "dapo-math-17k.parquet")
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **kw: str(snapshot.parent))
     prepare.main(["dapo", "--data-dir", str(tmp_path)])
@@ -247,17 +276,30 @@ def test_download_offline_says_how_to_convert_instead(tmp_path, monkeypatch, cap
 # ---------------------------------------------------------------- local copies of Hub files (--from)
 
 DAPO_ROWS = [  # the Hub layout; the file repeats every row
-    {"data_source": "math_dapo", "prompt": [{"content": DAPO_WRAPPER.format(q), "role": "user"}], "ability": "MATH",
-     "reward_model": {"ground_truth": a, "style": "rule-based"}, "extra_info": {"index": f"id-{i}"}}
+    {
+        "data_source": "math_dapo",
+        "prompt": [{"content": DAPO_WRAPPER.format(q), "role": "user"}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": a, "style": "rule-based"},
+        "extra_info": {"index": f"id-{i}"},
+    }
     for i, (q, a) in enumerate([("What is 1 + 1?", "2"), ("Find x if 2x = 6.", "3")] * 2)
 ]
 
 
 def openmath_row(problem: str, solution: str, expected: str) -> dict:
     """A row in OpenMathReasoning's layout (its cot split)."""
-    return {"expected_answer": expected, "problem_type": "has_answer_extracted", "problem_source": "aops_c4",
-            "generation_model": "DeepSeek-R1", "pass_rate_72b_tir": "0.9", "problem": problem,
-            "generated_solution": solution, "inference_mode": "cot", "used_in_kaggle": False}
+    return {
+        "expected_answer": expected,
+        "problem_type": "has_answer_extracted",
+        "problem_source": "aops_c4",
+        "generation_model": "DeepSeek-R1",
+        "pass_rate_72b_tir": "0.9",
+        "problem": problem,
+        "generated_solution": solution,
+        "inference_mode": "cot",
+        "used_in_kaggle": False,
+    }
 
 
 OPENMATH_ROWS = [
@@ -270,34 +312,77 @@ OPENMATH_ROWS = [
 
 # dataset name -> (rows in its Hub layout, the prepared (problem, answer) pairs)
 HUB_COPIES = {
-    "gsm8k": ([{"question": "Tom has 3 bags of 6 apples. How many apples?",
-                "answer": "3 * 6 = <<3*6=18>>18\n#### 18"},
-               {"question": "A shop sells 1,000 pens and 250 more.", "answer": "1,000 + 250 = 1,250\n#### 1,250"}],
-              [("Tom has 3 bags of 6 apples. How many apples?", "18"),
-               ("A shop sells 1,000 pens and 250 more.", "1250")]),
-    "math500": ([{"problem": "Simplify $\\frac{28}{6}$.", "solution": "It is $\\boxed{\\frac{14}{3}}$.",
-                  "answer": "\\frac{14}{3}", "subject": "Algebra", "level": 2, "unique_id": "test/algebra/1.json"}],
-                [("Simplify $\\frac{28}{6}$.", "\\frac{14}{3}")]),
-    "aime24": ([{"id": 60, "problem": "Find the remainder.", "solution": "...", "answer": "033",
-                 "url": "https://artofproblemsolving.com/wiki", "year": "2024"}],
-               [("Find the remainder.", "33")]),
+    "gsm8k": (
+        [
+            {"question": "Tom has 3 bags of 6 apples. How many apples?", "answer": "3 * 6 = <<3*6=18>>18\n#### 18"},
+            {"question": "A shop sells 1,000 pens and 250 more.", "answer": "1,000 + 250 = 1,250\n#### 1,250"},
+        ],
+        [("Tom has 3 bags of 6 apples. How many apples?", "18"), ("A shop sells 1,000 pens and 250 more.", "1250")],
+    ),
+    "math500": (
+        [
+            {
+                "problem": "Simplify $\\frac{28}{6}$.",
+                "solution": "It is $\\boxed{\\frac{14}{3}}$.",
+                "answer": "\\frac{14}{3}",
+                "subject": "Algebra",
+                "level": 2,
+                "unique_id": "test/algebra/1.json",
+            }
+        ],
+        [("Simplify $\\frac{28}{6}$.", "\\frac{14}{3}")],
+    ),
+    "aime24": (
+        [
+            {
+                "id": 60,
+                "problem": "Find the remainder.",
+                "solution": "...",
+                "answer": "033",
+                "url": "https://artofproblemsolving.com/wiki",
+                "year": "2024",
+            }
+        ],
+        [("Find the remainder.", "33")],
+    ),
     "aime25": ([{"question": "Find the sum of all bases.", "answer": "70"}], [("Find the sum of all bases.", "70")]),
-    "amc23": ([{"id": 0, "question": "Cities A and B are 45 miles apart.", "answer": 27.0, "url": "https://aops"}],
-              [("Cities A and B are 45 miles apart.", "27")]),
+    "amc23": (
+        [{"id": 0, "question": "Cities A and B are 45 miles apart.", "answer": 27.0, "url": "https://aops"}],
+        [("Cities A and B are 45 miles apart.", "27")],
+    ),
     "dapo": (DAPO_ROWS, [("What is 1 + 1?", "2"), ("Find x if 2x = 6.", "3")]),
-    "brumo25": ([{"problem_idx": 1, "problem": "Compute $2+3$.", "answer": "5", "problem_type": ["Algebra"]},
-                 {"problem_idx": 2, "problem": "Find the ratio.", "answer": "\\frac{3}{4}",
-                  "problem_type": ["Geometry"]}],
-                [("Compute $2+3$.", "5"), ("Find the ratio.", "\\frac{3}{4}")]),
-    "smt25": ([{"problem_idx": 7, "problem": "How many subsets?", "answer": "012", "problem_type": ["Combinatorics"]}],
-              [("How many subsets?", "12")]),
+    "brumo25": (
+        [
+            {"problem_idx": 1, "problem": "Compute $2+3$.", "answer": "5", "problem_type": ["Algebra"]},
+            {"problem_idx": 2, "problem": "Find the ratio.", "answer": "\\frac{3}{4}", "problem_type": ["Geometry"]},
+        ],
+        [("Compute $2+3$.", "5"), ("Find the ratio.", "\\frac{3}{4}")],
+    ),
+    "smt25": (
+        [{"problem_idx": 7, "problem": "How many subsets?", "answer": "012", "problem_type": ["Combinatorics"]}],
+        [("How many subsets?", "12")],
+    ),
     "openmath": (OPENMATH_ROWS, [("Compute $2+3$.", "5")]),
-    "gsm8k_sft": ([{"question": "Tom has 3 bags of 6 apples. How many apples?",
-                    "answer": "Each bag has 6.\n3 * 6 = <<3*6=18>>18 apples.\n#### 18"}],
-                  [("Tom has 3 bags of 6 apples. How many apples?", "18")]),
-    "math_sft": ([{"problem": "Simplify $\\frac{28}{6}$.", "level": "Level 2", "type": "Algebra",
-                   "solution": "Divide both by 2: $\\frac{28}{6} = \\boxed{\\frac{14}{3}}$."}],
-                 [("Simplify $\\frac{28}{6}$.", "\\frac{14}{3}")]),
+    "gsm8k_sft": (
+        [
+            {
+                "question": "Tom has 3 bags of 6 apples. How many apples?",
+                "answer": "Each bag has 6.\n3 * 6 = <<3*6=18>>18 apples.\n#### 18",
+            }
+        ],
+        [("Tom has 3 bags of 6 apples. How many apples?", "18")],
+    ),
+    "math_sft": (
+        [
+            {
+                "problem": "Simplify $\\frac{28}{6}$.",
+                "level": "Level 2",
+                "type": "Algebra",
+                "solution": "Divide both by 2: $\\frac{28}{6} = \\boxed{\\frac{14}{3}}$.",
+            }
+        ],
+        [("Simplify $\\frac{28}{6}$.", "\\frac{14}{3}")],
+    ),
 }
 
 
@@ -358,8 +443,21 @@ def test_layout_flag_converts_into_any_name(tmp_path):
 @pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
 def test_dotted_keys_read_the_dapo_layout_and_unwrap_it(tmp_path, suffix):
     source = write_copy(tmp_path / f"dapo{suffix}", DAPO_ROWS)
-    prepare.main(["--from", str(source), "--problem-key", "prompt.0.content", "--answer-key",
-                  "reward_model.ground_truth", "--out", "mine", "--dedupe", "--data-dir", str(tmp_path)])
+    prepare.main(
+        [
+            "--from",
+            str(source),
+            "--problem-key",
+            "prompt.0.content",
+            "--answer-key",
+            "reward_model.ground_truth",
+            "--out",
+            "mine",
+            "--dedupe",
+            "--data-dir",
+            str(tmp_path),
+        ]
+    )
     problems = load_problems("mine", data_dir=tmp_path)
     assert [(p["problem"], p["answer"]) for p in problems] == HUB_COPIES["dapo"][1]
     # the fields the keys did not use are kept, the ones they used are not
@@ -369,8 +467,20 @@ def test_dotted_keys_read_the_dapo_layout_and_unwrap_it(tmp_path, suffix):
 
 def test_keys_on_a_gsm8k_copy_take_the_final_answer(tmp_path):
     source = write_copy(tmp_path / "gsm8k.jsonl", HUB_COPIES["gsm8k"][0])
-    prepare.main(["--from", str(source), "--problem-key", "question", "--answer-key", "answer", "--out", "mine",
-                  "--data-dir", str(tmp_path)])
+    prepare.main(
+        [
+            "--from",
+            str(source),
+            "--problem-key",
+            "question",
+            "--answer-key",
+            "answer",
+            "--out",
+            "mine",
+            "--data-dir",
+            str(tmp_path),
+        ]
+    )
     assert [p["answer"] for p in load_problems("mine", data_dir=tmp_path)] == ["18", "1250"]
     parquet = write_copy(tmp_path / "gsm8k.parquet", HUB_COPIES["gsm8k"][0])
     assert [p["answer"] for p in load_problems(parquet, problem_key="question")] == ["18", "1250"]
@@ -402,11 +512,14 @@ def test_unreadable_files_name_the_file_and_the_format(tmp_path, capsys):
 def test_a_copy_in_another_layout_is_named_with_its_fields(tmp_path, capsys):
     other = write_copy(tmp_path / "other.parquet", [{"text": "What is 2 + 2?", "label": "4"}])
     err = run_cli(["--from", str(other), "--out", "gsm8k", "--data-dir", str(tmp_path)], capsys)
-    assert f"{other}: row 0: not a row of the gsm8k layout (KeyError: 'question'; fields: text, label); " \
-           "for a file in another layout give --problem-key and --answer-key" in err
+    assert (
+        f"{other}: row 0: not a row of the gsm8k layout (KeyError: 'question'; fields: text, label); "
+        "for a file in another layout give --problem-key and --answer-key" in err
+    )
     source = write_copy(tmp_path / "mine.parquet", [{"problem": "What is 2 + 2?", "answer": "4"}])
-    err = run_cli(["--from", str(source), "--problem-key", "prompt.0.content", "--out", "x",
-                   "--data-dir", str(tmp_path)], capsys)
+    err = run_cli(
+        ["--from", str(source), "--problem-key", "prompt.0.content", "--out", "x", "--data-dir", str(tmp_path)], capsys
+    )
     assert f"{source}: row 0: missing field 'prompt.0.content'" in err
     prepare.main(["--from", str(source), "--problem-key", "problem", "--out", "gsm8k", "--data-dir", str(tmp_path)])
     assert load_problems("gsm8k", data_dir=tmp_path)[0]["answer"] == "4"  # keys given: no layout by name
@@ -428,73 +541,201 @@ def lcb_packed(tests: list[dict]) -> str:
 
 
 APPS_ROWS = [
-    {"problem_id": 4000, "question": "Read a and b and print a + b.", "solutions": "[]", "difficulty": "introductory",
-     "url": "https://codeforces.com", "starter_code": "",
-     "input_output": json.dumps({"inputs": ["1 2\n", ["3", "4"]], "outputs": ["3\n", ["7"]]})},
-    {"problem_id": 4001, "question": "Return the list doubled.", "solutions": "[]", "difficulty": "introductory",
-     "url": "https://www.codewars.com", "starter_code": "def double(xs):\n\t",
-     "input_output": json.dumps({"fn_name": "double", "inputs": [[[1, 2]], [[]]], "outputs": [[[2, 4]], [[]]]})},
-    {"problem_id": 4002, "question": "No tests here.", "solutions": "[]", "difficulty": "interview", "url": "",
-     "starter_code": "", "input_output": ""},
+    {
+        "problem_id": 4000,
+        "question": "Read a and b and print a + b.",
+        "solutions": "[]",
+        "difficulty": "introductory",
+        "url": "https://codeforces.com",
+        "starter_code": "",
+        "input_output": json.dumps({"inputs": ["1 2\n", ["3", "4"]], "outputs": ["3\n", ["7"]]}),
+    },
+    {
+        "problem_id": 4001,
+        "question": "Return the list doubled.",
+        "solutions": "[]",
+        "difficulty": "introductory",
+        "url": "https://www.codewars.com",
+        "starter_code": "def double(xs):\n\t",
+        "input_output": json.dumps({"fn_name": "double", "inputs": [[[1, 2]], [[]]], "outputs": [[[2, 4]], [[]]]}),
+    },
+    {
+        "problem_id": 4002,
+        "question": "No tests here.",
+        "solutions": "[]",
+        "difficulty": "interview",
+        "url": "",
+        "starter_code": "",
+        "input_output": "",
+    },
 ]
 CODE_COPIES = {  # name -> (rows in its Hub layout, file suffix, [(style, fn_name, tests, tolerance, id)], solutions)
-    "apps": (APPS_ROWS, ".jsonl", [
-        ("stdio", None, [{"input": "1 2\n", "output": "3\n"}, {"input": "3\n4", "output": "7"}], None, "4000"),
-        ("call", "double", [{"input": [[1, 2]], "output": [2, 4]}, {"input": [[]], "output": []}], None, "4001")],
-        ["a, b = map(int, open(0).read().split())\nprint(a + b)", "def double(xs):\n    return [2 * x for x in xs]"]),
-    "taco": ([{**row, "name": f"p{i}", "source": "codewars", "time_limit": "1 second", "tags": "[]"}
-              for i, row in enumerate(({k: v for k, v in r.items() if k != "problem_id"} for r in APPS_ROWS))],
-             ".parquet", [
-        ("stdio", None, [{"input": "1 2\n", "output": "3\n"}, {"input": "3\n4", "output": "7"}], None, "0"),
-        ("call", "double", [{"input": [[1, 2]], "output": [2, 4]}, {"input": [[]], "output": []}], None, "1")],
-        ["a, b = map(int, open(0).read().split())\nprint(a + b)", "def double(xs):\n    return [2 * x for x in xs]"]),
-    "code_contests": ([
-        {"name": "1_A. Third", "description": "Print a / b. Your answer is correct if its absolute or relative error "
-         "does not exceed 10^{-6}.", "public_tests": {"input": ["1 3\n"], "output": ["0.3333333333\n"]},
-         "private_tests": {"input": ["2 4\n"], "output": ["0.5\n"]}, "generated_tests": {"input": ["9 9\n"],
-                                                                                      "output": ["1.0\n"]},
-         "source": 2, "difficulty": 7, "input_file": "", "output_file": "", "time_limit": {"seconds": 2, "nanos": 0}},
-        {"name": "2_B. Files", "description": "Read input.txt.", "public_tests": {"input": ["1\n"], "output": ["1\n"]},
-         "private_tests": {"input": [], "output": []}, "generated_tests": {"input": [], "output": []}, "source": 2,
-         "difficulty": 7, "input_file": "input.txt", "output_file": "output.txt", "time_limit": None}],
-        ".parquet", [("stdio", None, [{"input": "1 3\n", "output": "0.3333333333\n"},
-                                     {"input": "2 4\n", "output": "0.5\n"}, {"input": "9 9\n", "output": "1.0\n"}],
-                      1e-6, "1_A. Third")],
-        ["a, b = map(int, input().split())\nprint(round(a / b, 7))"]),
-    "codeforces": ([
-        {"id": "2000A", "title": "Double", "description": "Given n, print 2n.", "input_format": "One integer n.",
-         "output_format": "One integer.", "interaction_format": None, "note": None,
-         "examples": [{"input": "2\n", "output": "4\n"}], "official_tests": [{"input": "2\n", "output": "4\n"},
-                                                                           {"input": "7\n", "output": "14\n"}],
-         "official_tests_complete": True, "input_mode": "stdio", "generated_checker": None, "rating": 800},
-        {"id": "2000B", "title": "Guess", "description": "Guess the number.", "input_format": "", "output_format": "",
-         "interaction_format": "Ask queries.", "note": None, "examples": [], "official_tests": [],
-         "official_tests_complete": True, "input_mode": "stdio", "generated_checker": None, "rating": 1200},
-        {"id": "2000C", "title": "Any", "description": "Print any divisor.", "input_format": "", "output_format": "",
-         "interaction_format": None, "note": None, "examples": [],
-         "official_tests": [{"input": "6\n", "output": "2\n"}],
-         "official_tests_complete": True, "input_mode": "stdio", "generated_checker": "import sys", "rating": 900}],
-        ".parquet", [("stdio", None, [{"input": "2\n", "output": "4\n"}, {"input": "7\n", "output": "14\n"}], None,
-                      "2000A")], ["print(2 * int(input()))"]),
-    "livecodebench": ([
-        {"question_title": "Triple", "question_content": "Print 3n.", "platform": "atcoder", "question_id": "abc1_a",
-         "contest_id": "abc1", "contest_date": "2024-08-03T00:00:00", "starter_code": "", "difficulty": "easy",
-         "public_test_cases": json.dumps([{"input": "2\n", "output": "6\n", "testtype": "stdin"}]),
-         "private_test_cases": lcb_packed([{"input": "5\n", "output": "15\n", "testtype": "stdin"}]),
-         "metadata": "{}"},
-        {"question_title": "Two Sum", "question_content": "Return the indices.", "platform": "leetcode",
-         "question_id": "1", "contest_id": "w1", "contest_date": "2024-08-04T00:00:00", "difficulty": "easy",
-         "starter_code": "class Solution:\n    def twoSum(self, nums: List[int], target: int) -> List[int]:\n        ",
-         "public_test_cases": json.dumps([{"input": "[2, 7, 11, 15]\n9", "output": "[0, 1]",
-                                           "testtype": "functional"}]),
-         "private_test_cases": json.dumps([{"input": "[3, 3]\n6", "output": "[0, 1]", "testtype": "functional"}]),
-         "metadata": json.dumps({"func_name": "twoSum"})}],
-        ".jsonl", [("stdio", None, [{"input": "2\n", "output": "6\n"}, {"input": "5\n", "output": "15\n"}], None,
-                    "abc1_a"),
-                   ("call", "twoSum", [{"input": [[2, 7, 11, 15], 9], "output": [0, 1]},
-                                       {"input": [[3, 3], 6], "output": [0, 1]}], None, "1")],
-        ["print(3 * int(input()))",
-         "class Solution:\n    def twoSum(self, nums: List[int], target: int) -> List[int]:\n        return [0, 1]"]),
+    "apps": (
+        APPS_ROWS,
+        ".jsonl",
+        [
+            ("stdio", None, [{"input": "1 2\n", "output": "3\n"}, {"input": "3\n4", "output": "7"}], None, "4000"),
+            ("call", "double", [{"input": [[1, 2]], "output": [2, 4]}, {"input": [[]], "output": []}], None, "4001"),
+        ],
+        ["a, b = map(int, open(0).read().split())\nprint(a + b)", "def double(xs):\n    return [2 * x for x in xs]"],
+    ),
+    "taco": (
+        [
+            {**row, "name": f"p{i}", "source": "codewars", "time_limit": "1 second", "tags": "[]"}
+            for i, row in enumerate(({k: v for k, v in r.items() if k != "problem_id"} for r in APPS_ROWS))
+        ],
+        ".parquet",
+        [
+            ("stdio", None, [{"input": "1 2\n", "output": "3\n"}, {"input": "3\n4", "output": "7"}], None, "0"),
+            ("call", "double", [{"input": [[1, 2]], "output": [2, 4]}, {"input": [[]], "output": []}], None, "1"),
+        ],
+        ["a, b = map(int, open(0).read().split())\nprint(a + b)", "def double(xs):\n    return [2 * x for x in xs]"],
+    ),
+    "code_contests": (
+        [
+            {
+                "name": "1_A. Third",
+                "description": "Print a / b. Your answer is correct if its absolute or relative error "
+                "does not exceed 10^{-6}.",
+                "public_tests": {"input": ["1 3\n"], "output": ["0.3333333333\n"]},
+                "private_tests": {"input": ["2 4\n"], "output": ["0.5\n"]},
+                "generated_tests": {"input": ["9 9\n"], "output": ["1.0\n"]},
+                "source": 2,
+                "difficulty": 7,
+                "input_file": "",
+                "output_file": "",
+                "time_limit": {"seconds": 2, "nanos": 0},
+            },
+            {
+                "name": "2_B. Files",
+                "description": "Read input.txt.",
+                "public_tests": {"input": ["1\n"], "output": ["1\n"]},
+                "private_tests": {"input": [], "output": []},
+                "generated_tests": {"input": [], "output": []},
+                "source": 2,
+                "difficulty": 7,
+                "input_file": "input.txt",
+                "output_file": "output.txt",
+                "time_limit": None,
+            },
+        ],
+        ".parquet",
+        [
+            (
+                "stdio",
+                None,
+                [
+                    {"input": "1 3\n", "output": "0.3333333333\n"},
+                    {"input": "2 4\n", "output": "0.5\n"},
+                    {"input": "9 9\n", "output": "1.0\n"},
+                ],
+                1e-6,
+                "1_A. Third",
+            )
+        ],
+        ["a, b = map(int, input().split())\nprint(round(a / b, 7))"],
+    ),
+    "codeforces": (
+        [
+            {
+                "id": "2000A",
+                "title": "Double",
+                "description": "Given n, print 2n.",
+                "input_format": "One integer n.",
+                "output_format": "One integer.",
+                "interaction_format": None,
+                "note": None,
+                "examples": [{"input": "2\n", "output": "4\n"}],
+                "official_tests": [{"input": "2\n", "output": "4\n"}, {"input": "7\n", "output": "14\n"}],
+                "official_tests_complete": True,
+                "input_mode": "stdio",
+                "generated_checker": None,
+                "rating": 800,
+            },
+            {
+                "id": "2000B",
+                "title": "Guess",
+                "description": "Guess the number.",
+                "input_format": "",
+                "output_format": "",
+                "interaction_format": "Ask queries.",
+                "note": None,
+                "examples": [],
+                "official_tests": [],
+                "official_tests_complete": True,
+                "input_mode": "stdio",
+                "generated_checker": None,
+                "rating": 1200,
+            },
+            {
+                "id": "2000C",
+                "title": "Any",
+                "description": "Print any divisor.",
+                "input_format": "",
+                "output_format": "",
+                "interaction_format": None,
+                "note": None,
+                "examples": [],
+                "official_tests": [{"input": "6\n", "output": "2\n"}],
+                "official_tests_complete": True,
+                "input_mode": "stdio",
+                "generated_checker": "import sys",
+                "rating": 900,
+            },
+        ],
+        ".parquet",
+        [("stdio", None, [{"input": "2\n", "output": "4\n"}, {"input": "7\n", "output": "14\n"}], None, "2000A")],
+        ["print(2 * int(input()))"],
+    ),
+    "livecodebench": (
+        [
+            {
+                "question_title": "Triple",
+                "question_content": "Print 3n.",
+                "platform": "atcoder",
+                "question_id": "abc1_a",
+                "contest_id": "abc1",
+                "contest_date": "2024-08-03T00:00:00",
+                "starter_code": "",
+                "difficulty": "easy",
+                "public_test_cases": json.dumps([{"input": "2\n", "output": "6\n", "testtype": "stdin"}]),
+                "private_test_cases": lcb_packed([{"input": "5\n", "output": "15\n", "testtype": "stdin"}]),
+                "metadata": "{}",
+            },
+            {
+                "question_title": "Two Sum",
+                "question_content": "Return the indices.",
+                "platform": "leetcode",
+                "question_id": "1",
+                "contest_id": "w1",
+                "contest_date": "2024-08-04T00:00:00",
+                "difficulty": "easy",
+                "starter_code": "class Solution:\n    def twoSum(self, nums: List[int], target: int) -> List[int]:\n        ",
+                "public_test_cases": json.dumps(
+                    [{"input": "[2, 7, 11, 15]\n9", "output": "[0, 1]", "testtype": "functional"}]
+                ),
+                "private_test_cases": json.dumps(
+                    [{"input": "[3, 3]\n6", "output": "[0, 1]", "testtype": "functional"}]
+                ),
+                "metadata": json.dumps({"func_name": "twoSum"}),
+            },
+        ],
+        ".jsonl",
+        [
+            ("stdio", None, [{"input": "2\n", "output": "6\n"}, {"input": "5\n", "output": "15\n"}], None, "abc1_a"),
+            (
+                "call",
+                "twoSum",
+                [{"input": [[2, 7, 11, 15], 9], "output": [0, 1]}, {"input": [[3, 3], 6], "output": [0, 1]}],
+                None,
+                "1",
+            ),
+        ],
+        [
+            "print(3 * int(input()))",
+            "class Solution:\n    def twoSum(self, nums: List[int], target: int) -> List[int]:\n        return [0, 1]",
+        ],
+    ),
 }
 
 
@@ -517,16 +758,18 @@ def test_code_layouts_convert_local_copies(tmp_path, name, capsys):
 def test_converted_code_problems_grade_their_reference_solutions(tmp_path, name):
     """A right solution passes every converted test, and a wrong one does not: the layouts keep tests gradable."""
     from grading import sandbox
+
     rows, suffix, _, solutions = CODE_COPIES[name]
-    prepare.main(["--from", str(write_copy(tmp_path / f"copy{suffix}", rows)), "--out", name,
-                  "--data-dir", str(tmp_path)])
+    prepare.main(
+        ["--from", str(write_copy(tmp_path / f"copy{suffix}", rows)), "--out", name, "--data-dir", str(tmp_path)]
+    )
     problems = load_problems(name, data_dir=tmp_path)
     try:
         grades = sandbox.grade(solutions + ["print(0)"] * len(problems), problems * 2, workers=2)
     except sandbox.SandboxUnavailable as error:
         pytest.skip(str(error))
-    assert [g.reason for g in grades[:len(problems)]] == [None] * len(problems)
-    assert all(g.reason is not None for g in grades[len(problems):])
+    assert [g.reason for g in grades[: len(problems)]] == [None] * len(problems)
+    assert all(g.reason is not None for g in grades[len(problems) :])
 
 
 def test_livecodebench_pickles_never_build_objects(tmp_path, capsys):
@@ -538,8 +781,10 @@ def test_livecodebench_pickles_never_build_objects(tmp_path, capsys):
         def __reduce__(self):
             return (print, ("built",))
 
-    row = {**CODE_COPIES["livecodebench"][0][0],
-           "private_test_cases": base64.b64encode(zlib.compress(pickle.dumps(Payload()))).decode()}
+    row = {
+        **CODE_COPIES["livecodebench"][0][0],
+        "private_test_cases": base64.b64encode(zlib.compress(pickle.dumps(Payload()))).decode(),
+    }
     source = write_copy(tmp_path / "lcb.jsonl", [row])
     err = run_cli(["--from", str(source), "--out", "livecodebench", "--data-dir", str(tmp_path)], capsys)
     assert "refusing to build builtins.print" in err and f"{source}:1" in err
@@ -547,19 +792,25 @@ def test_livecodebench_pickles_never_build_objects(tmp_path, capsys):
 
 
 def test_tolerance_is_read_from_the_statement():
-    for statement, tolerance in [("absolute or relative error does not exceed $$$10^{-6}$$$", 1e-6),
-                                 ("The relative error must be at most 1e-4.", 1e-4),
-                                 ("if the absolute error is less than 10^(-9)", 1e-9),
-                                 ("Print the answer modulo 10^9+7.", None), ("no numbers", None)]:
+    for statement, tolerance in [
+        ("absolute or relative error does not exceed $$$10^{-6}$$$", 1e-6),
+        ("The relative error must be at most 1e-4.", 1e-4),
+        ("if the absolute error is less than 10^(-9)", 1e-9),
+        ("Print the answer modulo 10^9+7.", None),
+        ("no numbers", None),
+    ]:
         assert code_layouts.tolerance_of(statement) == tolerance, statement
 
 
-@pytest.mark.parametrize("record, message", [
-    ({"problem": "p", "task": "code", "tests": []}, "non-empty list"),
-    ({"problem": "p", "task": "code", "tests": [{"input": "1"}]}, "test 0"),
-    ({"problem": "", "task": "code", "tests": [{"input": "1", "output": "1"}]}, "empty or non-text problem"),
-    ({"problem": "p", "task": "code", "style": "call", "tests": [{"input": [1], "output": 2}]}, "fn_name"),
-])
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        ({"problem": "p", "task": "code", "tests": []}, "non-empty list"),
+        ({"problem": "p", "task": "code", "tests": [{"input": "1"}]}, "test 0"),
+        ({"problem": "", "task": "code", "tests": [{"input": "1", "output": "1"}]}, "empty or non-text problem"),
+        ({"problem": "p", "task": "code", "style": "call", "tests": [{"input": [1], "output": 2}]}, "fn_name"),
+    ],
+)
 def test_malformed_code_records_name_file_and_line(tmp_path, record, message):
     path = write_lines(tmp_path / "bad.jsonl", [json.dumps({"problem": "ok", "answer": "1"}), json.dumps(record)])
     with pytest.raises(ValueError, match=f"bad.jsonl:2: .*{message}"):
@@ -578,15 +829,24 @@ def test_a_byte_order_mark_is_not_data(tmp_path):
 
 def test_an_object_holding_one_list_of_records_is_read_as_those_records(tmp_path):
     path = tmp_path / "wrapped.json"
-    path.write_text(json.dumps({"version": 2, "data": [{"problem": "What is 2 + 2?", "answer": "4"},
-                                                       {"problem": "What is 3 + 3?", "answer": 6}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "version": 2,
+                "data": [{"problem": "What is 2 + 2?", "answer": "4"}, {"problem": "What is 3 + 3?", "answer": 6}],
+            }
+        )
+    )
     assert [p["answer"] for p in load_problems(path)] == ["4", "6"]
     path.write_text(json.dumps({"data": [{"problem": "What is 2 + 2?"}]}))
     with pytest.raises(ValueError, match=r"wrapped.json: data item 0: missing field 'answer'"):
         load_problems(path)
     path.write_text(json.dumps({"train": [], "test": []}))
-    with pytest.raises(ValueError, match=r"one JSON object holding 2 lists \(train, test\); expected a list of "
-                                         r"records, JSON lines, or an object whose one list holds the records"):
+    with pytest.raises(
+        ValueError,
+        match=r"one JSON object holding 2 lists \(train, test\); expected a list of "
+        r"records, JSON lines, or an object whose one list holds the records",
+    ):
         load_problems(path)
     path.write_text('{"problem": "What is 2 + 2?", "answer": "4"}\n{"problem": "What is 1 + 1?", "answer": "2"}\n')
     assert len(load_problems(path)) == 2, "JSON lines named .json still read line by line"
@@ -596,9 +856,17 @@ def test_an_object_holding_one_list_of_records_is_read_as_those_records(tmp_path
 
 def test_a_prepared_copy_converts_under_a_hub_name_without_keys(tmp_path, capsys):
     """The shared copies are already prepared (problem, answer, solution, ...): --out gsm8k reads them as they are."""
-    source = write_copy(tmp_path / "gsm8k_test.jsonl", [
-        {"problem": "Janet has 3 apples...", "answer": "18", "id": "gsm8k-test-0", "solution": "3 * 6 = 18"}])
+    source = write_copy(
+        tmp_path / "gsm8k_test.jsonl",
+        [{"problem": "Janet has 3 apples...", "answer": "18", "id": "gsm8k-test-0", "solution": "3 * 6 = 18"}],
+    )
     prepare.main(["--from", str(source), "--out", "gsm8k", "--data-dir", str(tmp_path)])
     assert load_problems("gsm8k", data_dir=tmp_path) == [
-        {"problem": "Janet has 3 apples...", "answer": "18", "id": "gsm8k-test-0", "solution": "3 * 6 = 18",
-         "source": str(source)}]
+        {
+            "problem": "Janet has 3 apples...",
+            "answer": "18",
+            "id": "gsm8k-test-0",
+            "solution": "3 * 6 = 18",
+            "source": str(source),
+        }
+    ]

@@ -118,8 +118,11 @@ CASES = [
     # matrices elementwise; a column vector may be written as a tuple
     ("\\begin{bmatrix} -1 & 0 \\\\ 0 & -1 \\end{bmatrix}", "\\begin{pmatrix} -1 & 0 \\\\ 0 & -1 \\end{pmatrix}", True),
     ("\\begin{pmatrix} 0 & -1 \\\\ -1 & 0 \\end{pmatrix}", "\\begin{pmatrix} -1 & 0 \\\\ 0 & -1 \\end{pmatrix}", False),
-    ("\\begin{pmatrix} -\\frac{1}{3} \\\\ \\frac23 \\\\ \\frac{5}{3} \\end{pmatrix}",
-     "\\begin{pmatrix} -1/3 \\\\ 2/3 \\\\ 5/3 \\end{pmatrix}", True),
+    (
+        "\\begin{pmatrix} -\\frac{1}{3} \\\\ \\frac23 \\\\ \\frac{5}{3} \\end{pmatrix}",
+        "\\begin{pmatrix} -1/3 \\\\ 2/3 \\\\ 5/3 \\end{pmatrix}",
+        True,
+    ),
     ("(-1/3, 2/3, 5/3)", "\\begin{pmatrix} -1/3 \\\\ 2/3 \\\\ 5/3 \\end{pmatrix}", True),
     ("(2/3, -1/3, 5/3)", "\\begin{pmatrix} -1/3 \\\\ 2/3 \\\\ 5/3 \\end{pmatrix}", False),
     # words, multiple choice (AMC), bases
@@ -271,20 +274,23 @@ def test_enough_cases_in_both_directions():
     assert sum(expected for *_, expected in CASES) >= 30 and sum(not e for *_, e in CASES) >= 30
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("so \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),
-    ("\\boxed{\\{1,2\\}}", "\\{1,2\\}"),
-    ("\\boxed{\\boxed{7}}", "\\boxed{7}"),
-    ("first \\boxed{1}, later we see the real one \\boxed{2}", "2"),
-    ("\\boxed{3} \\boxed{4}", "3, 4"),
-    ("think...\nAnswer: 5\n", "5"),
-    ("Answer: the total is $42$ dollars.", "42"),
-    ("She makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18", "18"),
-    ("$x = 3$, so the total is 12.", "12"),
-    ("The sum is 1,234 in all.\nWe are done.", "1,234"),
-    ("x = 5", "x = 5"),
-    ("no numbers here, just words", None),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("so \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),
+        ("\\boxed{\\{1,2\\}}", "\\{1,2\\}"),
+        ("\\boxed{\\boxed{7}}", "\\boxed{7}"),
+        ("first \\boxed{1}, later we see the real one \\boxed{2}", "2"),
+        ("\\boxed{3} \\boxed{4}", "3, 4"),
+        ("think...\nAnswer: 5\n", "5"),
+        ("Answer: the total is $42$ dollars.", "42"),
+        ("She makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18", "18"),
+        ("$x = 3$, so the total is 12.", "12"),
+        ("The sum is 1,234 in all.\nWe are done.", "1,234"),
+        ("x = 5", "x = 5"),
+        ("no numbers here, just words", None),
+    ],
+)
 def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
 
@@ -317,33 +323,55 @@ def test_reward_format_term_is_separate():
     assert reward.reward(["\\boxed{42"], ["42"], format_weight=0.5, answer_format="boxed") == [0.0]  # unclosed box
 
 
-@pytest.mark.parametrize("kwargs, argument", [
-    (dict(completions=["1"], references=[]), "completions and references"),
-    (dict(completions=["1"], references=["1"], answer_format="xml"), "answer_format"),
-    (dict(completions=["1"], references=["1"], workers=0), "workers"),
-    (dict(completions=[None], references=["1"]), "completions\\[0\\]"),
-])
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [
+        (dict(completions=["1"], references=[]), "completions and references"),
+        (dict(completions=["1"], references=["1"], answer_format="xml"), "answer_format"),
+        (dict(completions=["1"], references=["1"], workers=0), "workers"),
+        (dict(completions=[None], references=["1"]), "completions\\[0\\]"),
+    ],
+)
 def test_reward_rejects_bad_arguments(kwargs, argument):
     with pytest.raises(ValueError, match=argument):
         reward.reward(**kwargs)
 
 
 def test_fast_path_needs_neither_sympy_nor_workers():
-    code = ("import json, sys, reward; scores = reward.reward(['#### 42', '\\\\boxed{0.5}', '7,000', '#### 41', 'x = 5'], "
-            "['42', '\\\\frac12', '7000', '42', '5']); print(json.dumps([scores, 'sympy' in sys.modules, "
-            "len(reward._POOL.procs)]))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent, capture_output=True, text=True,
-                         timeout=60, check=True).stdout
+    code = (
+        "import json, sys, reward; scores = reward.reward(['#### 42', '\\\\boxed{0.5}', '7,000', '#### 41', 'x = 5'], "
+        "['42', '\\\\frac12', '7000', '42', '5']); print(json.dumps([scores, 'sympy' in sys.modules, "
+        "len(reward._POOL.procs)]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     assert json.loads(out) == [[1.0, 1.0, 1.0, 0.0, 1.0], False, 0]
 
 
 def test_command_line_shows_verdict_and_both_forms():
-    run = lambda *args: subprocess.run([sys.executable, "reward.py", *args], cwd=Path(__file__).parent.parent,
-                                       capture_output=True, text=True, timeout=60)
+    run = lambda *args: subprocess.run(
+        [sys.executable, "reward.py", *args],
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     out = run("The answer is $\\boxed{\\dfrac{1}{2}}$.", "0.5")
     assert out.returncode == 0 and out.stdout.splitlines() == [
-        "verdict: correct", "prediction:", "  extracted:  '\\\\dfrac{1}{2}'", "  normalized: '\\\\frac{1}{2}'",
-        "reference:", "  extracted:  '0.5'", "  normalized: '0.5'"]
+        "verdict: correct",
+        "prediction:",
+        "  extracted:  '\\\\dfrac{1}{2}'",
+        "  normalized: '\\\\frac{1}{2}'",
+        "reference:",
+        "  extracted:  '0.5'",
+        "  normalized: '0.5'",
+    ]
     assert run("#### 41", "42").stdout.startswith("verdict: wrong\n")
     assert run("--help").stdout.startswith("usage: python reward.py PRED GOLD") and run("1").returncode == 2
 
@@ -366,29 +394,32 @@ def test_grading_works_off_the_main_thread():
     assert results == [False, True]
 
 
-@pytest.mark.parametrize("make_payload", [
-    lambda path: f"\\boxed{{__import__('os').system('touch {path}')}}",
-    lambda path: f"Answer: __import__('os').system('touch {path}')",
-    lambda path: f"x = exec(\"open('{path}', 'w')\")",
-    lambda path: f"\\boxed{{(lambda: open('{path}', 'w'))()}}",
-    lambda path: f"\\boxed{{().__class__.__base__.__subclasses__()[0]('{path}')}}",
-    lambda path: "\\boxed{10^{10^{10}}}",
-    lambda path: "\\boxed{(10^8)!}",
-    lambda path: "\\boxed{2^{2^{2^{2^{2^{2}}}}}}",
-    lambda path: "\\boxed{\\binom{10^{9}}{5 \\cdot 10^{8}}}",
-    lambda path: "\\boxed{" + "{" * 10_000,
-    lambda path: "\\boxed{" + "(" * 600 + "1" + ")" * 600 + "}",
-    lambda path: "\\boxed{" + "(," * 660 + ")" * 660 + "}",
-    lambda path: "7" * 100_000,
-    lambda path: ("\\boxed{" + "x+" * 50_000 + "1}"),
-    lambda path: "$" * 50_000 + "\\(" * 20_000 + "#" * 30_000,
-    lambda path: "\\boxed{\\sum_{i=1}^{999} \\sum_{j=1}^{999} i \\cdot j}",
-    lambda path: "\\boxed{\\prod_{k=1}^{999} k^{999}}",
-    lambda path: "\\boxed{\\sum_{k=1}^{999} k^{k^{k}}}",
-    lambda path: " and ".join(f"\\boxed{{x^{{{i}}}}}" for i in range(2_000)),
-    lambda path: "\\boxed{x \\approx " * 300 + "1" + "}" * 300,
-    lambda path: "The final answer is " + "答案是 " * 20_000,
-])
+@pytest.mark.parametrize(
+    "make_payload",
+    [
+        lambda path: f"\\boxed{{__import__('os').system('touch {path}')}}",
+        lambda path: f"Answer: __import__('os').system('touch {path}')",
+        lambda path: f"x = exec(\"open('{path}', 'w')\")",
+        lambda path: f"\\boxed{{(lambda: open('{path}', 'w'))()}}",
+        lambda path: f"\\boxed{{().__class__.__base__.__subclasses__()[0]('{path}')}}",
+        lambda path: "\\boxed{10^{10^{10}}}",
+        lambda path: "\\boxed{(10^8)!}",
+        lambda path: "\\boxed{2^{2^{2^{2^{2^{2}}}}}}",
+        lambda path: "\\boxed{\\binom{10^{9}}{5 \\cdot 10^{8}}}",
+        lambda path: "\\boxed{" + "{" * 10_000,
+        lambda path: "\\boxed{" + "(" * 600 + "1" + ")" * 600 + "}",
+        lambda path: "\\boxed{" + "(," * 660 + ")" * 660 + "}",
+        lambda path: "7" * 100_000,
+        lambda path: "\\boxed{" + "x+" * 50_000 + "1}",
+        lambda path: "$" * 50_000 + "\\(" * 20_000 + "#" * 30_000,
+        lambda path: "\\boxed{\\sum_{i=1}^{999} \\sum_{j=1}^{999} i \\cdot j}",
+        lambda path: "\\boxed{\\prod_{k=1}^{999} k^{999}}",
+        lambda path: "\\boxed{\\sum_{k=1}^{999} k^{k^{k}}}",
+        lambda path: " and ".join(f"\\boxed{{x^{{{i}}}}}" for i in range(2_000)),
+        lambda path: "\\boxed{x \\approx " * 300 + "1" + "}" * 300,
+        lambda path: "The final answer is " + "答案是 " * 20_000,
+    ],
+)
 def test_hostile_output_is_wrong_fast_and_inert(make_payload, tmp_path):
     marker = tmp_path / "executed"
     start = time.monotonic()
@@ -476,27 +507,92 @@ MATH_VERIFY_CASES = [
     ("$28*\\frac{1}{100}$", "28", False),
     # test_all.py::test_latex_notation_math (the shorter solutions)
     ("$2-2p$", "Since $x<2$, it follows that $|x-2|=2-x$. If $2-x=p$, then $x=2-p$. Thus $x-p=\\boxed{2-2p}$.", True),
-    ("\\boxed{\n\\begin{pmatrix} 0 & 3 \\\\ 0 & -1 \\end{pmatrix}\n}.\n\\end{align*}",
-     "\\boxed{\n\\begin{pmatrix} 0 & 3 \\\\ 0 & -1 \\end{pmatrix}\n}.\n\\end{align*}", True),
-    (r"Since $25<30<36$, we have $5<\sqrt{30}<6$. We also know that $7^2=49$, so $\sqrt{50}\approx7$. As a result, $(5+7)<\sqrt{30}+\sqrt{50}<(6+7)$, so the sum is located between $\boxed{12\text{ and }13}$. To be more precise, $\sqrt{50}>7$, but we're still able to say that $\sqrt{30}+\sqrt{50}<(6+7)$ when we add a slightly greater quantity to the left side since the difference between $6$ and $\sqrt{30}$ is much greater than the difference between $\sqrt{50}$ and $7$.",
-     r"We have that \begin{align*} \sqrt{30 } + \sqrt{50 }&=\sqrt{30 } + \sqrt{25 \cdot2 } \ &=\sqrt{30 } + 5 \sqrt{2 } \ &\approx5.477 + 5 \cdot1.414 \ &\approx5.477 + 7.07 \ &\approx12.547. \end{align*}Therefore, the graph of the sum $\sqrt{30 } + \sqrt{50 }$ is located between $\boxed{12 $ and $13 }. $ Final Answer: The final answer is \"$12 $ and $13 $\". I hope it is correct.", True),
-    ("$\\frac{14}{3}$", r"$f(-2)+f(-1)+f(0)=\frac{3(-2)-2}{-2-2}+\frac{3(-1)-2}{-1-2}+\frac{3(0)-2}{0-2}=\frac{-8}{-4}+\frac{-5}{-3}+\frac{-2}{-2}=2+\frac{5}{3}+1=\boxed{\frac{14}{3}}$", True),
-    ("$\\text{Evelyn}$", r"Evelyn covered more distance in less time than Briana, Debra and Angela, so her average speed is greater than any of their average speeds. Evelyn went almost as far as Carla in less than half the time that it took Carla, so Evelyn's average speed is also greater than Carla's. Therefore, $\boxed{\text{Evelyn}}$ is our answer.", True),
-    ("$3\\sqrt{13}$", r"We use the distance formula:  \begin{align*} \sqrt{(2 - (-4))^2 + ((-6) - 3)^2} &= \sqrt{6^2 + (-9)^2}\\ & = \sqrt{36 + 81}\\ & = \sqrt{117} = \boxed{3\sqrt{13}}. \end{align*}", True),
-    ("$2$", r"Of the two-digit perfect squares, only $4^2=16$ and $6^2=36$ end in $6$. Thus, there are $\boxed{2}$ distinct possible values for $B$.", True),
-    ("$15\\mbox{ cm}^2$", r"The shaded triangle has a base of length $10\text{ cm}.$ Since the triangle is enclosed in a rectangle of height $3\text{ cm},$ then the height of the triangle is $3\text{ cm}.$ (We know that the enclosing shape is a rectangle, because any figure with four sides, including two pairs of equal opposite sides, and two right angles must be a rectangle.) Therefore, the area of the triangle is $$\frac{1}{2}\times 3 \times 10 = \boxed{15\mbox{ cm}^2}.$$", True),
-    ("$-2,1$", r"By the Integer Root Theorem, the possible integer roots are all the divisors of 14 (including negative divisors), which are $-14,$ $-7,$ $-2,$ $-1,$ $1,$ $2,$ $7,$ and $14.$  Checking, we find that the only integer roots are $\boxed{-2,1}.$", True),
-    ("$9$", r"We use the property that $a \equiv b \pmod{m}$ implies $a^c \equiv b^c \pmod{m}$. Since $129 \equiv -3 \pmod{11}$ and $96 \equiv -3 \pmod{11}$, we have  $$129^{34}+96^{38} \equiv (-3)^{34}+(-3)^{38} \equiv 3^{34}+3^{38} \pmod{11}.$$ Since $3^5 \equiv 1 \pmod{11},$ we can see that $3^{34} = (3^5)^{6} \cdot 3^4$ and $3^{38} = (3^5)^{7} \cdot 3^3.$ Then, $129^{34}+96^{38} \equiv \boxed{9} \pmod{11}.$", True),
-    ("$90^\\circ$", "Therefore, \\begin{align*} \\angle BAC &= \\angle BAD + \\angle DAC \\\\ &= 50^\\circ+40^\\circ \\\\ &= \\boxed{90^\\circ}. \\end{align*}", True),
-    ("$0$", "Note that $p(x)$ has degree at most 2.  Also, $p(a) = p(b) = p(c) = 1.$  Thus, the polynomials $p(x)$ and 1 agree at three different values, so by the Identity Theorem, they are the same polynomial.  Hence, the degree of $p(x)$ (which is the constant polynomial 1) is $\\boxed{0}.$", True),
-    ("$(6,31,-1)$", "Let $\\alpha$ be a root of $x^3 - 3x^2 + 4x - 1 = 0,$ so $\\alpha^3 = 3 \\alpha^2 - 4 \\alpha + 1.$ Then solving the system of equations, we find $(p,q,r) = \\boxed{(6,31,-1)}.$", True),
-    ("$1 \\pm \\sqrt{19}$", "This simplifies to $64y + 1920 = 0,$ so $y = -30.$ Then $x^2 - 2x - 48 = -30,$ or $x^2 - 2x - 18 = 0.$ By the quadratic formula, $x = \\boxed{1 \\pm \\sqrt{19}}.$", True),
-    ("$3 \\pm 2 \\sqrt{2}$", "This gives us $x^2 + 1 = 6x,$ or $x^2 - 6x + 1 = 0.$ By the quadratic formula, the roots are $x = \\boxed{3 \\pm 2 \\sqrt{2}}.$", True),
-    ("$\\{1\\pm\\sqrt{5},-2\\}$", "The roots of $P(x)$ are $-2$ and $1 \\pm \\sqrt{5}$, so the answer is $\\boxed{\\{1\\pm\\sqrt{5},-2\\}}.$", True),
-    ("$2 \\sin b \\cos a$", "By sum-to-product,\n\\[\\sin (a + b) - \\sin (a - b) = \\boxed{2 \\sin b \\cos a}.\\]", True),
+    (
+        "\\boxed{\n\\begin{pmatrix} 0 & 3 \\\\ 0 & -1 \\end{pmatrix}\n}.\n\\end{align*}",
+        "\\boxed{\n\\begin{pmatrix} 0 & 3 \\\\ 0 & -1 \\end{pmatrix}\n}.\n\\end{align*}",
+        True,
+    ),
+    (
+        r"Since $25<30<36$, we have $5<\sqrt{30}<6$. We also know that $7^2=49$, so $\sqrt{50}\approx7$. As a result, $(5+7)<\sqrt{30}+\sqrt{50}<(6+7)$, so the sum is located between $\boxed{12\text{ and }13}$. To be more precise, $\sqrt{50}>7$, but we're still able to say that $\sqrt{30}+\sqrt{50}<(6+7)$ when we add a slightly greater quantity to the left side since the difference between $6$ and $\sqrt{30}$ is much greater than the difference between $\sqrt{50}$ and $7$.",
+        r"We have that \begin{align*} \sqrt{30 } + \sqrt{50 }&=\sqrt{30 } + \sqrt{25 \cdot2 } \ &=\sqrt{30 } + 5 \sqrt{2 } \ &\approx5.477 + 5 \cdot1.414 \ &\approx5.477 + 7.07 \ &\approx12.547. \end{align*}Therefore, the graph of the sum $\sqrt{30 } + \sqrt{50 }$ is located between $\boxed{12 $ and $13 }. $ Final Answer: The final answer is \"$12 $ and $13 $\". I hope it is correct.",
+        True,
+    ),
+    (
+        "$\\frac{14}{3}$",
+        r"$f(-2)+f(-1)+f(0)=\frac{3(-2)-2}{-2-2}+\frac{3(-1)-2}{-1-2}+\frac{3(0)-2}{0-2}=\frac{-8}{-4}+\frac{-5}{-3}+\frac{-2}{-2}=2+\frac{5}{3}+1=\boxed{\frac{14}{3}}$",
+        True,
+    ),
+    (
+        "$\\text{Evelyn}$",
+        r"Evelyn covered more distance in less time than Briana, Debra and Angela, so her average speed is greater than any of their average speeds. Evelyn went almost as far as Carla in less than half the time that it took Carla, so Evelyn's average speed is also greater than Carla's. Therefore, $\boxed{\text{Evelyn}}$ is our answer.",
+        True,
+    ),
+    (
+        "$3\\sqrt{13}$",
+        r"We use the distance formula:  \begin{align*} \sqrt{(2 - (-4))^2 + ((-6) - 3)^2} &= \sqrt{6^2 + (-9)^2}\\ & = \sqrt{36 + 81}\\ & = \sqrt{117} = \boxed{3\sqrt{13}}. \end{align*}",
+        True,
+    ),
+    (
+        "$2$",
+        r"Of the two-digit perfect squares, only $4^2=16$ and $6^2=36$ end in $6$. Thus, there are $\boxed{2}$ distinct possible values for $B$.",
+        True,
+    ),
+    (
+        "$15\\mbox{ cm}^2$",
+        r"The shaded triangle has a base of length $10\text{ cm}.$ Since the triangle is enclosed in a rectangle of height $3\text{ cm},$ then the height of the triangle is $3\text{ cm}.$ (We know that the enclosing shape is a rectangle, because any figure with four sides, including two pairs of equal opposite sides, and two right angles must be a rectangle.) Therefore, the area of the triangle is $$\frac{1}{2}\times 3 \times 10 = \boxed{15\mbox{ cm}^2}.$$",
+        True,
+    ),
+    (
+        "$-2,1$",
+        r"By the Integer Root Theorem, the possible integer roots are all the divisors of 14 (including negative divisors), which are $-14,$ $-7,$ $-2,$ $-1,$ $1,$ $2,$ $7,$ and $14.$  Checking, we find that the only integer roots are $\boxed{-2,1}.$",
+        True,
+    ),
+    (
+        "$9$",
+        r"We use the property that $a \equiv b \pmod{m}$ implies $a^c \equiv b^c \pmod{m}$. Since $129 \equiv -3 \pmod{11}$ and $96 \equiv -3 \pmod{11}$, we have  $$129^{34}+96^{38} \equiv (-3)^{34}+(-3)^{38} \equiv 3^{34}+3^{38} \pmod{11}.$$ Since $3^5 \equiv 1 \pmod{11},$ we can see that $3^{34} = (3^5)^{6} \cdot 3^4$ and $3^{38} = (3^5)^{7} \cdot 3^3.$ Then, $129^{34}+96^{38} \equiv \boxed{9} \pmod{11}.$",
+        True,
+    ),
+    (
+        "$90^\\circ$",
+        "Therefore, \\begin{align*} \\angle BAC &= \\angle BAD + \\angle DAC \\\\ &= 50^\\circ+40^\\circ \\\\ &= \\boxed{90^\\circ}. \\end{align*}",
+        True,
+    ),
+    (
+        "$0$",
+        "Note that $p(x)$ has degree at most 2.  Also, $p(a) = p(b) = p(c) = 1.$  Thus, the polynomials $p(x)$ and 1 agree at three different values, so by the Identity Theorem, they are the same polynomial.  Hence, the degree of $p(x)$ (which is the constant polynomial 1) is $\\boxed{0}.$",
+        True,
+    ),
+    (
+        "$(6,31,-1)$",
+        "Let $\\alpha$ be a root of $x^3 - 3x^2 + 4x - 1 = 0,$ so $\\alpha^3 = 3 \\alpha^2 - 4 \\alpha + 1.$ Then solving the system of equations, we find $(p,q,r) = \\boxed{(6,31,-1)}.$",
+        True,
+    ),
+    (
+        "$1 \\pm \\sqrt{19}$",
+        "This simplifies to $64y + 1920 = 0,$ so $y = -30.$ Then $x^2 - 2x - 48 = -30,$ or $x^2 - 2x - 18 = 0.$ By the quadratic formula, $x = \\boxed{1 \\pm \\sqrt{19}}.$",
+        True,
+    ),
+    (
+        "$3 \\pm 2 \\sqrt{2}$",
+        "This gives us $x^2 + 1 = 6x,$ or $x^2 - 6x + 1 = 0.$ By the quadratic formula, the roots are $x = \\boxed{3 \\pm 2 \\sqrt{2}}.$",
+        True,
+    ),
+    (
+        "$\\{1\\pm\\sqrt{5},-2\\}$",
+        "The roots of $P(x)$ are $-2$ and $1 \\pm \\sqrt{5}$, so the answer is $\\boxed{\\{1\\pm\\sqrt{5},-2\\}}.$",
+        True,
+    ),
+    (
+        "$2 \\sin b \\cos a$",
+        "By sum-to-product,\n\\[\\sin (a + b) - \\sin (a - b) = \\boxed{2 \\sin b \\cos a}.\\]",
+        True,
+    ),
     ("$125$ miles", "The distance is $\\boxed{125\\textnormal{ miles}}.$", True),
-    ("$[-1, -\\frac{1}{2}) \\cup (-\\frac{1}{2}, 0) \\cup (0, 1) \\cup (1, \\infty)$",
-     "The solution set is $\\boxed{[-1, -\\tfrac12) \\cup (-\\tfrac12, 0) \\cup (0, 1) \\cup (1, \\infty)}.$", True),
+    (
+        "$[-1, -\\frac{1}{2}) \\cup (-\\frac{1}{2}, 0) \\cup (0, 1) \\cup (1, \\infty)$",
+        "The solution set is $\\boxed{[-1, -\\tfrac12) \\cup (-\\tfrac12, 0) \\cup (0, 1) \\cup (1, \\infty)}.$",
+        True,
+    ),
     ("$\\sqrt{2}+\\sqrt{5}$", "The answer is $\\boxed{\\sqrt 2+\\sqrt 5}$", True),
     ("$\\frac{9}{4}\\pi$", "Therefore $\\boxed{\\frac94\\pi}$.", True),
     ("x \\in \\boxed{\\{-1\\} \\cup [0,7)}.$", "x \\in \\boxed{\\{-1\\} \\cup [0,7)}.$", True),
@@ -530,26 +626,63 @@ MATH_VERIFY_CASES = [
     ("$2x+4y-3=0$", "$y=-\\frac{1}{2}x+\\frac{3}{4}$", True),
     ("$x^2/4 + y^2/3 = 1$", "$x^2/16 + y^2/12 = 1/4$", True),
     # test_all.py::test_matrix_extraction
-    (r"$\begin{pmatrix}1 & 0 \\ 0 & 1\end{pmatrix}$", r"The identity matrix is $ \begin{pmatrix}1 & 0 \\ 0 & 1\end{pmatrix} $.", True),
-    (r"$\begin{bmatrix}0 & 0 \\0 & 0\end{bmatrix}$", r"Here is a zero matrix: $ \begin{pmatrix}0 & 0 \\0 & 0\end{pmatrix} $", True),
-    (r"$\begin{pmatrix}1 & 2 \\3 & 4\end{pmatrix}$", r"Special matrix: $ \left[\begin{array}{cc}1 & 2 \\3 & 4\end{array}\right] $", True),
-    (r"$\begin{pmatrix}\frac{1}{2} & \frac{3}{4} \\ \frac{5}{6} & \frac{7}{8}\end{pmatrix}$",
-     r"Matrix with fractions: $ \begin{pmatrix}\frac{1}{2} & \frac{3}{4} \\ \frac{5}{6} & \frac{7}{8}\end{pmatrix} $", True),
-    (r"$\begin{pmatrix}6 & 8 \\ 10 & 12\end{pmatrix}$", r"The sum is $\begin{pmatrix}1 & 2 \\ 3 & 4\end{pmatrix} + \begin{pmatrix}5 & 6 \\ 7 & 8\end{pmatrix}$", True),
-    (r"$\begin{pmatrix}1 & 0 \\ 0 & 1\end{pmatrix}$", r"When multiplying by identity: $\begin{pmatrix}1 & 0 \\ 0 & 1\end{pmatrix} \begin{pmatrix}1 & 0 \\ 0 & 1\end{pmatrix}$", True),
-    (r"$\begin{pmatrix}1 & 2 \\ 3 & 4\end{pmatrix}$", r"The matrix is $\begin{pmatrix}1 & 2 \\ 3 & 5\end{pmatrix}$", False),
+    (
+        r"$\begin{pmatrix}1 & 0 \\ 0 & 1\end{pmatrix}$",
+        r"The identity matrix is $ \begin{pmatrix}1 & 0 \\ 0 & 1\end{pmatrix} $.",
+        True,
+    ),
+    (
+        r"$\begin{bmatrix}0 & 0 \\0 & 0\end{bmatrix}$",
+        r"Here is a zero matrix: $ \begin{pmatrix}0 & 0 \\0 & 0\end{pmatrix} $",
+        True,
+    ),
+    (
+        r"$\begin{pmatrix}1 & 2 \\3 & 4\end{pmatrix}$",
+        r"Special matrix: $ \left[\begin{array}{cc}1 & 2 \\3 & 4\end{array}\right] $",
+        True,
+    ),
+    (
+        r"$\begin{pmatrix}\frac{1}{2} & \frac{3}{4} \\ \frac{5}{6} & \frac{7}{8}\end{pmatrix}$",
+        r"Matrix with fractions: $ \begin{pmatrix}\frac{1}{2} & \frac{3}{4} \\ \frac{5}{6} & \frac{7}{8}\end{pmatrix} $",
+        True,
+    ),
+    (
+        r"$\begin{pmatrix}6 & 8 \\ 10 & 12\end{pmatrix}$",
+        r"The sum is $\begin{pmatrix}1 & 2 \\ 3 & 4\end{pmatrix} + \begin{pmatrix}5 & 6 \\ 7 & 8\end{pmatrix}$",
+        True,
+    ),
+    (
+        r"$\begin{pmatrix}1 & 0 \\ 0 & 1\end{pmatrix}$",
+        r"When multiplying by identity: $\begin{pmatrix}1 & 0 \\ 0 & 1\end{pmatrix} \begin{pmatrix}1 & 0 \\ 0 & 1\end{pmatrix}$",
+        True,
+    ),
+    (
+        r"$\begin{pmatrix}1 & 2 \\ 3 & 4\end{pmatrix}$",
+        r"The matrix is $\begin{pmatrix}1 & 2 \\ 3 & 5\end{pmatrix}$",
+        False,
+    ),
     # test_all.py::test_precision and test_complex_math_expressions (at math-verify's default precision)
     ("$\\frac{1}{3}$", "0.3333$", True),
     ("$\\frac{1}{12}$", "$0.0833333333333333$", True),
     ("$(1,\\frac{9}{2})$", "$(1,4.5)$", True),
     ("$\\frac{x+2}{7}$", "$\\frac{x}{7}+\\frac{2}{7}$", True),
     ("$\\tan^2(y)+1$", "$\\sec^2(y)$", True),
-    ("$\\begin{pmatrix}-\\\frac{7}{4}&-2\\\\\\\\4&\\\\frac{1}{4}\\\\\\\\\\\\end{pmatrix}$",
-     "$\\begin{pmatrix}-\\\frac{7}{4}&-2\\\\\\\\4&\\\\frac{1}{4}\\\\\\\\\\\\end{pmatrix}$", True),
-    ("$\\begin{pmatrix}\\frac{1}{3\\sqrt[3]{x}^2}&0&0\\\\0&1&0\\\\-\\sin(x)&0&0\\\\\\end{pmatrix}$",
-     "$\\begin{pmatrix}\\frac{1}{3x^{2/3}}&0&0\\\\0&1&0\\\\-\\sin(x)&0&0\\end{pmatrix}$", True),
+    (
+        "$\\begin{pmatrix}-\\\frac{7}{4}&-2\\\\\\\\4&\\\\frac{1}{4}\\\\\\\\\\\\end{pmatrix}$",
+        "$\\begin{pmatrix}-\\\frac{7}{4}&-2\\\\\\\\4&\\\\frac{1}{4}\\\\\\\\\\\\end{pmatrix}$",
+        True,
+    ),
+    (
+        "$\\begin{pmatrix}\\frac{1}{3\\sqrt[3]{x}^2}&0&0\\\\0&1&0\\\\-\\sin(x)&0&0\\\\\\end{pmatrix}$",
+        "$\\begin{pmatrix}\\frac{1}{3x^{2/3}}&0&0\\\\0&1&0\\\\-\\sin(x)&0&0\\end{pmatrix}$",
+        True,
+    ),
     ("$34x+45y-20z+100=0$", "$-34x-45y+20z-100=0$", True),
-    ("$\\frac{\\sqrt{\\sqrt{11}+\\sqrt{194}}}{15+2\\sqrt{33}}$", "$\\frac{\\sqrt{\\sqrt{11}+\\sqrt{194}}}{2\\sqrt{33}+15}$", True),
+    (
+        "$\\frac{\\sqrt{\\sqrt{11}+\\sqrt{194}}}{15+2\\sqrt{33}}$",
+        "$\\frac{\\sqrt{\\sqrt{11}+\\sqrt{194}}}{2\\sqrt{33}+15}$",
+        True,
+    ),
     ("$(a+5)(b+2)$", "$(+5)(b+2)$", False),
     ("$2$", "$\\frac{1+\\sqrt{5}}{2}$", False),
     ("$4$", "$\\frac{34}{16}+\\frac{\\sqrt{1358}}{16}$", False),
@@ -559,33 +692,95 @@ MATH_VERIFY_CASES = [
     ("$4$", "$4\\sqrt{2}$", False),
     ("$\text{13}$", "$13$", False),
     # test_all.py::test_math_extraction_edge_cases and additional cases (the shorter ones)
-    ("$2/3$", r"and then Alice wins the game from that point on. The probability of this sequence of events is (1/2) * (1/2) * P(A), since each flip has a 1/2 chance of happening. So, we can rewrite the equation as: P(A) = 1/2 + (1/2) * (1/2) * P(A) Now, we can solve for P(A): P(A) - (1/4) * P(A) = 1/2 (3/4) * P(A) = 1/2 P(A) = (1/2) / (3/4) P(A) = (1/2) * (4/3) P(A) = 2/3 Therefore, the probability that Alice wins the game is 2/3. <|im_start|>user", True),
-    ("$[0,1)$", r"For the function $q(x)$ to be defined, both the numerator and the denominator must be real numbers, and the denominator must not be zero. 1. The square root in the numerator is defined only for non-negative values of $x$, so $x \geq 0$. 2. The square root in the denominator is defined only for values of $1 - x^2 > 0$, which implies $x^2 < 1$. This gives $-1 < x < 1$. 3. The denominator cannot be zero, so $1 - x^2 \neq 0$, which implies $x \neq \pm 1$. Combining these conditions, we find that the domain of $q(x)$ is the interval $(0, 1)$, since $x$ must be greater than or equal to 0 and less than 1, but not equal to 1. Final Answer: The final answer is $(0, 1)$. I hope it is correct. <|im_start|>user", False),
-    ("12000023", r"To find the integers congruent to 3 (mod 7), we can find the remainder when each integer is divided by 7. For 85, the remainder is $85 \mod 7 = 1$. For 49,479, the remainder is $49,\!479 \mod 7 = 3$. For -67, the remainder is $-67 \mod 7 = 4$. For 12,000,003, the remainder is $12,\!000,\!003 \mod 7 = 5$. For -3, the remainder is $-3 \mod 7 = 4$. The only integer congruent to 3 (mod 7) is 49,479. Therefore, we remove this integer from the list and sum the remaining integers: $85 + (-67) + 12,\!000,\!003 + (-3) = 12,\!000,\!023$. Final Answer: The final answer is 12,000,023. I hope it is correct. <|im_start|>user", True),
-    (r"$\\left(\\frac{4}{5},\\frac{1}{5}\\right)$", r"Since $AP:PB = 1:4,$ we can write \[\frac{\overrightarrow{P} - \overrightarrow{A}}{1} = \frac{\overrightarrow{B} - \overrightarrow{P}}{4}.\]Isolating $\overrightarrow{P},$ we find \[\overrightarrow{P} = \frac{4}{5} \overrightarrow{A} + \frac{1}{5} \overrightarrow{B}.\]Thus, $(t,u) = \boxed{\left( \frac{4}{5}, \frac{1}{5} \right)}.$ Final Answer: The final answer is $\left( \frac{4}{5}, \frac{1}{5} \right)$. I hope it is correct. <|im_start|>user", True),
-    ("$16386.17$", r"Rounded to the nearest cent, Paula's investment is worth $\boxed{\$16386.17}$ after 5 years. I hope it is correct. <|im_start|>user", True),
-    ("$less than or equal to zero between its roots. Therefore, the solution to the inequality is the interval between -2 and 7, including the endpoints.\n\nThus, the solution in interval notation is:\n\n\\[ \\boxed{[-2, 7]} \\]$", "$x \\in [-2,7]$", True),
-    (r"$19$", r"So, the total number of points in the domain is $1 + 2 \times 9 = 1 + 18 = 19$ points. Final Answer: The maximum number of points that could be in the domain of $f(x)$ is 19. <|im_start|>user", True),
+    (
+        "$2/3$",
+        r"and then Alice wins the game from that point on. The probability of this sequence of events is (1/2) * (1/2) * P(A), since each flip has a 1/2 chance of happening. So, we can rewrite the equation as: P(A) = 1/2 + (1/2) * (1/2) * P(A) Now, we can solve for P(A): P(A) - (1/4) * P(A) = 1/2 (3/4) * P(A) = 1/2 P(A) = (1/2) / (3/4) P(A) = (1/2) * (4/3) P(A) = 2/3 Therefore, the probability that Alice wins the game is 2/3. <|im_start|>user",
+        True,
+    ),
+    (
+        "$[0,1)$",
+        r"For the function $q(x)$ to be defined, both the numerator and the denominator must be real numbers, and the denominator must not be zero. 1. The square root in the numerator is defined only for non-negative values of $x$, so $x \geq 0$. 2. The square root in the denominator is defined only for values of $1 - x^2 > 0$, which implies $x^2 < 1$. This gives $-1 < x < 1$. 3. The denominator cannot be zero, so $1 - x^2 \neq 0$, which implies $x \neq \pm 1$. Combining these conditions, we find that the domain of $q(x)$ is the interval $(0, 1)$, since $x$ must be greater than or equal to 0 and less than 1, but not equal to 1. Final Answer: The final answer is $(0, 1)$. I hope it is correct. <|im_start|>user",
+        False,
+    ),
+    (
+        "12000023",
+        r"To find the integers congruent to 3 (mod 7), we can find the remainder when each integer is divided by 7. For 85, the remainder is $85 \mod 7 = 1$. For 49,479, the remainder is $49,\!479 \mod 7 = 3$. For -67, the remainder is $-67 \mod 7 = 4$. For 12,000,003, the remainder is $12,\!000,\!003 \mod 7 = 5$. For -3, the remainder is $-3 \mod 7 = 4$. The only integer congruent to 3 (mod 7) is 49,479. Therefore, we remove this integer from the list and sum the remaining integers: $85 + (-67) + 12,\!000,\!003 + (-3) = 12,\!000,\!023$. Final Answer: The final answer is 12,000,023. I hope it is correct. <|im_start|>user",
+        True,
+    ),
+    (
+        r"$\\left(\\frac{4}{5},\\frac{1}{5}\\right)$",
+        r"Since $AP:PB = 1:4,$ we can write \[\frac{\overrightarrow{P} - \overrightarrow{A}}{1} = \frac{\overrightarrow{B} - \overrightarrow{P}}{4}.\]Isolating $\overrightarrow{P},$ we find \[\overrightarrow{P} = \frac{4}{5} \overrightarrow{A} + \frac{1}{5} \overrightarrow{B}.\]Thus, $(t,u) = \boxed{\left( \frac{4}{5}, \frac{1}{5} \right)}.$ Final Answer: The final answer is $\left( \frac{4}{5}, \frac{1}{5} \right)$. I hope it is correct. <|im_start|>user",
+        True,
+    ),
+    (
+        "$16386.17$",
+        r"Rounded to the nearest cent, Paula's investment is worth $\boxed{\$16386.17}$ after 5 years. I hope it is correct. <|im_start|>user",
+        True,
+    ),
+    (
+        "$less than or equal to zero between its roots. Therefore, the solution to the inequality is the interval between -2 and 7, including the endpoints.\n\nThus, the solution in interval notation is:\n\n\\[ \\boxed{[-2, 7]} \\]$",
+        "$x \\in [-2,7]$",
+        True,
+    ),
+    (
+        r"$19$",
+        r"So, the total number of points in the domain is $1 + 2 \times 9 = 1 + 18 = 19$ points. Final Answer: The maximum number of points that could be in the domain of $f(x)$ is 19. <|im_start|>user",
+        True,
+    ),
     ("$34$", r"Final Answer: The largest $n$ is 34.", True),
-    (r"$\\left( \\frac{4}{3}, -\\frac{1}{3} \\right)$", r"Isolating $\overrightarrow{P},$ we find \[\overrightarrow{P} = \frac{4}{3} \overrightarrow{A} - \frac{1}{3} \overrightarrow{B}.\]Thus, $(t,u) = \boxed{\left( \frac{4}{3}, -\frac{1}{3} \right)}.$", True),
+    (
+        r"$\\left( \\frac{4}{3}, -\\frac{1}{3} \\right)$",
+        r"Isolating $\overrightarrow{P},$ we find \[\overrightarrow{P} = \frac{4}{3} \overrightarrow{A} - \frac{1}{3} \overrightarrow{B}.\]Thus, $(t,u) = \boxed{\left( \frac{4}{3}, -\frac{1}{3} \right)}.$",
+        True,
+    ),
     (r"$(3,1)$", r"${1,3}$", False),
     (r"$(1,3)$", r"${1,3}$", True),
-    ("$14400$", r"Within each block, the members can be arranged in $5!$ ways. So, the total number of distinguishable ways is $1 \times 5! \times 5! = 120 \times 120 = \boxed{14400}$. Final Answer: The final answer is 14400. I hope it is correct.", True),
-    ("$100$", r"Thus, the new error in the measurement of the position is at least $100\%$ of the original error in the measurement of the position. Final Answer: The final answer is $100$. I hope it is correct.", True),
-    ("$x-2y+z-1=0$", r"The equation of the plane containing $L$ and the point $(1,1,1)$ is then $$-1(x-1)+2(y-1)+1(z-1)=0\Rightarrow\boxed{x-2y+z-1=0}.$$ Final Answer: The final answer is $x-2y+z-1=0$. I hope it is correct.", True),
-    ("$10455$", r"$0.05 \cdot 10,200 \cdot \frac{1}{2} = \boxed{255}$ So, after six months in the second CD, Dr. Zaius has $10,200 + $255 = $10,455. Final Answer: The final answer is $10,455$. I hope it is correct.", True),
-    (r"$[-4,0]$", r"Thus, the values of \( k \) for which the quadratic has real roots are: \[ \boxed{[-4, 0]} \]", True),
-    (r"Substituting $x = 3$, we get $12 = -2A$, so $A = -6$. Substituting $x = 5$, we get $20 = 2B$, so $B = 10$. Therefore, $(A, B) = \boxed{(-6, 10)}.$",
-     r"The solution to the inequality is \( x \in (-6, 10) \). Final Answer: The final answer is \((-6, 10)\). I hope it is correct.", True),
+    (
+        "$14400$",
+        r"Within each block, the members can be arranged in $5!$ ways. So, the total number of distinguishable ways is $1 \times 5! \times 5! = 120 \times 120 = \boxed{14400}$. Final Answer: The final answer is 14400. I hope it is correct.",
+        True,
+    ),
+    (
+        "$100$",
+        r"Thus, the new error in the measurement of the position is at least $100\%$ of the original error in the measurement of the position. Final Answer: The final answer is $100$. I hope it is correct.",
+        True,
+    ),
+    (
+        "$x-2y+z-1=0$",
+        r"The equation of the plane containing $L$ and the point $(1,1,1)$ is then $$-1(x-1)+2(y-1)+1(z-1)=0\Rightarrow\boxed{x-2y+z-1=0}.$$ Final Answer: The final answer is $x-2y+z-1=0$. I hope it is correct.",
+        True,
+    ),
+    (
+        "$10455$",
+        r"$0.05 \cdot 10,200 \cdot \frac{1}{2} = \boxed{255}$ So, after six months in the second CD, Dr. Zaius has $10,200 + $255 = $10,455. Final Answer: The final answer is $10,455$. I hope it is correct.",
+        True,
+    ),
+    (
+        r"$[-4,0]$",
+        r"Thus, the values of \( k \) for which the quadratic has real roots are: \[ \boxed{[-4, 0]} \]",
+        True,
+    ),
+    (
+        r"Substituting $x = 3$, we get $12 = -2A$, so $A = -6$. Substituting $x = 5$, we get $20 = 2B$, so $B = 10$. Therefore, $(A, B) = \boxed{(-6, 10)}.$",
+        r"The solution to the inequality is \( x \in (-6, 10) \). Final Answer: The final answer is \((-6, 10)\). I hope it is correct.",
+        True,
+    ),
     (r"\(\boxed{\text{C}}\).", r"$\boxed{\text{(C)}}.$", True),
     (r" So the answer is: \[ \boxed{11111111100} \]", r"is $\boxed{11,\! 111,\! 111,\! 100}$", True),
     (r" So the answer is: \[ \boxed{32349} \]", r"is $\boxed{32,\! 349}$", True),
     (r" So the answer is: \[ \boxed{32349} \]", r"is $\boxed{32, 349}$", False),
-    (r"Thus, the domain of the function \( f(x) \) is: \[ \boxed{(2, 12) \cup (12, 102)} \]", r"Thus, the answer is $x \in \boxed{(2,12) \cup (12,102)}$", True),
+    (
+        r"Thus, the domain of the function \( f(x) \) is: \[ \boxed{(2, 12) \cup (12, 102)} \]",
+        r"Thus, the answer is $x \in \boxed{(2,12) \cup (12,102)}$",
+        True,
+    ),
     (r"$\text{E}$", r"$E$", True),
     (r"$\boxed{1}\boxed{2}$", r"$\boxed{1,2}$", True),
-    (r"so \[f(n) = \frac{n^2 + 3n - 2}{2}\]for all positive integers $n.$ This factors as $(n - 1)(n + 2) = 0,$ so the solutions are $n = \boxed{1,-2}.$",
-     r"Solving this quadratic equation, we find the roots: \[ n = 1 \quad \text{and} \quad n = -2. \] Thus, the integers \( n \) such that \( f(n) = n \) are: \[ \boxed{-2} \quad \text{and} \quad \boxed{1}. \]", True),
+    (
+        r"so \[f(n) = \frac{n^2 + 3n - 2}{2}\]for all positive integers $n.$ This factors as $(n - 1)(n + 2) = 0,$ so the solutions are $n = \boxed{1,-2}.$",
+        r"Solving this quadratic equation, we find the roots: \[ n = 1 \quad \text{and} \quad n = -2. \] Thus, the integers \( n \) such that \( f(n) = n \) are: \[ \boxed{-2} \quad \text{and} \quad \boxed{1}. \]",
+        True,
+    ),
     # test_all.py::test_set_rel_assymetry (with allow_set_relation_comp=True)
     (r"$-2 \le x \le 7$", r"$x \in [-2,7]$", True),
     (r"$x \in [-2,7]$", r"$-2 \le x \le 7$", True),
@@ -633,21 +828,31 @@ MATH_VERIFY_CASES = [
 # Where this checker still answers differently, and why (a strict xfail: fixing one turns it into a failure to update).
 MATH_VERIFY_DIFFERENCES = {
     ("2.74", "Soucis : 2,74 $ a.."): "a prose label before the number and text after it in a bare answer",
-    (r"$\begin{pmatrix}6 & 8 \\ 10 & 12\end{pmatrix}$",
-     r"The sum is $\begin{pmatrix}1 & 2 \\ 3 & 4\end{pmatrix} + \begin{pmatrix}5 & 6 \\ 7 & 8\end{pmatrix}$"):
-        "matrix arithmetic is not evaluated",
-    (r"$\begin{pmatrix}1 & 0 \\ 0 & 1\end{pmatrix}$",
-     r"When multiplying by identity: $\begin{pmatrix}1 & 0 \\ 0 & 1\end{pmatrix} "
-     r"\begin{pmatrix}1 & 0 \\ 0 & 1\end{pmatrix}$"):
-        "matrix arithmetic is not evaluated",
-    ("$F_n = \\sum_{k=0}^{n-1} F_k F_{n-k-1}$", "$F_n = \\sum_{k=0}^{n-1} F_{n-k-1} F_k$"):
-        "sums with symbolic bounds and expression subscripts are compared as text only",
+    (
+        r"$\begin{pmatrix}6 & 8 \\ 10 & 12\end{pmatrix}$",
+        r"The sum is $\begin{pmatrix}1 & 2 \\ 3 & 4\end{pmatrix} + \begin{pmatrix}5 & 6 \\ 7 & 8\end{pmatrix}$",
+    ): "matrix arithmetic is not evaluated",
+    (
+        r"$\begin{pmatrix}1 & 0 \\ 0 & 1\end{pmatrix}$",
+        r"When multiplying by identity: $\begin{pmatrix}1 & 0 \\ 0 & 1\end{pmatrix} "
+        r"\begin{pmatrix}1 & 0 \\ 0 & 1\end{pmatrix}$",
+    ): "matrix arithmetic is not evaluated",
+    (
+        "$F_n = \\sum_{k=0}^{n-1} F_k F_{n-k-1}$",
+        "$F_n = \\sum_{k=0}^{n-1} F_{n-k-1} F_k$",
+    ): "sums with symbolic bounds and expression subscripts are compared as text only",
 }
 
 
-@pytest.mark.parametrize("gold, prediction, expected", [
-    pytest.param(*case, marks=pytest.mark.xfail(reason=MATH_VERIFY_DIFFERENCES[case[:2]], strict=True))
-    if case[:2] in MATH_VERIFY_DIFFERENCES else case for case in MATH_VERIFY_CASES])
+@pytest.mark.parametrize(
+    "gold, prediction, expected",
+    [
+        pytest.param(*case, marks=pytest.mark.xfail(reason=MATH_VERIFY_DIFFERENCES[case[:2]], strict=True))
+        if case[:2] in MATH_VERIFY_DIFFERENCES
+        else case
+        for case in MATH_VERIFY_CASES
+    ],
+)
 def test_math_verify_suite(gold, prediction, expected):
     assert grade(prediction, gold) is expected
 
@@ -657,6 +862,7 @@ def test_math_verify_suite_size():
 
 
 # ----------------------------------------------------------------------------- real data (third-party)
+
 
 def _rows(shared_data: Path, name: str) -> list[dict]:
     with open(shared_data / name) as f:
@@ -740,19 +946,29 @@ def test_the_equation_template_grades_what_follows_the_last_equals_sign():
 
 
 def test_the_command_line_grades_in_the_problems_context():
-    run = lambda *args: subprocess.run([sys.executable, "reward.py", *args], cwd=Path(__file__).parent.parent,
-                                       capture_output=True, text=True, timeout=60)
+    run = lambda *args: subprocess.run(
+        [sys.executable, "reward.py", *args],
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     out = run("7 + 6", "13", "--problem", "What is 7 + 6?", "--template", "equation")
     assert out.returncode == 0 and out.stdout.splitlines()[0] == "verdict: wrong"
     assert out.stdout.splitlines()[-1].startswith("restates the problem")
     assert run("7 + 6 = 13", "13", "--problem", "What is 7 + 6?", "--template", "equation").stdout.splitlines()[:4] == [
-        "verdict: correct", "prediction:", "  extracted:  '7 + 6 = 13'", "  normalized: '13'"]
+        "verdict: correct",
+        "prediction:",
+        "  extracted:  '7 + 6 = 13'",
+        "  normalized: '13'",
+    ]
     assert run("7 + 6", "13").stdout.startswith("verdict: correct\n")  # without the problem nothing says it is one
     bad = run("1", "2", "--prob", "x")
     assert bad.returncode == 2 and bad.stderr == "reward.py: unrecognized arguments: --prob x (see --help)\n"
 
 
 # ----------------------------------------------------------------------------- numbers of any length, hostile text
+
 
 @pytest.mark.parametrize("digits", [4_200, 4_299, 4_301, 5_000, 40_000])
 def test_huge_integers_compare_exactly_and_never_raise(digits):
@@ -767,10 +983,58 @@ def test_huge_integers_compare_exactly_and_never_raise(digits):
 
 def hostile_texts(seed: int = 0, count: int = 300) -> list[str]:
     """Random concatenations of the pieces answers are parsed from: brackets, commands, numbers of every size."""
-    pieces = ["\\boxed{", "}", "{", "(", ")", "[", "]", "\\frac", "\\sqrt", "^", "_", "=", "<", "\\le", ",", ";",
-              "\\pm", "$", "$$", "\\(", "\\)", "#### ", "Answer:", "The final answer is ", "x", " ", "\n", "-", "+",
-              "/", "!", ".", "\\text{and}", "\\begin{pmatrix}", "\\end{pmatrix}", "&", "\\\\", "e", "i", "\\infty",
-              "1", "0", "9" * 50, "7" * 4_400, "3" * 31_000, "1e9999", "0." + "3" * 5_000, "\\ud800", "\x00", "答案是"]
+    pieces = [
+        "\\boxed{",
+        "}",
+        "{",
+        "(",
+        ")",
+        "[",
+        "]",
+        "\\frac",
+        "\\sqrt",
+        "^",
+        "_",
+        "=",
+        "<",
+        "\\le",
+        ",",
+        ";",
+        "\\pm",
+        "$",
+        "$$",
+        "\\(",
+        "\\)",
+        "#### ",
+        "Answer:",
+        "The final answer is ",
+        "x",
+        " ",
+        "\n",
+        "-",
+        "+",
+        "/",
+        "!",
+        ".",
+        "\\text{and}",
+        "\\begin{pmatrix}",
+        "\\end{pmatrix}",
+        "&",
+        "\\\\",
+        "e",
+        "i",
+        "\\infty",
+        "1",
+        "0",
+        "9" * 50,
+        "7" * 4_400,
+        "3" * 31_000,
+        "1e9999",
+        "0." + "3" * 5_000,
+        "\\ud800",
+        "\x00",
+        "答案是",
+    ]
     rng = random.Random(seed)
     return ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 12))) for _ in range(count)]
 
@@ -792,16 +1056,24 @@ def test_the_benchmark_finds_its_data_or_fails_saying_where_it_looked(tmp_path):
     bench = Path(reward.__file__).parent / "bench" / "reward.py"
     missing = subprocess.run([sys.executable, str(bench), "--data", str(tmp_path)], capture_output=True, text=True)
     assert missing.returncode == 2 and missing.stdout == "", "a benchmark that did not run does not pass"
-    assert missing.stderr.strip() == (f"bench/reward.py: no GSM8K and MATH-500 answers in {tmp_path} (gsm8k.jsonl "
-                                      "or gsm8k_test.jsonl, and math500.jsonl); run `python data/prepare.py gsm8k "
-                                      "math500` or give --data DIR")
+    assert missing.stderr.strip() == (
+        f"bench/reward.py: no GSM8K and MATH-500 answers in {tmp_path} (gsm8k.jsonl "
+        "or gsm8k_test.jsonl, and math500.jsonl); run `python data/prepare.py gsm8k "
+        "math500` or give --data DIR"
+    )
     # prepared files, as data/prepare.py writes them (no GSM8K solutions: that row is left out)
-    (tmp_path / "gsm8k.jsonl").write_text("".join(json.dumps({"problem": f"p{i}", "answer": str(i)}) + "\n"
-                                                  for i in range(4)))
-    (tmp_path / "math500.jsonl").write_text("".join(json.dumps({"problem": f"q{i}", "answer": f"\\frac{{{i}}}{{7}}"})
-                                                    + "\n" for i in range(1, 4)))
-    ran = subprocess.run([sys.executable, str(bench), "--data", str(tmp_path), "--workers", "1"],
-                         capture_output=True, text=True, timeout=120)
+    (tmp_path / "gsm8k.jsonl").write_text(
+        "".join(json.dumps({"problem": f"p{i}", "answer": str(i)}) + "\n" for i in range(4))
+    )
+    (tmp_path / "math500.jsonl").write_text(
+        "".join(json.dumps({"problem": f"q{i}", "answer": f"\\frac{{{i}}}{{7}}"}) + "\n" for i in range(1, 4))
+    )
+    ran = subprocess.run(
+        [sys.executable, str(bench), "--data", str(tmp_path), "--workers", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ran.returncode == 0, ran.stderr
     assert "GSM8K answers vs themselves" in ran.stdout and "MATH-500 boxed vs shuffled" in ran.stdout
     assert "GSM8K solutions" not in ran.stdout and f"data: {tmp_path / 'gsm8k.jsonl'}" in ran.stdout

@@ -47,9 +47,15 @@ def sample(model, **overrides):
 
 def hf_greedy(hf, prompt: list[int], max_new_tokens: int, stop_ids: list[int]) -> list[int]:
     """transformers' greedy continuation of one unpadded prompt, its stop token included."""
-    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                      do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=stop_ids or None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = hf.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=stop_ids or None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def test_greedy_matches_transformers(model_and_hf):
@@ -114,7 +120,7 @@ def test_preemption_and_pool_size_change_no_sample(model, fixed_shapes):
     assert small.completions == whole.completions
     torch.testing.assert_close(small.old_logp, whole.old_logp, rtol=0, atol=1e-5)
     logp, _ = model.token_logprobs(small.input_ids, small.pad_mask)
-    torch.testing.assert_close(small.old_logp, logp[:, small.prompt_len:] * small.completion_mask, rtol=0, atol=1e-5)
+    torch.testing.assert_close(small.old_logp, logp[:, small.prompt_len :] * small.completion_mask, rtol=0, atol=1e-5)
 
 
 def test_preempted_rows_restart_and_finished_ones_stay(model):
@@ -146,7 +152,9 @@ def test_split_calls_give_the_samples_of_one_call(model, fixed_shapes):
 def test_seed_and_prompt_index_pick_the_stream(model):
     first = sample(model, seed=3)
     assert sample(model, seed=3, first_prompt=1).completions != first.completions
-    assert sample(model, prompts=PROMPTS[:1] * 2).completions[:3] != sample(model, prompts=PROMPTS[:1] * 2).completions[3:]
+    assert (
+        sample(model, prompts=PROMPTS[:1] * 2).completions[:3] != sample(model, prompts=PROMPTS[:1] * 2).completions[3:]
+    )
 
 
 def test_uniforms_are_uniform_and_independent_of_the_device_dtype_path():
@@ -211,8 +219,7 @@ def test_cuda_graph_capture_neither_synchronizes_nor_empties_the_cache(monkeypat
     graph = rollout.CudaGraph()
     graph.capture(lambda: events.append("step"), "pool handle")
     graph.replay()
-    assert events == ["wait", "step", "step", ("capture_begin", "pool handle"), "step", "capture_end", "wait",
-                      "replay"]
+    assert events == ["wait", "step", "step", ("capture_begin", "pool handle"), "step", "capture_end", "wait", "replay"]
 
 
 def test_new_adapters_rebuild_the_decode_weights_and_drop_the_graphs(tiny_model_dir):
@@ -232,13 +239,21 @@ def test_new_adapters_rebuild_the_decode_weights_and_drop_the_graphs(tiny_model_
         out = sample(model, pool=pool, **kwargs)
         assert (out.stats.captures > 0) == (step == 0)
         logp, _ = model.token_logprobs(out.input_ids, out.pad_mask)
-        torch.testing.assert_close(out.old_logp, logp[:, out.prompt_len:] * out.completion_mask, rtol=0, atol=1e-5)
+        torch.testing.assert_close(out.old_logp, logp[:, out.prompt_len :] * out.completion_mask, rtol=0, atol=1e-5)
 
 
-HOST_SYNCS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.equal.default",
-              "aten.is_nonzero.default", "aten.masked_select.default", "aten._unique2.default",
-              "aten.unique_dim.default", "aten.unique_consecutive.default", "aten.repeat_interleave.Tensor",
-              "aten.item.default"}
+HOST_SYNCS = {
+    "aten._local_scalar_dense.default",
+    "aten.nonzero.default",
+    "aten.equal.default",
+    "aten.is_nonzero.default",
+    "aten.masked_select.default",
+    "aten._unique2.default",
+    "aten.unique_dim.default",
+    "aten.unique_consecutive.default",
+    "aten.repeat_interleave.Tensor",
+    "aten.item.default",
+}
 
 
 class CountHostSyncs(TorchDispatchMode):
@@ -252,7 +267,8 @@ class CountHostSyncs(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         boolean_index = func is torch.ops.aten.index.Tensor and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
+        )
         to_host = func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu")
         if str(func) in HOST_SYNCS or boolean_index or to_host:
             self.syncs.append(str(func))
@@ -273,6 +289,7 @@ def test_lora_adds_at_most_a_quarter_to_the_operators_of_a_decode_step():
     runs one more operator per adapted projection and one per group of projections reading one input."""
     import lora
     from engine import memory
+
     cfg = memory.model_config("Qwen/Qwen3-1.7B")
     counts = []
     for adapted in (False, True):
@@ -281,8 +298,9 @@ def test_lora_adds_at_most_a_quarter_to_the_operators_of_a_decode_step():
         if adapted:
             lora.inject(meta_model, 32, 64.0)
         pool = modeling.KVPool(cfg, 8, 256, torch.bfloat16, "meta", "flash")
-        rows = modeling.PagedRows(pool, torch.zeros(16, 4, dtype=torch.int32, device="meta"),
-                                  torch.zeros(16, dtype=torch.long, device="meta"))
+        rows = modeling.PagedRows(
+            pool, torch.zeros(16, 4, dtype=torch.int32, device="meta"), torch.zeros(16, dtype=torch.long, device="meta")
+        )
         decode = modeling.DecodeWeights(meta_model)
         with torch.inference_mode(), CountOperators() as counter:
             meta_model.decode_step(torch.zeros(16, dtype=torch.long, device="meta"), rows, 1024, decode)
@@ -305,6 +323,7 @@ def test_plan_simulation_takes_the_samplers_decisions(model, monkeypatch):
     """memory.simulate_rollout, given the lengths the sampler's rows end at, counts the decode steps, rows in
     flight, prefills and preemptions of the real fixed-shape loop on a small pool."""
     from engine import memory
+
     C, G = 48, 4
     lengths = [40, 38, 36, 34, 39, 37, 35, 33, 12, 9, 20, 5]  # prompts 0 and 1 run long: one is preempted
     stop = model.config.vocab_size - 1
@@ -317,8 +336,14 @@ def test_plan_simulation_takes_the_samplers_decisions(model, monkeypatch):
 
     monkeypatch.setattr(rollout, "_sample", forcing_draw)
     blocks = 1 + rollout.group_blocks(9, G, C, 4) + 24
-    out = sample(model, samples_per_prompt=G, max_new_tokens=C, stop_ids=[stop], fixed_shapes=True,
-                 pool=rollout.Pool(model, blocks, block_size=4))
+    out = sample(
+        model,
+        samples_per_prompt=G,
+        max_new_tokens=C,
+        stop_ids=[stop],
+        fixed_shapes=True,
+        pool=rollout.Pool(model, blocks, block_size=4),
+    )
     ended = out.completion_mask.sum(1).tolist()  # the forced lengths, or earlier where the model drew the stop
     assert all(n <= cap for n, cap in zip(ended, lengths)) and sum(ended) > 250
     simulated = memory.simulate_rollout([len(p) for p in PROMPTS], G, ended, blocks, 4, len(PROMPTS) * G, C)
@@ -348,8 +373,7 @@ def test_a_failed_capture_warns_and_decodes_eagerly_unless_graphs_are_required(m
         pool = rollout.Pool(model, 400, block_size=4, graph_class=rollout.EagerGraph)
         if required:
             with pytest.raises(RuntimeError, match="stream is capturing"):
-                sample(model, samples_per_prompt=4, stop_ids=MANY_STOPS, fixed_shapes=True, pool=pool,
-                       cuda_graphs="on")
+                sample(model, samples_per_prompt=4, stop_ids=MANY_STOPS, fixed_shapes=True, pool=pool, cuda_graphs="on")
         else:
             with pytest.warns(UserWarning, match="decoding without graphs") as caught:
                 out = sample(model, samples_per_prompt=4, stop_ids=MANY_STOPS, fixed_shapes=True, pool=pool)
@@ -364,10 +388,15 @@ def test_no_tensor_is_made_off_the_models_device(model):
     previous = torch.get_default_device()
     torch.set_default_device("meta")
     try:
-        runs = [sample(model, samples_per_prompt=4, stop_ids=MANY_STOPS, **extra)
-                for extra in ({}, {"fixed_shapes": True}, {"max_rows": 4},
-                              {"pool": rollout.Pool(model, 40, block_size=4, graph_class=rollout.EagerGraph),
-                               "fixed_shapes": True})]
+        runs = [
+            sample(model, samples_per_prompt=4, stop_ids=MANY_STOPS, **extra)
+            for extra in (
+                {},
+                {"fixed_shapes": True},
+                {"max_rows": 4},
+                {"pool": rollout.Pool(model, 40, block_size=4, graph_class=rollout.EagerGraph), "fixed_shapes": True},
+            )
+        ]
     finally:
         torch.set_default_device(previous)
     for out in runs:
@@ -384,7 +413,7 @@ def test_cuda_graph_sampler_matches_cpu_and_fresh_forward(model, tiny_model_dir)
     out = sample(gpu, temperature=1.0, stop_ids=stop_ids)
     with torch.no_grad():
         logp, _ = gpu.token_logprobs(out.input_ids, out.pad_mask)
-    torch.testing.assert_close(out.old_logp, logp[:, out.prompt_len:] * out.completion_mask, rtol=0, atol=1e-4)
+    torch.testing.assert_close(out.old_logp, logp[:, out.prompt_len :] * out.completion_mask, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9), (1.3, 0, 0.8), (0.0, 0, 1.0)])
@@ -392,7 +421,7 @@ def test_old_logp_equals_fresh_forward(model, temperature, top_k, top_p):
     out = sample(model, temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=[7, 21, 99, 150])
     assert not out.completion_mask.all(), "test setup: some rows should stop early"
     logp, _ = model.token_logprobs(out.input_ids, out.pad_mask, temperature=temperature or 1.0)
-    expected = logp[:, out.prompt_len:] * out.completion_mask
+    expected = logp[:, out.prompt_len :] * out.completion_mask
     torch.testing.assert_close(out.old_logp, expected, rtol=0, atol=1e-5)
 
 
@@ -404,7 +433,7 @@ def test_rows_that_stop_at_once_leave_before_the_first_decode_step(model):
     lengths = [len(c) for c in out.completions]
     assert lengths[3:6] == [1, 1, 1] and max(lengths) == 6
     logp, _ = model.token_logprobs(out.input_ids, out.pad_mask)
-    torch.testing.assert_close(out.old_logp, logp[:, out.prompt_len:] * out.completion_mask, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.old_logp, logp[:, out.prompt_len :] * out.completion_mask, rtol=0, atol=1e-5)
 
 
 def test_seeded_sampling_is_reproducible(model):
@@ -426,7 +455,9 @@ def test_samples_stay_inside_top_k_top_p_set(model, top_k, top_p):
     out = sample(model, samples_per_prompt=8, max_new_tokens=32, temperature=temperature, top_k=top_k, top_p=top_p)
     P = out.prompt_len
     with torch.no_grad():
-        logits = model(out.input_ids, out.pad_mask)[:, P - 1:-1].float() / temperature  # predicts each completion token
+        logits = (
+            model(out.input_ids, out.pad_mask)[:, P - 1 : -1].float() / temperature
+        )  # predicts each completion token
     sorted_logits, order = logits.sort(-1, descending=True)
     rank = (order == out.completion_ids[..., None]).float().argmax(-1)  # [N, C] rank of the sampled token
     k = top_k or logits.shape[-1]
@@ -455,9 +486,11 @@ def test_rows_stop_at_their_own_stop_token(model, tiny_model_dir):
         assert out.completion_ids[i, :n].tolist() == completion and (out.completion_ids[i, n:] == 0).all()
         assert (out.old_logp[i, n:] == 0).all() and (out.old_logp[i, :n] < 0).all()
         prompt = PROMPTS[i // 6]
-        assert out.input_ids[i, out.prompt_len - len(prompt):].tolist() == prompt + out.completion_ids[i].tolist()
-        assert out.pad_mask[i].tolist() == [False] * (out.prompt_len - len(prompt)) + [True] * len(prompt) + \
-            out.completion_mask[i].tolist()
+        assert out.input_ids[i, out.prompt_len - len(prompt) :].tolist() == prompt + out.completion_ids[i].tolist()
+        assert (
+            out.pad_mask[i].tolist()
+            == [False] * (out.prompt_len - len(prompt)) + [True] * len(prompt) + out.completion_mask[i].tolist()
+        )
         assert out.texts[i] == tokenizer.decode(completion, skip_special_tokens=True)
 
 
@@ -474,25 +507,28 @@ def test_results_can_enter_autograd(model):
     assert torch.equal(weight.grad, out.old_logp * out.completion_mask)
 
 
-@pytest.mark.parametrize("overrides, argument", [
-    (dict(prompts=[]), "prompts"),
-    (dict(prompts=[[1, 2], []]), r"prompts\[1\]"),
-    (dict(prompts=[[1] * 257]), r"prompts\[0\]"),
-    (dict(prompts=[[1, 300]]), r"prompts\[0\]"),
-    (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(prompts=[[1] * 250], max_new_tokens=10), "max_new_tokens"),
-    (dict(samples_per_prompt=0), "samples_per_prompt"),
-    (dict(temperature=-0.5), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-1), "top_k"),
-    (dict(max_rows=2), "max_rows"),
-    (dict(first_prompt=-1), "first_prompt"),
-    (dict(cuda_graphs="maybe"), "cuda_graphs"),
-    (dict(cuda_graphs="on"), "cuda_graphs='on' needs the model on a CUDA device"),
-    (dict(pool="small"), "pool: 5 blocks of 4 slots hold no group of 3 samples of the longest prompt"),
-    (dict(pool="other model"), "pool: it was built for another model"),
-])
+@pytest.mark.parametrize(
+    "overrides, argument",
+    [
+        (dict(prompts=[]), "prompts"),
+        (dict(prompts=[[1, 2], []]), r"prompts\[1\]"),
+        (dict(prompts=[[1] * 257]), r"prompts\[0\]"),
+        (dict(prompts=[[1, 300]]), r"prompts\[0\]"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(prompts=[[1] * 250], max_new_tokens=10), "max_new_tokens"),
+        (dict(samples_per_prompt=0), "samples_per_prompt"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(max_rows=2), "max_rows"),
+        (dict(first_prompt=-1), "first_prompt"),
+        (dict(cuda_graphs="maybe"), "cuda_graphs"),
+        (dict(cuda_graphs="on"), "cuda_graphs='on' needs the model on a CUDA device"),
+        (dict(pool="small"), "pool: 5 blocks of 4 slots hold no group of 3 samples of the longest prompt"),
+        (dict(pool="other model"), "pool: it was built for another model"),
+    ],
+)
 def test_bad_input_names_the_argument(model, tiny_model_dir, overrides, argument):
     if overrides.get("pool") == "small":
         overrides["pool"] = rollout.Pool(model, 6, block_size=4)
@@ -516,8 +552,13 @@ def test_gpu_check_dry_run(tmp_path):
     branches the GPU run takes (graphs, through their stand-in; the anchor's compile warm-up; LoRA adapters),
     the JSON written after every row, and, in a second run, the budget cut."""
     script = [sys.executable, "bench/gpu_check.py", "--device", "cpu", "--tiny"]
-    run = subprocess.run([*script, "--out", str(tmp_path / "full")], cwd=Path(__file__).parent.parent, capture_output=True,
-                         text=True, timeout=600)
+    run = subprocess.run(
+        [*script, "--out", str(tmp_path / "full")],
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     report = json.loads((tmp_path / "full" / "gpu_check.json").read_text())
     assert report["ok"] and report["skipped"] == 0 and report["models"]["Qwen3-tiny"]["parity"]["ok"]
@@ -531,13 +572,19 @@ def test_gpu_check_dry_run(tmp_path):
         for side in ("ours", "transformers"):
             assert (side, f"rollout 2x2 rows, cap {cap}, forced") in timed, (side, cap)
             assert any(s == side and f"cap {cap}, long tail" in phase for s, phase in timed), (side, cap)
-    assert all(row["planned_peak_bytes"] for row in report["rows"]
-               if row["side"] == "ours" and "forced" in row["phase"])
+    assert all(
+        row["planned_peak_bytes"] for row in report["rows"] if row["side"] == "ours" and "forced" in row["phase"]
+    )
     assert {side for side, phase in timed if phase.startswith("train")} == {"ours", "transformers + peft"}
     assert "peak GiB" in run.stdout and "ok (0 runs skipped" in run.stdout
 
-    cut = subprocess.run([*script, "--out", str(tmp_path / "cut"), "--budget-s", "0.01"], cwd=Path(__file__).parent.parent,
-                         capture_output=True, text=True, timeout=600)
+    cut = subprocess.run(
+        [*script, "--out", str(tmp_path / "cut"), "--budget-s", "0.01"],
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert cut.returncode == 0, cut.stdout[-2000:] + cut.stderr[-2000:]
     report = json.loads((tmp_path / "cut" / "gpu_check.json").read_text())
     statuses = [row["status"] for row in report["rows"]]
@@ -545,14 +592,30 @@ def test_gpu_check_dry_run(tmp_path):
 
 
 def test_the_command_line_samples_a_prompt_and_grades_it(tiny_model_dir):
-    args = [sys.executable, "rollout.py", "--model", str(tiny_model_dir), "--samples", "3", "--max-new-tokens", "5",
-            "--answer", "4", "--template", "plain"]
+    args = [
+        sys.executable,
+        "rollout.py",
+        "--model",
+        str(tiny_model_dir),
+        "--samples",
+        "3",
+        "--max-new-tokens",
+        "5",
+        "--answer",
+        "4",
+        "--template",
+        "plain",
+    ]
     proc = subprocess.run([*args, "What is 2 + 2?"], cwd=Path(__file__).parent.parent, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("--- sample") == 3 and proc.stdout.rstrip().endswith("of 3 correct")
-    piped = subprocess.run(args, input="What is 2 + 2?\n", cwd=Path(__file__).parent.parent, capture_output=True, text=True)
+    piped = subprocess.run(
+        args, input="What is 2 + 2?\n", cwd=Path(__file__).parent.parent, capture_output=True, text=True
+    )
     assert piped.stdout == proc.stdout, "stdin gives the same prompt"
-    bad = subprocess.run([*args, "--adapter", "nowhere", "x"], cwd=Path(__file__).parent.parent, capture_output=True, text=True)
+    bad = subprocess.run(
+        [*args, "--adapter", "nowhere", "x"], cwd=Path(__file__).parent.parent, capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "--adapter nowhere" in bad.stderr
 
 
@@ -561,8 +624,10 @@ def test_the_command_line_fails_in_one_line_and_a_ctrl_c_exits_130(tiny_model_di
 
     (tmp_path / "empty").mkdir()  # an adapter folder without its files
     args = ["--model", str(tiny_model_dir), "--max-new-tokens", "4", "What is 2 + 2?"]
-    for extra, message in ((["--adapter", str(tmp_path / "empty")], "adapter_config.json: not found"),
-                           (["--max-new-tokens", "300"], "exceeds the model's context")):
+    for extra, message in (
+        (["--adapter", str(tmp_path / "empty")], "adapter_config.json: not found"),
+        (["--max-new-tokens", "300"], "exceeds the model's context"),
+    ):
         with pytest.raises(SystemExit) as exit_info:
             rollout.main([*args, *extra])
         err = capsys.readouterr().err.strip()
@@ -570,6 +635,7 @@ def test_the_command_line_fails_in_one_line_and_a_ctrl_c_exits_130(tiny_model_di
 
     def interrupted(*_, **__):
         raise KeyboardInterrupt
+
     monkeypatch.setattr(rollout, "generate", interrupted)
     with pytest.raises(SystemExit) as exit_info:
         rollout.main(args)

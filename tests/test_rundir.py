@@ -16,8 +16,8 @@ import transformers
 
 import lora
 import train
-from infra import weights
 from conftest import event_lines, latest_step, launch, metric_lines, run_training, tiny_args
+from infra import weights
 
 pytestmark = pytest.mark.usefixtures("varied_rewards")
 
@@ -25,12 +25,22 @@ pytestmark = pytest.mark.usefixtures("varied_rewards")
 # ----------------------------------------------------------------------------- one writer, interrupts
 
 
-def test_a_run_has_one_writer_and_sigkill_loses_only_steps_after_the_last_checkpoint(tiny_model_dir, tmp_path,
-                                                                                      capsys):
+def test_a_run_has_one_writer_and_sigkill_loses_only_steps_after_the_last_checkpoint(tiny_model_dir, tmp_path, capsys):
     """While a run trains, a second start of it, a resume and an export are refused in one line naming its
     process; once that process is killed, its lock is gone with it and the run resumes."""
-    args = tiny_args(tiny_model_dir, tmp_path, "killed", "--steps", "1000000", "--checkpoint-every", "1",
-                     "--eval-problems", "1", "--eval-k", "1")
+    args = tiny_args(
+        tiny_model_dir,
+        tmp_path,
+        "killed",
+        "--steps",
+        "1000000",
+        "--checkpoint-every",
+        "1",
+        "--eval-problems",
+        "1",
+        "--eval-k",
+        "1",
+    )
     proc = launch(args, tmp_path / "killed.log")
     run_dir = tmp_path / "killed"
     deadline = time.time() + 120
@@ -44,7 +54,8 @@ def test_a_run_has_one_writer_and_sigkill_loses_only_steps_after_the_last_checkp
             err = capsys.readouterr().err.strip()
             assert exit_info.value.code == 2 and err == (
                 f"train.py: {run_dir} is in use by process {proc.pid} (a train.py run, resume or export writes it); "
-                "wait for that process to end, or stop it"), err
+                "wait for that process to end, or stop it"
+            ), err
         assert proc.poll() is None and not (tmp_path / "x").exists()
     finally:
         proc.send_signal(signal.SIGKILL)
@@ -57,8 +68,19 @@ def test_a_run_has_one_writer_and_sigkill_loses_only_steps_after_the_last_checkp
 
 
 def test_ctrl_c_checkpoints_the_step_in_progress_and_resumes(tiny_model_dir, tmp_path):
-    args = tiny_args(tiny_model_dir, tmp_path, "interrupted", "--steps", "1000000", "--checkpoint-every", "1000",
-                     "--eval-problems", "1", "--eval-k", "1")
+    args = tiny_args(
+        tiny_model_dir,
+        tmp_path,
+        "interrupted",
+        "--steps",
+        "1000000",
+        "--checkpoint-every",
+        "1000",
+        "--eval-problems",
+        "1",
+        "--eval-k",
+        "1",
+    )
     proc = launch(args, tmp_path / "interrupted.log")
     metrics = tmp_path / "interrupted" / "metrics.jsonl"
     deadline = time.time() + 120
@@ -71,8 +93,11 @@ def test_ctrl_c_checkpoints_the_step_in_progress_and_resumes(tiny_model_dir, tmp
     assert proc.returncode == 130 and "Traceback" not in log, log[-2000:]  # stopped, not finished
     assert log.strip().splitlines()[-1].endswith(f"continue with: python train.py --resume {tmp_path / 'interrupted'}")
     # a redirected log gets plain lines: no progress bar's carriage returns or cursor moves
-    assert "\r" not in log and "\x1b" not in log and re.search(r"^step 2/1000000: reward \S+, accuracy \S+, \S+ s$",
-                                                                log, re.M), log[-2000:]
+    assert (
+        "\r" not in log
+        and "\x1b" not in log
+        and re.search(r"^step 2/1000000: reward \S+, accuracy \S+, \S+ s$", log, re.M)
+    ), log[-2000:]
     saved_step = latest_step(tmp_path / "interrupted")  # no periodic checkpoint was due: Ctrl-C wrote it
     assert saved_step >= 2 and len(metric_lines(tmp_path / "interrupted")) == saved_step
     state = run_training(["--resume", str(tmp_path / "interrupted"), "--steps", str(saved_step + 1)])
@@ -80,8 +105,19 @@ def test_ctrl_c_checkpoints_the_step_in_progress_and_resumes(tiny_model_dir, tmp
 
 
 def test_a_second_ctrl_c_interrupts_at_once_without_a_traceback(tiny_model_dir, tmp_path):
-    args = tiny_args(tiny_model_dir, tmp_path, "twice", "--steps", "1000000", "--eval-problems", "1", "--eval-k", "1",
-                     "--max-new-tokens", "64")
+    args = tiny_args(
+        tiny_model_dir,
+        tmp_path,
+        "twice",
+        "--steps",
+        "1000000",
+        "--eval-problems",
+        "1",
+        "--eval-k",
+        "1",
+        "--max-new-tokens",
+        "64",
+    )
     log = tmp_path / "twice.log"
     proc = launch(args, log)
     metrics = tmp_path / "twice" / "metrics.jsonl"
@@ -99,8 +135,19 @@ def test_a_second_ctrl_c_interrupts_at_once_without_a_traceback(tiny_model_dir, 
 
 
 def test_ctrl_c_during_an_evaluation_exits_cleanly_and_the_run_resumes(tiny_model_dir, tmp_path):
-    args = tiny_args(tiny_model_dir, tmp_path, "eval-stop", "--steps", "1", "--eval-problems", "0", "--eval-k", "8",
-                     "--max-new-tokens", "64")
+    args = tiny_args(
+        tiny_model_dir,
+        tmp_path,
+        "eval-stop",
+        "--steps",
+        "1",
+        "--eval-problems",
+        "0",
+        "--eval-k",
+        "8",
+        "--max-new-tokens",
+        "64",
+    )
     log = tmp_path / "eval-stop.log"
     proc = launch(args, log)
     deadline = time.time() + 120
@@ -157,8 +204,9 @@ def test_the_two_newest_checkpoints_are_kept_and_a_damaged_one_falls_back(tiny_m
 def test_a_resume_without_latest_takes_the_newest_checkpoint(tiny_model_dir, tmp_path):
     run_training(tiny_args(tiny_model_dir, tmp_path, "pointer", "--steps", "2"))
     (tmp_path / "pointer" / "latest").unlink()
-    with pytest.warns(UserWarning, match="latest is missing; resuming from the newest checkpoint folder, "
-                                         "checkpoint-000002"):
+    with pytest.warns(
+        UserWarning, match="latest is missing; resuming from the newest checkpoint folder, checkpoint-000002"
+    ):
         state = run_training(["--resume", str(tmp_path / "pointer"), "--steps", "3"])
     assert state["step"] == 3
 
@@ -180,8 +228,7 @@ def test_a_resumed_run_refuses_settings_that_name_another_run(tiny_model_dir, tm
             run_training(["--resume", str(tmp_path / "first"), *flags])
 
 
-def test_a_resume_records_what_it_changes_and_refuses_what_the_adapters_cannot_follow(tiny_model_dir, tmp_path,
-                                                                                      capsys):
+def test_a_resume_records_what_it_changes_and_refuses_what_the_adapters_cannot_follow(tiny_model_dir, tmp_path, capsys):
     run_training(tiny_args(tiny_model_dir, tmp_path, "changed", "--steps", "2"))
     run_dir = tmp_path / "changed"
     with pytest.raises(ValueError, match="--lora-rank cannot change them"):
@@ -191,8 +238,10 @@ def test_a_resume_records_what_it_changes_and_refuses_what_the_adapters_cannot_f
     saved = json.loads((run_dir / "config.json").read_text())
     assert saved["lr"] == 0.005 and saved["steps"] == 3 and saved["resume"] is None
     run_training(["--resume", str(run_dir), "--steps", "4"])  # a plain resume keeps the new learning rate
-    assert event_lines(run_dir) == [{"step": 2, "event": "resume", "changed": {"steps": [2, 3], "lr": [0.01, 0.005]}},
-                                    {"step": 3, "event": "resume", "changed": {"steps": [3, 4]}}]
+    assert event_lines(run_dir) == [
+        {"step": 2, "event": "resume", "changed": {"steps": [2, 3], "lr": [0.01, 0.005]}},
+        {"step": 3, "event": "resume", "changed": {"steps": [3, 4]}},
+    ]
     assert [line["step"] for line in metric_lines(run_dir)] == [1, 2, 3, 4]
 
 
@@ -241,6 +290,7 @@ def test_json_files_are_strict_when_a_standard_error_is_undefined(tiny_model_dir
 
     def refuse(constant):
         raise AssertionError(f"non-standard JSON constant {constant}")
+
     summary = json.loads((tmp_path / "strict" / "summary.json").read_text(), parse_constant=refuse)
     assert summary["after"]["se"] is None
     for line in (tmp_path / "strict" / "metrics.jsonl").read_text().splitlines():
@@ -254,13 +304,15 @@ def test_a_full_disk_is_one_line_naming_the_file_and_the_run_resumes(tiny_model_
         if obj["state"]["step"] == 2:
             raise OSError(errno.ENOSPC, "No space left on device")
         real_save(obj, f)
+
     monkeypatch.setattr(train.rundir.torch, "save", save)
     run_dir = tmp_path / "full"
     with pytest.raises(SystemExit) as exit_info:
         train.main(tiny_args(tiny_model_dir, tmp_path, "full", "--steps", "3"))
     assert exit_info.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == (
         f"train.py: cannot write {run_dir / 'checkpoint-000002'}: No space left on device; the run keeps its last "
-        f"checkpoint: continue with python train.py --resume {run_dir}")
+        f"checkpoint: continue with python train.py --resume {run_dir}"
+    )
     assert not list(run_dir.glob(".*.tmp")) and latest_step(run_dir) == 0
     monkeypatch.setattr(train.rundir.torch, "save", real_save)
     assert run_training(["--resume", str(run_dir)])["step"] == 3
@@ -272,6 +324,7 @@ def test_rewriting_the_metrics_on_a_full_disk_leaves_no_temporary_file(tmp_path,
 
     def full(self, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
+
     monkeypatch.setattr(Path, "write_text", full)
     with pytest.raises(train.rundir.WriteError, match=f"cannot write {metrics}: No space left on device"):
         train.rundir.truncate_metrics(metrics, 1)
@@ -287,6 +340,11 @@ def test_saved_files_follow_the_umask(tiny_model_dir, tmp_path):
         run_training(tiny_args(tiny_model_dir, tmp_path, "shared", "--steps", "1", "--export", str(tmp_path / "x")))
     finally:
         os.umask(previous)
-    for path in [tmp_path / "x", tmp_path / "shared" / "best", *(tmp_path / "x").iterdir(),
-                 *(tmp_path / "shared" / "best").iterdir(), *(tmp_path / "shared").glob("checkpoint-*/adapter/*")]:
+    for path in [
+        tmp_path / "x",
+        tmp_path / "shared" / "best",
+        *(tmp_path / "x").iterdir(),
+        *(tmp_path / "shared" / "best").iterdir(),
+        *(tmp_path / "shared").glob("checkpoint-*/adapter/*"),
+    ]:
         assert path.stat().st_mode & 0o777 == (0o755 if path.is_dir() else 0o644), path

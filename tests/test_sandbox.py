@@ -35,19 +35,22 @@ def run(programs, problems, **limits):
 # ----------------------------------------------------------------------------- extraction and comparison
 
 
-@pytest.mark.parametrize("completion, program", [
-    ("Here:\n```python\nprint(1)\n```\n", "print(1)\n"),
-    ("```python\nprint(1)\n```\nbetter:\n```python\nprint(2)\n```", "print(2)\n"),
-    ("```py\nprint(1)\n```\nOutput:\n```\n1\n```", "print(1)\n"),  # an output example after the code
-    ("```\nprint(1)\n```", "print(1)\n"),
-    ("```cpp\nint main() {}\n```", None),
-    ("<think>```python\nprint(1)\n```</think>no code after thinking", None),
-    ("<think>```python\nprint(1)\n```</think>\n```python\nprint(2)\n```", "print(2)\n"),
-    ("```python\nprint(1)\n", None),  # never closed: cut off at the length limit
-    ("```python\n\n```", None),
-    ("no code at all", None),
-    ("  ```Python\n  x = 1\n  ```", "  x = 1\n"),
-])
+@pytest.mark.parametrize(
+    "completion, program",
+    [
+        ("Here:\n```python\nprint(1)\n```\n", "print(1)\n"),
+        ("```python\nprint(1)\n```\nbetter:\n```python\nprint(2)\n```", "print(2)\n"),
+        ("```py\nprint(1)\n```\nOutput:\n```\n1\n```", "print(1)\n"),  # an output example after the code
+        ("```\nprint(1)\n```", "print(1)\n"),
+        ("```cpp\nint main() {}\n```", None),
+        ("<think>```python\nprint(1)\n```</think>no code after thinking", None),
+        ("<think>```python\nprint(1)\n```</think>\n```python\nprint(2)\n```", "print(2)\n"),
+        ("```python\nprint(1)\n", None),  # never closed: cut off at the length limit
+        ("```python\n\n```", None),
+        ("no code at all", None),
+        ("  ```Python\n  x = 1\n  ```", "  x = 1\n"),
+    ],
+)
 def test_extract_program(completion, program):
     assert extract_program(completion) == program
 
@@ -77,10 +80,14 @@ def test_limits_are_checked():
 
 
 def test_malformed_problems_name_what_is_wrong():
-    for problem, message in [({"tests": []}, "non-empty list"), ({"tests": [{"input": "1"}]}, "test 0"),
-                             ({"tests": [{"input": [1], "output": 1}], "style": "call"}, "fn_name"),
-                             ({"tests": [{"input": 1, "output": "1"}]}, "must be text"),
-                             ({**STDIO, "style": "pipes"}, "style"), ({**STDIO, "tolerance": -1}, "tolerance")]:
+    for problem, message in [
+        ({"tests": []}, "non-empty list"),
+        ({"tests": [{"input": "1"}]}, "test 0"),
+        ({"tests": [{"input": [1], "output": 1}], "style": "call"}, "fn_name"),
+        ({"tests": [{"input": 1, "output": "1"}]}, "must be text"),
+        ({**STDIO, "style": "pipes"}, "style"),
+        ({**STDIO, "tolerance": -1}, "tolerance"),
+    ]:
         with pytest.raises(ValueError, match=message):
             sandbox.grade([ADD], [problem])
     with pytest.raises(ValueError, match="differ in length"):
@@ -91,39 +98,69 @@ def test_malformed_problems_name_what_is_wrong():
 
 
 def test_stdio_verdicts(available):
-    programs = [ADD, "print(7)", "print(", None, "import sys\nprint(sum(map(int, sys.stdin.read().split())))\nexit()",
-                "raise ValueError('no')", "a, b = map(int, input().split())\nprint(a + b)\nquit(0)"]
+    programs = [
+        ADD,
+        "print(7)",
+        "print(",
+        None,
+        "import sys\nprint(sum(map(int, sys.stdin.read().split())))\nexit()",
+        "raise ValueError('no')",
+        "a, b = map(int, input().split())\nprint(a + b)\nquit(0)",
+    ]
     grades = run(programs, [STDIO] * len(programs))
     assert [(g.passed, g.reason, g.failed_test) for g in grades] == [
-        (2, None, None), (1, "wrong_answer", 1), (0, "syntax_error", 0), (0, "no_code_block", 0), (2, None, None),
-        (0, "runtime_error", 0), (2, None, None)]
+        (2, None, None),
+        (1, "wrong_answer", 1),
+        (0, "syntax_error", 0),
+        (0, "no_code_block", 0),
+        (2, None, None),
+        (0, "runtime_error", 0),
+        (2, None, None),
+    ]
     assert "ValueError: no" in grades[5].detail and "SyntaxError" in grades[2].detail
     assert [g.reward() for g in grades[:2]] == [1.0, 0.0] and grades[1].reward(fraction=True) == 0.5
 
 
 def test_tolerance_large_input_and_unicode(available):
     numbers = " ".join(str(i) for i in range(200_000))  # 1.3 MB of input
-    problems = [{"tests": [{"input": "1 3\n", "output": "0.333333"}], "tolerance": 1e-6},
-                {"tests": [{"input": numbers, "output": str(sum(range(200_000)))}]},
-                {"tests": [{"input": "héllo\n", "output": "olléh"}]}]
-    programs = ["a, b = map(int, input().split())\nprint(a / b)",
-                "import sys\nprint(sum(map(int, sys.stdin.read().split())))", "print(input()[::-1])"]
+    problems = [
+        {"tests": [{"input": "1 3\n", "output": "0.333333"}], "tolerance": 1e-6},
+        {"tests": [{"input": numbers, "output": str(sum(range(200_000)))}]},
+        {"tests": [{"input": "héllo\n", "output": "olléh"}]},
+    ]
+    programs = [
+        "a, b = map(int, input().split())\nprint(a / b)",
+        "import sys\nprint(sum(map(int, sys.stdin.read().split())))",
+        "print(input()[::-1])",
+    ]
     assert [g.reason for g in run(programs, problems)] == [None, None, None]
 
 
 def test_call_style(available):
-    problem = {"style": "call", "fn_name": "twoSum",
-               "tests": [{"input": [[2, 7, 11, 15], 9], "output": [0, 1]}, {"input": [[3, 2, 4], 6], "output": [1, 2]}]}
-    leetcode = ("class Solution:\n    def twoSum(self, nums: List[int], target: int) -> List[int]:\n"
-                "        seen = {}\n        for i, x in enumerate(nums):\n            if target - x in seen:\n"
-                "                return (seen[target - x], i)\n            seen[x] = i\n")
+    problem = {
+        "style": "call",
+        "fn_name": "twoSum",
+        "tests": [{"input": [[2, 7, 11, 15], 9], "output": [0, 1]}, {"input": [[3, 2, 4], 6], "output": [1, 2]}],
+    }
+    leetcode = (
+        "class Solution:\n    def twoSum(self, nums: List[int], target: int) -> List[int]:\n"
+        "        seen = {}\n        for i, x in enumerate(nums):\n            if target - x in seen:\n"
+        "                return (seen[target - x], i)\n            seen[x] = i\n"
+    )
     plain = "def twoSum(nums, target):\n    print('debug output is ignored')\n    return [0, 1]\n"
-    reads_stdin = ("import sys\ndata = sys.stdin.read()\ndef twoSum(nums, target):\n"
-                   "    return [0, 1] if not data else None")
-    grades = run([leetcode, plain, "def other(): pass", "def twoSum(a, b): raise KeyError(a)", reads_stdin],
-                 [problem] * 5)
-    assert [(g.passed, g.reason) for g in grades] == [(2, None), (1, "wrong_answer"), (0, "runtime_error"),
-                                                      (0, "runtime_error"), (1, "wrong_answer")]
+    reads_stdin = (
+        "import sys\ndata = sys.stdin.read()\ndef twoSum(nums, target):\n    return [0, 1] if not data else None"
+    )
+    grades = run(
+        [leetcode, plain, "def other(): pass", "def twoSum(a, b): raise KeyError(a)", reads_stdin], [problem] * 5
+    )
+    assert [(g.passed, g.reason) for g in grades] == [
+        (2, None),
+        (1, "wrong_answer"),
+        (0, "runtime_error"),
+        (0, "runtime_error"),
+        (1, "wrong_answer"),
+    ]
     floats = {"style": "call", "fn_name": "f", "tolerance": 1e-6, "tests": [{"input": [3], "output": 0.333333}]}
     assert run(["def f(x): return 1 / x"], [floats])[0].reason is None
 
@@ -132,8 +169,11 @@ def test_timeouts_cost_one_limit(available):
     """A stdio program stops after its first timeout; a call-style program gets `timeout` per call, measured
     between results, so a slow second call fails alone and the first still counts."""
     three = {"tests": [{"input": "", "output": "1"}] * 3}
-    calls = {"style": "call", "fn_name": "f", "tests": [{"input": [0], "output": 0}, {"input": [1], "output": 1},
-                                                        {"input": [0], "output": 0}]}
+    calls = {
+        "style": "call",
+        "fn_name": "f",
+        "tests": [{"input": [0], "output": 0}, {"input": [1], "output": 1}, {"input": [0], "output": 0}],
+    }
     slow_second = "import time\ndef f(x):\n    if x: time.sleep(60)\n    return x"
     started = time.monotonic()
     stdio, call = run(["import time; time.sleep(60)", slow_second], [three, calls], timeout=0.5)
@@ -179,8 +219,7 @@ def test_a_supervisor_past_its_deadline_is_replaced(available, monkeypatch):
     monkeypatch.setattr(sandbox, "GRACE_S", -4.8)  # the grader gives up 0.2 s into a 5 s budget
     try:
         with pytest.warns(UserWarning, match="missed its deadline"):
-            (g,) = sandbox.grade(["import time; time.sleep(60)"], [STDIO], limits=Limits(total_timeout=5.0),
-                                 workers=1)
+            (g,) = sandbox.grade(["import time; time.sleep(60)"], [STDIO], limits=Limits(total_timeout=5.0), workers=1)
         assert g.reason == "timeout" and g.seconds < 2
         deadline = time.monotonic() + 2  # SIGKILLed, its processes take a moment to be reaped
         while sandbox_processes(pool) and time.monotonic() < deadline:
@@ -203,10 +242,14 @@ def test_reward_extracts_and_reports(available):
 def test_a_program_is_read_after_the_thought_and_an_unclosed_thought_runs_nothing(available):
     """scoring.verdicts and sandbox.code_reward grade the answer part only (reward.split_thinking)."""
     from grading import scoring
+
     problem = {"task": "code", "problem": "Add the two numbers.", **STDIO}
     program = f"```python\n{ADD}```"
-    completions = [f"<think>\nfirst try:\n{program}\n</think>\nno program here", f"<think>\nplan\n</think>\n{program}",
-                   f"<think>\nstill thinking\n{program}"]
+    completions = [
+        f"<think>\nfirst try:\n{program}\n</think>\nno program here",
+        f"<think>\nplan\n</think>\n{program}",
+        f"<think>\nstill thinking\n{program}",
+    ]
     grades = []
     assert scoring.verdicts(completions, [problem] * 3, grades=grades) == [0.0, 1.0, 0.0]
     assert scoring.verdicts([program], [problem]) == [1.0]
@@ -227,8 +270,13 @@ def test_not_root_is_a_clear_error(monkeypatch):
 
 
 def cli(*args, cwd=None):
-    return subprocess.run([sys.executable, str(REPO / "grading" / "sandbox.py"), *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=60)
+    return subprocess.run(
+        [sys.executable, str(REPO / "grading" / "sandbox.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=60,
+    )
 
 
 def test_command_line(available, tmp_path):
@@ -247,12 +295,14 @@ def test_command_line(available, tmp_path):
 
 def test_command_line_bad_arguments(tmp_path):
     (tmp_path / "add.py").write_text(ADD)
-    (tmp_path / "bad.json").write_text("[{\"input\": 1}")
+    (tmp_path / "bad.json").write_text('[{"input": 1}')
     (tmp_path / "empty.json").write_text("[]")
-    for args, message in [(["missing.py", "--tests", str(tmp_path / "bad.json")], "missing.py"),
-                          ([str(tmp_path / "add.py"), "--tests", str(tmp_path / "bad.json")], "Expecting"),
-                          ([str(tmp_path / "add.py"), "--tests", str(tmp_path / "empty.json")], "non-empty list"),
-                          ([str(tmp_path / "add.py")], "--tests")]:
+    for args, message in [
+        (["missing.py", "--tests", str(tmp_path / "bad.json")], "missing.py"),
+        ([str(tmp_path / "add.py"), "--tests", str(tmp_path / "bad.json")], "Expecting"),
+        ([str(tmp_path / "add.py"), "--tests", str(tmp_path / "empty.json")], "non-empty list"),
+        ([str(tmp_path / "add.py")], "--tests"),
+    ]:
         done = cli(*args)
         assert done.returncode == 2 and message in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
 
@@ -267,20 +317,33 @@ def hostile_programs(victim: Path, secret_file: Path, port: int) -> dict[str, tu
     """name -> (program, problem, the reasons it may be graded with). Each prints the expected output only
     if its attack worked, so a pass would be an escape; the rest is checked on the machine afterwards."""
     home, repo = Path.home(), REPO
-    outside_tmp = [str(path) for path in (home / "pwned-sandbox", repo / "pwned-sandbox", victim)
-                   if not str(path.resolve()).startswith("/tmp/")]
+    outside_tmp = [
+        str(path)
+        for path in (home / "pwned-sandbox", repo / "pwned-sandbox", victim)
+        if not str(path.resolve()).startswith("/tmp/")
+    ]
     expect = lambda output: {"tests": [{"input": "", "output": output}]}  # noqa: E731
     escaped = expect("ESCAPED")
     return {
-        "fork bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
-                      escaped, {"timeout"}),
+        "fork bomb": (
+            "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+            escaped,
+            {"timeout"},
+        ),
         # filling 256 MB takes a while on a busy machine: it may run out of time before it runs out of memory
-        "memory bomb": ("blocks = []\nwhile True:\n    blocks.append(bytearray(1 << 24))", escaped,
-                        {"memory", "timeout"}),
+        "memory bomb": (
+            "blocks = []\nwhile True:\n    blocks.append(bytearray(1 << 24))",
+            escaped,
+            {"memory", "timeout"},
+        ),
         "one huge allocation": ("x = bytearray(1 << 40)", escaped, {"memory"}),
         "infinite loop": ("while True:\n    pass", escaped, {"timeout"}),
-        "busy threads": ("import threading\ndef spin():\n    while True:\n        pass\nfor _ in range(8):\n"
-                         "    threading.Thread(target=spin).start()", escaped, {"timeout"}),
+        "busy threads": (
+            "import threading\ndef spin():\n    while True:\n        pass\nfor _ in range(8):\n"
+            "    threading.Thread(target=spin).start()",
+            escaped,
+            {"timeout"},
+        ),
         "sleep past the limit": ("import time\ntime.sleep(3600)\nprint('ESCAPED')", escaped, {"timeout"}),
         "huge output": ("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)", escaped, {"output_limit"}),
         "write home and repository": (
@@ -291,37 +354,68 @@ def hostile_programs(victim: Path, secret_file: Path, port: int) -> dict[str, tu
             f"        with open(path, 'w') as f:\n            f.write('pwned')\n        wrote.append(path)\n"
             f"    except OSError:\n        pass\n"
             f"print('ESCAPED' if wrote else 'no')",
-            escaped, {"wrong_answer"}),
-        "read environment": ("import os\nprint(os.environ.get('SANDBOX_TEST_SECRET', 'nothing'))",
-                             expect(SECRET), {"wrong_answer"}),
+            escaped,
+            {"wrong_answer"},
+        ),
+        "read environment": (
+            "import os\nprint(os.environ.get('SANDBOX_TEST_SECRET', 'nothing'))",
+            expect(SECRET),
+            {"wrong_answer"},
+        ),
         "read files outside": (f"print(open({str(secret_file)!r}).read())", expect(SECRET), {"runtime_error"}),
-        "read the repository": (f"print(open({str(repo / 'sandbox.py')!r}).readline())",
-                                expect((repo / "grading" / "sandbox.py").read_text().splitlines()[0]), {"runtime_error"}),
-        "network connection": (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
-                               f"s.sendall(b'hello')\nprint('ESCAPED')", escaped, {"runtime_error"}),
-        "kill its parent": (f"import os, signal\nhit = 0\nfor pid in (os.getppid(), {os.getpid()}):\n"
-                            f"    if pid > 1:\n        try:\n            os.kill(pid, signal.SIGKILL)\n"
-                            f"            hit += 1\n        except OSError:\n            pass\n"
-                            f"try:\n    os.kill(-1, signal.SIGKILL)\n    hit += 1\nexcept OSError:\n    pass\n"
-                            f"print('ESCAPED' if hit else 'contained')",
-                            escaped, {"wrong_answer"}),
-        "os.system": (f"import os\nos.system('echo pwned > {repo / 'pwned-system'} && echo ESCAPED; "
-                      f"echo pwned > {home / 'pwned-system'} && echo ESCAPED')", escaped, {"wrong_answer"}),
+        "read the repository": (
+            f"print(open({str(repo / 'sandbox.py')!r}).readline())",
+            expect((repo / "grading" / "sandbox.py").read_text().splitlines()[0]),
+            {"runtime_error"},
+        ),
+        "network connection": (
+            f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+            f"s.sendall(b'hello')\nprint('ESCAPED')",
+            escaped,
+            {"runtime_error"},
+        ),
+        "kill its parent": (
+            f"import os, signal\nhit = 0\nfor pid in (os.getppid(), {os.getpid()}):\n"
+            f"    if pid > 1:\n        try:\n            os.kill(pid, signal.SIGKILL)\n"
+            f"            hit += 1\n        except OSError:\n            pass\n"
+            f"try:\n    os.kill(-1, signal.SIGKILL)\n    hit += 1\nexcept OSError:\n    pass\n"
+            f"print('ESCAPED' if hit else 'contained')",
+            escaped,
+            {"wrong_answer"},
+        ),
+        "os.system": (
+            f"import os\nos.system('echo pwned > {repo / 'pwned-system'} && echo ESCAPED; "
+            f"echo pwned > {home / 'pwned-system'} && echo ESCAPED')",
+            escaped,
+            {"wrong_answer"},
+        ),
         "ctypes segfault": ("import ctypes\nctypes.string_at(0)", escaped, {"runtime_error"}),
-        "deep recursion": ("import sys\nsys.setrecursionlimit(10 ** 8)\nx = []\nfor _ in range(10 ** 6):\n"
-                           "    x = [x]\nprint(repr(x))", escaped, {"runtime_error", "memory", "timeout"}),
+        "deep recursion": (
+            "import sys\nsys.setrecursionlimit(10 ** 8)\nx = []\nfor _ in range(10 ** 6):\n    x = [x]\nprint(repr(x))",
+            escaped,
+            {"runtime_error", "memory", "timeout"},
+        ),
         "expected output, then exit 1": ("import sys\nprint('ESCAPED')\nsys.exit(1)", escaped, {"runtime_error"}),
-        "closing stdout early": ("import os\nprint('ESCAPED', flush=True)\nos.close(1)\nwhile True:\n    pass",
-                                 escaped, {"timeout"}),
+        "closing stdout early": (
+            "import os\nprint('ESCAPED', flush=True)\nos.close(1)\nwhile True:\n    pass",
+            escaped,
+            {"timeout"},
+        ),
         "patching builtins": (
             "import builtins, json\nclass Equal:\n    def __eq__(self, other):\n        return True\n"
             "builtins.isinstance = lambda *args: True\njson.dumps = lambda *args, **kwargs: '{\"ok\": 7}'\n"
-            "def solve(x):\n    return Equal()", {"style": "call", "fn_name": "solve",
-                                                  "tests": [{"input": [1], "output": 7}]}, {"runtime_error"}),
-        "fill the disk": ("import os\nwritten = 0\ntry:\n    for i in range(10 ** 6):\n"
-                          "        with open(f'f{i}', 'wb') as f:\n            f.write(b'x' * (1 << 20))\n"
-                          "        written += 1 << 20\nexcept OSError:\n    pass\n"
-                          "print('ESCAPED' if written > 64 << 20 else 'contained')", escaped, {"wrong_answer"}),
+            "def solve(x):\n    return Equal()",
+            {"style": "call", "fn_name": "solve", "tests": [{"input": [1], "output": 7}]},
+            {"runtime_error"},
+        ),
+        "fill the disk": (
+            "import os\nwritten = 0\ntry:\n    for i in range(10 ** 6):\n"
+            "        with open(f'f{i}', 'wb') as f:\n            f.write(b'x' * (1 << 20))\n"
+            "        written += 1 << 20\nexcept OSError:\n    pass\n"
+            "print('ESCAPED' if written > 64 << 20 else 'contained')",
+            escaped,
+            {"wrong_answer"},
+        ),
     }
 
 
@@ -353,8 +447,9 @@ def test_hostile_programs_are_contained(available, tmp_path, monkeypatch, capsys
     programs = hostile_programs(victim, secret_file, listener.getsockname()[1])
     started = time.monotonic()
     try:
-        grades = sandbox.grade([p for p, _, _ in programs.values()], [q for _, q, _ in programs.values()],
-                               limits=HOSTILE_LIMITS, workers=2)
+        grades = sandbox.grade(
+            [p for p, _, _ in programs.values()], [q for _, q, _ in programs.values()], limits=HOSTILE_LIMITS, workers=2
+        )
         elapsed = time.monotonic() - started
         with pytest.raises(BlockingIOError):
             listener.accept()  # nobody connected
@@ -362,8 +457,12 @@ def test_hostile_programs_are_contained(available, tmp_path, monkeypatch, capsys
             assert grade.passed == 0 and grade.reason in programs[name][2], (name, grade)
             assert grade.seconds < HOSTILE_LIMITS.timeout + 3, (name, grade)
         assert victim.read_text() == "untouched"
-        for path in (REPO / "pwned-sandbox", REPO / "pwned-system", Path.home() / "pwned-sandbox",
-                     Path.home() / "pwned-system"):
+        for path in (
+            REPO / "pwned-sandbox",
+            REPO / "pwned-system",
+            Path.home() / "pwned-sandbox",
+            Path.home() / "pwned-system",
+        ):
             assert not path.exists(), path
         assert sandbox_processes(pool) == []  # the fork bomb's and the threads' processes are gone
         assert [g.reason for g in sandbox.grade([ADD], [STDIO], workers=1)] == [None]  # and it still works
@@ -372,8 +471,10 @@ def test_hostile_programs_are_contained(available, tmp_path, monkeypatch, capsys
         pool.close()
     worst = max(zip(grades, programs), key=lambda pair: pair[0].seconds)
     with capsys.disabled():
-        print(f"\n{len(programs)} hostile programs graded 0 in {elapsed:.1f} s on 2 workers; slowest: "
-              f"{worst[1]} ({worst[0].seconds:.2f} s, {worst[0].reason})")
+        print(
+            f"\n{len(programs)} hostile programs graded 0 in {elapsed:.1f} s on 2 workers; slowest: "
+            f"{worst[1]} ({worst[0].seconds:.2f} s, {worst[0].reason})"
+        )
 
 
 def test_a_setsid_grandchild_dies_with_the_program(available, monkeypatch):
@@ -381,8 +482,10 @@ def test_a_setsid_grandchild_dies_with_the_program(available, monkeypatch):
     the program's verdict is in, and it never writes its file."""
     pool = sandbox._Pool()
     monkeypatch.setattr(sandbox, "_POOL", pool)
-    program = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-               "        time.sleep(2)\n        open('/sandbox/late', 'w').write('x')\n    os._exit(0)\nprint(7)")
+    program = (
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+        "        time.sleep(2)\n        open('/sandbox/late', 'w').write('x')\n    os._exit(0)\nprint(7)"
+    )
     try:
         (g,) = sandbox.grade([program], [{"tests": [{"input": "", "output": "7"}]}], workers=1)
         assert g.reason is None

@@ -11,16 +11,38 @@ import config
 import lora
 import sft
 import train
-from infra import weights
 from data import render_prompt, render_solution
+from infra import weights
 
 TIMING_KEYS = {"step_seconds", "tokens_per_s"}
 
 
 def tiny_args(model_dir: Path, out_dir: Path, name: str, *extra: str) -> list[str]:
-    return ["--model", str(model_dir), "--out-dir", str(out_dir), "--run-name", name, "--template", "answer",
-            "--lora-rank", "4", "--lr", "1e-2", "--batch-tokens", "2048", "--eval-problems", "2", "--eval-k", "2",
-            "--max-new-tokens", "4", "--checkpoint-every", "2", *extra]
+    return [
+        "--model",
+        str(model_dir),
+        "--out-dir",
+        str(out_dir),
+        "--run-name",
+        name,
+        "--template",
+        "answer",
+        "--lora-rank",
+        "4",
+        "--lr",
+        "1e-2",
+        "--batch-tokens",
+        "2048",
+        "--eval-problems",
+        "2",
+        "--eval-k",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--checkpoint-every",
+        "2",
+        *extra,
+    ]
 
 
 def run_sft(argv: list[str]) -> dict:
@@ -37,21 +59,26 @@ def metric_lines(run_dir: Path) -> list[dict]:
 
 def test_the_loss_is_the_mean_negative_log_likelihood_of_the_reply_tokens(tiny_model_dir):
     model, tokenizer = weights.from_pretrained(tiny_model_dir), weights.load_tokenizer(str(tiny_model_dir))
-    problems = [{"problem": "What is 7 + 5?", "answer": "12", "solution": "7 + 5 = 12"},
-                {"problem": "What is 2 × 3?", "answer": "6", "solution": "2 × 3 = 6"}]
+    problems = [
+        {"problem": "What is 7 + 5?", "answer": "12", "solution": "7 + 5 = 12"},
+        {"problem": "What is 2 × 3?", "answer": "6", "solution": "2 × 3 = 6"},
+    ]
     cfg, _ = config.parse_sft_args(["--template", "answer", "--system-prompt", "Be brief."])
     examples, too_long = sft.tokenize(problems, tokenizer, cfg)
     assert too_long == 0 and examples[0][1][-1] == tokenizer.eos_token_id
     assert examples[0][0] == render_prompt(tokenizer, "What is 7 + 5?", "answer", "Be brief.")
-    assert tokenizer.decode(examples[0][1][:-1]) == render_solution("7 + 5 = 12", "12", "answer") == \
-        "7 + 5 = 12\nAnswer: 12"
+    assert (
+        tokenizer.decode(examples[0][1][:-1])
+        == render_solution("7 + 5 = 12", "12", "answer")
+        == "7 + 5 = 12\nAnswer: 12"
+    )
     batch = sft.collate(examples, model.device)
     loss = sft.reply_loss(model, batch, int(batch[3].sum()))
     # each example on its own, without padding: the log-probs of its reply tokens after its prompt
     expected, count = 0.0, 0
     for prompt, reply in examples:
         logp, _ = model.token_logprobs(torch.tensor([prompt + reply]))
-        expected -= logp[0, len(prompt):].sum().item()
+        expected -= logp[0, len(prompt) :].sum().item()
         count += len(reply)
     assert loss.item() == pytest.approx(expected / count, rel=1e-5)
 
@@ -93,19 +120,35 @@ def test_a_run_trains_checkpoints_resumes_exactly_and_hands_train_py_its_adapter
     for a, b in zip(lora.parameters(resumed), lora.parameters(whole)):
         assert torch.equal(a, b)
     # GRPO starts from it: same shape, same weights
-    grpo, _, _ = config.parse_args(["--model", str(tiny_model_dir), "--lora-rank", "4", "--template", "answer",
-                                    "--init-adapter", str(run_dir / "adapter")])
+    grpo, _, _ = config.parse_args(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--lora-rank",
+            "4",
+            "--template",
+            "answer",
+            "--init-adapter",
+            str(run_dir / "adapter"),
+        ]
+    )
     config.check_init_adapter(grpo)
     started, _, _, _ = train.build(grpo, grpo.init_adapter)
     for a, b in zip(lora.parameters(started), lora.parameters(whole)):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--dataset", "arithmetic", "--max-length", "1"], "--max-length"),
-    (["--batch-tokens", "10"], "--batch-tokens"), (["--grad-accum", "0"], "--grad-accum"),
-    (["--lr", "0"], "--lr"), (["--preset", "nope"], "--preset"), (["--epochs", "0"], "--epochs"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--dataset", "arithmetic", "--max-length", "1"], "--max-length"),
+        (["--batch-tokens", "10"], "--batch-tokens"),
+        (["--grad-accum", "0"], "--grad-accum"),
+        (["--lr", "0"], "--lr"),
+        (["--preset", "nope"], "--preset"),
+        (["--epochs", "0"], "--epochs"),
+    ],
+)
 def test_each_bad_flag_fails_in_one_line_before_the_model_loads(tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as exit_info:
         sft.main(["--model", str(tmp_path / "no-model"), "--out-dir", str(tmp_path), *flags])
@@ -131,7 +174,23 @@ def test_the_presets_hold_the_grpo_stages_adapter_shape_and_prompt():
         for name in ("lora_rank", "lora_alpha", "lora_targets", "template", "thinking", "system_prompt"):
             assert getattr(stage, name) == getattr(grpo, name), name
         assert stage.max_length >= grpo.max_new_tokens
-    missing = [name for name in config.SFT_FIELDS if name not in config.SFT_PRESETS["atr-sft-qwen3-1.7b"]
-               and name not in ("device", "dtype", "gradient_checkpointing", "eval_batch", "run_name", "out_dir",
-                                "seed", "resume", "export", "preset", "model")]
+    missing = [
+        name
+        for name in config.SFT_FIELDS
+        if name not in config.SFT_PRESETS["atr-sft-qwen3-1.7b"]
+        and name
+        not in (
+            "device",
+            "dtype",
+            "gradient_checkpointing",
+            "eval_batch",
+            "run_name",
+            "out_dir",
+            "seed",
+            "resume",
+            "export",
+            "preset",
+            "model",
+        )
+    ]
     assert not missing, f"the SFT preset leaves {missing} to the defaults"

@@ -11,26 +11,43 @@ import time
 import numpy as np
 import pytest
 
-from research import study
 from data import load_problems
 from loss import MU_LABELS
+from research import study
 
 
 def step(tokens, low, high, limit, bucket_rates, bucket_shares, entropy=1.0, rate=None, rate_tokens=0):
-    record = {"step": 1, "completion_length": tokens, "clip_low_frac": low, "clip_high_frac": high,
-              "limit_clip_frac": limit, "entropy": entropy, "clip_rate": rate, "clip_rate_tokens": rate_tokens}
+    record = {
+        "step": 1,
+        "completion_length": tokens,
+        "clip_low_frac": low,
+        "clip_high_frac": high,
+        "limit_clip_frac": limit,
+        "entropy": entropy,
+        "clip_rate": rate,
+        "clip_rate_tokens": rate_tokens,
+    }
     for label, bucket_rate, share in zip(MU_LABELS, bucket_rates, bucket_shares):
-        record |= {f"mu[{label}]/clip_frac": bucket_rate, f"mu[{label}]/limit_frac": 0.0, f"mu[{label}]/share": share,
-                   f"mu[{label}]/clip_rate": rate, f"mu[{label}]/clip_rate_tokens": rate_tokens}
+        record |= {
+            f"mu[{label}]/clip_frac": bucket_rate,
+            f"mu[{label}]/limit_frac": 0.0,
+            f"mu[{label}]/share": share,
+            f"mu[{label}]/clip_rate": rate,
+            f"mu[{label}]/clip_rate_tokens": rate_tokens,
+        }
     return record
 
 
 def test_run_numbers_weight_steps_by_their_tokens():
-    metrics = [step(100, 0.10, 0.00, 0.00, [0.5, 0, 0, 0, 0], [0.2, 0.2, 0.2, 0.2, 0.2], entropy=0.9,
-                    rate=0.4, rate_tokens=30),
-               step(300, 0.00, 0.20, 0.10, [0.0, 0, 0, 0, 0], [0.1, 0.3, 0.2, 0.2, 0.2], entropy=0.7,
-                    rate=0.2, rate_tokens=10),
-               step(200, 0.0, 0.0, 0.0, [0.0] * 5, [0.2] * 5, entropy=0.7)]  # no acting token: no rate
+    metrics = [
+        step(
+            100, 0.10, 0.00, 0.00, [0.5, 0, 0, 0, 0], [0.2, 0.2, 0.2, 0.2, 0.2], entropy=0.9, rate=0.4, rate_tokens=30
+        ),
+        step(
+            300, 0.00, 0.20, 0.10, [0.0, 0, 0, 0, 0], [0.1, 0.3, 0.2, 0.2, 0.2], entropy=0.7, rate=0.2, rate_tokens=10
+        ),
+        step(200, 0.0, 0.0, 0.0, [0.0] * 5, [0.2] * 5, entropy=0.7),
+    ]  # no acting token: no rate
     summary = {"before": {"accuracy": 0.1}, "after": {"accuracy": 0.3}}
     numbers = study.run_numbers(metrics, summary)
     # every token: (100 * 0.1 + 300 * 0.3 + 200 * 0) / 600; bucket <0.01: 20 tokens at 0.5, 30 + 40 at 0 -> 10 / 90
@@ -43,13 +60,21 @@ def test_run_numbers_weight_steps_by_their_tokens():
 
 
 def numbers(after, clip=0.1, before=0.1):
-    return {"before": before, "after": after, "final_entropy": 0.5, "clip": clip, "clip_all": clip / 2,
-            "clip_by_bucket": {label: clip for label in MU_LABELS}}
+    return {
+        "before": before,
+        "after": after,
+        "final_entropy": 0.5,
+        "clip": clip,
+        "clip_all": clip / 2,
+        "clip_by_bucket": {label: clip for label in MU_LABELS},
+    }
 
 
 def test_table_statistics_match_a_hand_computation():
-    results = {"grpo": {0: numbers(0.30), 1: numbers(0.40), 2: numbers(0.50)},
-               "atr": {0: numbers(0.35), 1: numbers(0.50), 2: numbers(0.50, clip=0.4)}}
+    results = {
+        "grpo": {0: numbers(0.30), 1: numbers(0.40), 2: numbers(0.50)},
+        "atr": {0: numbers(0.35), 1: numbers(0.50), 2: numbers(0.50, clip=0.4)},
+    }
     grpo, atr = study.arm_rows(results)
     # grpo after: mean 0.4, sample sd 0.1, se 0.1 / sqrt(3)
     assert grpo["after"] == pytest.approx((0.4, 0.1 / math.sqrt(3)))
@@ -116,8 +141,12 @@ def test_power_and_holm_against_a_hand_calculation():
 def test_equal_rate_arms_are_calibrated_on_grpo_records():
     rng = np.random.default_rng(0)
     n = 4000
-    records = {"mu": rng.uniform(1e-3, 1, n).astype(np.float32), "w": np.exp(0.3 * rng.standard_normal(n)),
-               "advantage": rng.choice([-1.0, 0.0, 1.0], n), "update": rng.integers(0, 4, n)}
+    records = {
+        "mu": rng.uniform(1e-3, 1, n).astype(np.float32),
+        "w": np.exp(0.3 * rng.standard_normal(n)),
+        "advantage": rng.choice([-1.0, 0.0, 1.0], n),
+        "update": rng.integers(0, 4, n),
+    }
     w, adv = records["w"], records["advantage"]
     outward = adv * (w - 1) > 0
     records |= {"region_low": outward & (w < 0.8), "region_high": outward & (w > 1.2), "limit": np.zeros(n, bool)}
@@ -130,8 +159,12 @@ def test_equal_rate_arms_are_calibrated_on_grpo_records():
     delta = calibration["deltas"]["dapo-eq"]
     clipped = outward & ((w < 1 - delta) | (w > 1 + 1.4 * delta))
     assert clipped[acting].mean() <= target + 1e-9 and delta < 0.2
-    assert study.arm_flags("atr-eq", calibration["deltas"]) == ["--rule", "atr", "--delta",
-                                                                f"{calibration['deltas']['atr-eq']:.6g}"]
+    assert study.arm_flags("atr-eq", calibration["deltas"]) == [
+        "--rule",
+        "atr",
+        "--delta",
+        f"{calibration['deltas']['atr-eq']:.6g}",
+    ]
     with pytest.raises(ValueError, match="calibrated"):
         study.arm_flags("atr-eq")
 
@@ -151,15 +184,27 @@ def test_runs_resume_from_what_they_left(tmp_path):
     assert study.run_command(checkpointed, study.ARMS["atr"], 0, ["--steps", "9"])[2:] == resumed
     fresh = study.run_command(died, study.ARMS["dapo"], 0, ["--steps", "9"])
     assert not died.exists()  # a start that left no checkpoint begins again
-    assert fresh[2:] == ["--steps", "9", "--rule", "dapo", "--seed", "0", "--run-name", "dapo-s0",
-                         "--out-dir", str(runs)]
+    assert fresh[2:] == [
+        "--steps",
+        "9",
+        "--rule",
+        "dapo",
+        "--seed",
+        "0",
+        "--run-name",
+        "dapo-s0",
+        "--out-dir",
+        str(runs),
+    ]
 
 
 def test_stopping_the_study_lets_the_run_checkpoint(tmp_path):
     ready, done = tmp_path / "ready", tmp_path / "done"
-    child = ("import signal, sys, time\n"
-             "def stop(*_):\n    time.sleep(0.3); open(sys.argv[2], 'w').write('checkpointed'); sys.exit(0)\n"
-             "signal.signal(signal.SIGTERM, stop); open(sys.argv[1], 'w').close(); time.sleep(60)")
+    child = (
+        "import signal, sys, time\n"
+        "def stop(*_):\n    time.sleep(0.3); open(sys.argv[2], 'w').write('checkpointed'); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop); open(sys.argv[1], 'w').close(); time.sleep(60)"
+    )
 
     def kill_the_study_once_the_run_is_up():
         while not ready.exists():
@@ -184,8 +229,10 @@ def test_other_settings_in_the_same_directory_are_refused_once_a_run_started(tmp
 
 def test_bad_train_flags_fail_in_one_line_before_anything_is_written(tmp_path, capsys):
     out = tmp_path / "study"
-    for extra, message in ((["--", "--top-k", "-3"], "study.py: arm grpo: --top-k -3: must be >= 0"),
-                           (["--", "--bogus"], "train.py: unrecognized arguments: --bogus")):
+    for extra, message in (
+        (["--", "--top-k", "-3"], "study.py: arm grpo: --top-k -3: must be >= 0"),
+        (["--", "--bogus"], "train.py: unrecognized arguments: --bogus"),
+    ):
         with pytest.raises(SystemExit) as exit_info:
             study.main(["--arms", "grpo", "--out", str(out), *extra])
         err = capsys.readouterr().err.strip()
@@ -205,8 +252,10 @@ def test_bad_arms_are_refused_before_anything_runs(capsys):
         with pytest.raises(SystemExit):
             study.parse_args(argv)
     assert "--seeds 0" in capsys.readouterr().err
-    assert (study.parse_args([]).updates_per_rollout, study.parse_args(["--setting", "gentle", "--lr", "1e-4"]).lr) \
-        == (study.SETTINGS["binding"]["updates_per_rollout"], 1e-4)
+    assert (study.parse_args([]).updates_per_rollout, study.parse_args(["--setting", "gentle", "--lr", "1e-4"]).lr) == (
+        study.SETTINGS["binding"]["updates_per_rollout"],
+        1e-4,
+    )
     assert study.parse_args(["--steps", "3", "--", "--lora-rank", "4"]).train_args == ["--lora-rank", "4"]
 
 
@@ -221,17 +270,46 @@ def test_the_study_task_is_held_out_and_balanced():
 def test_a_tiny_study_runs_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # a tiny model's ops are too small to share among threads
     out = tmp_path / "study"
-    argv = ["--model", str(tiny_model_dir), "--steps", "2", "--seeds", "1", "--arms", "grpo,atr,atr-eq", "--out",
-            str(out), "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4", "--eval-problems", "3",
-            "--eval-k", "2", "--log-tokens", "16", "--updates-per-rollout", "2", "--checkpoint-every", "1",
-            "--", "--lora-rank", "4"]
+    argv = [
+        "--model",
+        str(tiny_model_dir),
+        "--steps",
+        "2",
+        "--seeds",
+        "1",
+        "--arms",
+        "grpo,atr,atr-eq",
+        "--out",
+        str(out),
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--eval-problems",
+        "3",
+        "--eval-k",
+        "2",
+        "--log-tokens",
+        "16",
+        "--updates-per-rollout",
+        "2",
+        "--checkpoint-every",
+        "1",
+        "--",
+        "--lora-rank",
+        "4",
+    ]
     study.main(argv)
     table = (out / "table.md").read_text()
     for arm in ("grpo", "atr"):
         assert f"| {arm} |" in table
         assert (out / "runs" / f"{arm}-s0" / "summary.json").is_file()
-        assert sorted(p.name for p in (out / "runs" / f"{arm}-s0" / "tokens").glob("*.npz")) == \
-            ["step-000001.npz", "step-000002.npz"]
+        assert sorted(p.name for p in (out / "runs" / f"{arm}-s0" / "tokens").glob("*.npz")) == [
+            "step-000001.npz",
+            "step-000002.npz",
+        ]
     results = json.loads((out / "results.json").read_text())
     assert set(results["runs"]) == {"grpo", "atr"} and 0 <= results["runs"]["atr"]["0"]["after"] <= 1
     # a random model solves nothing: no token can clip, so no delta reaches grpo's rate, and the arm says why

@@ -18,24 +18,35 @@ from safetensors.torch import load_file
 
 import config
 import lora
-from engine import sizes
 import train
-from infra import weights
 from conftest import RecordingSGD, assert_equal_to, metric_lines, run_training, tiny_args
+from engine import sizes
+from infra import weights
 
 REAL_REWARD = train.reward.reward  # before varied_rewards replaces it
 pytestmark = pytest.mark.usefixtures("varied_rewards")
 
 
 def test_two_steps_train_log_and_checkpoint(tiny_model_dir, tmp_path, capsys):
-    state = run_training(tiny_args(tiny_model_dir, tmp_path, "smoke", "--steps", "2",
-                                   "--export", str(tmp_path / "export")))
+    state = run_training(
+        tiny_args(tiny_model_dir, tmp_path, "smoke", "--steps", "2", "--export", str(tmp_path / "export"))
+    )
     run_dir = tmp_path / "smoke"
     assert capsys.readouterr().err.count(f"run directory: {run_dir}\n") == 2  # at the start and at the end
     lines = metric_lines(run_dir)
     assert [line["step"] for line in lines] == [1, 2]
-    for key in ("reward", "accuracy", "entropy", "completion_length", "truncated", "clip_low_frac",
-                "clip_high_frac", "approx_kl", "mu[>0.9]/share", "grad_norm"):
+    for key in (
+        "reward",
+        "accuracy",
+        "entropy",
+        "completion_length",
+        "truncated",
+        "clip_low_frac",
+        "clip_high_frac",
+        "approx_kl",
+        "mu[>0.9]/share",
+        "grad_norm",
+    ):
         assert key in lines[0], key
     assert lines[0]["entropy"] > 0
     checkpoint = run_dir / (run_dir / "latest").read_text()
@@ -55,9 +66,27 @@ def test_two_steps_train_log_and_checkpoint(tiny_model_dir, tmp_path, capsys):
 
 
 def test_a_runs_config_toml_starts_the_same_run_again(tiny_model_dir, tmp_path):
-    run_training(tiny_args(tiny_model_dir, tmp_path, "first", "--steps", "1", "--rule", "kl-atomic",
-                           "--updates-per-rollout", "2", "--system-prompt", "", "--reward-fn", "reward:math_reward", "--reward-fn",
-                           f"{Path(train.__file__).parent}/examples/rewards.py:brevity", "--reward-weights", "1,0.5"))
+    run_training(
+        tiny_args(
+            tiny_model_dir,
+            tmp_path,
+            "first",
+            "--steps",
+            "1",
+            "--rule",
+            "kl-atomic",
+            "--updates-per-rollout",
+            "2",
+            "--system-prompt",
+            "",
+            "--reward-fn",
+            "reward:math_reward",
+            "--reward-fn",
+            f"{Path(train.__file__).parent}/examples/rewards.py:brevity",
+            "--reward-weights",
+            "1,0.5",
+        )
+    )
     first = json.loads((tmp_path / "first" / "config.json").read_text())
     run_training(["--config", str(tmp_path / "first" / "config.toml"), "--run-name", "again"])
     again = json.loads((tmp_path / "again" / "config.json").read_text())
@@ -67,9 +96,23 @@ def test_a_runs_config_toml_starts_the_same_run_again(tiny_model_dir, tmp_path):
 
 def test_a_reward_function_of_your_own_trains_next_to_the_built_in_one(tiny_model_dir, tmp_path):
     examples = Path(train.__file__).parent / "examples" / "rewards.py"
-    run_training(tiny_args(tiny_model_dir, tmp_path, "two", "--steps", "2", "--max-new-tokens", "6",
-                           "--reward-fn", "reward:math_reward", "--reward-fn", f"{examples}:brevity",
-                           "--reward-weights", "1,0.5"))
+    run_training(
+        tiny_args(
+            tiny_model_dir,
+            tmp_path,
+            "two",
+            "--steps",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--reward-fn",
+            "reward:math_reward",
+            "--reward-fn",
+            f"{examples}:brevity",
+            "--reward-weights",
+            "1,0.5",
+        )
+    )
     for line in metric_lines(tmp_path / "two"):
         # accuracy is the checker's verdict (here the fixture's parity), whatever else the reward holds
         assert line["accuracy"] == line["rewards/math_reward"]
@@ -81,21 +124,41 @@ def test_a_failing_reward_function_stops_the_step_in_one_line(tiny_model_dir, tm
     module = tmp_path / "broken.py"
     module.write_text("def on_step_one(completions, **columns):\n    return [1 / 0 for _ in completions]\n")
     with pytest.raises(SystemExit) as exit_info:
-        train.main(tiny_args(tiny_model_dir, tmp_path, "broken", "--steps", "2",
-                             "--reward-fn", f"{module}:on_step_one"))
+        train.main(
+            tiny_args(tiny_model_dir, tmp_path, "broken", "--steps", "2", "--reward-fn", f"{module}:on_step_one")
+        )
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 1 and lines[-1] == (
         f"train.py: reward function {module}:on_step_one raised on row 0 of step 1 (prompt 0, completion 0: "
         f"{train.batch_of(train.load_problems('arithmetic'), 0, 2, 0)[0]['problem']!r}): ZeroDivisionError: "
         "division by zero; the last checkpoint is kept: continue with python train.py --resume "
-        f"{tmp_path / 'broken'}"), lines
+        f"{tmp_path / 'broken'}"
+    ), lines
     assert (tmp_path / "broken" / "latest").is_file()
 
 
 def test_reference_kl_full_kl_rule_minibatches_and_recomputed_old_logp(tiny_model_dir, tmp_path):
-    run_training(tiny_args(tiny_model_dir, tmp_path, "options", "--steps", "2", "--rule", "kl_full",
-                           "--kl-beta", "0.1", "--recompute-old-logp", "on", "--updates-per-rollout", "2",
-                           "--grad-accum", "2", "--prompts-per-step", "4"))
+    run_training(
+        tiny_args(
+            tiny_model_dir,
+            tmp_path,
+            "options",
+            "--steps",
+            "2",
+            "--rule",
+            "kl_full",
+            "--kl-beta",
+            "0.1",
+            "--recompute-old-logp",
+            "on",
+            "--updates-per-rollout",
+            "2",
+            "--grad-accum",
+            "2",
+            "--prompts-per-step",
+            "4",
+        )
+    )
     first, second = metric_lines(tmp_path / "options")
     for line in (first, second):
         assert line["skipped_updates"] == 0 and line["ref_kl"] >= 0 and line["approx_kl"] >= 0
@@ -106,8 +169,9 @@ def test_reference_kl_full_kl_rule_minibatches_and_recomputed_old_logp(tiny_mode
 def sampled_step(tiny_model_dir, tmp_path, monkeypatch, *flags):
     """A config, a fresh model and one rollout with its advantages; a quarter of the vocabulary ends a row,
     so rows differ in length and the trimming of padding is exercised."""
-    cfg, _, _ = config.parse_args(tiny_args(tiny_model_dir, tmp_path, "step", "--prompts-per-step", "4",
-                                           "--max-new-tokens", "6", *flags))
+    cfg, _, _ = config.parse_args(
+        tiny_args(tiny_model_dir, tmp_path, "step", "--prompts-per-step", "4", "--max-new-tokens", "6", *flags)
+    )
     model, tokenizer, _, _ = train.build(cfg)
     cfg = sizes.resolve_automatic(cfg, model, tokenizer, [])
     monkeypatch.setattr(train, "stop_ids", lambda config, tok: list(range(0, len(tok), 4)))
@@ -146,9 +210,23 @@ def test_non_finite_loss_skips_the_update(tiny_model_dir, tmp_path, monkeypatch)
 def test_a_step_and_an_evaluation_create_every_tensor_on_the_model_device(tiny_model_dir, tmp_path, monkeypatch):
     """With the default device set to meta, any tensor made without naming the model's device lands on meta
     and meeting the model's CPU tensors raises, as a CPU tensor meeting CUDA ones does on a GPU."""
-    cfg, _, _ = config.parse_args(tiny_args(tiny_model_dir, tmp_path, "device", "--updates-per-rollout", "2",
-                                            "--kl-beta", "0.1", "--rule", "kl_full", "--recompute-old-logp", "on",
-                                            "--shuffle", "groups"))  # every pass shares its prompt
+    cfg, _, _ = config.parse_args(
+        tiny_args(
+            tiny_model_dir,
+            tmp_path,
+            "device",
+            "--updates-per-rollout",
+            "2",
+            "--kl-beta",
+            "0.1",
+            "--rule",
+            "kl_full",
+            "--recompute-old-logp",
+            "on",
+            "--shuffle",
+            "groups",
+        )
+    )  # every pass shares its prompt
     model, tokenizer, optimizer, _ = train.build(cfg)
     cfg = sizes.resolve_automatic(cfg, model, tokenizer, [])
     problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
@@ -196,8 +274,9 @@ def test_the_inert_trust_region_is_announced_when_a_chosen_rule_cannot_act():
 
 
 def test_token_records_are_written_every_step(tiny_model_dir, tmp_path):
-    run_training(tiny_args(tiny_model_dir, tmp_path, "tokens", "--steps", "2", "--log-tokens", "5",
-                           "--updates-per-rollout", "2"))
+    run_training(
+        tiny_args(tiny_model_dir, tmp_path, "tokens", "--steps", "2", "--log-tokens", "5", "--updates-per-rollout", "2")
+    )
     records = train.calibrate.read_token_records(tmp_path / "tokens")
     assert sorted(set(records["step"].tolist())) == [1, 2] and len(records["step"]) <= 10
     assert ((records["mu"] > 0) & (records["mu"] <= 1)).all() and (records["w"] > 0).all()
@@ -205,8 +284,9 @@ def test_token_records_are_written_every_step(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("prompts, updates", [(16, 4), (5, 2), (3, 3)])
 def test_group_minibatches_hold_whole_prompts_and_every_row_once(prompts, updates):
-    cfg = config.make_config({"prompts_per_step": prompts, "group_size": 4, "updates_per_rollout": updates,
-                             "shuffle": "groups"})
+    cfg = config.make_config(
+        {"prompts_per_step": prompts, "group_size": 4, "updates_per_rollout": updates, "shuffle": "groups"}
+    )
     minibatches = train.shuffled_minibatches(prompts * 4, cfg, step=3)
     assert len(minibatches) == updates
     assert sorted(torch.cat(minibatches).tolist()) == list(range(prompts * 4))
@@ -238,8 +318,21 @@ def test_merged_micro_batches_give_the_whole_batch_metrics():
 
 
 def test_the_clip_rate_counts_acting_tokens_after_the_first_update(tiny_model_dir, tmp_path):
-    run_training(tiny_args(tiny_model_dir, tmp_path, "rate", "--steps", "2", "--log-tokens", "1000",
-                           "--updates-per-rollout", "2", "--lr", "0.2"))
+    run_training(
+        tiny_args(
+            tiny_model_dir,
+            tmp_path,
+            "rate",
+            "--steps",
+            "2",
+            "--log-tokens",
+            "1000",
+            "--updates-per-rollout",
+            "2",
+            "--lr",
+            "0.2",
+        )
+    )
     records = train.calibrate.read_token_records(tmp_path / "rate")
     lines = metric_lines(tmp_path / "rate")
     for step, line in enumerate(lines, 1):
@@ -254,36 +347,49 @@ def test_the_clip_rate_counts_acting_tokens_after_the_first_update(tiny_model_di
     assert any(line["clip_rate"] for line in lines), "nothing clipped: the test says nothing"
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--adv-std", "foo"], "--adv-std"), (["--top-k", "-3"], "--top-k"), (["--kl-beta", "-1"], "kl.beta"),
-    (["--lr", "-1"], "--lr"), (["--lr", "nan"], "--lr"), (["--lr", "0"], "--lr"),
-    (["--max-new-tokens", "0"], "--max-new-tokens"),
-    (["--gradient-checkpointing", "maybe"], "--gradient-checkpointing"),
-    (["--updates-per-rollout", "100"], "--updates-per-rollout"), (["--group-size", "1"], "--group-size"),
-    (["--checkpoint-every", "0"], "--checkpoint-every"), (["--temperature", "0"], "--temperature"),
-    (["--format-weight", "0.1"], "--format-weight"),
-    (["--format-weight", "1", "--template", "boxed"], "--format-weight"),
-    (["--rule", "nope"], "rule"), (["--dual-clip", "0.5,x"], "--dual-clip"),
-    (["--ratio-limits", "2,1"], "ratio.limits"), (["--aggregation", "token-mean", "--rule", "gspo"], "--aggregation"),
-    (["--shuffle", "prompts"], "--shuffle"),
-    (["--shuffle", "groups", "--updates-per-rollout", "9"], "--updates-per-rollout 9: with --shuffle groups"),
-    (["--kv-blocks", "1"], "--kv-blocks"), (["--kv-blocks", "-2"], "--kv-blocks"),
-    (["--updates-per-rollout", "0"], "^train.py: --updates-per-rollout 0: must be between 1 and the 64 rows"),
-    (["--template", "foo"], "^train.py: --template 'foo': expected one of answer, boxed, plain, equation"),
-    (["--seed", "-1"], r"^train.py: --seed -1: must be in \[0, 2\^32\)$"),
-    (["--steps", "-1"], "^train.py: --steps -1: must be >= 0$"),  # the one flag at fault, no other
-    (["--grad-clip", "0"], "^train.py: --grad-clip 0.0: must be > 0"),
-    (["--run-name", "../escape"], "^train.py: --run-name '../escape': must be one folder name, inside --out-dir"),
-    (["--kl-cov-coef", "nan"], "^train.py: --kl-cov-coef nan: must be a finite number$"),
-    (["--step", "2"], "^train.py: unrecognized arguments: --step 2$"),  # not taken for --steps
-    (["--rule", "interval", "--delta", "0.1"], "^train.py: --delta 0.1: --rule interval has no trust-region size"),
-    (["--norm-len", "8"], "^train.py: --norm-len 8: only --aggregation seq-mean-token-sum-norm divides by it"),
-    (["--lora-targets", "q_proj,attn"], "^train.py: --lora-targets q_proj,attn: expected distinct names among"),
-    (["--reward-weights", "1,2"], "--reward-weights 1,2: 2 weights for 1 --reward-fn"),
-    (["--reward-fn", "no_colon"], "--reward-fn 'no_colon': expected module:function"),
-    (["--reward-fn", "no_such_module_xyz:f"], "--reward-fn no_such_module_xyz:f: cannot import"),
-    (["--reward-timeout", "0"], "--reward-timeout"), (["--log", "mlflow"], "--log mlflow: unknown tracker"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--adv-std", "foo"], "--adv-std"),
+        (["--top-k", "-3"], "--top-k"),
+        (["--kl-beta", "-1"], "kl.beta"),
+        (["--lr", "-1"], "--lr"),
+        (["--lr", "nan"], "--lr"),
+        (["--lr", "0"], "--lr"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--gradient-checkpointing", "maybe"], "--gradient-checkpointing"),
+        (["--updates-per-rollout", "100"], "--updates-per-rollout"),
+        (["--group-size", "1"], "--group-size"),
+        (["--checkpoint-every", "0"], "--checkpoint-every"),
+        (["--temperature", "0"], "--temperature"),
+        (["--format-weight", "0.1"], "--format-weight"),
+        (["--format-weight", "1", "--template", "boxed"], "--format-weight"),
+        (["--rule", "nope"], "rule"),
+        (["--dual-clip", "0.5,x"], "--dual-clip"),
+        (["--ratio-limits", "2,1"], "ratio.limits"),
+        (["--aggregation", "token-mean", "--rule", "gspo"], "--aggregation"),
+        (["--shuffle", "prompts"], "--shuffle"),
+        (["--shuffle", "groups", "--updates-per-rollout", "9"], "--updates-per-rollout 9: with --shuffle groups"),
+        (["--kv-blocks", "1"], "--kv-blocks"),
+        (["--kv-blocks", "-2"], "--kv-blocks"),
+        (["--updates-per-rollout", "0"], "^train.py: --updates-per-rollout 0: must be between 1 and the 64 rows"),
+        (["--template", "foo"], "^train.py: --template 'foo': expected one of answer, boxed, plain, equation"),
+        (["--seed", "-1"], r"^train.py: --seed -1: must be in \[0, 2\^32\)$"),
+        (["--steps", "-1"], "^train.py: --steps -1: must be >= 0$"),  # the one flag at fault, no other
+        (["--grad-clip", "0"], "^train.py: --grad-clip 0.0: must be > 0"),
+        (["--run-name", "../escape"], "^train.py: --run-name '../escape': must be one folder name, inside --out-dir"),
+        (["--kl-cov-coef", "nan"], "^train.py: --kl-cov-coef nan: must be a finite number$"),
+        (["--step", "2"], "^train.py: unrecognized arguments: --step 2$"),  # not taken for --steps
+        (["--rule", "interval", "--delta", "0.1"], "^train.py: --delta 0.1: --rule interval has no trust-region size"),
+        (["--norm-len", "8"], "^train.py: --norm-len 8: only --aggregation seq-mean-token-sum-norm divides by it"),
+        (["--lora-targets", "q_proj,attn"], "^train.py: --lora-targets q_proj,attn: expected distinct names among"),
+        (["--reward-weights", "1,2"], "--reward-weights 1,2: 2 weights for 1 --reward-fn"),
+        (["--reward-fn", "no_colon"], "--reward-fn 'no_colon': expected module:function"),
+        (["--reward-fn", "no_such_module_xyz:f"], "--reward-fn no_such_module_xyz:f: cannot import"),
+        (["--reward-timeout", "0"], "--reward-timeout"),
+        (["--log", "mlflow"], "--log mlflow: unknown tracker"),
+    ],
+)
 def test_each_bad_flag_fails_in_one_line_before_the_model_loads(tmp_path, capsys, flags, message):
     """The model path does not exist: an error about the flag proves the check came first."""
     with pytest.raises(SystemExit) as exit_info:
@@ -302,16 +408,21 @@ def no_weights(monkeypatch):
 def test_a_missing_model_is_named_by_its_flag(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train.main(["--model", str(tmp_path / "no-model"), "--out-dir", str(tmp_path)])
-    assert capsys.readouterr().err == f"train.py: --model {tmp_path / 'no-model'}: neither a local directory nor a " \
-                                      "hub id (owner/name)\n"
+    assert (
+        capsys.readouterr().err == f"train.py: --model {tmp_path / 'no-model'}: neither a local directory nor a "
+        "hub id (owner/name)\n"
+    )
 
 
 def test_what_needs_the_models_shape_is_checked_before_its_weights_load(tiny_model_dir, tmp_path, capsys, no_weights):
     """The tiny model has a context of 256 tokens and k_proj of 32 x 16."""
     long_problem = "What is " + " + ".join(["1"] * 200) + "?"
     train_file = tmp_path / "long.jsonl"
-    train_file.write_text("".join(json.dumps({"problem": p, "answer": "2"}) + "\n"
-                                  for p in ("What is 1 + 1?", "What is 2 + 0?", long_problem)))
+    train_file.write_text(
+        "".join(
+            json.dumps({"problem": p, "answer": "2"}) + "\n" for p in ("What is 1 + 1?", "What is 2 + 0?", long_problem)
+        )
+    )
     out = tmp_path / "runs"
     cases = [
         (["--max-new-tokens", "256"], "--max-new-tokens 256: the model's context is 256 tokens, prompt included"),
@@ -356,12 +467,17 @@ def test_device_cuda_without_a_gpu_says_so_in_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         train.main(["--device", "cuda", "--out-dir", str(tmp_path)])
     assert exit_info.value.code == 2 and capsys.readouterr().err.strip() == (
-        "train.py: --device cuda: no CUDA GPU is visible to torch on this machine; use --device cpu")
+        "train.py: --device cuda: no CUDA GPU is visible to torch on this machine; use --device cpu"
+    )
 
 
 def test_a_plan_that_does_not_fit_says_which_phase_and_exits_1():
-    proc = subprocess.run([sys.executable, "train.py", "--plan", "--gpu-memory", "1.5"],
-                          cwd=Path(train.__file__).parent, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--plan", "--gpu-memory", "1.5"],
+        cwd=Path(train.__file__).parent,
+        capture_output=True,
+        text=True,
+    )
     last = proc.stdout.strip().splitlines()[-1]
     assert proc.returncode == 1 and last.startswith("plan: peak") and "of 1.5 GB (does not fit: " in last, proc.stdout
     assert "--grad-accum" in last or "--lora-rank" in last
@@ -382,11 +498,17 @@ def test_train_py_asks_for_expandable_segments_before_cuda_starts():
     """Imported without an allocator setting, train.py sets one (before torch can start CUDA); a user's stays."""
     code = "import os, train; print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
-    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent, env=env, capture_output=True,
-                         text=True)
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=Path(__file__).parent.parent, env=env, capture_output=True, text=True
+    )
     assert run.stdout.strip() == "expandable_segments:True", run.stderr
-    kept = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent,
-                          env={**env, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}, capture_output=True, text=True)
+    kept = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).parent.parent,
+        env={**env, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"},
+        capture_output=True,
+        text=True,
+    )
     assert kept.stdout.strip() == "max_split_size_mb:64", kept.stderr
 
 
@@ -411,7 +533,7 @@ def test_epochs_pass_over_every_row_again_in_a_fresh_order(tiny_model_dir, tmp_p
     assert not any(key.startswith("epoch[") for key in one)
     seen.clear(), steps.clear()
     three = train.policy_update(model, optimizer, out, advantages, dataclasses.replace(cfg, epochs=3), step=1)
-    passes = [sum(seen[i:i + 2], []) for i in (0, 2, 4)]
+    passes = [sum(seen[i : i + 2], []) for i in (0, 2, 4)]
     assert len(steps) == 6 and passes[0] == order and all(sorted(p) == list(range(8)) for p in passes)
     assert passes[1] != passes[0] and passes[2] != passes[1]
     for epoch in (1, 2, 3):
@@ -427,13 +549,15 @@ def test_learning_rate_schedules():
     assert lr("constant", 1, warmup=0) == 1.0
     assert [lr("linear", s) for s in (3, 4, 10)] == pytest.approx([1.0, 7 / 8, 1 / 8])
     assert [lr("cosine", s) for s in (3, 7, 10)] == pytest.approx(
-        [1.0, 0.5 * (1 + math.cos(math.pi * 4 / 8)), 0.5 * (1 + math.cos(math.pi * 7 / 8))])
+        [1.0, 0.5 * (1 + math.cos(math.pi * 4 / 8)), 0.5 * (1 + math.cos(math.pi * 7 / 8))]
+    )
     assert all(lr(schedule, s) > 0 for schedule in ("linear", "cosine") for s in range(1, 11))
 
 
 def test_warmup_sets_each_steps_rate_and_logs_it(tiny_model_dir, tmp_path):
-    run_training(tiny_args(tiny_model_dir, tmp_path, "warm", "--steps", "3", "--warmup-steps", "2",
-                           "--lr-schedule", "linear"))
+    run_training(
+        tiny_args(tiny_model_dir, tmp_path, "warm", "--steps", "3", "--warmup-steps", "2", "--lr-schedule", "linear")
+    )
     assert [line["lr"] for line in metric_lines(tmp_path / "warm")] == pytest.approx([5e-3, 1e-2, 1e-2])
 
 
@@ -465,13 +589,18 @@ def test_a_run_starts_from_an_init_adapter_of_its_shape(tiny_model_dir, tmp_path
         config.check_init_adapter(dataclasses.replace(cfg, init_adapter=str(tmp_path / "sft-adapter"), lora_rank=8))
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--init-adapter", "no-such-dir"], "adapter_config.json: not found"),
-    (["--init-adapter", "x", "--kl-beta", "0.1"], "--init-adapter with --kl-beta"),
-    (["--epochs", "0"], "--epochs"), (["--warmup-steps", "30"], "--warmup-steps"),
-    (["--entropy-coef", "-1"], "--entropy-coef"), (["--lr-schedule", "step"], "--lr-schedule"),
-    (["--thinking", "maybe"], "--thinking"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--init-adapter", "no-such-dir"], "adapter_config.json: not found"),
+        (["--init-adapter", "x", "--kl-beta", "0.1"], "--init-adapter with --kl-beta"),
+        (["--epochs", "0"], "--epochs"),
+        (["--warmup-steps", "30"], "--warmup-steps"),
+        (["--entropy-coef", "-1"], "--entropy-coef"),
+        (["--lr-schedule", "step"], "--lr-schedule"),
+        (["--thinking", "maybe"], "--thinking"),
+    ],
+)
 def test_the_new_flags_fail_in_one_line_before_the_model_loads(tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as exit_info:
         train.main(["--model", str(tmp_path / "no-model"), "--out-dir", str(tmp_path), *flags])
@@ -483,12 +612,14 @@ def test_thought_lengths_count_unclosed_thoughts_and_split_the_rest():
     from types import SimpleNamespace
 
     from conftest import QWEN3_CHAT_TEMPLATE, make_tokenizer
+
     tokenizer = make_tokenizer(chat_template=QWEN3_CHAT_TEMPLATE, think_tokens=True)
     texts = ["<think>\n7 + 5 is 12", "<think>\nx</think>\n12", "12"]
     lengths = [len(tokenizer.encode(t, add_special_tokens=False)) + stop for t, stop in zip(texts, (0, 1, 1))]
     mask = torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]
-    out = SimpleNamespace(texts=texts, completion_mask=mask, finished=torch.tensor([False, True, True]),
-                          old_logp=torch.zeros(mask.shape))
+    out = SimpleNamespace(
+        texts=texts, completion_mask=mask, finished=torch.tensor([False, True, True]), old_logp=torch.zeros(mask.shape)
+    )
     stats = train.thought_lengths(out, tokenizer, open_thought=False).tolist()
     answer = len(tokenizer.encode("\n12", add_special_tokens=False)) + 1
     assert stats == [[1.0, lengths[0], 0.0], [0.0, lengths[1] - answer, answer], [0.0, 0.0, lengths[2]]]
@@ -499,16 +630,26 @@ def test_score_grades_a_step_that_mixes_math_and_code(monkeypatch):
     import types
 
     from grading import sandbox
+
     monkeypatch.setattr(train.reward, "reward", REAL_REWARD)
-    code = {"task": "code", "problem": "Double n.", "tests": [{"input": "2\n", "output": "4"},
-                                                               {"input": "5\n", "output": "10"}]}
+    code = {
+        "task": "code",
+        "problem": "Double n.",
+        "tests": [{"input": "2\n", "output": "4"}, {"input": "5\n", "output": "10"}],
+    }
     problems = [{"problem": "What is 2 + 2?", "answer": "4"}, code, code]
-    texts = ["#### 4", "#### 5",  # math: right, wrong
-             "```python\nprint(2 * int(input()))\n```", "```python\nprint(4)\n```",  # code: right, 1 of 2 tests
-             "```python\nwhile True: pass\n```", "no program"]
+    texts = [
+        "#### 4",
+        "#### 5",  # math: right, wrong
+        "```python\nprint(2 * int(input()))\n```",
+        "```python\nprint(4)\n```",  # code: right, 1 of 2 tests
+        "```python\nwhile True: pass\n```",
+        "no program",
+    ]
     out = types.SimpleNamespace(texts=texts, completions=[[0]] * 6, old_logp=torch.zeros(6, 1))
-    cfg = dataclasses.replace(train.Config(), group_size=2, code_timeout=0.5,
-                              reward_fn=("reward:math_reward", "sandbox:code_reward"))
+    cfg = dataclasses.replace(
+        train.Config(), group_size=2, code_timeout=0.5, reward_fn=("reward:math_reward", "sandbox:code_reward")
+    )
     try:
         rewards, correct, _, code_rows = train.score(out, problems, cfg)
     except sandbox.SandboxUnavailable as error:
@@ -524,14 +665,29 @@ def test_score_grades_a_step_that_mixes_math_and_code(monkeypatch):
 
 def test_a_code_run_trains_and_logs_its_code_metrics(tiny_model_dir, tmp_path, monkeypatch):
     from grading import sandbox
+
     monkeypatch.setattr(train.reward, "reward", REAL_REWARD)
     try:
         sandbox.grade(["print(1)"], [{"tests": [{"input": "", "output": "1"}]}], workers=1)
     except sandbox.SandboxUnavailable as error:
         pytest.skip(str(error))
-    run_training(tiny_args(tiny_model_dir, tmp_path, "code", "--steps", "1", "--dataset", "code", "--eval-dataset",
-                           "code_test", "--template", "{problem}",  # the code template outgrows its context
-                           "--reward-fn", "sandbox:code_reward"))
+    run_training(
+        tiny_args(
+            tiny_model_dir,
+            tmp_path,
+            "code",
+            "--steps",
+            "1",
+            "--dataset",
+            "code",
+            "--eval-dataset",
+            "code_test",
+            "--template",
+            "{problem}",  # the code template outgrows its context
+            "--reward-fn",
+            "sandbox:code_reward",
+        )
+    )
     (line,) = metric_lines(tmp_path / "code")
     assert line["code_no_code_block"] == 1.0 and line["code_tests_passed"] == 0.0  # a random model writes no code
 
@@ -541,7 +697,8 @@ def test_code_problems_without_a_code_reward_fail_before_the_model_loads(tmp_pat
         train.main(["--model", str(tmp_path / "no-model"), "--out-dir", str(tmp_path), "--dataset", "code"])
     assert exit_info.value.code == 2 and capsys.readouterr().err.strip() == (
         "train.py: --dataset code holds code problems, which no --reward-fn grades (reward:math_reward): "
-        "add --reward-fn sandbox:code_reward")
+        "add --reward-fn sandbox:code_reward"
+    )
     cfg, _, _ = train.config.parse_args(["--dataset", "code", "--reward-fn", "my_rewards:anything"])
     train.config.check_reward_functions(cfg, train.load_problems("code"))  # a function of your own may grade it
 
@@ -589,11 +746,26 @@ def test_shared_prompts_give_the_update_of_whole_rows(tiny_model_dir, tmp_path, 
     """In float64, each prompt run once per micro-batch gives the losses, gradients and metrics of every row run
     whole: 2 updates of 2 micro-batches, padded rows, prompts of different lengths, recomputed old log-probs
     and a reference policy (frozen passes shared too)."""
-    cfg, out, advantages = sampled_step(tiny_model_dir, tmp_path, monkeypatch, "--group-size", "4",
-                                        "--updates-per-rollout", "2", "--grad-accum", "2", "--kl-beta", "0.1",
-                                        "--recompute-old-logp", "on", "--aggregation", aggregation,
-                                        "--shuffle", shuffle)
-    assert out.pad_mask[:, :out.prompt_len].sum(1).unique().numel() > 1, "prompts of different lengths"
+    cfg, out, advantages = sampled_step(
+        tiny_model_dir,
+        tmp_path,
+        monkeypatch,
+        "--group-size",
+        "4",
+        "--updates-per-rollout",
+        "2",
+        "--grad-accum",
+        "2",
+        "--kl-beta",
+        "0.1",
+        "--recompute-old-logp",
+        "on",
+        "--aggregation",
+        aggregation,
+        "--shuffle",
+        shuffle,
+    )
+    assert out.pad_mask[:, : out.prompt_len].sum(1).unique().numel() > 1, "prompts of different lengths"
     shared = recorded_update(cfg, out, advantages, monkeypatch)
     whole_rows(monkeypatch)
     whole = recorded_update(cfg, out, advantages, monkeypatch)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from infra import weights
 from conftest import hf_model
+from infra import weights
 
 
 @torch.no_grad()
@@ -147,8 +147,9 @@ def test_default_model_knows_the_capital_of_france(smollm2_dir):
 def test_default_tokenizer_keeps_chat_template_and_eos(smollm2_dir):
     tokenizer = weights.load_tokenizer()
     assert tokenizer.eos_token == "<|im_end|>"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "2+2?"}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "2+2?"}], tokenize=False, add_generation_prompt=True
+    )
     assert text.endswith("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n")
 
 
