@@ -7,7 +7,7 @@ when what it produces matches the test's expected output. The reward is 1 when e
 
     grades = sandbox.grade([program], [problem])      # problem: {"tests": [...], "style": "stdio", ...}
     rewards = sandbox.reward(completions, problems)   # extraction, grading, one float per completion
-    python train.py --dataset code --reward-fn sandbox:code_reward   # the built-in code reward function
+    python train.py --dataset code --reward-fn grading.sandbox:code_reward   # the built-in code reward function
     python sandbox.py PROGRAM.py --tests TESTS.json    # one JSON line: passed, total, reason, seconds
 
 Code grading is all here, apart from the math checker (reward.py): the reward function code_reward, and the

@@ -46,7 +46,7 @@ from pathlib import Path
 import reward
 from grading import sandbox
 
-IN_PROCESS = ("reward", "sandbox")  # modules whose functions bound their own time, called directly
+IN_PROCESS = ("reward", "grading.sandbox")  # modules whose functions bound their own time, called directly
 _ROOT = str(Path(__file__).resolve().parent.parent)
 
 

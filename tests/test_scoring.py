@@ -105,7 +105,7 @@ def test_verdicts_grade_each_row_by_its_task_so_math_and_code_mix():
     except sandbox.SandboxUnavailable as error:
         pytest.skip(str(error))
     assert grades[:2] == [None, None] and [g.reason for g in grades[2:]] == [None, "wrong_answer"]
-    functions = scoring.RewardFunctions(["reward:math_reward", "sandbox:code_reward"])
+    functions = scoring.RewardFunctions(["reward:math_reward", "grading.sandbox:code_reward"])
     totals, by_name = functions(completions, scoring.columns_of(rows))
     assert totals == [1.0, 0.0, 1.0, 0.0] and by_name == {
         "math_reward": [1.0, 0.0, 0.0, 0.0],
