@@ -28,42 +28,41 @@ import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 # Before torch starts CUDA: the caching allocator grows and shrinks segments in place instead of carving
 # fixed ones, so the KV pool, the training activations and AdamW's state do not fragment the GPU's memory.
 if not (os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")):
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import numpy as np
+import torch
+from tqdm import tqdm
 
-import config  # noqa: E402
-import eval as evaluation  # noqa: E402
-import lora  # noqa: E402
-import loss  # noqa: E402
-import reward  # noqa: E402
-import rollout  # noqa: E402
-from config import Config  # noqa: E402
-from data import load_problems, opens_thought, render_prompt, stop_ids, thinking_note, user_message  # noqa: E402
-from engine import (
-    memory,  # noqa: E402
-    sizes,  # noqa: E402
-)
-from grading import (
-    sandbox,  # noqa: E402
-    scoring,  # noqa: E402
-)
-from infra import (
-    distributed,  # noqa: E402
-    fsdp,  # noqa: E402
-    rundir,  # noqa: E402
-    weights,  # noqa: E402
-)
-from infra.stopping import Interrupted, Stopped, StopRequest, exit_interrupted  # noqa: E402
-from research import calibrate  # noqa: E402
+import config
+import eval as evaluation
+import lora
+import loss
+import reward
+import rollout
+from config import Config
+from data import load_problems, opens_thought, render_prompt, stop_ids, thinking_note, user_message
+from engine import memory, sizes
+from grading import sandbox, scoring
+from infra import distributed, fsdp, rundir, weights
+from infra.stopping import Interrupted, Stopped, StopRequest, exit_interrupted
+from research import calibrate
 
 # ----------------------------------------------------------------------------- one step
+
+
+class Scores(NamedTuple):
+    """A rollout's grades, each per row on the model's device."""
+
+    reward: torch.Tensor  # [N] the weighted sum of the reward functions, plus the format bonus
+    correct: torch.Tensor  # [N] 1 where the built-in verdict says correct, whatever the reward is made of
+    by_function: dict[str, torch.Tensor]  # {name: [N]} each reward function's values, when there are several
+    code: torch.Tensor  # [N, 2 + reasons] is it a code problem, the share of its tests passed, why it failed
 
 
 def train_step(
@@ -77,61 +76,71 @@ def train_step(
     reference=None,
     pool: rollout.Pool | None = None,
 ) -> tuple[dict, list]:
-    """One GRPO step on `problems`; returns its metrics line and the per-token records (empty unless logged).
+    """One GRPO step: G completions of each problem, their rewards, the group-normalized advantages, and the
+    policy's updates on them. Returns the step's metrics line and its per-token records (empty unless
+    --log-tokens).
 
-    With several processes (world), `problems` is the whole step's, the same on every rank, and each rank
-    samples and trains on its slice of whole prompts; the metrics and records are the whole step's.
+    With several processes (world), `problems` is the whole step's, the same on every rank; each rank samples
+    and trains on its slice of whole prompts, and the advantages and metrics are the whole step's.
     reference is a full run's frozen reference policy (see build).
     """
     world = world or distributed.SOLO
     watch = Stopwatch()
-    mine = world.prompts(len(problems))
+    mine = world.prompts(len(problems))  # this rank's prompts, whole groups
     out = sample(model, tokenizer, problems[mine], cfg, step, first_prompt=mine.start, pool=pool)
     watch.lap("rollout")
     open_thought = opens_thought(tokenizer, cfg.thinking == "on")
-    rewards, correct, by_function, code = score(out, problems[mine], cfg, step, open_thought)
+    scores = score(out, problems[mine], cfg, step, open_thought)
     watch.lap("reward")
-    lengths = out.completion_mask.sum(1).float()
-    columns = [
-        rewards,
-        correct,
-        lengths,
-        out.truncated.float(),
-        *thought_lengths(out, tokenizer, open_thought).T,
-        *by_function.values(),
-    ]
-    rows = world.cat(torch.cat([torch.stack(columns, 1), code], 1))  # [N of the step, 7 + functions + code]
-    # from the whole step's rewards: one process's advantages, whatever they normalize over
+    rewards = world.cat(scores.reward)  # [N of the step]: a batch-wide std normalizes over every rank's rows
     my_rows = slice(mine.start * cfg.group_size, mine.stop * cfg.group_size)
-    advantages = loss.advantages(rows[:, 0], cfg.group_size, cfg.loss)[my_rows]  # [N of this rank]
-    records = [] if cfg.log_tokens else None
-    update = policy_update(model, optimizer, out, advantages, cfg, step, records, world, reference)
+    advantages = loss.advantages(rewards, cfg.group_size, cfg.loss)[my_rows]  # [N of this rank]
+    update, records = policy_update(model, optimizer, out, advantages, cfg, step, world, reference, cfg.log_tokens)
     watch.lap("update")
-    seconds = torch.tensor([watch.laps["rollout"], watch.laps["update"]], dtype=torch.float64, device="cpu")
-    tokens = torch.tensor([lengths.sum().item(), out.pad_mask.sum().item()], dtype=torch.float64, device="cpu")
-    slowest, tokens = world.max(seconds), world.sum(tokens)
-    records = [] if records is None else sum(world.gather(records), [])
-    (reward_mean, accuracy, completion_length, truncated, unclosed, think_length, answer_length, *function_means) = (
-        rows[:, : len(columns)].mean(0).tolist()
-    )
-    return {
-        "step": step,
-        "reward": reward_mean,
-        "accuracy": accuracy,
-        **{f"rewards/{name}": mean for name, mean in zip(by_function, function_means)},
-        **sandbox.step_metrics(rows[:, len(columns) :]),
-        "completion_length": completion_length,
-        "truncated": truncated,
+    return step_metrics(
+        step, out, scores, update, watch, cfg, world, thought_lengths(out, tokenizer, open_thought)
+    ), records
+
+
+def step_metrics(
+    step: int,
+    out: rollout.Rollout,
+    scores: Scores,
+    update: dict,
+    watch: Stopwatch,
+    cfg: Config,
+    world: distributed.World,
+    thoughts: torch.Tensor,
+) -> dict:
+    """The step's metrics line: means over every rank's rows, the update's metrics, and throughput (the
+    step's tokens over the slowest rank's seconds). thoughts: thought_lengths' [N, 3]."""
+    lengths = out.completion_mask.sum(1).float()
+    unclosed, think_length, answer_length = thoughts.T
+    columns = {
+        "reward": scores.reward,
+        "accuracy": scores.correct,
+        **{f"rewards/{name}": values for name, values in scores.by_function.items()},
+        "completion_length": lengths,
+        "truncated": out.truncated.float(),
         "think_unclosed_frac": unclosed,
         "think_length": think_length,
         "answer_length": answer_length,
+    }
+    rows = world.cat(torch.cat([torch.stack(list(columns.values()), 1), scores.code], 1))  # [N of the step, ...]
+    seconds = torch.tensor([watch.laps["rollout"], watch.laps["update"]], dtype=torch.float64, device="cpu")
+    tokens = torch.tensor([lengths.sum().item(), out.pad_mask.sum().item()], dtype=torch.float64, device="cpu")
+    slowest, tokens = world.max(seconds), world.sum(tokens)
+    return {
+        "step": step,
+        **dict(zip(columns, rows[:, : len(columns)].mean(0).tolist())),
+        **sandbox.step_metrics(rows[:, len(columns) :]),
         **update,
         "step_seconds": watch.total,
         "reward_seconds": watch.laps["reward"],
         "rollout_tokens_per_s": float(tokens[0] / slowest[0]),
         # every row is trained on once per epoch, prompt included
         "train_tokens_per_s": float(cfg.epochs * tokens[1] / slowest[1]),
-    }, records
+    }
 
 
 def sample(
@@ -171,11 +180,8 @@ def sample(
         )
 
 
-def score(
-    out: rollout.Rollout, problems: list[dict], cfg: Config, step: int = 0, open_thought: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-    """(rewards [N], correct [N], {name: values [N]} of each reward function when there are several, code
-    [N, 2 + reasons]), on the model's device. The reward is the weighted sum of the --reward-fn functions
+def score(out: rollout.Rollout, problems: list[dict], cfg: Config, step: int = 0, open_thought: bool = False) -> Scores:
+    """The rollout's grades (Scores). The reward is the weighted sum of the --reward-fn functions
     (scoring.py) plus the format bonus. correct is the built-in verdict (scoring.verdicts), whatever the
     reward is made of: the answer checker's on a math problem, every test passed on a code problem (task
     "code", run in sandbox.py within --code-timeout). It is graded here once, with --code-reward, and is the
@@ -221,7 +227,7 @@ def score(
         return torch.tensor(values, dtype=torch.float32, device=out.old_logp.device)
 
     by_function = {name: tensor(values) for name, values in by_name.items()} if len(by_name) > 1 else {}
-    return tensor(totals), (tensor(verdicts) >= 1).float(), by_function, tensor(code)
+    return Scores(tensor(totals), (tensor(verdicts) >= 1).float(), by_function, tensor(code))
 
 
 def thought_lengths(out: rollout.Rollout, tokenizer, open_thought: bool) -> torch.Tensor:
@@ -249,65 +255,108 @@ def policy_update(
     advantages: torch.Tensor,
     cfg: Config,
     step: int,
-    records: list | None = None,
     world: distributed.World | None = None,
     reference=None,
-) -> dict:
+    keep_records: bool = False,
+) -> tuple[dict, list]:
     """epochs passes over the rollout's rows, each shuffled afresh into updates_per_rollout mini-batches (--shuffle:
     rows one by one, or whole prompt groups); one optimizer step per mini-batch, the sum of grad_accum
-    micro-batches. Metrics: token-weighted means over micro-batches; *_min / *_max are extremes;
-    start_ratio_min / _max are the first mini-batch's, before this step's first update (the numerical floor);
-    with several epochs, epoch[E]/* are each pass's clip rates.
+    micro-batches. Returns the update's metrics and, with keep_records, every rank's per-token records.
+    Metrics: token-weighted means over micro-batches; *_min / *_max are extremes; start_ratio_min / _max are
+    the first mini-batch's, before this step's first update (the numerical floor); with several epochs,
+    epoch[E]/* are each pass's clip rates.
+    """
+    world = world or distributed.SOLO
+    frozen = frozen_inputs(model, out, cfg, reference)  # what the loss needs of the policy before it moves
+    advantages = advantages.to(out.old_logp.device)
+    records = [] if keep_records else None
+    model.train()
+    per_update, grad_norms = [], []
+    for update, (micro_batches, totals) in enumerate(micro_batch_plan(out, cfg, step, world, fsdp.is_sharded(model))):
+        losses, metrics = [], []
+        for rows, idle in micro_batches:
+            hint = f"raise --grad-accum (now {cfg.grad_accum})"
+            with sizes.oom_hint(f"a training micro-batch of {len(rows)} rows", hint):
+                logp, mask, inputs, entropy = policy_inputs(model, out, frozen, rows, cfg)
+                value, micro = loss.policy_loss(
+                    logp, inputs.pop("old_logp"), advantages[rows], mask, cfg.loss, **totals,
+                    records=None if idle else records, **inputs,
+                )  # fmt: skip
+                value = value * 0 if idle else value  # an idle rank's pass meets the others' at weight 0
+                value.backward()
+            losses.append(value.detach())
+            if not idle:
+                micro["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
+                micro["tokens"] = int(mask.sum())
+                metrics.append(micro)
+                if records is not None:  # which update of the rollout a record is from: the first cannot clip
+                    records[-1]["update"] = np.full(len(records[-1]["mu"]), update, dtype=np.int32)
+        local_loss = torch.stack(losses).sum() if losses else torch.zeros((), device=advantages.device)
+        total_loss = distributed.sum_gradients(trainable(model), world, local_loss)
+        grad_norms.append(optimizer_step(model, optimizer, total_loss, cfg, step))
+        per_update.append(metrics)
+    # every rank's micro-batches, update by update
+    per_update = [sum(updates, []) for updates in zip(*world.gather(per_update))]
+    return update_metrics(per_update, grad_norms, cfg), [] if records is None else sum(world.gather(records), [])
+
+
+def micro_batch_plan(
+    out: rollout.Rollout, cfg: Config, step: int, world: distributed.World, sharded: bool
+) -> list[tuple[list[tuple[torch.Tensor, bool]], dict]]:
+    """Per optimizer step: this rank's micro-batches as (rows, idle), and the loss's normalizers (the step's
+    tokens and sequences on every rank).
 
     With several processes, `out` holds this rank's rows of the step, which are rows world.rank * N ..
     of the step's. The shuffle is of the whole step's rows, the same on every rank, and each rank trains
     on its own rows of each mini-batch: the mini-batches are one process's, and with the normalizers
     summed over the ranks and the gradients too, so is every update. Every rank runs as many micro-batches
-    as the largest share of a mini-batch needs: a sharded model's passes are collectives, and a rank with
-    no rows left runs one row at weight 0 (its gradient is exactly 0) to meet the others.
+    as the largest share of a mini-batch needs: a sharded model's passes are collectives, so a rank with
+    no rows left runs one row at weight 0 (idle; its gradient is exactly 0) to meet the others.
     """
-    world = world or distributed.SOLO
-    inputs = frozen_inputs(model, out, cfg, reference)  # what the loss needs of the policy before it moves
-    advantages = advantages.to(out.old_logp.device)
-    N, first = len(advantages), world.rank * len(advantages)
+    N, device = len(out.completion_mask), out.completion_mask.device
+    first = world.rank * N
     minibatches = shuffled_minibatches(N * world.size, cfg, step)  # epoch by epoch
-    mine = [(m[(m >= first) & (m < first + N)] - first).to(advantages.device) for m in minibatches]
-    # the normalizers of each optimizer step: its tokens and sequences on all ranks
+    mine = [(m[(m >= first) & (m < first + N)] - first).to(device) for m in minibatches]
     num_tokens = world.sum(torch.stack([out.completion_mask[rows].sum() for rows in mine]))
-    model.train()
-    per_update, grad_norms = [], []
-    params = trainable(model)
-    for update, (minibatch, step_rows, step_tokens) in enumerate(zip(mine, minibatches, num_tokens)):
-        totals = {"num_tokens": step_tokens, "num_seqs": len(step_rows)}
+    plan = []
+    for minibatch, step_rows, step_tokens in zip(mine, minibatches, num_tokens):
         # micro-batches of the size one rank's average share needs: the largest share takes more of them
         micro_rows = math.ceil(len(step_rows) / world.size / cfg.grad_accum)
         largest_share = int(torch.bincount(step_rows // N, minlength=world.size).max())
-        losses, metrics = [], []
+        micro_batches = []
         for rows in minibatch.tensor_split(math.ceil(largest_share / micro_rows)):
-            idle = len(rows) == 0
-            if idle and not fsdp.is_sharded(model):
-                continue
-            if idle:
-                rows = torch.zeros(1, dtype=torch.long, device=advantages.device)
-            with sizes.oom_hint(
-                f"a training micro-batch of {len(rows)} rows", f"raise --grad-accum (now {cfg.grad_accum})"
-            ):
-                value, micro_metrics = micro_batch_loss(
-                    model, out, advantages, inputs, rows, cfg, totals, None if idle else records
-                )
-                value = value * 0 if idle else value
-                value.backward()
-            losses.append(value.detach())
-            if not idle:
-                metrics.append(micro_metrics)
-                if records is not None:  # which update of the rollout a record is from: the first cannot clip
-                    records[-1]["update"] = np.full(len(records[-1]["mu"]), update, dtype=np.int32)
-        local_loss = torch.stack(losses).sum() if losses else torch.zeros((), device=advantages.device)
-        total_loss = distributed.sum_gradients(params, world, local_loss)
-        grad_norms.append(optimizer_step(model, optimizer, total_loss, cfg, step))
-        per_update.append(metrics)
-    # every rank's micro-batches, update by update
-    per_update = [sum(updates, []) for updates in zip(*world.gather(per_update))]
+            if len(rows):
+                micro_batches.append((rows, False))
+            elif sharded:
+                micro_batches.append((torch.zeros(1, dtype=torch.long, device=device), True))
+        plan.append((micro_batches, {"num_tokens": step_tokens, "num_seqs": len(step_rows)}))
+    return plan
+
+
+def policy_inputs(
+    model, out: rollout.Rollout, frozen: dict[str, torch.Tensor], rows: torch.Tensor, cfg: Config
+) -> tuple[torch.Tensor, torch.Tensor, dict, torch.Tensor]:
+    """The training forward over some rows of the rollout: (logp [rows, c], mask [rows, c], the loss's other
+    inputs by name, entropy [rows, c]). The inputs are the frozen ones cut to these rows, plus what the rule
+    asks of the policy being trained (its final states, the LM head, the temperature, the entropy)."""
+    h, ids, start, c = policy_states(model, out, rows, cfg.group_size)
+    needs = loss.required_inputs(cfg.loss)
+    logp, entropy = model.hidden_logprobs(
+        h, ids, start=start, temperature=cfg.temperature, with_entropy=True, entropy_grad="entropy" in needs
+    )  # an entropy bonus differentiates the entropy
+    live = {
+        "hidden": completion_states(h, start),
+        "lm_head_weight": model.lm_head.weight,
+        "temperature": cfg.temperature,
+        "entropy": entropy,
+    }
+    inputs = {name: value[rows, :c] for name, value in frozen.items()}
+    inputs |= {name: value for name, value in live.items() if name in needs}
+    return logp, out.completion_mask[rows, :c], inputs, entropy
+
+
+def update_metrics(per_update: list[list[dict]], grad_norms: list[float | None], cfg: Config) -> dict:
+    """The update's metrics from every rank's micro-batch metrics, update by update."""
     summary, start = loss.merge_metrics(sum(per_update, [])), loss.merge_metrics(per_update[0])
     applied = [norm for norm in grad_norms if norm is not None]
     summary.update(
@@ -326,39 +375,6 @@ def policy_update(
 
 
 CLIP_KEYS = ("clip_low_frac", "clip_high_frac", "limit_clip_frac")
-
-
-def micro_batch_loss(
-    model,
-    out: rollout.Rollout,
-    advantages: torch.Tensor,
-    inputs: dict,
-    rows: torch.Tensor,
-    cfg: Config,
-    totals: dict,
-    records: list | None,
-) -> tuple[torch.Tensor, dict]:
-    """The loss of some rows of the rollout (their share of the optimizer step's loss) and their metrics."""
-    h, ids, start, c = policy_states(model, out, rows, cfg.group_size)
-    bonus = "entropy" in loss.required_inputs(cfg.loss)  # an entropy bonus differentiates the entropy
-    logp, entropy = model.hidden_logprobs(
-        h, ids, start=start, temperature=cfg.temperature, with_entropy=True, entropy_grad=bonus
-    )
-    mask = out.completion_mask[rows, :c]  # [rows, c], like every per-token tensor below
-    given = {name: value[rows, :c] for name, value in inputs.items()}
-    live = {
-        "hidden": completion_states(h, start),
-        "lm_head_weight": model.lm_head.weight,
-        "temperature": cfg.temperature,
-        "entropy": entropy,
-    }  # what a rule may ask of the policy being trained
-    given |= {name: value for name, value in live.items() if name in loss.required_inputs(cfg.loss)}
-    value, metrics = loss.policy_loss(
-        logp, given.pop("old_logp"), advantages[rows], mask, cfg.loss, **totals, records=records, **given
-    )
-    metrics["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
-    metrics["tokens"] = int(mask.sum())
-    return value, metrics
 
 
 def optimizer_step(model, optimizer, total_loss: torch.Tensor, cfg: Config, step: int) -> float | None:

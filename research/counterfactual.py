@@ -292,8 +292,7 @@ def counterfactual_rollout(
     }
     for name, cfg in arms.items():
         state.restore(model, optimizer)
-        records = []
-        train.policy_update(model, optimizer, out, advantages, cfg, stream, records)
+        _, records = train.policy_update(model, optimizer, out, advantages, cfg, stream, keep_records=True)
         after = view(model, out, cfg)
         measured = effects(out, advantages, correct, before, after, records, model.lm_head.weight, cfg.temperature)
         measured["reward"] = fresh_reward(model, tokenizer, problems, cfg, fresh_samples, stream + 1) - no_update

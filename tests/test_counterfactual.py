@@ -63,8 +63,7 @@ def setup(tiny_model_dir, monkeypatch):
 def update_records(model, optimizer, tokenizer, state, cfg, out, advantages):
     """One arm's update of the rollout from the saved state: its per-token records and the weights after."""
     state.restore(model, optimizer)
-    records = []
-    train.policy_update(model, optimizer, out, advantages, cfg, 5, records)
+    _, records = train.policy_update(model, optimizer, out, advantages, cfg, 5, keep_records=True)
     return records, {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
 
 

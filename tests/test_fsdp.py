@@ -210,7 +210,7 @@ def test_a_full_step_is_the_loss_autograd_and_adamw_written_out(tiny_model_dir, 
         problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
         out = train.sample(model, tokenizer, problems, cfg, step=1)
         advantages = train.loss.advantages(train.score(out, problems, cfg)[0], cfg.group_size, cfg.loss)
-        metrics = train.policy_update(model, optimizer, out, advantages, cfg, step=1, world=world)
+        metrics, _ = train.policy_update(model, optimizer, out, advantages, cfg, step=1, world=world)
         trained = {name: whole(p).detach().clone() for name, p in model.named_parameters()}
 
     plain = weights.from_pretrained(str(tiny_model_dir), dtype=torch.float64)

@@ -200,7 +200,7 @@ def test_non_finite_loss_skips_the_update(tiny_model_dir, tmp_path, monkeypatch)
     model, _, optimizer, _ = train.build(cfg)
     before = {k: v.clone() for k, v in model.named_parameters() if v.requires_grad}
     with pytest.warns(UserWarning, match="update skipped"):
-        metrics = train.policy_update(model, optimizer, out, torch.full_like(advantages, float("nan")), cfg, step=1)
+        metrics, _ = train.policy_update(model, optimizer, out, torch.full_like(advantages, float("nan")), cfg, step=1)
     assert metrics["skipped_updates"] == 1 and metrics["grad_norm"] is None
     for name, param in model.named_parameters():
         if param.requires_grad:
@@ -517,22 +517,22 @@ def test_train_py_asks_for_expandable_segments_before_cuda_starts():
 
 def test_epochs_pass_over_every_row_again_in_a_fresh_order(tiny_model_dir, tmp_path, monkeypatch):
     cfg, out, advantages = sampled_step(tiny_model_dir, tmp_path, monkeypatch, "--updates-per-rollout", "2")
-    seen, real = [], train.micro_batch_loss
+    seen, real = [], train.policy_inputs
 
-    def recording(model, out, advantages, inputs, rows, *args):
+    def recording(model, out, frozen, rows, cfg):
         seen.append(rows.tolist())
-        return real(model, out, advantages, inputs, rows, *args)
+        return real(model, out, frozen, rows, cfg)
 
-    monkeypatch.setattr(train, "micro_batch_loss", recording)
+    monkeypatch.setattr(train, "policy_inputs", recording)
     model, _, optimizer, _ = train.build(cfg)
     steps = []
     monkeypatch.setattr(train, "optimizer_step", lambda *args: steps.append(1) or 1.0)
-    one = train.policy_update(model, optimizer, out, advantages, cfg, step=1)
+    one, _ = train.policy_update(model, optimizer, out, advantages, cfg, step=1)
     order = torch.randperm(8, generator=torch.Generator().manual_seed(cfg.seed + 1)).tolist()
     assert sum(seen, []) == order and len(steps) == 2, "one epoch is the order a run without --epochs had"
     assert not any(key.startswith("epoch[") for key in one)
     seen.clear(), steps.clear()
-    three = train.policy_update(model, optimizer, out, advantages, dataclasses.replace(cfg, epochs=3), step=1)
+    three, _ = train.policy_update(model, optimizer, out, advantages, dataclasses.replace(cfg, epochs=3), step=1)
     passes = [sum(seen[i : i + 2], []) for i in (0, 2, 4)]
     assert len(steps) == 6 and passes[0] == order and all(sorted(p) == list(range(8)) for p in passes)
     assert passes[1] != passes[0] and passes[2] != passes[1]
@@ -723,10 +723,10 @@ def recorded_update(cfg, out, advantages, monkeypatch) -> dict:
     model, _, _, _ = train.build(cfg)
     model.to(torch.float64)
     optimizer, losses, shared_passes = RecordingSGD(lora.parameters(model)), [], []
-    micro_batch_loss, hidden_shared = train.micro_batch_loss, model.hidden_shared
+    policy_loss, hidden_shared = train.loss.policy_loss, model.hidden_shared
 
     def recorded_loss(*args, **kwargs):
-        value, metrics = micro_batch_loss(*args, **kwargs)
+        value, metrics = policy_loss(*args, **kwargs)
         losses.append(value.detach())
         return value, metrics
 
@@ -734,9 +734,9 @@ def recorded_update(cfg, out, advantages, monkeypatch) -> dict:
         shared_passes.append((len(args[2]), args[1].sum(1).unique().numel()))
         return hidden_shared(*args)
 
-    monkeypatch.setattr(train, "micro_batch_loss", recorded_loss)
+    monkeypatch.setattr(train.loss, "policy_loss", recorded_loss)
     monkeypatch.setattr(model, "hidden_shared", counted)
-    metrics = train.policy_update(model, optimizer, out, advantages, cfg, step=1)
+    metrics, _ = train.policy_update(model, optimizer, out, advantages, cfg, step=1)
     return {"metrics": metrics, "losses": torch.stack(losses), "grads": optimizer.grads, "shared": shared_passes}
 
 
