@@ -4,7 +4,7 @@ checks every value passes before anything loads, and the command line that turns
 Every Config field and every loss.LossConfig field is a flag (`--lora-rank`, `--rule`, ...): a new knob
 is one field here or in loss.py, and its help text is the field's. A preset fills defaults that explicit
 flags override. The file is separate from train.py so that the step and the loop read without the flag
-plumbing, and so that every entry point (train.py, study.py, the tests) builds a Config the same way.
+plumbing, and so that every entry point (train.py, research/study.py, the tests) builds a Config the same way.
 """
 
 from __future__ import annotations

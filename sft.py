@@ -9,7 +9,7 @@ Each example is a problem posed exactly as train.py poses it (data.render_prompt
 system prompt, the thinking switch) followed by its worked solution, ending in the answer format that
 template asks for (data.render_solution), then the end-of-turn token. The loss is the mean
 cross-entropy over those reply tokens; prompt tokens carry none. The model, LoRA, weights and the
-run directory are train.py's (model.py, lora.py, weights.py, rundir.py): checkpoints are atomic,
+run directory are train.py's (model.py, lora.py, infra/weights.py, infra/rundir.py): checkpoints are atomic,
 metrics.jsonl has a line per optimizer step, Ctrl-C checkpoints, --resume continues exactly.
 
 Batches are cut by length: examples are sorted by tokens and a micro-batch takes as many as fit in

@@ -1,6 +1,6 @@
 """How many of the demo's correct answers only restate the question: the held-out set sampled as train.py's
-evaluation samples it, each completion graded twice, without the problem (how the checker graded before it
-knew the question: "7 + 6" to "What is 7 + 6?" counts as 13) and with it (an echo is wrong).
+evaluation samples it, each completion graded twice, without the problem (the checker then cannot tell an
+echo: "7 + 6" to "What is 7 + 6?" counts as 13) and with it (an echo is wrong).
 
     python bench/echo.py                                    # the base model, the demo's evaluation settings
     python bench/echo.py --adapter runs/NAME/best           # a trained policy

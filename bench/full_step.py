@@ -4,11 +4,11 @@
     python3 bench/full_step.py --device cpu --tiny --out DIR     # the dry run test_fsdp.py does
 
 What train.py does with --lora-rank 0 on one GPU: fp32 weights sharded by FSDP2 over a world of one
-(fsdp.py), computing in bf16 block by block, gradient checkpointing on, AdamW on every weight. Measured:
+(infra/fsdp.py), computing in bf16 block by block, gradient checkpointing on, AdamW on every weight. Measured:
 - the gather for the sampler (fsdp.whole: the whole model in bf16), its seconds and peak memory;
 - a warm-up step, then timed steps, each one micro-batch of `rows` x `tokens` (forward, entropy, a GRPO
   surrogate loss, backward, clip, AdamW): tokens/s, and the peak allocated memory
-  (torch.cuda.max_memory_allocated, null on the CPU) against memory.py's plan of the same step, whose
+  (torch.cuda.max_memory_allocated, null on the CPU) against engine/memory.py's plan of the same step, whose
   training micro-batch and optimizer step are its two highest phases here.
 Speed and memory depend on shapes, not weight values (bench/qwen3_shapes.py). One table is printed,
 DIR/full_step.json holds it. A step that fails stops the run with its traceback.

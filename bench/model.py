@@ -14,7 +14,7 @@ grpo: the training pass of the demo's step (`make train`): 8 prompts of 54-55 to
 10-16 of 16 tokens, SmolLM2-135M-Instruct with the demo's LoRA (r 16, alpha 32, seven projections),
 forward, log-probs with the entropy, loss.policy_loss and backward, as train.py's micro_batch_loss.
 "shared prompts" runs each prompt once for its 8 rows (model.hidden_shared, as train.py does);
-"whole rows" runs every row with its own copy of its prompt (model.hidden), as before. fp32 without
+"whole rows" runs every row with its own copy of its prompt (model.hidden), the pass without sharing. fp32 without
 checkpointing on the CPU, bf16 with it on a GPU, as the trainer's defaults.
 
 Each side runs in its own process, so its peak memory is its own. On CPU both processes stay

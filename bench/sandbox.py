@@ -1,4 +1,4 @@
-"""Benchmark of sandbox.py: programs graded per second, trivial and timeout-bound, against bare processes.
+"""Benchmark of grading/sandbox.py: programs graded per second, trivial and timeout-bound, against bare processes.
 
 Trivial programs (read two numbers, print their sum) measure what isolation costs per run: the sandboxed
 grade of each against T tests, side by side with the same program run T times as a bare process

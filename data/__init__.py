@@ -48,7 +48,7 @@ def load_problems(
     Names: the Hub datasets of prepare.py (files data_dir/NAME.jsonl that it writes), any other
     NAME.jsonl in data_dir (e.g. written by `prepare.py --from FILE --out NAME`), and
     arithmetic / arithmetic_test (the demo's train and held-out splits of the default kinds),
-    two_digit / two_digit_test (study.py's harder task) and code / code_test (small programming problems with
+    two_digit / two_digit_test (research/study.py's harder task) and code / code_test (small programming problems with
     tests, programs.py), generated, no file needed.
     Malformed records are a ValueError naming file and line (see prepare.read_problems); keys may be
     dotted to reach nested fields ("reward_model.ground_truth").

@@ -3,7 +3,7 @@
 A 135M instruct model answers single-digit sums and times tables correctly only some of the time,
 which is the regime where GRPO has something to learn: groups with mixed rewards. Two-digit sums
 are the hard kind it almost never gets right. A two-digit number plus or minus a one-digit one
-(add21, sub21) sits in between: about 6% right at first, the harder task of study.py.
+(add21, sub21) sits in between: about 6% right at first, the harder task of research/study.py.
 
 Every problem belongs to the "train" or the "test" split by a hash of the problem itself, so the
 held-out set is fixed whatever the seed, the kinds or the number of problems asked for, and no

@@ -2,7 +2,7 @@
 
 A code problem has tests instead of an answer: {"problem", "task": "code", "style": "stdio" or "call",
 "tests": [{"input", "output"}, ...], "fn_name" (call style), "tolerance" (when the statement gives one),
-"id", "source"}; sandbox.py runs a program against its tests. check_code_problem is the one check of
+"id", "source"}; grading/sandbox.py runs a program against its tests. check_code_problem is the one check of
 that format, for a prepared file (prepare.read_problems), a converted row and sandbox.py's inputs.
 
 Each layout turns one row of a Hub dataset into such a record (APPS, TACO, CodeContests, Codeforces,

@@ -5,7 +5,7 @@ object a line, with the problem bare (no instruction: templates.py adds that) an
 string. Sets for the supervised stage (sft.py) add a "solution": a worked solution whose final answer
 is the answer (templates.render_solution writes its last line in the format a template asks for).
 A code problem has tests instead of an answer (its format and its Hub layouts: code_layouts.py);
-sandbox.py grades it. Reading is strict: a line that is not JSON, lacks
+grading/sandbox.py grades it. Reading is strict: a line that is not JSON, lacks
 a field, has an empty problem or answer, or malformed tests is a ValueError naming the file and
 line, so a dataset is never silently shortened.
 

@@ -9,7 +9,7 @@ here, because the reward has to parse exactly that presentation:
   by restating the equation ("2 + 3 = 5"). Tiny chat models follow examples far better than
   instructions: SmolLM2-135M-Instruct ignores "answer with the number only" and explains at length,
   while after this one turn it usually answers in about ten tokens.
-- "code": a programming problem; the program comes in a ```python block, which sandbox.py runs against the
+- "code": a programming problem; the program comes in a ```python block, which grading/sandbox.py runs against the
   problem's tests. Its worked exchange (a chat model sees it; a base model gets the instruction alone) is one
   such program, which a 135M model needs to answer in code at all.
 A template's reply ends at one of stop_ids(): where sampling stops is part of how a problem is posed.

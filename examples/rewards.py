@@ -1,4 +1,4 @@
-"""Reward functions of your own, written as TRL takes them (see scoring.py): keyword arguments in, one
+"""Reward functions of your own, written as TRL takes them (see grading/scoring.py): keyword arguments in, one
 number per completion out. Use them next to the built-in math reward:
 
     python train.py --reward-fn reward:math_reward --reward-fn examples/rewards.py:brevity \

@@ -1,6 +1,6 @@
 """A run's per-token records, and clip rules compared at equal clip rate over them.
 
-    python calibrate.py runs/NAME --rules grpo,atr,kl-atomic,interval --target-rate 0.02
+    python -m research.calibrate runs/NAME --rules grpo,atr,kl-atomic,interval --target-rate 0.02
 
 train.py --log-tokens N writes, each step, a seeded sample of N tokens of policy_loss's records
 (old probability mu, ratio w, advantage, which clip stopped it, the update of the rollout it is from) to
@@ -171,7 +171,7 @@ def calibration_report(
     """Lines comparing rules at equal clip rate and at equal expected log-width (the first rule's).
 
     Rates are over the acting tokens (acting_tokens: non-zero advantage, after a rollout's first update);
-    each rule's rate over every recorded token, the older count, follows in brackets. A rule with a delta
+    each rule's rate over every recorded token follows in brackets. A rule with a delta
     is calibrated to target_rate; one without a delta but with an interval (the `interval` arm) is not
     calibratable and is reported at ratio_limits.
     """

@@ -1,8 +1,8 @@
 """Counterfactual updates: every clip rule applied to the same rollout from the same state, one table.
 
-    python counterfactual.py                                 # the study's main table (make study runs it)
-    python counterfactual.py --points 0,2 --rollouts 3 --out runs/cf-smoke
-    python counterfactual.py --setting gentle --out runs/counterfactual-gentle
+    python -m research.counterfactual                       # the study's main table (make study runs it)
+    python -m research.counterfactual --points 0,2 --rollouts 3 --out runs/cf-smoke
+    python -m research.counterfactual --setting gentle --out runs/counterfactual-gentle
 
 Trained end to end, two rules differ in their rollouts, their data order's luck and their seeds' noise,
 and a few seeds cannot separate that from the rule. Here the rule is the only difference. A grpo pilot
@@ -21,7 +21,7 @@ What each update did is measured on the rollout and with one fresh sample:
     rare, rare+     probability moved to the sampled tokens with mu < 0.1, summed per completion token: all
                     of them, and those with positive advantage (mu = pi_old(token))
     clip, clip_all  share of the acting tokens (advantage not 0, updates after the rollout's first, where
-                    w = 1 and nothing clips) that a clip stopped; and the older count over every token
+                    w = 1 and nothing clips) that a clip stopped; and the same share over every token
     reward          mean reward of fresh samples (--fresh-samples per prompt, the same random streams for
                     every arm) minus that of the policy before the update on the same streams
 
@@ -241,7 +241,7 @@ def _mean_or_nan(x: torch.Tensor) -> float:
 
 def clip_rates(records: list[dict]) -> dict:
     """From one update's per-token records (every token of every update): the clipped share of the acting
-    tokens (calibrate.acting_tokens), overall and per old-probability bucket, and of every token (the older count)."""
+    tokens (calibrate.acting_tokens), overall and per old-probability bucket, and of every token."""
     columns = {name: np.concatenate([r[name] for r in records]) for name in records[0]}
     stopped = columns["region_low"] | columns["region_high"] | columns["limit"]
     acting = calibrate.acting_tokens(columns)

@@ -2,8 +2,8 @@
 Pictures of training runs: reward, accuracy and held-out accuracy, entropy, completion length, clipping, KL,
 gradient norm and speed, fit for a report.
 
-    python plot.py runs/A [runs/B ...] [--out DIR] [--smooth N]
-    python plot.py --counterfactual runs/counterfactual [--out DIR]
+    python -m research.plot runs/A [runs/B ...] [--out DIR] [--smooth N]
+    python -m research.plot --counterfactual runs/counterfactual [--out DIR]
 
 Reads each run directory that train.py wrote (metrics.jsonl: one JSON object a step; summary.json: the held-out
 accuracy before and after training) and writes one PNG per figure, printing each path. Several runs are drawn on
@@ -255,7 +255,7 @@ def bucket_clipped(record: dict, label: str) -> float:
     """A step's clipped fraction in one old-probability bucket, region and limits together; NaN if not logged,
     or if the bucket held no token that step (nothing to clip is not "none clipped"). Where the step logged its
     clip rate (train.py's mu[BUCKET]/clip_rate: the bucket's tokens with non-zero advantage, after the rollout's
-    first update) it is that, NaN when none of them was there; else the older count over all the bucket's tokens."""
+    first update) it is that, NaN when none of them was there; else the count over all the bucket's tokens."""
     if f"mu[{label}]/clip_rate" in record:
         rate = record[f"mu[{label}]/clip_rate"]
         return np.nan if rate is None else rate

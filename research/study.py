@@ -1,8 +1,8 @@
 """Clip rules trained end to end: arms x seeds of train.py, the power of the design stated before its gaps.
 
-    python study.py                                    # 7 arms x 3 seeds x 10 steps (make grid)
-    python study.py --steps 2 --seeds 1 --arms grpo,atr --out runs/study-smoke
-    python study.py --setting gentle --seeds 5 -- --lora-rank 8    # flags after -- go to every train.py run
+    python -m research.study                           # 7 arms x 3 seeds x 10 steps (make grid)
+    python -m research.study --steps 2 --seeds 1 --arms grpo,atr --out runs/study-smoke
+    python -m research.study --setting gentle --seeds 5 -- --lora-rank 8    # flags after -- go to every train.py run
 
 The papers behind loss.py rank trust regions by a few points of accuracy from one seed each. Here every
 arm (a set of train.py flags: the rule and its size) is trained with the same seeds; seed s gives every
@@ -18,7 +18,7 @@ in -eq run at the delta that clips grpo's rate (of the acting tokens: advantage 
 rollout's first update) on grpo-s0's per-token records, which therefore runs first.
 
 Each (arm, seed) is one train.py subprocess writing OUT/runs/ARM-sSEED (metrics.jsonl, summary.json and
-per-token records in tokens/ for `python calibrate.py`), its output in OUT/logs/; --workers run at
+per-token records in tokens/ for `python -m research.calibrate`), its output in OUT/logs/; --workers run at
 once. Run again with the same flags, a study skips finished runs, resumes runs that have a checkpoint
 and restarts the rest. At the end it writes OUT/table.md, OUT/results.json (with OUT/calibration.json's
 deltas and target) and OUT/figures/seed-S/ (plot.py, the arms overlaid).
@@ -59,11 +59,10 @@ ARMS = {  # name -> the train.py flags that make it
 EQUAL_RATE = "-eq"  # ARM-eq: ARM at the delta that clips grpo's rate on grpo's per-token records
 DEFAULT_ARMS = "grpo,atr,kl-atomic,gppo,limits,atr-eq,kl-atomic-eq"
 
-# Two regimes (README, "What differs between clip rules", for the measurements). "gentle" is the first
-# study's: four updates per rollout. "binding" takes eight at the same learning rate, so the last mini-batches
-# of a rollout meet a policy twice as many steps away from the sampler and the regions stop more tokens.
-# The learning rate stays: at 5e-4 with eight updates the pilot broke in three steps (entropy 1.2 -> 2.7
-# nats, every completion truncated from step 3, reward 0 in six of steps 2 to 8).
+# Two regimes (their measurements: docs/study.md). "gentle" takes four updates per rollout. "binding" takes
+# eight at the same learning rate, so the last mini-batches of a rollout meet a policy twice as many steps away
+# from the sampler and the regions stop more tokens. The rate stays at 3e-4: higher, with eight updates, the
+# pilot diverges (docs/clip-rules.md).
 SETTINGS = {
     "binding": {"updates_per_rollout": 8, "lr": 3e-4},
     "gentle": {"updates_per_rollout": 4, "lr": 3e-4},
@@ -274,8 +273,8 @@ def run_numbers(metrics: list[dict], summary: dict) -> dict:
     """One run's figures for the table: held-out accuracy before/after, final entropy, clip rates.
 
     clip: of the acting tokens (advantage not 0) in the updates after each rollout's first, the share any
-    clip stopped (train.py's clip_rate, weighted by its clip_rate_tokens); clip_all: the older count, every
-    token whose gradient a clip stopped over all completion tokens, first updates included (steps weighted by
+    clip stopped (train.py's clip_rate, weighted by its clip_rate_tokens); clip_all: the tokens whose
+    gradient a clip stopped, over all completion tokens, first updates included (steps weighted by
     their mean completion length: each samples the same number of completions). Per bucket of old
     probability the same two, over the bucket's tokens.
     """
@@ -303,7 +302,7 @@ def run_numbers(metrics: list[dict], summary: dict) -> dict:
 
 def _weighted_rate(steps: list[dict], prefix: str) -> float:
     """A rate train.py logs per step with its token count (clip_rate, clip_rate_tokens), over the run; nan
-    where no step has it (one update per rollout, or a run logged before the rate existed)."""
+    where no step has it (one update per rollout, or metrics that do not log the rate)."""
     pairs = [
         (m[f"{prefix}clip_rate"], m[f"{prefix}clip_rate_tokens"])
         for m in steps
