@@ -32,7 +32,6 @@ each layer stops, and what none of them does, is in the README ("Code problems")
 """
 
 import argparse
-import atexit
 import ctypes
 import json
 import math
@@ -45,12 +44,15 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Mapping, Sequence
+
+if not __package__:  # run as a file (python grading/sandbox.py): the repository is the folder above
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from grading import pool  # noqa: E402
 
 STYLES = ("stdio", "call")
 # why a program failed (its first failing test), in the order a failure is decided
@@ -291,22 +293,25 @@ def _build_view(root: str) -> None:
 
 
 def _supervise(root: str, uid: int, parent: int, python: str) -> None:
-    """A worker's loop: build the view, then one job (a JSON line on stdin) -> one JSON line on stdout."""
+    """A supervisor's life: build the view, then one job (a JSON frame) -> one JSON frame, until stdin closes."""
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the grader died before the line above took effect
         return
     try:
         _build_view(root)
     except OSError as error:
-        print(json.dumps({"error": f"cannot build the sandbox's view ({error})"}), flush=True)
+        pool.announce(f"cannot build the sandbox's view ({error})".encode())
         return
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
+
+    def grade_one(frame: bytes) -> bytes:
+        started = time.monotonic()
         try:
-            result = _grade_job(json.loads(line), root, uid, python)
+            result = _grade_job(json.loads(frame), root, uid, python)
         except Exception as error:
             result = {"error": f"{type(error).__name__}: {error}"}
-        print(json.dumps(result), flush=True)
+        return json.dumps({**result, "seconds": time.monotonic() - started}).encode()
+
+    pool.serve(grade_one)
 
 
 def _grade_job(job: dict, root: str, uid: int, python: str) -> dict:
@@ -529,140 +534,55 @@ class SandboxUnavailable(SandboxError):
     """This machine cannot isolate programs (not root, or namespaces refused)."""
 
 
-@dataclass(eq=False)  # by identity: supervisors are dict keys
-class _Supervisor:
-    proc: subprocess.Popen
-    root: str
-    uid: int
-    log: object  # its stderr, read when it dies
-
-
-class _Pool:
-    """Supervisors, one per worker, fed jobs from one thread with a select loop; one that misses a
-    deadline or dies is replaced, and whatever ran under its user is killed."""
-
-    def __init__(self) -> None:
-        self.idle: list[_Supervisor] = []
-        self.lock = threading.Lock()
-        # a user of its own per supervisor: RLIMIT_NPROC counts a user's processes machine-wide, so two
-        # running programs must never share one. The block depends on this process, so several trainers
-        # on one machine draw different users.
-        self.base = 3_000_000_000 + (os.getpid() % 1_000_000) * 256
-        self.free_uids = list(range(self.base, self.base + 256))
-
-    def _spawn(self) -> _Supervisor:
-        if os.geteuid() != 0:
-            raise SandboxUnavailable(
-                "sandbox.py runs programs only as root: it builds namespaces and runs each "
-                "program as a user of its own (run the trainer as root, e.g. in a container)"
-            )
-        root, uid, log = tempfile.mkdtemp(prefix="sandbox-"), self.free_uids.pop(), tempfile.TemporaryFile()
-        code = (
-            f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import sandbox; "
-            f"sandbox._supervise({root!r}, {uid}, {os.getpid()}, {_interpreter()!r})"
-        )
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", code],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            env={},
-            text=True,
-            bufsize=1,
-            start_new_session=True,
-        )  # the terminal's Ctrl-C is the trainer's, not its
-        supervisor = _Supervisor(proc, root, uid, log)
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        answer = json.loads(proc.stdout.readline() or "{}") if ready else {}
-        if not answer.get("ready"):
-            reason = answer.get("error") or self._log(supervisor) or "no answer"
-            self._retire(supervisor)
-            raise SandboxUnavailable(f"the sandbox cannot start here: {reason}")
-        return supervisor
-
-    def run(self, jobs: list[dict], workers: int) -> list[dict]:
-        results: list[dict] = [{}] * len(jobs)
-        with self.lock:
-            while len(self.idle) < min(workers, len(jobs)):
-                self.idle.append(self._spawn())
-            for supervisor in [s for s in self.idle if s.proc.poll() is not None]:  # died while idle: replace
-                self.idle.remove(supervisor)
-                self._retire(supervisor)
-                self.idle.append(self._spawn())
-            idle = self.idle[:workers]
-            rest = self.idle[workers:]
-            busy: dict[_Supervisor, tuple[int, float, float]] = {}  # -> (job index, start, deadline)
-            todo = list(range(len(jobs)))[::-1]
-            try:
-                while todo or busy:
-                    while todo and idle:
-                        supervisor, i = idle.pop(), todo.pop()
-                        supervisor.proc.stdin.write(json.dumps(jobs[i]) + "\n")
-                        supervisor.proc.stdin.flush()
-                        now = time.monotonic()
-                        busy[supervisor] = (i, now, now + jobs[i]["limits"]["total_timeout"] + GRACE_S)
-                    wait = max(0.0, min(deadline for _, _, deadline in busy.values()) - time.monotonic())
-                    ready, _, _ = select.select([s.proc.stdout for s in busy], [], [], wait)
-                    now = time.monotonic()
-                    for supervisor, (i, start, deadline) in list(busy.items()):
-                        line = supervisor.proc.stdout.readline() if supervisor.proc.stdout in ready else None
-                        if line is None and now < deadline:
-                            continue
-                        del busy[supervisor]
-                        if not line:  # out of time, or dead: either way it is replaced
-                            reason = "missed its deadline" if line is None else f"died ({self._log(supervisor)})"
-                            self._retire(supervisor)
-                            if line == "":
-                                raise SandboxError(f"a sandbox supervisor {reason}")
-                            warnings.warn(f"a sandbox supervisor {reason}; the program is graded as a timeout")
-                            results[i] = {"verdicts": ["timeout"] * len(jobs[i]["tests"]), "detail": reason}
-                            supervisor = self._spawn()
-                        else:
-                            results[i] = json.loads(line)
-                            if "error" in results[i]:
-                                raise SandboxError(f"the sandbox failed: {results[i]['error']}")
-                        results[i]["seconds"] = now - start
-                        idle.append(supervisor)
-            finally:
-                for supervisor in busy:  # an exception left them mid-job: their answers would be out of step
-                    self._retire(supervisor)
-                self.idle = idle + rest
-        return results
-
-    def _log(self, supervisor: _Supervisor) -> str:
-        supervisor.log.seek(0)
-        return supervisor.log.read().decode(errors="replace").strip()[-500:]
-
-    def _retire(self, supervisor: _Supervisor) -> None:
-        """Kill a supervisor and every process left under its user, then drop its (empty) mount point."""
-        supervisor.proc.kill()
-        supervisor.proc.wait()
-        # kill(-1) as that user reaches every process it owns, in any pid namespace, and nothing else
-        subprocess.run(
-            [_KILL, "-9", "--", "-1"],
-            user=supervisor.uid,
-            group=supervisor.uid,
-            extra_groups=[],
-            env={},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            check=False,
-        )
-        try:
-            os.rmdir(supervisor.root)  # its mounts lived in its own namespace: here it is an empty folder
-        except OSError as error:
-            warnings.warn(f"could not remove the sandbox mount point {supervisor.root}: {error}")
-        supervisor.log.close()
-        self.free_uids.append(supervisor.uid)
-
-    def close(self) -> None:
-        with self.lock:
-            for supervisor in self.idle:
-                self._retire(supervisor)
-            self.idle.clear()
-
-
+# A user of its own per supervisor: RLIMIT_NPROC counts a user's processes machine-wide, so two running
+# programs must never share one. The block depends on this process, so several trainers on one machine draw
+# different users; every pool of this process draws from it.
+UID_BASE = 3_000_000_000 + (os.getpid() % 1_000_000) * 256
+_free_uids = list(range(UID_BASE, UID_BASE + 256))
+_ROOT = str(Path(__file__).resolve().parent.parent)
 _KILL = shutil.which("kill") or "/bin/kill"
+
+
+def _launch() -> pool.Launch:
+    """A supervisor: `python -I -S` with an empty environment, its user and its (empty) mount point."""
+    if os.geteuid() != 0:
+        raise SandboxUnavailable(
+            "sandbox.py runs programs only as root: it builds namespaces and runs each "
+            "program as a user of its own (run the trainer as root, e.g. in a container)"
+        )
+    root, uid = tempfile.mkdtemp(prefix="sandbox-"), _free_uids.pop()
+    code = (
+        f"import sys; sys.path.insert(0, {_ROOT!r}); from grading import sandbox; "
+        f"sandbox._supervise({root!r}, {uid}, {os.getpid()}, {_interpreter()!r})"
+    )
+    return pool.Launch([sys.executable, "-I", "-S", "-c", code], env={}, state=(root, uid))
+
+
+def _cleanup(state: tuple[str, int]) -> None:
+    """After a supervisor is killed: kill every process left under its user, drop its (empty) mount point."""
+    root, uid = state
+    # kill(-1) as that user reaches every process it owns, in any pid namespace, and nothing else
+    subprocess.run(
+        [_KILL, "-9", "--", "-1"],
+        user=uid,
+        group=uid,
+        extra_groups=[],
+        env={},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        check=False,
+    )
+    try:
+        os.rmdir(root)  # its mounts lived in its own namespace: here it is an empty folder
+    except OSError as error:
+        warnings.warn(f"could not remove the sandbox mount point {root}: {error}")
+    _free_uids.append(uid)
+
+
+def _new_pool() -> pool.Pool:
+    """Supervisors, one per worker; one that misses a deadline or dies is replaced, and whatever ran under
+    its user is killed."""
+    return pool.Pool(_launch, cleanup=_cleanup, keep_log=True, new_session=True)
 
 
 def _interpreter() -> str:
@@ -670,8 +590,30 @@ def _interpreter() -> str:
     return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
 
 
-_POOL = _Pool()
-atexit.register(_POOL.close)
+_POOL = _new_pool()
+
+
+def _run_jobs(jobs: list[dict], workers: int) -> list[dict]:
+    """Each job's result from a supervisor: {"verdicts", "detail", "seconds"}."""
+    frames = [json.dumps(job).encode() for job in jobs]
+    timeouts = [job["limits"]["total_timeout"] + GRACE_S for job in jobs]
+    try:
+        replies = _POOL.map(frames, timeouts, workers)
+    except pool.StartError as error:
+        raise SandboxUnavailable(f"the sandbox cannot start here: {error}") from None
+    results = []
+    for job, reply, timeout in zip(jobs, replies, timeouts):
+        if isinstance(reply, pool.Failure) and reply.kind == "died":
+            raise SandboxError(f"a sandbox supervisor died ({reply.log})")
+        if isinstance(reply, pool.Failure):
+            warnings.warn("a sandbox supervisor missed its deadline; the program is graded as a timeout")
+            result = {"verdicts": ["timeout"] * len(job["tests"]), "detail": "missed its deadline", "seconds": timeout}
+        else:
+            result = json.loads(reply)
+            if "error" in result:
+                raise SandboxError(f"the sandbox failed: {result['error']}")
+        results.append(result)
+    return results
 
 
 # ----------------------------------------------------------------------------- public API
@@ -709,7 +651,7 @@ def grade(
         for program, problem in zip(programs, problems)
         if program is not None
     ]
-    ran = iter(_POOL.run(jobs, workers or os.cpu_count() or 1) if jobs else [])
+    ran = iter(_run_jobs(jobs, workers or os.cpu_count() or 1) if jobs else [])
     grades = []
     for program, problem in zip(programs, problems):
         total = len(problem["tests"])

@@ -198,7 +198,7 @@ def test_a_step_never_waits_on_one_slow_program(available):
 
 
 def test_a_supervisor_that_died_idle_is_replaced(available, monkeypatch):
-    pool = sandbox._Pool()
+    pool = sandbox._new_pool()
     monkeypatch.setattr(sandbox, "_POOL", pool)
     try:
         sandbox.grade([ADD], [STDIO], workers=1)
@@ -214,7 +214,7 @@ def test_a_supervisor_that_died_idle_is_replaced(available, monkeypatch):
 def test_a_supervisor_past_its_deadline_is_replaced(available, monkeypatch):
     """The grader's own clock backs up the supervisor's: one that does not answer in time is killed with
     everything under its user, the program counts as a timeout, and a fresh supervisor takes its place."""
-    pool = sandbox._Pool()
+    pool = sandbox._new_pool()
     monkeypatch.setattr(sandbox, "_POOL", pool)
     monkeypatch.setattr(sandbox, "GRACE_S", -4.8)  # the grader gives up 0.2 s into a 5 s budget
     try:
@@ -260,7 +260,7 @@ def test_a_program_is_read_after_the_thought_and_an_unclosed_thought_runs_nothin
 
 
 def test_not_root_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(sandbox, "_POOL", sandbox._Pool())
+    monkeypatch.setattr(sandbox, "_POOL", sandbox._new_pool())
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(sandbox.SandboxUnavailable, match="only as root"):
         sandbox.grade([ADD], [STDIO])
@@ -271,10 +271,10 @@ def test_not_root_is_a_clear_error(monkeypatch):
 
 def cli(*args, cwd=None):
     return subprocess.run(
-        [sys.executable, str(REPO / "grading" / "sandbox.py"), *args],
+        [sys.executable, "-m", "grading.sandbox", *args],
         capture_output=True,
         text=True,
-        cwd=cwd,
+        cwd=cwd or REPO,
         timeout=60,
     )
 
@@ -419,7 +419,7 @@ def hostile_programs(victim: Path, secret_file: Path, port: int) -> dict[str, tu
     }
 
 
-def sandbox_processes(pool: sandbox._Pool) -> list[str]:
+def sandbox_processes(pool) -> list[str]:
     """Every process on the machine running as one of the pool's users."""
     found = []
     for status in Path("/proc").glob("[0-9]*/status"):
@@ -427,14 +427,14 @@ def sandbox_processes(pool: sandbox._Pool) -> list[str]:
             uid = int(next(line for line in status.read_text().splitlines() if line.startswith("Uid:")).split()[1])
         except (OSError, StopIteration):
             continue
-        if pool.base <= uid < pool.base + 256:
+        if sandbox.UID_BASE <= uid < sandbox.UID_BASE + 256:
             found.append(status.parent.name)
     return found
 
 
 def test_hostile_programs_are_contained(available, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SANDBOX_TEST_SECRET", SECRET)
-    pool = sandbox._Pool()  # started with the secret in the environment
+    pool = sandbox._new_pool()  # started with the secret in the environment
     monkeypatch.setattr(sandbox, "_POOL", pool)
     victim, secret_file = tmp_path / "victim.txt", tmp_path / "secret.txt"
     victim.write_text("untouched")
@@ -480,7 +480,7 @@ def test_hostile_programs_are_contained(available, tmp_path, monkeypatch, capsys
 def test_a_setsid_grandchild_dies_with_the_program(available, monkeypatch):
     """A grandchild that calls setsid leaves the process group, not the pid namespace: it is gone as soon as
     the program's verdict is in, and it never writes its file."""
-    pool = sandbox._Pool()
+    pool = sandbox._new_pool()
     monkeypatch.setattr(sandbox, "_POOL", pool)
     program = (
         "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"

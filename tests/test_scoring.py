@@ -171,7 +171,7 @@ def test_a_slow_function_is_bounded_and_its_slow_rows_score_zero(module):
 
 
 def test_a_print_inside_a_function_does_not_break_the_worker(module, capfd):
-    scoring._WORKER.close()  # a worker started now writes to this test's captured stderr
+    scoring._POOL.close()  # a worker started now writes to this test's captured stderr
     functions = scoring.RewardFunctions([f"{module}:prints"])
     assert functions(["x", "y"], columns(["x", "y"]))[0] == [2.0, 2.0]
     assert "a print inside a reward function" in capfd.readouterr().err
