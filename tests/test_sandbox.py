@@ -64,6 +64,18 @@ def test_same_output_tokens_and_tolerance():
     assert not same_output("abc", "abd", 1e-6) and not same_output("1_000", "1000", 1e-6)
 
 
+def test_comparison_is_strict():
+    """Tokens split on ASCII whitespace only; numbers are ASCII digits; a tolerance is finite."""
+    assert not same_output("1\x1c2\u30003", "1 2 3") and not same_output("1\xa02", "1 2")
+    assert same_output("1\t2\r\n3\x0b\x0c", "1 2 3")
+    assert not same_output("\u0663", "3", 1e-6) and not same_output("\uff13", "3", 1e-6)  # Arabic, fullwidth 3
+    assert not same_output("YES", "yes") and same_output("YES Straße", "yes STRASSE", case_sensitive=False)
+    assert same_value(["Ab", {"k": "CD"}], ["ab", {"k": "cd"}], case_sensitive=False)
+    assert not same_value(["Ab"], ["ab"]) and not same_value({"K": 1}, {"k": 1}, case_sensitive=False)
+    with pytest.raises(ValueError, match="tolerance must be a finite"):
+        sandbox.check_problem({**STDIO, "tolerance": float("inf")}, "p")
+
+
 def test_same_value():
     assert same_value([1, [2, 3]], [1, [2, 3]]) and not same_value([1, 2], [2, 1])
     assert not same_value(True, 1) and not same_value(1, True) and same_value(False, False)
@@ -87,6 +99,10 @@ def test_malformed_problems_name_what_is_wrong():
         ({"tests": [{"input": 1, "output": "1"}]}, "must be text"),
         ({**STDIO, "style": "pipes"}, "style"),
         ({**STDIO, "tolerance": -1}, "tolerance"),
+        ({**STDIO, "tolerance": float("nan")}, "tolerance"),
+        ({**STDIO, "case_sensitive": "no"}, "case_sensitive must be true or false"),
+        ({"tests": [{"input": "\ud800", "output": "1"}]}, "lone surrogate"),
+        ({"style": "call", "fn_name": "f", "tests": [{"input": [float("nan")], "output": 1}]}, "not a finite"),
     ]:
         with pytest.raises(ValueError, match=message):
             sandbox.grade([ADD], [problem])
@@ -259,13 +275,6 @@ def test_a_program_is_read_after_the_thought_and_an_unclosed_thought_runs_nothin
     assert sandbox.code_reward(completions + ["7"], **columns) == [0.0, 1.0, 0.0, None]  # None: not its row
 
 
-def test_not_root_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(sandbox, "_POOL", sandbox._new_pool())
-    monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    with pytest.raises(sandbox.SandboxUnavailable, match="only as root"):
-        sandbox.grade([ADD], [STDIO])
-
-
 # ----------------------------------------------------------------------------- command line
 
 
@@ -293,15 +302,41 @@ def test_command_line(available, tmp_path):
     assert json.loads(done.stdout)["reason"] is None, done.stderr
 
 
-def test_command_line_bad_arguments(tmp_path):
+MALFORMED_TESTS_FILES = [  # (the tests file's text, what its one line of error names)
+    ('[{"input": 1}', "not JSON"),
+    ("[]", "non-empty list"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    (
+        '{"style": "call", "fn_name": "f", "tests": [{"input": [' + "[" * 150 + "]" * 150 + '], "output": 1}]}',
+        "nests deeper",
+    ),
+    ('[{"input": "\\ud800", "output": "1"}]', "lone surrogate"),
+    ('{"tests": [{"input": "", "output": "1"}], "tolerance": Infinity}', "tolerance must be a finite"),
+    ('{"tests": [{"input": "", "output": "1"}], "tolerance": NaN}', "tolerance"),
+    ('{"tests": [{"input": "", "output": "1"}], "tolerance": true}', "tolerance"),
+    ('{"tests": [{"input": "", "output": "1"}], "tolerance": "1e-6"}', "tolerance"),
+    ('{"tests": [{"input": "", "output": "1"}], "case_sensitive": "false"}', "case_sensitive"),
+    ('{"tests": [{"input": 7, "output": "1"}]}', "must be text"),
+    ('{"tests": {"input": "", "output": "1"}}', "non-empty list"),
+    ('"tests"', "expected a list of tests"),
+    ('{"style": "call", "tests": [{"input": [1], "output": 1}]}', "fn_name"),
+    ('{"style": "call", "fn_name": "f", "tests": [{"input": 1, "output": 1}]}', "list of arguments"),
+    ('{"style": "call", "fn_name": "f", "tests": [{"input": [1e999], "output": 1}]}', "not a finite"),
+]
+
+
+def test_command_line_malformed_tests_files_exit_2_with_one_line(tmp_path):
     (tmp_path / "add.py").write_text(ADD)
-    (tmp_path / "bad.json").write_text('[{"input": 1}')
-    (tmp_path / "empty.json").write_text("[]")
+    (tmp_path / "good.json").write_text(json.dumps(STDIO["tests"]))
+    for i, (text, message) in enumerate(MALFORMED_TESTS_FILES):
+        (tmp_path / f"{i}.json").write_text(text)
+        done = cli(str(tmp_path / "add.py"), "--tests", str(tmp_path / f"{i}.json"))
+        assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, (text[:80], done.stderr[-500:])
+        assert message in done.stderr and done.stderr.startswith("sandbox.py: "), (text[:80], done.stderr)
     for args, message in [
-        (["missing.py", "--tests", str(tmp_path / "bad.json")], "missing.py"),
-        ([str(tmp_path / "add.py"), "--tests", str(tmp_path / "bad.json")], "Expecting"),
-        ([str(tmp_path / "add.py"), "--tests", str(tmp_path / "empty.json")], "non-empty list"),
+        (["missing.py", "--tests", str(tmp_path / "0.json")], "missing.py"),
         ([str(tmp_path / "add.py")], "--tests"),
+        ([str(tmp_path / "add.py"), "--tests", str(tmp_path / "good.json"), "--tolerance", "inf"], "finite"),
     ]:
         done = cli(*args)
         assert done.returncode == 2 and message in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
