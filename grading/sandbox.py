@@ -424,7 +424,7 @@ def cgroup_layout() -> tuple[int, dict[str, str]] | None:
 
 class _Cgroup:
     """One run's cgroup in each hierarchy: made with the run's limits, joined by the program before it
-    execs, read for CPU time and OOM kills, removed once the run's processes are gone."""
+    execs, read for CPU time and whether memory reached its limit, removed once the run's processes are gone."""
 
     def __init__(self, layout: tuple[int, dict[str, str]], name: str, limits: Limits):
         self.version, folders = layout
@@ -455,9 +455,14 @@ class _Cgroup:
             return int(Path(self.cpu, "cpuacct.usage").read_text()) / 1e9
         return _field(Path(self.cpu, "cpu.stat").read_text(), "usage_usec") / 1e6
 
-    def oom_kills(self) -> int:
-        file = "memory.oom_control" if self.version == 1 else "memory.events"
-        return _field(Path(self.memory, file).read_text(), "oom_kill")
+    def at_limit(self) -> bool:
+        """Whether the run's memory reached its limit (the kernel then reclaims, fails or OOM-kills): the run
+        is killed and graded "memory" at once rather than left to thrash at the limit."""
+        if self.version == 1:
+            hits = int(Path(self.memory, "memory.failcnt").read_text())
+            return hits > 0 or _field(Path(self.memory, "memory.oom_control").read_text(), "oom_kill") > 0
+        events = Path(self.memory, "memory.events").read_text()
+        return _field(events, "max") > 0 or _field(events, "oom_kill") > 0
 
     def remove(self) -> None:
         for folder in self.folders:
@@ -797,8 +802,8 @@ def _run_in_child(job: dict, tests: list[dict], config: dict, limits: Limits, en
     calls = _Calls(tests, results_r, go_w, job, limits) if call else None
     meter = cgroup or _Watch(pid)
     status, usage, killed = _wait(pid, meter, limits, end, calls)
-    if killed is None and cgroup is not None and cgroup.oom_kills():
-        killed = "memory"  # the kernel killed one of its processes at the limit; the rest finished
+    if killed is None and cgroup is not None and cgroup.at_limit():
+        killed = "memory"  # it reached its limit between two reads, or the kernel killed one of its processes
     if cgroup:
         cgroup.remove()
     stdout, stderr = _read(files[1], limits.output_bytes), _read(files[2], limits.output_bytes)
@@ -935,7 +940,7 @@ def _wait(
             killed = "timeout"
         elif isinstance(meter, _Watch) and meter.memory_bytes() > limits.memory_bytes:
             killed = "memory"
-        elif isinstance(meter, _Cgroup) and meter.oom_kills():
+        elif isinstance(meter, _Cgroup) and meter.at_limit():
             killed = "memory"
         if killed:
             os.kill(pid, signal.SIGKILL)  # pid 1 of its namespace: every process in it dies with it
