@@ -496,7 +496,7 @@ def check_model(cfg: Config, model_cfg) -> None:
             )
 
 
-BUILT_IN_REWARDS = {"reward:math_reward": "math", "grading.sandbox:code_reward": "code"}  # a built-in -> what it grades
+BUILT_IN_REWARDS = {"reward:math_reward": "math", "sandbox:code_reward": "code"}  # a built-in -> what it grades
 
 
 def check_reward_functions(cfg: Config, problems: list[dict]) -> None:

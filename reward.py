@@ -23,15 +23,10 @@ the verdict and both sides as extracted and normalized. Code problems are sandbo
 grades a step that mixes the two, each row by its task.
 """
 
-import atexit
 import json
 import math
 import re
-import select
-import subprocess
 import sys
-import threading
-import time
 import warnings
 from dataclasses import dataclass
 from decimal import Decimal
@@ -39,7 +34,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import NamedTuple
 
-from grading import latex
+from grading import latex, pool
 
 TIMEOUT_S = 2.0  # per symbolic comparison; a worker that takes longer is killed and the answer is wrong
 REL_TOL = 1e-12  # irrational constants this close (relative, at 40 digits) are equal: simplify may miss it
@@ -678,106 +673,42 @@ class _SympyJudge(_FastJudge):
 
 # ----------------------------------------------------------------------------- worker processes
 
-_WORKER_CMD = [
-    sys.executable,
-    "-c",
-    "import sys; sys.path.insert(0, sys.argv[1]); import reward; reward._serve()",
-    str(Path(__file__).resolve().parent),
-]
+
+def _launch() -> pool.Launch:
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import reward; reward._serve()"
+    return pool.Launch([sys.executable, "-c", code, str(Path(__file__).resolve().parent)])
 
 
 def _serve() -> None:
-    """Worker loop: one JSON job [answer, reference, rel_tol, timeout] per stdin line, "1"/"0" per stdout line."""
+    """Worker loop: one JSON job [answer, reference, rel_tol, timeout] per frame, b"1" or b"0" per reply."""
     import resource
     import signal
 
     import sympy  # noqa: F401  (imported before "ready", so job deadlines do not pay for it)
 
     resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
-    out, sys.stdout = sys.stdout, sys.stderr  # nothing printed by sympy can corrupt the protocol
-    print("ready", file=out, flush=True)
-    for line in sys.stdin:
-        answer, reference, rel_tol, timeout = json.loads(line)
+
+    def check(frame: bytes) -> bytes:
+        answer, reference, rel_tol, timeout = json.loads(frame)
         signal.alarm(math.ceil(timeout) + 2)  # SIGALRM's default action ends us if the parent died mid-job
         try:
             ok = bool(_equal(_structure(answer), _structure(reference), _SympyJudge(rel_tol)))
         except Exception:  # parse errors, RecursionError, MemoryError: a wrong answer, never a crash
             ok = False
         signal.alarm(0)
-        print(int(ok), file=out, flush=True)
+        return b"1" if ok else b"0"
+
+    pool.serve(check)
 
 
-class _WorkerPool:
-    """Persistent sympy workers; one past its deadline is killed and replaced, so a hang costs one timeout."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
-        self.lock = threading.Lock()
-
-    def _spawn(self, n: int) -> list[subprocess.Popen]:
-        new = [
-            subprocess.Popen(
-                _WORKER_CMD,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-                bufsize=1,
-            )
-            for _ in range(n)
-        ]
-        for proc in new:  # wait for all, so start-up overlaps
-            if proc.stdout.readline().strip() != "ready":
-                raise RuntimeError("reward worker failed to start (is sympy installed?)")
-        self.procs += new
-        return new
-
-    def _replace(self, proc: subprocess.Popen) -> subprocess.Popen:
-        proc.kill()
-        proc.wait()
-        self.procs.remove(proc)
-        return self._spawn(1)[0]
-
-    def run(self, jobs: list[tuple[str, str]], workers: int, timeout: float, rel_tol: float) -> list[bool]:
-        results = [False] * len(jobs)
-        with self.lock:
-            self._spawn(max(0, workers - len(self.procs)))
-            idle = [p if p.poll() is None else self._replace(p) for p in self.procs[:workers]]
-            busy: dict[subprocess.Popen, tuple[int, float]] = {}  # proc -> (job index, deadline)
-            todo = list(range(len(jobs)))[::-1]
-            while todo or busy:
-                while todo and idle:
-                    proc, i = idle.pop(), todo.pop()
-                    try:
-                        proc.stdin.write(json.dumps([*jobs[i], rel_tol, timeout]) + "\n")
-                        proc.stdin.flush()
-                    except BrokenPipeError:  # it died while idle: this job stays wrong, the worker is replaced
-                        idle.append(self._replace(proc))
-                        continue
-                    busy[proc] = (i, time.monotonic() + timeout)
-                if not busy:  # every job so far met a dead worker; the replacements take the rest
-                    continue
-                wait = max(0.0, min(deadline for _, deadline in busy.values()) - time.monotonic())
-                ready, _, _ = select.select([p.stdout for p in busy], [], [], wait)
-                now = time.monotonic()
-                for proc, (i, deadline) in list(busy.items()):
-                    line = proc.stdout.readline() if proc.stdout in ready else None
-                    if line is None and now < deadline:
-                        continue  # still working
-                    del busy[proc]
-                    results[i] = (line or "").strip() == "1"  # None: out of time
-                    idle.append(proc if line else self._replace(proc))  # "": it died
-        return results
-
-    def close(self) -> None:
-        for proc in self.procs:
-            proc.kill()
-            proc.wait()
-        self.procs.clear()
+# Persistent sympy workers; one past its deadline is killed and replaced, so a hang costs one timeout.
+_POOL = pool.Pool(_launch, quiet=True)
 
 
-_POOL = _WorkerPool()
-atexit.register(_POOL.close)
+def _check_slow(jobs: list[tuple[str, str]], workers: int, timeout: float, rel_tol: float) -> list[bool]:
+    """The sympy verdict of each (answer, reference) pair; a pair past its timeout is wrong."""
+    frames = [json.dumps([*job, rel_tol, timeout]).encode() for job in jobs]
+    return [reply == b"1" for reply in _POOL.map(frames, [timeout] * len(jobs), workers)]
 
 
 # ----------------------------------------------------------------------------- public API
@@ -983,7 +914,7 @@ def _math_reward(
         a is not None and _guarded(_grade_fast, a, r, p, template) for a, r, p in zip(answers, references, problems)
     ]
     if slow := [i for i, verdict in enumerate(correct) if isinstance(verdict, tuple)]:  # only these need sympy
-        for i, verdict in zip(slow, _POOL.run([correct[i] for i in slow], workers, timeout, rel_tol)):
+        for i, verdict in zip(slow, _check_slow([correct[i] for i in slow], workers, timeout, rel_tol)):
             correct[i] = verdict
     return [
         float(ok) + (format_weight * has_format(a, answer_format) if format_weight and a is not None else 0.0)

@@ -27,26 +27,22 @@ and the row.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import importlib
 import importlib.util
 import math
 import os
 import pickle
-import select
-import struct
-import subprocess
 import sys
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import reward
-from grading import sandbox
+from grading import pool, sandbox
 
-IN_PROCESS = ("reward", "grading.sandbox")  # modules whose functions bound their own time, called directly
+IN_PROCESS = ("reward", "sandbox")  # modules whose functions bound their own time, called directly
+BUILT_IN_MODULES = {"sandbox": "grading.sandbox"}  # the built-in rewards' short names (sandbox:code_reward)
 _ROOT = str(Path(__file__).resolve().parent.parent)
 
 
@@ -84,7 +80,7 @@ def load(spec: str) -> Callable:
         else:
             if os.getcwd() not in sys.path:
                 sys.path.append(os.getcwd())
-            module = importlib.import_module(module_name)
+            module = importlib.import_module(BUILT_IN_MODULES.get(module_name, module_name))
     except Exception as error:  # the user's module: any error it raises on import is theirs to see
         raise ValueError(f"--reward-fn {spec}: cannot import {module_name} ({type(error).__name__}: {error})") from None
     function = getattr(module, name, None)
@@ -131,31 +127,13 @@ class _BadResult(Exception):
 # ----------------------------------------------------------------------------- the worker process
 
 
-def _send(stream, message) -> None:
-    data = pickle.dumps(message)
-    stream.write(struct.pack("<Q", len(data)) + data)
-    stream.flush()
-
-
-def _read_exactly(stream, size: int) -> bytes | None:
-    data = b""
-    while len(data) < size:
-        chunk = stream.read(size - len(data))
-        if not chunk:
-            return None
-        data += chunk
-    return data
-
-
 def _serve() -> None:
     """Worker loop: one pickled job (spec, kwargs, count, working directory) in; ("ok", values),
     ("bad", what, row, why) or ("raised", message) out."""
-    jobs, replies = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # a print inside a reward function cannot corrupt the protocol
     functions: dict[str, Callable] = {}
-    _send(replies, ("ready",))
-    while (header := _read_exactly(jobs, 8)) is not None:
-        spec, kwargs, count, cwd = pickle.loads(_read_exactly(jobs, struct.unpack("<Q", header)[0]))
+
+    def run(frame: bytes) -> bytes:
+        spec, kwargs, count, cwd = pickle.loads(frame)
         try:
             if os.getcwd() != cwd:  # the trainer's, for relative paths and modules beside it
                 os.chdir(cwd)
@@ -166,64 +144,26 @@ def _serve() -> None:
             reply = bad.reply()
         except BaseException as error:  # the function's own failure, reported to the trainer
             reply = ("raised", f"{type(error).__name__}: {error}")
-        _send(replies, reply)
+        return pickle.dumps(reply)
+
+    pool.serve(run)
 
 
-class _Worker:
-    """One persistent process that runs reward functions; killed and replaced when a call runs past its time."""
-
-    def __init__(self) -> None:
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> subprocess.Popen:
-        if self.proc is None or self.proc.poll() is not None:
-            code = f"import sys; sys.path[:0] = [{_ROOT!r}, '']; from grading import scoring; scoring._serve()"
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0
-            )
-            if self._receive(time.monotonic() + 60) != ("ready",):
-                self.close()
-                raise RuntimeError("the reward function worker failed to start")
-        return self.proc
-
-    def call(self, spec: str, kwargs: dict, count: int, timeout: float):
-        """The worker's reply, or None when it ran past `timeout` seconds (the worker is then killed)."""
-        job = (spec, kwargs, count, os.getcwd())
-        try:
-            _send(self.start().stdin, job)
-        except BrokenPipeError:  # it died while idle: start another and try once more
-            self.close()
-            _send(self.start().stdin, job)
-        reply = self._receive(time.monotonic() + timeout)
-        if reply is None:
-            self.close()
-        return reply
-
-    def _receive(self, deadline: float):
-        stream = self.proc.stdout
-        data, size = b"", None
-        while size is None or len(data) < size:
-            wait = deadline - time.monotonic()
-            if wait <= 0 or not select.select([stream], [], [], wait)[0]:
-                return None
-            chunk = os.read(stream.fileno(), 1 << 20 if size is None else size - len(data))
-            if not chunk:  # it died mid-call (out of memory, a crash in C code)
-                self.close()
-                return ("raised", "the worker process died")
-            data += chunk
-            if size is None and len(data) >= 8:
-                size = struct.unpack("<Q", data[:8])[0] + 8
-        return pickle.loads(data[8:size])
-
-    def close(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
+def _launch() -> pool.Launch:
+    code = f"import sys; sys.path[:0] = [{_ROOT!r}, '']; from grading import scoring; scoring._serve()"
+    return pool.Launch([sys.executable, "-c", code])
 
 
-_WORKER = _Worker()
-atexit.register(_WORKER.close)
+# One persistent process runs the reward functions; killed and replaced when a call runs past its time.
+_POOL = pool.Pool(_launch)
+
+
+def _call_worker(spec: str, kwargs: dict, count: int, timeout: float):
+    """The worker's reply, or None when it ran past `timeout` seconds (the worker is then replaced)."""
+    reply = _POOL.call(pickle.dumps((spec, kwargs, count, os.getcwd())), timeout)
+    if isinstance(reply, pool.Failure):
+        return None if reply.kind == "timeout" else ("raised", "the worker process died")
+    return pickle.loads(reply)
 
 
 # ----------------------------------------------------------------------------- scoring a step
@@ -297,7 +237,7 @@ class RewardFunctions:
     def _run(self, spec: str, function: Callable, kwargs: dict, count: int, timeout: float):
         """One call: in this process for IN_PROCESS modules, else in the worker with a deadline."""
         if spec.rpartition(":")[0] not in IN_PROCESS:
-            return _WORKER.call(spec, kwargs, count, timeout)
+            return _call_worker(spec, kwargs, count, timeout)
         try:
             return ("ok", _values(function(**kwargs), count))
         except _BadResult as bad:

@@ -341,7 +341,7 @@ def test_fast_path_needs_neither_sympy_nor_workers():
     code = (
         "import json, sys, reward; scores = reward.reward(['#### 42', '\\\\boxed{0.5}', '7,000', '#### 41', 'x = 5'], "
         "['42', '\\\\frac12', '7000', '42', '5']); print(json.dumps([scores, 'sympy' in sys.modules, "
-        "len(reward._POOL.procs)]))"
+        "len(reward._POOL.idle)]))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],

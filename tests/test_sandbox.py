@@ -1,12 +1,17 @@
 """Tests for sandbox.py: extraction, comparison, both test styles, limits, the pool, the command line, and
 programs that try to get out or take the machine down."""
 
+import functools
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -64,6 +69,18 @@ def test_same_output_tokens_and_tolerance():
     assert not same_output("abc", "abd", 1e-6) and not same_output("1_000", "1000", 1e-6)
 
 
+def test_comparison_is_strict():
+    """Tokens split on ASCII whitespace only; numbers are ASCII digits; a tolerance is finite."""
+    assert not same_output("1\x1c2\u30003", "1 2 3") and not same_output("1\xa02", "1 2")
+    assert same_output("1\t2\r\n3\x0b\x0c", "1 2 3")
+    assert not same_output("\u0663", "3", 1e-6) and not same_output("\uff13", "3", 1e-6)  # Arabic, fullwidth 3
+    assert not same_output("YES", "yes") and same_output("YES Straße", "yes STRASSE", case_sensitive=False)
+    assert same_value(["Ab", {"k": "CD"}], ["ab", {"k": "cd"}], case_sensitive=False)
+    assert not same_value(["Ab"], ["ab"]) and not same_value({"K": 1}, {"k": 1}, case_sensitive=False)
+    with pytest.raises(ValueError, match="tolerance must be a finite"):
+        sandbox.check_problem({**STDIO, "tolerance": float("inf")}, "p")
+
+
 def test_same_value():
     assert same_value([1, [2, 3]], [1, [2, 3]]) and not same_value([1, 2], [2, 1])
     assert not same_value(True, 1) and not same_value(1, True) and same_value(False, False)
@@ -87,6 +104,10 @@ def test_malformed_problems_name_what_is_wrong():
         ({"tests": [{"input": 1, "output": "1"}]}, "must be text"),
         ({**STDIO, "style": "pipes"}, "style"),
         ({**STDIO, "tolerance": -1}, "tolerance"),
+        ({**STDIO, "tolerance": float("nan")}, "tolerance"),
+        ({**STDIO, "case_sensitive": "no"}, "case_sensitive must be true or false"),
+        ({"tests": [{"input": "\ud800", "output": "1"}]}, "lone surrogate"),
+        ({"style": "call", "fn_name": "f", "tests": [{"input": [float("nan")], "output": 1}]}, "not a finite"),
     ]:
         with pytest.raises(ValueError, match=message):
             sandbox.grade([ADD], [problem])
@@ -198,7 +219,7 @@ def test_a_step_never_waits_on_one_slow_program(available):
 
 
 def test_a_supervisor_that_died_idle_is_replaced(available, monkeypatch):
-    pool = sandbox._Pool()
+    pool = sandbox._new_pool()
     monkeypatch.setattr(sandbox, "_POOL", pool)
     try:
         sandbox.grade([ADD], [STDIO], workers=1)
@@ -214,7 +235,7 @@ def test_a_supervisor_that_died_idle_is_replaced(available, monkeypatch):
 def test_a_supervisor_past_its_deadline_is_replaced(available, monkeypatch):
     """The grader's own clock backs up the supervisor's: one that does not answer in time is killed with
     everything under its user, the program counts as a timeout, and a fresh supervisor takes its place."""
-    pool = sandbox._Pool()
+    pool = sandbox._new_pool()
     monkeypatch.setattr(sandbox, "_POOL", pool)
     monkeypatch.setattr(sandbox, "GRACE_S", -4.8)  # the grader gives up 0.2 s into a 5 s budget
     try:
@@ -259,22 +280,15 @@ def test_a_program_is_read_after_the_thought_and_an_unclosed_thought_runs_nothin
     assert sandbox.code_reward(completions + ["7"], **columns) == [0.0, 1.0, 0.0, None]  # None: not its row
 
 
-def test_not_root_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(sandbox, "_POOL", sandbox._Pool())
-    monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    with pytest.raises(sandbox.SandboxUnavailable, match="only as root"):
-        sandbox.grade([ADD], [STDIO])
-
-
 # ----------------------------------------------------------------------------- command line
 
 
 def cli(*args, cwd=None):
     return subprocess.run(
-        [sys.executable, str(REPO / "grading" / "sandbox.py"), *args],
+        [sys.executable, "-m", "grading.sandbox", *args],
         capture_output=True,
         text=True,
-        cwd=cwd,
+        cwd=cwd or REPO,
         timeout=60,
     )
 
@@ -293,15 +307,41 @@ def test_command_line(available, tmp_path):
     assert json.loads(done.stdout)["reason"] is None, done.stderr
 
 
-def test_command_line_bad_arguments(tmp_path):
+MALFORMED_TESTS_FILES = [  # (the tests file's text, what its one line of error names)
+    ('[{"input": 1}', "not JSON"),
+    ("[]", "non-empty list"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    (
+        '{"style": "call", "fn_name": "f", "tests": [{"input": [' + "[" * 150 + "]" * 150 + '], "output": 1}]}',
+        "nests deeper",
+    ),
+    ('[{"input": "\\ud800", "output": "1"}]', "lone surrogate"),
+    ('{"tests": [{"input": "", "output": "1"}], "tolerance": Infinity}', "tolerance must be a finite"),
+    ('{"tests": [{"input": "", "output": "1"}], "tolerance": NaN}', "tolerance"),
+    ('{"tests": [{"input": "", "output": "1"}], "tolerance": true}', "tolerance"),
+    ('{"tests": [{"input": "", "output": "1"}], "tolerance": "1e-6"}', "tolerance"),
+    ('{"tests": [{"input": "", "output": "1"}], "case_sensitive": "false"}', "case_sensitive"),
+    ('{"tests": [{"input": 7, "output": "1"}]}', "must be text"),
+    ('{"tests": {"input": "", "output": "1"}}', "non-empty list"),
+    ('"tests"', "expected a list of tests"),
+    ('{"style": "call", "tests": [{"input": [1], "output": 1}]}', "fn_name"),
+    ('{"style": "call", "fn_name": "f", "tests": [{"input": 1, "output": 1}]}', "list of arguments"),
+    ('{"style": "call", "fn_name": "f", "tests": [{"input": [1e999], "output": 1}]}', "not a finite"),
+]
+
+
+def test_command_line_malformed_tests_files_exit_2_with_one_line(tmp_path):
     (tmp_path / "add.py").write_text(ADD)
-    (tmp_path / "bad.json").write_text('[{"input": 1}')
-    (tmp_path / "empty.json").write_text("[]")
+    (tmp_path / "good.json").write_text(json.dumps(STDIO["tests"]))
+    for i, (text, message) in enumerate(MALFORMED_TESTS_FILES):
+        (tmp_path / f"{i}.json").write_text(text)
+        done = cli(str(tmp_path / "add.py"), "--tests", str(tmp_path / f"{i}.json"))
+        assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, (text[:80], done.stderr[-500:])
+        assert message in done.stderr and done.stderr.startswith("sandbox.py: "), (text[:80], done.stderr)
     for args, message in [
-        (["missing.py", "--tests", str(tmp_path / "bad.json")], "missing.py"),
-        ([str(tmp_path / "add.py"), "--tests", str(tmp_path / "bad.json")], "Expecting"),
-        ([str(tmp_path / "add.py"), "--tests", str(tmp_path / "empty.json")], "non-empty list"),
+        (["missing.py", "--tests", str(tmp_path / "0.json")], "missing.py"),
         ([str(tmp_path / "add.py")], "--tests"),
+        ([str(tmp_path / "add.py"), "--tests", str(tmp_path / "good.json"), "--tolerance", "inf"], "finite"),
     ]:
         done = cli(*args)
         assert done.returncode == 2 and message in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
@@ -408,6 +448,7 @@ def hostile_programs(victim: Path, secret_file: Path, port: int) -> dict[str, tu
             {"style": "call", "fn_name": "solve", "tests": [{"input": [1], "output": 7}]},
             {"runtime_error"},
         ),
+        **kernel_state_programs(),
         "fill the disk": (
             "import os\nwritten = 0\ntry:\n    for i in range(10 ** 6):\n"
             "        with open(f'f{i}', 'wb') as f:\n            f.write(b'x' * (1 << 20))\n"
@@ -419,7 +460,91 @@ def hostile_programs(victim: Path, secret_file: Path, port: int) -> dict[str, tu
     }
 
 
-def sandbox_processes(pool: sandbox._Pool) -> list[str]:
+# the kernel's numbers of the calls Python has no function for, by machine
+SYSCALLS = (
+    "import ctypes, platform\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    "ADD_KEY, KEYCTL, IO_URING_SETUP, USERFAULTFD = "
+    "{'x86_64': (248, 250, 425, 323), 'aarch64': (217, 219, 425, 282)}[platform.machine()]\n"
+)
+
+
+def kernel_state_programs() -> dict[str, tuple[str, dict, set[str]]]:
+    """Programs that reach for what the kernel shares beyond a process: keyrings, SysV and POSIX IPC, memory
+    outside the address space, socket families, the kernel's large interfaces, site-packages. Each prints
+    ESCAPED only if it got what it reached for (more memory than HOSTILE_LIMITS allows, for the memory ones)."""
+    escaped = {"tests": [{"input": "", "output": "ESCAPED"}]}
+    return {
+        "keyrings: read the grader's, plant keys": (
+            SYSCALLS + "hits = []\nfor ring in (-3, -4, -5):  # session, user, user session\n"
+            "    if libc.syscall(ADD_KEY, b'user', b'planted', b'x', 1, ring) >= 0:\n        hits.append(ring)\n"
+            "buffer = ctypes.create_string_buffer(4096)\n"
+            "if libc.syscall(KEYCTL, 11, -3, buffer, 4096) >= 0:  # KEYCTL_READ\n    hits.append('read')\n"
+            "print('ESCAPED' if hits else 'contained')",
+            escaped,
+            {"wrong_answer"},
+        ),
+        "SysV shared memory past the limit": (
+            "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.shmat.restype = ctypes.c_void_p\n"
+            "held = 0\nfor _ in range(6):\n    segment = libc.shmget(0, 128 << 20, 0o1600)\n"
+            "    if segment < 0:\n        break\n    address = libc.shmat(segment, None, 0)\n"
+            "    if address in (None, ctypes.c_void_p(-1).value):\n        break\n"
+            "    ctypes.memset(address, 1, 128 << 20)\n    libc.shmdt(ctypes.c_void_p(address))\n"
+            "    held += 128 << 20\nprint('ESCAPED' if held > 256 << 20 else 'contained')",
+            escaped,
+            {"wrong_answer", "memory"},
+        ),
+        "message queues past the limit": (
+            "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "message = ctypes.create_string_buffer((1).to_bytes(8, 'little') + bytes(8192))\nqueued = 0\n"
+            "while queued <= 256 << 20:\n    queue = libc.msgget(0, 0o1600)\n    if queue < 0:\n        break\n"
+            "    while libc.msgsnd(queue, message, 8192, 0o4000) == 0:  # IPC_NOWAIT\n        queued += 8192\n"
+            "print('ESCAPED' if queued > 256 << 20 else 'contained')",
+            escaped,
+            {"wrong_answer", "memory", "timeout"},
+        ),
+        "memfds past the limit": (
+            "import os\nheld = []\ntry:\n    for _ in range(8):\n        fd = os.memfd_create('x')\n"
+            "        os.write(fd, b'x' * (64 << 20))\n        held.append(fd)\nexcept OSError:\n    pass\n"
+            "print('ESCAPED' if len(held) * 64 > 256 else 'contained')",
+            escaped,
+            {"wrong_answer", "memory"},
+        ),
+        "forked children past the limit": (
+            "import os, time\nr, w = os.pipe()\nfor _ in range(14):\n    if os.fork() == 0:\n"
+            "        block = b'x' * (100 << 20)\n        os.write(w, b'.')\n        time.sleep(30)\n"
+            "        os._exit(0)\nos.close(w)\ngot = b''\nwhile len(got) < 14:\n    chunk = os.read(r, 14)\n"
+            "    if not chunk:\n        break\n    got += chunk\nprint('ESCAPED' if len(got) >= 14 else 'contained')",
+            escaped,
+            {"memory", "timeout"},  # on a busy machine the children may not reach the limit within 1 s
+        ),
+        "socket families beyond Unix": (
+            "import socket\nmade = []\nfor family, kind in ((40, 1), (16, 3), (17, 3), (2, 1), (10, 2)):\n"
+            "    try:\n        socket.socket(family, kind)\n        made.append(family)\n    except OSError:\n"
+            "        pass\nprint('ESCAPED' if made else 'contained')",
+            escaped,
+            {"wrong_answer"},
+        ),
+        "io_uring, userfaultfd, ptrace, namespaces, mount": (
+            SYSCALLS + "opened = []\nparams = ctypes.create_string_buffer(120)\n"
+            "if libc.syscall(IO_URING_SETUP, 8, params) >= 0:\n    opened.append('io_uring')\n"
+            "if libc.syscall(USERFAULTFD, 0) >= 0:\n    opened.append('userfaultfd')\n"
+            "if libc.ptrace(0, 0, None, None) == 0:\n    opened.append('ptrace')\n"
+            "if libc.unshare(0x10000000) == 0:\n    opened.append('user namespace')\n"
+            "if libc.mount(b'none', b'/sandbox', b'tmpfs', 0, None) == 0:\n    opened.append('mount')\n"
+            "print('ESCAPED' if opened else 'contained')",
+            escaped,
+            {"wrong_answer"},
+        ),
+        "site-packages in the view": (
+            f"import os\nseen = [p for p in {sandbox._hidden_paths()!r} if os.path.isdir(p) and os.listdir(p)]\n"
+            f"print('ESCAPED' if seen else 'contained')",
+            escaped,
+            {"wrong_answer"},
+        ),
+    }
+
+
+def sandbox_processes(pool) -> list[str]:
     """Every process on the machine running as one of the pool's users."""
     found = []
     for status in Path("/proc").glob("[0-9]*/status"):
@@ -427,15 +552,98 @@ def sandbox_processes(pool: sandbox._Pool) -> list[str]:
             uid = int(next(line for line in status.read_text().splitlines() if line.startswith("Uid:")).split()[1])
         except (OSError, StopIteration):
             continue
-        if pool.base <= uid < pool.base + 256:
+        if sandbox.UID_BASE <= uid < sandbox.UID_BASE + 256:
             found.append(status.parent.name)
     return found
 
 
-def test_hostile_programs_are_contained(available, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("SANDBOX_TEST_SECRET", SECRET)
-    pool = sandbox._Pool()  # started with the secret in the environment
-    monkeypatch.setattr(sandbox, "_POOL", pool)
+# Grades as an unprivileged user, in a process of its own: the programs, problems, limits and workers on
+# stdin; the grades and the user's processes still alive after the pool closed on stdout.
+USER_RUNNER = r"""
+import json, os, sys, time
+from pathlib import Path
+from grading import sandbox
+job = json.load(sys.stdin)
+limits = sandbox.Limits(**job["limits"])
+grades = sandbox.grade(job["programs"], job["problems"], limits=limits, workers=job["workers"])
+sandbox.close()
+def alive():
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            uid = int(next(l for l in status.read_text().splitlines() if l.startswith("Uid:")).split()[1])
+        except (OSError, StopIteration):
+            continue
+        if uid == os.getuid() and int(status.parent.name) != os.getpid():
+            found.append(status.parent.name)
+    return found
+deadline = time.monotonic() + 3
+while alive() and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(json.dumps({"grades": [vars(g) for g in grades], "alive": alive()}))
+"""
+USER = 65534
+
+
+@functools.cache
+def as_user() -> list[str] | str:
+    """The command that runs this project's python as an unprivileged user, or why there is none."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        return "dropping to an unprivileged user needs root and setpriv"
+    drop = ["setpriv", "--reuid", str(USER), "--regid", str(USER), "--clear-groups"]
+    if subprocess.run([*drop, "unshare", "-Ur", "true"], capture_output=True).returncode != 0:
+        return "this kernel forbids unprivileged user namespaces (unshare -Ur fails)"
+    import pyseccomp
+
+    path = f"PYTHONPATH={REPO}:{Path(pyseccomp.__file__).parent}"
+    probe = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import ctypes'], check=True)"
+    for python in dict.fromkeys([sys.executable, getattr(sys, "_base_executable", ""), "/usr/bin/python3"]):
+        command = [*drop, "env", "-i", path, "PATH=/usr/bin:/bin", python]
+        if python and subprocess.run([*command, "-c", probe], capture_output=True).returncode == 0:
+            return command
+    return f"no python here runs as user {USER}"
+
+
+@pytest.fixture(params=["root", "user"])
+def grade_as(request, available, monkeypatch):
+    """sandbox.grade as root (a fresh pool) or as an unprivileged user (supervisors in user namespaces):
+    (grades, processes of the sandbox still alive once the pool closed)."""
+    if request.param == "user" and isinstance(as_user(), str):
+        pytest.skip(as_user())
+
+    def grade(programs, problems, limits=HOSTILE_LIMITS, workers=2, env=None):
+        if request.param == "user":
+            job = {"programs": programs, "problems": problems, "limits": asdict(limits), "workers": workers}
+            command = [*as_user()[:-1], *(f"{k}={v}" for k, v in (env or {}).items()), as_user()[-1]]
+            done = subprocess.run(
+                [*command, "-c", USER_RUNNER],
+                input=json.dumps(job),
+                capture_output=True,
+                text=True,
+                cwd="/",
+                timeout=300,
+            )
+            assert done.returncode == 0, done.stderr[-3000:]
+            out = json.loads(done.stdout)
+            return [sandbox.Grade(**g) for g in out["grades"]], out["alive"]
+        for key, value in (env or {}).items():
+            monkeypatch.setenv(key, value)
+        pool = sandbox._new_pool()  # started with this environment
+        monkeypatch.setattr(sandbox, "_POOL", pool)
+        try:
+            grades = sandbox.grade(programs, problems, limits=limits, workers=workers)
+            deadline = time.monotonic() + 2  # SIGKILLed, its processes take a moment to be reaped
+            while sandbox_processes(pool) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return grades, sandbox_processes(pool)
+        finally:
+            pool.close()
+
+    grade.mode = request.param
+    return grade
+
+
+def test_hostile_programs_are_contained(grade_as, tmp_path, capsys):
     victim, secret_file = tmp_path / "victim.txt", tmp_path / "secret.txt"
     victim.write_text("untouched")
     secret_file.write_text(SECRET)
@@ -447,40 +655,205 @@ def test_hostile_programs_are_contained(available, tmp_path, monkeypatch, capsys
     programs = hostile_programs(victim, secret_file, listener.getsockname()[1])
     started = time.monotonic()
     try:
-        grades = sandbox.grade(
-            [p for p, _, _ in programs.values()], [q for _, q, _ in programs.values()], limits=HOSTILE_LIMITS, workers=2
+        grades, alive = grade_as(
+            [p for p, _, _ in programs.values()],
+            [q for _, q, _ in programs.values()],
+            env={"SANDBOX_TEST_SECRET": SECRET},
         )
         elapsed = time.monotonic() - started
         with pytest.raises(BlockingIOError):
             listener.accept()  # nobody connected
-        for name, grade in zip(programs, grades):
-            assert grade.passed == 0 and grade.reason in programs[name][2], (name, grade)
-            assert grade.seconds < HOSTILE_LIMITS.timeout + 3, (name, grade)
-        assert victim.read_text() == "untouched"
-        for path in (
-            REPO / "pwned-sandbox",
-            REPO / "pwned-system",
-            Path.home() / "pwned-sandbox",
-            Path.home() / "pwned-system",
-        ):
-            assert not path.exists(), path
-        assert sandbox_processes(pool) == []  # the fork bomb's and the threads' processes are gone
-        assert [g.reason for g in sandbox.grade([ADD], [STDIO], workers=1)] == [None]  # and it still works
     finally:
         listener.close()
-        pool.close()
+    for name, grade in zip(programs, grades):
+        assert grade.passed == 0 and grade.reason in programs[name][2], (name, grade)
+        assert grade.seconds < HOSTILE_LIMITS.timeout + 3, (name, grade)
+    assert victim.read_text() == "untouched"
+    for path in (
+        REPO / "pwned-sandbox",
+        REPO / "pwned-system",
+        Path.home() / "pwned-sandbox",
+        Path.home() / "pwned-system",
+    ):
+        assert not path.exists(), path
+    assert alive == []  # the fork bomb's and the threads' processes are gone
+    for name in (b"planted", b"sandbox-state"):
+        assert not host_has_key(name), name
     worst = max(zip(grades, programs), key=lambda pair: pair[0].seconds)
     with capsys.disabled():
         print(
-            f"\n{len(programs)} hostile programs graded 0 in {elapsed:.1f} s on 2 workers; slowest: "
-            f"{worst[1]} ({worst[0].seconds:.2f} s, {worst[0].reason})"
+            f"\n{len(programs)} hostile programs graded 0 as {grade_as.mode} in {elapsed:.1f} s on 2 workers; "
+            f"slowest: {worst[1]} ({worst[0].seconds:.2f} s, {worst[0].reason})"
         )
+
+
+def test_memory_past_the_limit_is_stopped_at_the_limit(grade_as):
+    """The tracker's four ways past an address-space limit, at 128 MB with time to spare: kernel objects are
+    refused (seccomp), and forked children together are killed at the run's limit (cgroup, else the
+    supervisor's watch), graded "memory"."""
+    names = ("SysV shared memory past the limit", "message queues past the limit", "memfds past the limit")
+    programs = [kernel_state_programs()[name][0] for name in (*names, "forked children past the limit")]
+    limits = Limits(timeout=20.0, memory_bytes=128 << 20, output_bytes=1 << 20, disk_bytes=4 << 20)
+    grades, alive = grade_as(programs, [ESCAPED] * 4, limits=limits)
+    assert [g.reason for g in grades] == ["wrong_answer"] * 3 + ["memory"], grades
+    assert alive == []
+
+
+ESCAPED = {"tests": [{"input": "", "output": "ESCAPED"}]}
+
+
+def host_has_key(name: bytes) -> bool:
+    """Whether this process's session or user keyring holds a "user" key of that name."""
+    import ctypes
+    import platform
+
+    keyctl = {"x86_64": 250, "aarch64": 219}[platform.machine()]
+    libc = ctypes.CDLL(None, use_errno=True)
+    return any(libc.syscall(keyctl, 10, ring, b"user", name, 0) >= 0 for ring in (-3, -4))  # KEYCTL_SEARCH
+
+
+STATEFUL = SYSCALLS + (
+    "import os\nfound = os.path.exists('/sandbox/state') or os.path.exists('/tmp/state') or any(\n"
+    "    libc.syscall(KEYCTL, 10, ring, b'user', b'sandbox-state', 0) >= 0 for ring in (-3, -4, -5))\n"
+    "open('/sandbox/state', 'w').write('x')\n"
+    "for ring in (-3, -4, -5):\n    libc.syscall(ADD_KEY, b'user', b'sandbox-state', b'x', 1, ring)\n"
+    "print('ESCAPED' if found else 'fresh')"
+)
+
+
+def test_state_of_one_run_is_invisible_to_the_next_test_and_program(grade_as):
+    """A file, a key in any keyring: whatever a run leaves, the next test and the next program on the same
+    supervisor (one worker) start without it, and the host's keyrings never see it."""
+    problem = {"tests": [{"input": "", "output": "fresh"}] * 3}
+    grades, alive = grade_as([STATEFUL] * 3, [problem] * 3, workers=1)
+    assert [(g.passed, g.reason) for g in grades] == [(3, None)] * 3, grades
+    assert not host_has_key(b"sandbox-state") and alive == []
+
+
+def test_a_call_kept_alive_by_writing_its_results_file_times_out(grade_as):
+    """A call's time runs on the supervisor's clock, from its go to its result: a thread that writes fd 3
+    (or truncates it) while the call sleeps gains nothing."""
+    keep_alive = (
+        "import os, threading, time\ndef touch():\n    while True:\n        for data in (b' ', b'  '):\n"
+        "            try:\n                os.write(3, data)\n                os.ftruncate(3, 0)\n"
+        "            except OSError:\n                pass\n            time.sleep(0.05)\n"
+        "threading.Thread(target=touch, daemon=True).start()\n"
+        "def f(x):\n    time.sleep(4)\n    return x"
+    )
+    problem = {"style": "call", "fn_name": "f", "tests": [{"input": [1], "output": 1}] * 2}
+    (g,), _ = grade_as([keep_alive], [problem], limits=Limits(timeout=1.0))
+    assert (g.passed, g.reason, g.failed_test) == (0, "timeout", 0) and g.seconds < 3, g
+
+
+def test_hostile_results_are_graded_and_the_batch_kept(grade_as):
+    """Whatever a call returns or writes is a verdict for that program; the honest programs of the same
+    batch keep their grades."""
+    honest = "def f(x):\n    return x"
+    hostile = {
+        "nested 990 deep": (
+            "def f(x):\n    v = []\n    for _ in range(990):\n        v = [v]\n    return v",
+            {"wrong_answer", "runtime_error"},
+        ),
+        "brackets on fd 3": (
+            "import os\ndef f(x):\n    os.write(3, b'[' * 100000 + b'\\n')\n    return x",
+            {"wrong_answer"},
+        ),
+        "bytes that are not UTF-8": (
+            "import os\ndef f(x):\n    os.write(3, b'\\xff\\xfe{\"ok\": 1}\\n')\n    return x",
+            {"wrong_answer"},
+        ),
+        "a result past the output limit": ("def f(x):\n    return 'x' * (2 << 20)", {"output_limit"}),
+        "not a number": ("def f(x):\n    return float('nan')", {"wrong_answer"}),
+        "an int too long for JSON": ("def f(x):\n    return 10 ** 5000", {"runtime_error"}),
+        "a lone surrogate": ("def f(x):\n    return '\\ud800'", {"wrong_answer"}),
+    }
+    problem = {"style": "call", "fn_name": "f", "tests": [{"input": [1], "output": 1}, {"input": [2], "output": 2}]}
+    programs = [honest] + [p for p, _ in hostile.values()] + [honest]
+    grades, _ = grade_as(programs, [problem] * len(programs))
+    assert (grades[0].passed, grades[0].reason) == (2, None) and (grades[-1].passed, grades[-1].reason) == (2, None)
+    for name, grade in zip(hostile, grades[1:-1]):
+        assert grade.passed == 0 and grade.reason in hostile[name][1], (name, grade)
+
+
+def test_a_failing_supervisor_is_retired_and_the_batch_kept(available, monkeypatch):
+    """A supervisor that dies mid-batch, or reports a failure, is replaced; its program is graded, with a
+    warning, and the rest of the batch keeps its grades."""
+    pool = sandbox._new_pool()
+    monkeypatch.setattr(sandbox, "_POOL", pool)
+    try:
+        sandbox.grade([ADD, ADD], [STDIO] * 2, workers=2)
+        first = list(pool.idle)
+        killer = threading.Timer(0.5, lambda: [w.proc.kill() for w in first])
+        killer.start()
+        with pytest.warns(UserWarning, match="supervisor died"):
+            grades = sandbox.grade(["import time; time.sleep(5)"] * 2 + [ADD] * 3, [STDIO] * 5, workers=2)
+        assert [g.reason for g in grades] == ["runtime_error"] * 2 + [None] * 3
+        assert not set(first) & set(pool.idle)
+        with pytest.warns(UserWarning, match="supervisor failed"):
+            (g,) = sandbox.grade([ADD], [STDIO], limits=Limits(processes=1e30), workers=1)  # pids.max refuses it
+        assert g.reason == "runtime_error"
+        assert [g.reason for g in sandbox.grade([ADD], [STDIO], workers=1)] == [None]
+    finally:
+        pool.close()
+
+
+def test_a_kernel_without_user_namespaces_is_a_one_line_refusal():
+    """Where the kernel refuses a user namespace (here a seccomp filter makes unshare fail as such a kernel
+    does), the command line says so in one line and exits 1."""
+    if isinstance(as_user(), str):
+        pytest.skip(as_user())
+    import pyseccomp
+
+    def refuse_unshare():
+        rules = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
+        rules.add_rule(pyseccomp.ERRNO(1), "unshare")
+        rules.load()
+
+    with tempfile.TemporaryDirectory() as folder:  # pytest's own folders are closed to other users
+        folder = Path(folder)
+        for name, text in (("add.py", ADD), ("tests.json", json.dumps(STDIO["tests"]))):
+            (folder / name).write_text(text)
+            (folder / name).chmod(0o644)
+        folder.chmod(0o755)
+        done = subprocess.run(
+            [*as_user(), "-m", "grading.sandbox", str(folder / "add.py"), "--tests", str(folder / "tests.json")],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=60,
+            preexec_fn=refuse_unshare,
+        )
+    assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert "refuses an unprivileged user namespace" in done.stderr and "Operation not permitted" in done.stderr
+
+
+def test_extraction_of_a_hostile_megabyte_is_linear():
+    """Extraction runs in the trainer with no clock: a megabyte of unclosed fences takes well under a second."""
+    import reward
+
+    for completion in (
+        "```python\n" * 100_000,
+        " ```py x\n" * 110_000,
+        "```" * 330_000 + "\n",
+        "</think>```\n" * 80_000,
+        "```python\n" + "x\n" * 500_000,
+    ):
+        started = time.perf_counter()
+        program = sandbox.extract_program(reward.split_thinking(completion).answer or "")
+        assert time.perf_counter() - started < 1.0, completion[:20]
+        assert program is None or len(program) <= len(completion)
+    assert sandbox.extract_program("```python\nprint(1)\n```\n" + "```python\n" * 100_000) == "print(1)\n"
+
+
+def test_a_program_past_the_source_limit_is_refused_unrun():
+    (g,) = sandbox.grade(["x = 1\n" * sandbox.MAX_PROGRAM_CHARS], [STDIO])
+    assert (g.reason, g.seconds) == ("syntax_error", 0.0) and "more than" in g.detail
 
 
 def test_a_setsid_grandchild_dies_with_the_program(available, monkeypatch):
     """A grandchild that calls setsid leaves the process group, not the pid namespace: it is gone as soon as
     the program's verdict is in, and it never writes its file."""
-    pool = sandbox._Pool()
+    pool = sandbox._new_pool()
     monkeypatch.setattr(sandbox, "_POOL", pool)
     program = (
         "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"

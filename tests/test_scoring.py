@@ -105,7 +105,7 @@ def test_verdicts_grade_each_row_by_its_task_so_math_and_code_mix():
     except sandbox.SandboxUnavailable as error:
         pytest.skip(str(error))
     assert grades[:2] == [None, None] and [g.reason for g in grades[2:]] == [None, "wrong_answer"]
-    functions = scoring.RewardFunctions(["reward:math_reward", "grading.sandbox:code_reward"])
+    functions = scoring.RewardFunctions(["reward:math_reward", "sandbox:code_reward"])
     totals, by_name = functions(completions, scoring.columns_of(rows))
     assert totals == [1.0, 0.0, 1.0, 0.0] and by_name == {
         "math_reward": [1.0, 0.0, 0.0, 0.0],
@@ -171,7 +171,7 @@ def test_a_slow_function_is_bounded_and_its_slow_rows_score_zero(module):
 
 
 def test_a_print_inside_a_function_does_not_break_the_worker(module, capfd):
-    scoring._WORKER.close()  # a worker started now writes to this test's captured stderr
+    scoring._POOL.close()  # a worker started now writes to this test's captured stderr
     functions = scoring.RewardFunctions([f"{module}:prints"])
     assert functions(["x", "y"], columns(["x", "y"]))[0] == [2.0, 2.0]
     assert "a print inside a reward function" in capfd.readouterr().err

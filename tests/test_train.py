@@ -648,7 +648,7 @@ def test_score_grades_a_step_that_mixes_math_and_code(monkeypatch):
     ]
     out = types.SimpleNamespace(texts=texts, completions=[[0]] * 6, old_logp=torch.zeros(6, 1))
     cfg = dataclasses.replace(
-        train.Config(), group_size=2, code_timeout=0.5, reward_fn=("reward:math_reward", "grading.sandbox:code_reward")
+        train.Config(), group_size=2, code_timeout=0.5, reward_fn=("reward:math_reward", "sandbox:code_reward")
     )
     try:
         rewards, correct, _, code_rows = train.score(out, problems, cfg)
@@ -685,7 +685,7 @@ def test_a_code_run_trains_and_logs_its_code_metrics(tiny_model_dir, tmp_path, m
             "--template",
             "{problem}",  # the code template outgrows its context
             "--reward-fn",
-            "grading.sandbox:code_reward",
+            "sandbox:code_reward",
         )
     )
     (line,) = metric_lines(tmp_path / "code")
@@ -697,7 +697,7 @@ def test_code_problems_without_a_code_reward_fail_before_the_model_loads(tmp_pat
         train.main(["--model", str(tmp_path / "no-model"), "--out-dir", str(tmp_path), "--dataset", "code"])
     assert exit_info.value.code == 2 and capsys.readouterr().err.strip() == (
         "train.py: --dataset code holds code problems, which no --reward-fn grades (reward:math_reward): "
-        "add --reward-fn grading.sandbox:code_reward"
+        "add --reward-fn sandbox:code_reward"
     )
     cfg, _, _ = train.config.parse_args(["--dataset", "code", "--reward-fn", "my_rewards:anything"])
     train.config.check_reward_functions(cfg, train.load_problems("code"))  # a function of your own may grade it
