@@ -34,13 +34,12 @@ def group_advantages(
     rewards: Tensor | Sequence[float], group_size: int, *, std: str = "group", leave_one_out: bool = False
 ) -> Tensor:
     """Advantages [N] for rewards [N] laid out prompt-major (a prompt's G samples adjacent): (r - baseline) / std.
-
-    baseline: the group mean, or with leave_one_out the mean of the other G-1 samples. std: "group" (GRPO),
-    "batch" (one std over all N) or "none" (Dr. GRPO); 1e-6 is added to it.
-    """
+    baseline: the group's mean, or with leave_one_out its other G-1's; std + 1e-6: group, batch or none (Dr. GRPO)."""
     r = torch.as_tensor(rewards, dtype=torch.float64, device=rewards.device if isinstance(rewards, Tensor) else "cpu")
-    if r.dim() != 1 or group_size < 2 or r.numel() % group_size or std not in ADV_STDS:
-        raise ValueError(f"rewards [N] {tuple(r.shape)}, group_size {group_size} >= 2 dividing N, std in {ADV_STDS}")
+    if r.dim() != 1 or group_size < 2 or r.numel() % group_size:
+        raise ValueError(f"rewards {tuple(r.shape)} must be [N] with N a multiple of group_size={group_size} >= 2")
+    if std not in ADV_STDS:
+        raise ValueError(f"std must be one of {', '.join(ADV_STDS)}, got {std!r}")
     groups = r.view(-1, group_size)  # [N/G, G]
     others_mean = (groups.sum(1, keepdim=True) - groups) / (group_size - 1)
     baseline = others_mean if leave_one_out else groups.mean(1, keepdim=True)
