@@ -867,7 +867,7 @@ def clip_rates(metrics: list[dict]) -> dict:
     """How often the clips act: of the tokens with non-zero advantage in these micro-batches (a step's updates
     after the rollout's first, where w = 1 and nothing clips), the fraction any clip stopped, overall and per
     old-probability bucket (clip_rate, mu[BUCKET]/clip_rate; None without such tokens), and how many tokens
-    each is over (*_tokens). clip_low_frac and the other *_frac keep the older count over every token."""
+    each is over (*_tokens). clip_low_frac and the other *_frac count over every token instead."""
     rates = {}
     for prefix in ["", *(f"mu[{label}]/" for label in MU_LABELS)]:
         counts = np.array([m["tokens"] * m[f"{prefix}active_share"] for m in metrics], dtype=np.float64)

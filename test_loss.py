@@ -52,8 +52,8 @@ def grad_of(logp, old_logp, adv, mask, cfg, **kwargs):
     return loss.detach(), logp.grad, metrics
 
 
-# A rule defined here, registered as the catalogue's own are: one entry, and one row in INSIDE below. The
-# tables over the registry (bounds, the textbook clip, the flags, the no-NaN sweep) then cover it too.
+# A rule defined here and added with loss.register: one entry, and one row in INSIDE below. The tests that
+# run over the registry (bounds, the textbook clip, the flags, the no-NaN sweep) then cover it too.
 register(
     "sqrt_band",
     Rule(
@@ -61,7 +61,7 @@ register(
         lambda mu, cfg: ((1 - cfg.delta / mu.sqrt()).clamp_min(0), 1 + cfg.delta / mu.sqrt()),
         ("delta", *LIMIT_SETTINGS),
         delta=0.2,
-    ),  # fmt: skip
+    ),
 )
 
 
@@ -422,7 +422,7 @@ def test_gradient_accumulation_equals_one_big_batch():
                 total += part.item()
             torch.testing.assert_close(weight.grad, full_grad, rtol=1e-10, atol=1e-14)
             assert total == pytest.approx(full.item(), rel=1e-10)
-    # The bug being guarded against: each micro-batch normalized by its own token count.
+    # Each micro-batch normalized by its own token count gives another gradient.
     weight.grad = None
     cfg = LossConfig(rule="grpo")
     for rows in micro_batches:
@@ -576,7 +576,7 @@ def test_clip_rates_of_acting_tokens_leave_out_zero_advantages():
     # stopped: w=1.5 A>0 (region), w=0.5 A<0 (region), both w=2 A>0 (region); the zero-advantage tokens never
     assert metrics["active_share"] == pytest.approx(4 / 6)
     assert metrics["active_clip_frac"] == pytest.approx(4 / 4)
-    assert metrics["clip_low_frac"] + metrics["clip_high_frac"] == pytest.approx(4 / 6)  # the older count
+    assert metrics["clip_low_frac"] + metrics["clip_high_frac"] == pytest.approx(4 / 6)  # over every token
     assert metrics["mu[>0.9]/active_share"] == pytest.approx(1 / 6)
     assert metrics["mu[>0.9]/active_clip_frac"] == 1.0 and metrics["mu[>0.9]/clip_frac"] == 0.5
     assert metrics["mu[0.5-0.9]/active_clip_frac"] == 0.0  # no tokens: 0, weighted by its share 0 when merged
