@@ -501,7 +501,7 @@ class LossConfig:
     delta_high: float | None = field(
         default=None,
         metadata={
-            "help": "upper size of asymmetric rules (dapo, dcpo, gspo, gmpo); empty = delta times the rule's ratio"
+            "help": "upper size d_high of the rules that read it (clip-higher); empty = delta times the rule's ratio"
         },
     )
     ratio_limits: tuple[float, float] | None = field(
@@ -666,8 +666,9 @@ def inert_settings(cfg: LossConfig) -> dict[str, str]:
         for setting in rule.settings:
             readers.setdefault(setting, []).append(name)
     own = get_rule(cfg.rule).settings
-    inert = {
-        setting: f"--rule {shown} does not read it (read by {_listed(names)})"
+    inert = {  # delta is every sized rule's trust-region size: a rule without it has none
+        setting: f"--rule {shown} {'has no trust-region size' if setting == 'delta' else 'does not read it'}"
+        f" (read by {_listed(names)})"
         for setting, names in readers.items()
         if setting not in own
     }

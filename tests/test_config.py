@@ -185,7 +185,10 @@ def test_every_loss_setting_reaches_the_loss_config():
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--rule", "interval", "--delta", "0.1"], r"--delta 0.1: --rule interval does not read it \(read by grpo"),
+        (
+            ["--rule", "interval", "--delta", "0.1"],
+            r"--delta 0.1: --rule interval has no trust-region size \(read by grpo",
+        ),
         (["--rule", "atr", "--delta-high", "0.1"], r"--delta-high 0.1: --rule atr does not read it \(read by .*dcpo"),
         (["--sapo-tau-pos", "2"], r"--sapo-tau-pos 2.0: --rule grpo does not read it \(read by sapo\)"),
         (["--tv-half"], r"--tv-half: --rule grpo does not read it \(read by tv-mc, tv-atomic, tv-binary\)"),
