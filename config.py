@@ -532,28 +532,13 @@ def check_prompts(cfg: Config, problems: list[dict], tokenizer, context: int, da
             )
 
 
-# the settings that choose a clip rule: a run that sets one asks for a trust region
-CLIP_SETTINGS = (
-    "rule",
-    "delta",
-    "delta_high",
-    "dual_clip",
-    "ratio_limits",
-    "tv_half",
-    "kl_two_sided",
-    "sapo_tau_pos",
-    "sapo_tau_neg",
-    "cov_ratio",
-    "clip_cov_bounds",
-    "kl_cov_coef",
-)
-
-
 def warn_if_inert(cfg: Config) -> None:
     """Say once, at the start, when the settings make a chosen trust region do nothing (the default run,
     which chooses none, says nothing)."""
-    default = loss.LossConfig()
-    chosen = any(getattr(cfg.loss, name) != getattr(default, name) for name in CLIP_SETTINGS)
+    default = loss.LossConfig()  # a run that sets the rule or a setting the rule's entry reads asks for a region
+    chosen = cfg.loss.rule != default.rule or any(
+        getattr(cfg.loss, name) != getattr(default, name) for name in loss.get_rule(cfg.loss.rule).settings
+    )
     if cfg.updates_per_rollout * cfg.epochs == 1 and chosen:
         warnings.warn(
             "one optimizer step per rollout (--updates-per-rollout 1, --epochs 1): every update starts "

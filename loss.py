@@ -1,71 +1,18 @@
-"""Group-relative advantages and one policy loss whose trust region is a pluggable constraint.
+"""Group-relative advantages and one policy loss whose trust region is a pluggable rule.
 
 A token's ratio is w = exp(logp - old_logp); mu = exp(old_logp) is its probability under the policy
-that sampled it. A rule names a trust region, a constraint on (w, mu) with size delta, and one clip
-operator turns every region into a loss: inside PPO's min(w*A, clip(w)*A) a token keeps its gradient
--A*w/N unless it is outside the region AND its advantage pushes it further out (A > 0 above, A < 0
-below); then its gradient is exactly zero. Rules that are not hard regions are short functions with
-the same output. Intervals below are ratio_bounds(rule, default delta, mu).
+that sampled it. The file reads in the order of the idea: the advantages; PPO's clip as PPO writes it;
+the general clip operator, which gives that clip's value and gradient for any region and says which
+tokens it stopped; the registry, where a rule is one entry that owns its region's bounds(mu, cfg), the
+settings it reads and its defaults; the configuration, which accepts or refuses a rule's flags from
+that entry; the loss and its diagnostics; the intervals a rule admits (ratio_bounds).
 
-rule          inside the region (d = delta, d_high = delta_high)       default d     mu=0.5          mu=0.05
-grpo          1-d <= w <= 1+d                                          0.2           [0.8, 1.2]      same
-dapo          1-d <= w <= 1+d_high (clip-higher)                       0.2, 0.28     [0.8, 1.28]     same
-interval      everywhere: only ratio_limits clip (the control arm      none          (0, inf)        same
-              "lower 0.5, upper 10" is rule="interval", ratio_limits=(0.5, 10))
-kl1           -log w <= d (one-sided by construction)                  KL1(0.8)=.223 [0.8, inf)      same
-kl2           log^2(w)/2 <= d; bounds exp(-+sqrt(2d))                  KL2(0.8)=.025 [0.8, 1.25]     same
-kl3, atr      w - 1 - log w <= d; bounds by Lambert W (ATR-GRPO)       0.07          [0.671, 1.422]  same
-kl_full       exact KL(old || new) over the vocabulary <= d (*)        0.07          [0.639, 1.361]  [0.103, 3.47]
-dcpo          mu*w*(1-w) <= d, w >= 1/2 below 1; mu*w*(w-1) <= d_high, 0.2, 0.28     [0.5, 1.4]      [0.5, 2.92]
-              w <= 10 above (DCPO: rare tokens may move further)
-dppo          |pi - mu| = mu*|w-1| <= d: the band 1 +- d/mu (DPPO's        0.2           [0.6, 1.4]      [0, 5]
-              Binary-TV, GPPO's Eq. 24)
-(f, est)      the GPPO grid below, e.g. ("kl", "atomic") or "kl-atomic"  f(0.8)
-gspo          1-d <= s <= 1+d_high on the sequence ratio               3e-4, 4e-4    [.9997, 1.0004] same
-              s = exp(mean log w) (GSPO; seq-mean-token-mean)
-gmpo          |log w| <= d per token, loss A * geometric mean of the   0.4           [0.670, 1.492]  same
-              clipped ratios (GMPO; seq-mean-token-mean)
-cispo         soft: gradient sg(min(w, 1+d)) * A * grad log pi for     0.2           [0, 1.2]        same
-              every token; the interval is where w is not truncated (CISPO)
-sapo          soft: A * (4/tau) sigmoid(tau (w-1)), tau 1.0 for A > 0, 1.05 for A < 0; weight 1 at w = 1
-              (SAPO; its reference averages seq-mean-token-mean)
-clip_cov      grpo's region, and a random cov_ratio = 2e-4 of tokens   0.2           [0.8, 1.2]      same
-              with cov(A, logp) in (1, 5) also lose their gradient
-kl_cov        no clip; the top 2e-4 of tokens by cov(A, logp) add 1.0 * |log w| to their loss
-(*) The region depends on the whole distribution, so the rule needs the hidden states (Rule.needs);
-    its interval is the tight outer bound KL(Bernoulli(mu) || Bernoulli(mu*w)) <= d: merging the
-    vocabulary into {token, rest} can only lower a KL. d = ATR's, as k3 estimates this KL without bias.
-Sequence-level rules (gspo, gmpo, sapo) default to seq-mean-token-mean and refuse another aggregation.
-
-The GPPO grid: divergence f (tv |w-1|, chi2 (w-1)^2, hellinger (sqrt(w)-1)^2, kl |log w|) times an
-estimator: mc f(w) <= d; atomic mu*f(w) <= d; binary mu*f(w) + (1-mu)*f((1-mu*w)/(1-mu)) <= d, the
-divergence between the two-outcome distributions {token, rest}. GRPO = (tv, mc), DAPO-like = (kl, mc),
-RIPO = (chi2, atomic). Default d = f(0.8), GRPO's lower edge: tv 0.2, chi2 0.04, hellinger 0.0111, kl
-0.223. At mu = 0.5 / 0.05: (kl, mc) [0.8, 1.25] / same; (tv, binary) [0.8, 1.2] / [0, 3]; (chi2, atomic)
-[0.717, 1.283] / [0.106, 1.894]; (kl, atomic) [0.640, 1.562] / [0.012, 86.7].
-Conventions, where papers differ: TV is |w-1| without the 1/2; tv_half=True halves it, so the default
-d becomes 0.1 (the intervals stay the same) and d = 0.2 gives (tv, mc) [0.6, 1.4]. Without the 1/2 the
-tv cells read: (tv, mc) |w-1| <= d; (tv, atomic) mu*|w-1| <= d, the band 1 +- d/mu; (tv, binary) counts
-the token and the rest, mu*|w-1| + |mu - mu*w| = 2*mu*|w-1| <= d, the band 1 +- d/(2 mu), so its default
-d = 0.2 is 1 +- 0.1/mu ([0, 3] at mu = 0.05). DPPO's Binary-TV is |pi - mu| = mu*|w-1|, TV with the 1/2:
-its band 1 +- 0.2/mu ([0, 5] at mu = 0.05) is the `dppo` rule, equal to (tv, atomic) at d = 0.2 and to
-(tv, binary) with tv_half=True at d = 0.2, which also caps w at 1/mu (no probability exceeds 1).
-The kl region is two-sided, |log w| <= d; kl_two_sided=False uses -log w: mc and atomic then bound only
-decreases ((kl, mc) [0.8, inf); (kl, atomic) at mu = 0.05 [0.012, inf)) and (kl, binary) becomes the
-exact Bernoulli KL.
-
-GPPO's "[0.5, 10]" has two readings, and both are here. dual_clip=(0.5, 10): two mirrored dual clips,
-a token the region pulls back in (A < 0 above 10, A > 0 below 0.5) loses its gradient; the region
-itself is unchanged. ratio_limits=(0.5, 10): outer limits intersected with the rule's interval under
-the same clip operator, so a token pushed outward past 10 or below 0.5 stops even where the cell
-would admit it (the reading of the review's arithmetic: (kl, atomic)'s upper bound passes 10 below
-mu = 0.097, and from there the limit acts instead of the cell).
+The mathematics of the regions (KL3's Lambert-W bounds, the GPPO grid of divergences and estimators,
+why the stop-gradient form equals the min form, the two readings of GPPO's [0.5, 10]) is in
+docs/loss-derivations.md; docs/adding-a-rule.md walks through adding one.
 
 Numerics: log w is clamped to [-20, 20] before exp (e^20 ~ 5e8 is outside every bounded region),
-regions are evaluated in float64 on log w, and groups with equal rewards get exactly zero advantage.
-
-The per-token records a run writes (train.py --log-tokens N) and the comparison of rules at equal clip
-rate over them are calibrate.py's: they work on run directories, not on a batch.
+regions are decided in float64, and groups with equal rewards get exactly zero advantage.
 """
 
 from __future__ import annotations
@@ -80,59 +27,27 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-LOG_RATIO_CAP = 20.0  # |log w| beyond this is held constant (no gradient): no bounded region reaches it
-SEARCH_CAP = 700.0  # ratio_bounds searches log w in [-700, 700]; e^700 ~ 1e304 still fits float64
-DCPO_MAX_RATIO = 10.0  # DCPO caps its dynamic upper bound here
-MU_EDGES = (0.01, 0.1, 0.5, 0.9)  # old-probability buckets for the diagnostics
-MU_LABELS = ("<0.01", "0.01-0.1", "0.1-0.5", "0.5-0.9", ">0.9")
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ADV_STDS = ("group", "batch", "none")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-INPUTS = {  # what a trainer can hand policy_loss by name, when the config asks for it (required_inputs)
-    "ref_logp": "[B, T] log-probs of the frozen reference (base) policy",
-    "old_hidden": "[B, T, H] final hidden states of the sampling policy at the positions predicting each token",
-    "hidden": "[B, T, H] the current policy's final hidden states at the same positions",
-    "lm_head_weight": "[V, H] the output projection",
-    "temperature": "float, the sampling temperature the log-probs use",
-    "entropy": "[B, T] the current policy's entropy at each token's position, with its gradient",
-}
-
-
-# ----------------------------------------------------------------------------- advantages
 
 
 def group_advantages(
-    rewards: Tensor | Sequence[float],
-    group_size: int,
-    *,
-    std: str = "group",
-    leave_one_out: bool = False,
-    eps: float = 1e-6,
+    rewards: Tensor | Sequence[float], group_size: int, *, std: str = "group", leave_one_out: bool = False
 ) -> Tensor:
-    """Advantages [N] for rewards [N] laid out prompt-major (the G samples of a prompt are adjacent).
-
-    A = (r - baseline) / (std + eps). baseline: the group mean, or with leave_one_out the mean of the
-    other G-1 samples. std: "group" (GRPO), "batch" (one std over all N) or "none" (Dr. GRPO).
-    """
-    device = rewards.device if isinstance(rewards, Tensor) else "cpu"  # stay where the rewards are
-    r = torch.as_tensor(rewards, dtype=torch.float64, device=device)
-    if r.dim() != 1:
-        raise ValueError(f"rewards must be 1-D [N], got shape {tuple(r.shape)}")
-    if group_size < 2 or r.numel() % group_size:
-        raise ValueError(f"group_size={group_size} must be >= 2 and divide the {r.numel()} rewards")
+    """Advantages [N] for rewards [N] laid out prompt-major (a prompt's G samples adjacent): (r - baseline) / std.
+    baseline: the group's mean, or with leave_one_out its other G-1's; std + 1e-6: group, batch or none (Dr. GRPO)."""
+    r = torch.as_tensor(rewards, dtype=torch.float64, device=rewards.device if isinstance(rewards, Tensor) else "cpu")
+    if r.dim() != 1 or group_size < 2 or r.numel() % group_size:
+        raise ValueError(f"rewards {tuple(r.shape)} must be [N] with N a multiple of group_size={group_size} >= 2")
     if std not in ADV_STDS:
-        raise ValueError(f"std must be 'group', 'batch' or 'none', got {std!r}")
+        raise ValueError(f"std must be one of {', '.join(ADV_STDS)}, got {std!r}")
     groups = r.view(-1, group_size)  # [N/G, G]
     others_mean = (groups.sum(1, keepdim=True) - groups) / (group_size - 1)
     baseline = others_mean if leave_one_out else groups.mean(1, keepdim=True)
     # A mean of equal floats can be off by an ulp, and that ulp over a ~0 std would be +-1: force zero.
     all_equal = groups.amax(1, keepdim=True) == groups.amin(1, keepdim=True)
-    advantages = torch.where(all_equal, 0.0, groups - baseline)
-    if std == "group":
-        advantages = advantages / (groups.std(1, keepdim=True) + eps)
-    elif std == "batch":
-        advantages = advantages / (r.std() + eps)
-    return advantages.flatten().float()
+    centred = torch.where(all_equal, 0.0, groups - baseline)
+    scale = {"group": groups.std(1, keepdim=True) + 1e-6, "batch": r.std() + 1e-6, "none": 1.0}[std]
+    return (centred / scale).flatten().float()
 
 
 def advantages(rewards: Tensor | Sequence[float], group_size: int, cfg: LossConfig) -> Tensor:
@@ -140,48 +55,53 @@ def advantages(rewards: Tensor | Sequence[float], group_size: int, cfg: LossConf
     return group_advantages(rewards, group_size, std=cfg.adv_std, leave_one_out=cfg.leave_one_out)
 
 
-# ----------------------------------------------------------------------------- the clip operator
+def ppo_clip(ratio: Tensor, advantages: Tensor, lo: float | Tensor, hi: float | Tensor) -> Tensor:
+    """PPO's clipped objective per token, as PPO writes it: min(w*A, clip(w, lo, hi)*A)."""
+    return torch.min(ratio * advantages, torch.clamp(ratio, lo, hi) * advantages)
+
+
+# ----------------------------------------------------------------------------- the general clip operator
 
 
 class Clip(NamedTuple):
     """What the clip operator did to each token, all [B, T]; the three flags never overlap."""
 
-    ratio: Tensor  # w, with its gradient stopped where the operator stops it
+    ratio: Tensor  # w where the token keeps its gradient; where stopped, the constant PPO clips it to
+    w: Tensor  # the ratio itself, detached (gspo's: the sequence ratio): what the records keep
     low: Tensor  # bool: stopped below the rule's region
     high: Tensor  # bool: stopped above the rule's region
     limit: Tensor  # bool: stopped by ratio_limits or dual_clip while inside the region
 
 
 def trust_region_clip(
-    ratio: Tensor,
-    inside: Tensor,
-    advantages: Tensor,
-    *,
-    limits: tuple[float, float] | None = None,
-    dual_clip: float | tuple[float, float] | None = None,
+    log_ratio: Tensor, advantages: Tensor, lo: float | Tensor, hi: float | Tensor, cfg: LossConfig, *, inside=None
 ) -> Clip:
-    """PPO's min(w*A, clip(w)*A) for any region: w where the token may move, stop-gradient w where not.
+    """ppo_clip for any region, written as the choice the min makes, with the flags of what it stopped.
 
-    clip(w) is w moved to the region's edge, a constant. Inside the region the two terms are equal.
-    Outside, the min takes clip(w)*A exactly when the advantage pushes w further out, A*(w-1) > 0:
-    that token loses its gradient; one that the advantage pulls back in keeps w*A and its gradient.
-    Written as that choice the operator needs no edge, so regions without a closed-form edge work
-    the same way; a stopped token keeps the value w*A rather than edge*A (same gradient, test_loss
-    checks it against the textbook min).
-    limits (lo, hi), cfg.ratio_limits, intersect the region with [lo, hi] under the same choice.
-    dual_clip c also stops tokens with A < 0 and w > c, which the region pulls back in (and, given as
-    (lo, c), tokens with A > 0 and w < lo): it caps how far a bad token's loss may grow.
+    Inside [lo, hi] both terms of the min are w*A. Outside, the min takes clip(w)*A, a constant, exactly
+    when the advantage pushes w further out, A*(w-1) > 0; a token the advantage pulls back in keeps w*A.
+    So advantages * clip.ratio is ppo_clip's value and gradient. lo, hi: floats or float64 [B, T].
+    inside: a region that is no interval of w (kl_full's), bool [B, T]; [lo, hi] then only places the
+    stopped tokens' constant. cfg.ratio_limits intersect the region under the same choice; cfg.dual_clip
+    c also stops tokens with A < 0 and w > c, which the region pulls back in (as (lo, c) also A > 0 and
+    w < lo), at the value c (lo): dual-clip PPO's max(min(w*A, clip(w)*A), c*A).
     """
-    w = ratio.detach()
+    ratio = log_ratio.exp()
+    w = log_ratio.detach().double().exp()  # the region is decided in float64
+    lo, hi = (torch.as_tensor(bound, dtype=torch.float64, device=w.device) for bound in (lo, hi))
+    inside = (w >= lo) & (w <= hi) if inside is None else inside
     outward = advantages * (w - 1) > 0
     region = ~inside & outward
-    limit = torch.zeros_like(region)
-    if limits is not None:
-        limit = inside & outward & ((w < limits[0]) | (w > limits[1]))
-    if dual_clip is not None:
-        lo, hi = _dual_bounds(dual_clip)
-        limit = limit | ((advantages < 0) & (w > hi)) | ((advantages > 0) & (w < lo))
-    return Clip(torch.where(region | limit, w, ratio), region & (w < 1), region & (w > 1), limit)
+    limit_lo, limit_hi = cfg.ratio_limits or (0.0, math.inf)
+    limit = ~region & outward & ((w < limit_lo) | (w > limit_hi))
+    edge = w.clamp(lo.clamp_min(limit_lo), hi.clamp_max(limit_hi))  # where PPO's clip puts a stopped token
+    if cfg.dual_clip is not None:
+        dual_lo, dual_hi = _dual_bounds(cfg.dual_clip)
+        pulled_far = ((advantages < 0) & (w > dual_hi)) | ((advantages > 0) & (w < dual_lo))
+        limit, edge = limit | pulled_far, torch.where(pulled_far, w.clamp(dual_lo, dual_hi), edge)
+    stopped = region | limit
+    clipped = torch.where(stopped, edge.to(ratio.dtype), ratio)
+    return Clip(clipped, ratio.detach(), region & (w < 1), region & (w > 1), limit)
 
 
 def _dual_bounds(dual_clip: float | tuple[float, float]) -> tuple[float, float]:
@@ -191,7 +111,353 @@ def _dual_bounds(dual_clip: float | tuple[float, float]) -> tuple[float, float]:
     return float(dual_clip[0]), float(dual_clip[1])
 
 
+# ----------------------------------------------------------------------------- the registry
+
+LOG_RATIO_CAP = 20.0  # |log w| beyond this is held constant (no gradient): no bounded region reaches it
+SEARCH_CAP = 700.0  # bisected bounds search log w in [-700, 700]; e^700 ~ 1e304 still fits float64
+LIMIT_SETTINGS = ("ratio_limits", "dual_clip")  # the clip operator's own: every rule that calls it reads them
+SEQUENCE_MEAN = "seq-mean-token-mean"
+INPUTS = {  # what a trainer can hand policy_loss by name, when the config asks for it (required_inputs)
+    "ref_logp": "[B, T] log-probs of the frozen reference (base) policy",
+    "old_hidden": "[B, T, H] final hidden states of the sampling policy at the positions predicting each token",
+    "hidden": "[B, T, H] the current policy's final hidden states at the same positions",
+    "lm_head_weight": "[V, H] the output projection",
+    "temperature": "float, the sampling temperature the log-probs use",
+    "entropy": "[B, T] the current policy's entropy at each token's position, with its gradient",
+}
+
+Bounds = Callable[[Tensor, "LossConfig"], tuple]  # (mu float64 [B, T], cfg) -> (lo, hi), floats or [B, T]
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """What an objective receives: one micro-batch of completion tokens, tensors [B, T]."""
+
+    logp: Tensor  # the current policy's log-probs; the gradient flows through them
+    log_ratio: Tensor  # log w = logp - old_logp, clamped to +-LOG_RATIO_CAP, 0 off the mask (with gradient)
+    mu: Tensor  # exp(old_logp), float64, constant: what a rule's bounds take
+    adv: Tensor  # advantages broadcast to [B, T], constant
+    mask: Tensor  # bool, True on completion tokens
+    inputs: dict  # the rule's declared needs by name (see INPUTS)
+    cfg: LossConfig
+    rule: Rule
+
+
+Objective = Callable[[Tokens], tuple[Tensor, Clip]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One entry of the registry: how its region enters the loss, the region's interval, what it reads.
+
+    objective(tokens) -> (objective [B, T], clip): the per-token objective to maximize (policy_loss
+    negates it, adds the KL penalty and aggregates; its gradient is the policy gradient) and the Clip
+    whose flags the metrics and per-token records count.
+    bounds(mu, cfg) -> (lo, hi): the ratio interval the rule admits at old probability mu; None for a
+    soft rule, which has no region. A region that needs more than (w, mu) (kl_full) is decided in the
+    objective from `needs`, and bounds is then its (w, mu) outer bound.
+    settings: the LossConfig fields the rule reads; the configuration refuses the other rules' settings
+    as doing nothing (inert_settings).
+    delta, delta_high: the default sizes (delta may be a function of the config); None: no size.
+    needs: the names from INPUTS the objective reads; the trainer passes them to policy_loss.
+    aggregation: set for sequence-level rules, which are defined with it (LossConfig refuses another).
+    """
+
+    objective: Objective
+    bounds: Bounds | None = None
+    settings: tuple[str, ...] = LIMIT_SETTINGS
+    delta: float | Callable[[LossConfig], float] | None = None
+    delta_high: float | None = None
+    needs: tuple[str, ...] = ()
+    aggregation: str | None = None
+
+
+def register(name: str, rule: Rule) -> Rule:
+    """Add a rule under `name` (what --rule takes); everything that reads the registry then knows it."""
+    if name in RULES:
+        raise ValueError(f"rule {name!r} is registered already")
+    unknown = sorted(set(rule.needs) - set(INPUTS))
+    if unknown or rule.aggregation not in (None, *AGGREGATIONS):
+        raise ValueError(f"rule {name!r}: needs {unknown} are not in INPUTS, or aggregation {rule.aggregation!r}")
+    RULES[name] = rule
+    return rule
+
+
+def get_rule(rule: str | tuple[str, str]) -> Rule:
+    """The Rule registered under a name; a GPPO cell also as (divergence, estimator)."""
+    name = "-".join(rule) if isinstance(rule, tuple) else rule
+    if name not in RULES:
+        raise ValueError(f"unknown rule {rule!r}; known: {', '.join(RULES)}")
+    return RULES[name]
+
+
+def inside(rule: Rule, log_w: Tensor, old_logp: Tensor, cfg: LossConfig) -> Tensor:
+    """Whether each token's ratio (log w, at its old log-probability) is inside the rule's interval."""
+    if rule.bounds is None:
+        return torch.ones_like(log_w, dtype=torch.bool)
+    lo, hi = rule.bounds(old_logp.exp(), cfg)
+    return (log_w.exp() >= lo) & (log_w.exp() <= hi)
+
+
+def bisected(distance: Callable[[Tensor, Tensor, LossConfig], Tensor]) -> Bounds:
+    """Bounds of the region distance(log_w, old_logp, cfg) <= cfg.delta where no closed form exists.
+
+    Every such region is an interval in log w around 0: 64 bisection steps on each side, vectorized
+    over mu, find its edges to float64 precision; an unbounded side is 0 or inf.
+    """
+
+    def bounds(mu: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
+        old_logp = mu.log()
+
+        def edge(direction: float) -> Tensor:
+            inner, outer = torch.zeros_like(mu), torch.full_like(mu, direction * SEARCH_CAP)
+            unbounded = distance(outer, old_logp, cfg) <= cfg.delta
+            for _ in range(64):
+                middle = (inner + outer) / 2
+                ok = distance(middle, old_logp, cfg) <= cfg.delta
+                inner, outer = torch.where(ok, middle, inner), torch.where(ok, outer, middle)
+            return torch.where(unbounded, math.exp(direction * math.inf), inner.exp())
+
+        return edge(-1.0), edge(1.0)
+
+    return bounds
+
+
+# ----------------------------------------------------------------------------- the rules: objectives
+
+
+def ppo_objective(t: Tokens) -> tuple[Tensor, Clip]:
+    """PPO's clip on the rule's interval: the objective of every interval rule."""
+    clip = trust_region_clip(t.log_ratio, t.adv, *t.rule.bounds(t.mu, t.cfg), t.cfg)
+    return t.adv * clip.ratio, clip
+
+
+def _gspo_objective(t: Tokens) -> tuple[Tensor, Clip]:
+    # Every token carries the sequence ratio s = exp(mean log w) as value and s * grad log pi_t as
+    # gradient; averaged over the sequence that is exactly GSPO's A * grad s.
+    lengths = t.mask.sum(-1, keepdim=True).clamp_min(1)
+    seq_log_ratio = torch.where(t.mask, t.log_ratio, 0).sum(-1, keepdim=True) / lengths  # [B, 1]
+    token_carries_seq = seq_log_ratio.detach() + t.log_ratio - t.log_ratio.detach()  # [B, T]
+    clip = trust_region_clip(token_carries_seq, t.adv, *t.rule.bounds(t.mu, t.cfg), t.cfg)
+    return t.adv * clip.ratio, clip
+
+
+def _gmpo_objective(t: Tokens) -> tuple[Tensor, Clip]:
+    # PPO's clip on each token (a stopped token sits at the edge of the region and the limits), then
+    # the geometric mean of the clipped ratios times the sequence's mean advantage.
+    clip = trust_region_clip(t.log_ratio, t.adv, *t.rule.bounds(t.mu, t.cfg), t.cfg)
+    lengths = t.mask.sum(-1).clamp_min(1)
+    seq_ratio = (torch.where(t.mask, clip.ratio.log(), 0).sum(-1) / lengths).exp()  # [B]
+    seq_adv = torch.where(t.mask, t.adv, 0).sum(-1) / lengths  # [B]
+    return (seq_adv * seq_ratio)[:, None].expand_as(t.log_ratio), clip
+
+
+def _cispo_objective(t: Tokens) -> tuple[Tensor, Clip]:
+    # w * sg(weight / w) has value `weight` and gradient weight * grad log pi: REINFORCE with a
+    # truncated, stop-gradient importance weight, so the region never takes a token's gradient.
+    # Its flags: `high` marks the truncated weights.
+    clip = trust_region_clip(t.log_ratio, t.adv, 0.0, math.inf, t.cfg)  # the limits alone
+    truncated = t.log_ratio.detach().double().exp() > t.rule.bounds(t.mu, t.cfg)[1]
+    weight = torch.where(truncated, 1 + t.cfg.delta, clip.ratio.detach())
+    objective = t.adv * clip.ratio * (weight / clip.ratio.detach())
+    return objective, clip._replace(high=truncated, limit=clip.limit & ~truncated)
+
+
+def _sapo_objective(t: Tokens) -> tuple[Tensor, Clip]:
+    # d/dw of (4/tau) sigmoid(tau (w-1)) is 4 s (1-s), which is 1 at w = 1 and fades smoothly.
+    clip = trust_region_clip(t.log_ratio, t.adv, 0.0, math.inf, t.cfg)  # the limits alone
+    tau = torch.where(t.adv > 0, t.cfg.sapo_tau_pos, t.cfg.sapo_tau_neg)
+    return t.adv * 4 / tau * torch.sigmoid(tau * (clip.ratio - 1)), clip
+
+
+def _clip_cov_objective(t: Tokens) -> tuple[Tensor, Clip]:
+    # Entropy collapse is driven by tokens with high cov(A, log pi); stop a random few of them.
+    clip = trust_region_clip(t.log_ratio, t.adv, *t.rule.bounds(t.mu, t.cfg), t.cfg)
+    cov = _token_covariance(t.logp, t.adv, t.mask)
+    low, high = t.cfg.clip_cov_bounds
+    candidate = ~(clip.low | clip.high | clip.limit) & (cov > low) & (cov < high)
+    random_key = torch.where(candidate, torch.rand_like(cov), -math.inf)  # global RNG: seeded by the trainer
+    picked = _top_tokens(random_key, max(1, int(t.cfg.cov_ratio * t.mask.sum())))
+    below = clip.w < 1
+    return (
+        t.adv * torch.where(picked, clip.ratio.detach(), clip.ratio),
+        clip._replace(low=clip.low | (picked & below), high=clip.high | (picked & ~below)),
+    )
+
+
+def _kl_cov_objective(t: Tokens) -> tuple[Tensor, Clip]:
+    # Rather than stop the highest-covariance tokens, tie them to the old policy with |log w|.
+    clip = trust_region_clip(t.log_ratio, t.adv, 0.0, math.inf, t.cfg)  # the limits alone
+    picked = _top_tokens(_token_covariance(t.logp, t.adv, t.mask), max(1, int(t.cfg.cov_ratio * t.mask.sum())))
+    return t.adv * clip.ratio - t.cfg.kl_cov_coef * picked * t.log_ratio.abs(), clip
+
+
+def _kl_full_objective(t: Tokens) -> tuple[Tensor, Clip]:
+    # The one region that depends on more than the sampled token: the exact KL over the vocabulary
+    # between the sampling and the current policy, a constant for the region test.
+    x = t.inputs
+    vocab_kl = full_vocab_kl(x["old_hidden"], x["hidden"], x["lm_head_weight"], temperature=x["temperature"])
+    clip = trust_region_clip(t.log_ratio, t.adv, 0.0, math.inf, t.cfg, inside=vocab_kl <= t.cfg.delta)
+    return t.adv * clip.ratio, clip
+
+
+def _token_covariance(logp: Tensor, adv: Tensor, mask: Tensor) -> Tensor:
+    """Per-token cov(A, log pi) over the batch's tokens, [B, T], -inf off the mask."""
+    count = mask.sum()
+    adv_mean = torch.where(mask, adv, 0).sum() / count
+    logp_mean = torch.where(mask, logp.detach(), 0).sum() / count
+    cov = (adv - adv_mean) * (logp.detach() - logp_mean)
+    return torch.where(mask, cov, -math.inf)
+
+
+def _top_tokens(score: Tensor, count: int) -> Tensor:
+    """Bool [B, T] marking the `count` highest scores among those > -inf."""
+    top = score.flatten().topk(min(count, score.numel()))
+    picked = torch.zeros(score.numel(), dtype=torch.bool, device=score.device)
+    picked[top.indices[top.values > -math.inf]] = True
+    return picked.view_as(score)
+
+
+# ----------------------------------------------------------------------------- the rules: regions
+
+
+def _lambertw(x: Tensor, branch: int) -> Tensor:
+    """Lambert W on branch 0 or -1 for x in [-1/e, 0), by Halley iterations (float64)."""
+    p = torch.sqrt((2 * (math.e * x + 1)).clamp_min(0))  # distance from the branch point x = -1/e
+    sign = 1.0 if branch == 0 else -1.0
+    w = -1 + sign * p - p**2 / 3 + sign * 11 / 72 * p**3  # series about the branch point
+    if branch == -1:  # asymptotic start where the series is poor, near x = 0
+        w = torch.where(x > -0.25, torch.log(-x) - torch.log(-torch.log(-x)), w)
+    for _ in range(20):
+        ew = torch.exp(w)
+        f = w * ew - x
+        denom = ew * (w + 1) - (w + 2) * f / (2 * w + 2)
+        w = torch.where(w + 1 == 0, w, w - f / denom)
+    return w
+
+
+def _kl3_bounds(mu: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
+    # w - 1 - log w = d  <=>  (-w) e^(-w) = -e^(-1-d), so -w = W(-e^(-1-d)) on either real branch.
+    x = torch.full_like(mu, -math.exp(-1 - cfg.delta))
+    return -_lambertw(x, 0), -_lambertw(x, -1)
+
+
+def _dcpo_bounds(mu: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
+    # Roots of mu*w*(1-w) = d and mu*w*(w-1) = d_high: the allowed change of the token's probability
+    # shrinks as mu grows, so rare tokens may move further; DCPO caps the upper root at 10.
+    lo = 0.5 + 0.5 * torch.sqrt((1 - 4 * cfg.delta / mu).clamp_min(0))
+    hi = 0.5 + 0.5 * torch.sqrt(1 + 4 * cfg.delta_high / mu)
+    return lo, hi.clamp_max(10.0)
+
+
+class Divergence(NamedTuple):
+    """A divergence f of the GPPO grid, as a function of log w, and the interval f(w) <= size."""
+
+    f: Callable[[Tensor, LossConfig], Tensor]
+    interval: Callable[[Tensor, LossConfig], tuple[Tensor, Tensor]]  # size: float64 tensor
+    settings: tuple[str, ...] = ()  # the conventions it reads
+
+
+def _tv_interval(size: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
+    edge = size * (2.0 if cfg.tv_half else 1.0)  # |w-1|/2 <= d is |w-1| <= 2d
+    return (1 - edge).clamp_min(0), 1 + edge
+
+
+def _kl_interval(size: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
+    return torch.exp(-size), torch.exp(size) if cfg.kl_two_sided else torch.full_like(size, math.inf)
+
+
+DIVERGENCES: dict[str, Divergence] = {
+    "tv": Divergence(lambda lw, cfg: torch.expm1(lw).abs() * (0.5 if cfg.tv_half else 1.0), _tv_interval, ("tv_half",)),
+    "chi2": Divergence(
+        lambda lw, cfg: torch.expm1(lw) ** 2, lambda s, cfg: ((1 - s.sqrt()).clamp_min(0), 1 + s.sqrt())
+    ),
+    "hellinger": Divergence(
+        lambda lw, cfg: torch.expm1(lw / 2) ** 2, lambda s, cfg: ((1 - s.sqrt()).clamp_min(0) ** 2, (1 + s.sqrt()) ** 2)
+    ),
+    "kl": Divergence(lambda lw, cfg: lw.abs() if cfg.kl_two_sided else -lw, _kl_interval, ("kl_two_sided",)),
+}
+
+
+def binary_distance(f: Callable[[Tensor, LossConfig], Tensor]) -> Callable[[Tensor, Tensor, LossConfig], Tensor]:
+    """f between the two-outcome distributions {token, rest}: the rest holds 1-mu before, 1-mu*w after."""
+
+    def distance(log_w: Tensor, old_logp: Tensor, cfg: LossConfig) -> Tensor:
+        rest_old = (-torch.expm1(old_logp)).clamp_min(1e-300)
+        rest_new = -torch.expm1(old_logp + log_w)
+        rest_log_ratio = torch.log(rest_new.clamp_min(0)) - torch.log(rest_old)
+        value = old_logp.exp() * f(log_w, cfg) + rest_old * f(rest_log_ratio, cfg)
+        return torch.where(rest_new < 0, math.inf, value)  # mu*w > 1 is no distribution
+
+    return distance
+
+
+def _grid_cell(divergence: Divergence, estimator: str) -> Rule:
+    """GPPO's cell: mc f(w) <= d; atomic mu*f(w) <= d; binary f over {token, rest} <= d (bisected)."""
+    bounds = {
+        "mc": lambda mu, cfg: divergence.interval(torch.full_like(mu, cfg.delta), cfg),
+        "atomic": lambda mu, cfg: divergence.interval(cfg.delta / mu, cfg),
+        "binary": bisected(binary_distance(divergence.f)),
+    }[estimator]
+    f_of_08 = lambda cfg: round(divergence.f(torch.tensor(math.log(0.8), dtype=torch.float64), cfg).item(), 12)  # noqa: E731
+    return Rule(ppo_objective, bounds, ("delta", *divergence.settings, *LIMIT_SETTINGS), delta=f_of_08)
+
+
+def _clip_interval(mu: Tensor, cfg: LossConfig) -> tuple[float, float]:
+    return max(1 - cfg.delta, 0.0), 1 + cfg.delta_high  # PPO's 1-d <= w <= 1+d_high (d_high = d unless set)
+
+
+SIZE, SIZES = ("delta", *LIMIT_SETTINGS), ("delta", "delta_high", *LIMIT_SETTINGS)
+KL3 = Rule(ppo_objective, _kl3_bounds, SIZE, delta=0.07)  # w - 1 - log w <= d, ATR-GRPO's region
+RULES: dict[str, Rule] = {  # by the name --rule takes; each entry's comment is its region
+    "grpo": Rule(ppo_objective, _clip_interval, SIZES, delta=0.2),  # 1-d <= w <= 1+d
+    "dapo": Rule(ppo_objective, _clip_interval, SIZES, 0.2, 0.28),  # clip-higher: 1-d <= w <= 1+d_high
+    "interval": Rule(ppo_objective, lambda mu, cfg: (0.0, math.inf)),  # everywhere: only the limits clip
+    "kl1": Rule(ppo_objective, lambda mu, cfg: (math.exp(-cfg.delta), math.inf), SIZE, delta=-math.log(0.8)),
+    "kl2": Rule(  # log^2(w)/2 <= d
+        ppo_objective,
+        lambda mu, cfg: (math.exp(-math.sqrt(2 * cfg.delta)), math.exp(math.sqrt(2 * cfg.delta))),
+        SIZE,
+        delta=math.log(0.8) ** 2 / 2,
+    ),
+    "kl3": KL3,
+    "atr": KL3,
+    "kl_full": Rule(  # the exact KL(old || new) over the vocabulary <= d; its (w, mu) outer bound is the Bernoulli KL
+        _kl_full_objective,
+        bisected(binary_distance(lambda lw, cfg: -lw)),
+        SIZE,
+        delta=0.07,
+        needs=("old_hidden", "hidden", "lm_head_weight", "temperature"),
+    ),
+    "dcpo": Rule(ppo_objective, _dcpo_bounds, SIZES, 0.2, 0.28),  # mu*w*|w-1| <= d below, d_high above
+    "dppo": Rule(  # DPPO's binary TV |pi - mu| = mu*|w-1| <= d: the band 1 +- d/mu
+        ppo_objective, lambda mu, cfg: ((1 - cfg.delta / mu).clamp_min(0), 1 + cfg.delta / mu), SIZE, delta=0.2
+    ),
+    "gspo": Rule(_gspo_objective, _clip_interval, SIZES, 3e-4, 4e-4, aggregation=SEQUENCE_MEAN),  # on exp(mean log w)
+    "gmpo": Rule(  # -d <= log w <= d_high per token, then the geometric mean of the ratios
+        _gmpo_objective,
+        lambda mu, cfg: (math.exp(-cfg.delta), math.exp(cfg.delta_high)),
+        SIZES,
+        delta=0.4,
+        aggregation=SEQUENCE_MEAN,
+    ),
+    "cispo": Rule(_cispo_objective, lambda mu, cfg: (0.0, 1 + cfg.delta), SIZE, delta=0.2),  # weight truncated at 1+d
+    "sapo": Rule(_sapo_objective, None, ("sapo_tau_pos", "sapo_tau_neg", *LIMIT_SETTINGS), aggregation=SEQUENCE_MEAN),
+    "clip_cov": Rule(  # grpo's region, and a few tokens with high cov(A, log pi) also stop
+        _clip_cov_objective,
+        _clip_interval,
+        ("delta", "delta_high", "cov_ratio", "clip_cov_bounds", *LIMIT_SETTINGS),
+        0.2,
+    ),
+    "kl_cov": Rule(_kl_cov_objective, None, ("cov_ratio", "kl_cov_coef", *LIMIT_SETTINGS)),  # soft: |log w| penalty
+    **{f"{f}-{e}": _grid_cell(d, e) for f, d in DIVERGENCES.items() for e in ("mc", "atomic", "binary")},
+}
+
+
 # ----------------------------------------------------------------------------- the configuration
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 def _invalid(name: str, value, why: str) -> ValueError:
@@ -225,8 +491,8 @@ class LossConfig:
     rule: str | tuple[str, str] = field(
         default="grpo",
         metadata={
-            "help": "clip rule: a name from loss.py's table (grpo, dapo, atr, interval, ...) or a GPPO cell "
-            "divergence-estimator (kl-atomic, tv-binary, ...)"
+            "help": "clip rule: a name from loss.py's registry (grpo, dapo, atr, interval, ...), a GPPO cell "
+            "divergence-estimator among them (kl-atomic, tv-binary, ...)"
         },
     )
     delta: float | None = field(
@@ -235,7 +501,7 @@ class LossConfig:
     delta_high: float | None = field(
         default=None,
         metadata={
-            "help": "upper size of asymmetric rules (dapo, dcpo, gspo, gmpo); empty = delta times the rule's ratio"
+            "help": "upper size d_high of the rules that read it (clip-higher); empty = delta times the rule's ratio"
         },
     )
     ratio_limits: tuple[float, float] | None = field(
@@ -319,11 +585,8 @@ class LossConfig:
             rule = get_rule(self.rule)
         except ValueError as error:
             raise _invalid("rule", self.rule, str(error)) from None
-        if self.delta is None and isinstance(self.rule, tuple):  # f(0.8), GRPO's lower edge, in these conventions
-            log_08 = torch.tensor(math.log(0.8), dtype=torch.float64)
-            self.delta = round(DIVERGENCES[self.rule[0]](log_08, self).item(), 12)  # round off float noise
-        elif self.delta is None:
-            self.delta = rule.delta
+        if self.delta is None:
+            self.delta = rule.delta(self) if callable(rule.delta) else rule.delta
         if self.delta_high is None and self.delta is not None:
             self.delta_high = self.delta * (rule.delta_high / rule.delta if rule.delta_high else 1.0)
         if self.aggregation is None:
@@ -393,74 +656,37 @@ def required_inputs(cfg: LossConfig) -> frozenset[str]:
     )
 
 
-# ----------------------------------------------------------------------------- the rule interface
+def inert_settings(cfg: LossConfig) -> dict[str, str]:
+    """The fields that change nothing with this rule and aggregation, each with the reason: a flag given
+    for one of them can only be a mistake (config.check_given refuses it). A rule setting is inert when
+    the rule's entry does not declare it; the rules that do are named from the registry."""
+    shown = "-".join(cfg.rule) if isinstance(cfg.rule, tuple) else cfg.rule
+    readers: dict[str, list[str]] = {}
+    for name, rule in RULES.items():
+        for setting in rule.settings:
+            readers.setdefault(setting, []).append(name)
+    own = get_rule(cfg.rule).settings
+    inert = {  # delta is every sized rule's trust-region size: a rule without it has none
+        setting: f"--rule {shown} {'has no trust-region size' if setting == 'delta' else 'does not read it'}"
+        f" (read by {_listed(names)})"
+        for setting, names in readers.items()
+        if setting not in own
+    }
+    if cfg.aggregation != "seq-mean-token-sum-norm":
+        inert["norm_len"] = f"only --aggregation seq-mean-token-sum-norm divides by it, not {cfg.aggregation}"
+    if cfg.kl_beta == 0:
+        inert["kl_estimator"] = "the KL penalty is off (--kl-beta 0)"
+    return inert
 
 
-@dataclass(frozen=True)
-class Tokens:
-    """What an objective receives: one micro-batch of completion tokens, tensors [B, T]."""
-
-    logp: Tensor  # the current policy's log-probs; the gradient flows through them
-    log_ratio: Tensor  # log w = logp - old_logp, clamped to +-LOG_RATIO_CAP, 0 off the mask (with gradient)
-    old_logp: Tensor  # the sampling policy's, constant
-    adv: Tensor  # advantages broadcast to [B, T], constant
-    mask: Tensor  # bool, True on completion tokens
-    inputs: dict  # the rule's declared needs by name (see INPUTS)
-    cfg: LossConfig
-    rule: Rule
-
-    def inside(self, log_w: Tensor) -> Tensor:
-        """The rule's region at these ratios, bool [B, T], evaluated in float64 (see Rule)."""
-        return inside(self.rule, log_w.detach().double(), self.old_logp.double(), self.cfg)
-
-    def clip(self, log_w: Tensor, inside: Tensor | None = None) -> Clip:
-        """The clip operator at ratios exp(log_w), with the rule's region or the given `inside`."""
-        inside = self.inside(log_w) if inside is None else inside
-        return trust_region_clip(
-            log_w.exp(), inside, self.adv, limits=self.cfg.ratio_limits, dual_clip=self.cfg.dual_clip
-        )
-
-
-Objective = Callable[[Tokens], tuple[Tensor, Clip]]
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One entry of the catalogue: how its region enters the loss, the region itself, its defaults.
-
-    objective(tokens) -> (objective [B, T], clip): the per-token objective to maximize (policy_loss
-    negates it, adds the KL penalty and aggregates; its gradient is the policy gradient), and the Clip
-    whose flags the metrics and per-token records count.
-    A hard region is given one or two ways. region(log_w, old_logp, cfg) -> inside, bool, on float64
-    tensors, tests w directly; bounds(mu, cfg) -> (lo, hi) is its closed-form interval. Training
-    tests region when there is one, else bounds; ratio_bounds uses bounds when there is one, else
-    bisects region (the two agree where both exist, and the tests check it). With neither, the rule
-    is soft: every token is inside. A rule whose region needs more than (w, mu) decides it in its
-    objective from `needs`; its region is then the (w, mu) outer bound that ratio_bounds reports.
-    needs: the names from INPUTS the objective reads; the trainer passes them to policy_loss.
-    aggregation: set for sequence-level rules, which are defined with it (LossConfig refuses another).
-    """
-
-    objective: Objective
-    region: Callable | None = None
-    bounds: Callable | None = None
-    delta: float | None = None  # soft rules (and interval) have no size
-    delta_high: float | None = None
-    needs: tuple[str, ...] = ()
-    aggregation: str | None = None
-
-
-def inside(rule: Rule, log_w: Tensor, old_logp: Tensor, cfg: LossConfig) -> Tensor:
-    """Whether each token's ratio (log w, at its old log-probability) is inside the rule's region."""
-    if rule.region is not None:
-        return rule.region(log_w, old_logp, cfg)
-    if rule.bounds is not None:
-        lo, hi = rule.bounds(old_logp.exp(), cfg)
-        return (log_w.exp() >= lo) & (log_w.exp() <= hi)
-    return torch.ones_like(log_w, dtype=torch.bool)
+def _listed(names: list[str], most: int = 6) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 # ----------------------------------------------------------------------------- the loss
+
+MU_EDGES = (0.01, 0.1, 0.5, 0.9)  # old-probability buckets for the diagnostics
+MU_LABELS = ("<0.01", "0.01-0.1", "0.1-0.5", "0.5-0.9", ">0.9")
 
 
 def policy_loss(
@@ -495,7 +721,7 @@ def policy_loss(
     mask, adv = _check_inputs(logp, old_logp, advantages, mask, cfg, inputs)
     old_logp = old_logp.detach()  # the sampling policy is a constant
     log_ratio = torch.where(mask, logp - old_logp, 0).clamp(-LOG_RATIO_CAP, LOG_RATIO_CAP)  # [B, T]
-    objective, clip = rule.objective(Tokens(logp, log_ratio, old_logp, adv, mask, inputs, cfg, rule))
+    objective, clip = rule.objective(Tokens(logp, log_ratio, old_logp.double().exp(), adv, mask, inputs, cfg, rule))
     token_loss, ref_kl = -objective, None
     if cfg.kl_beta:
         ref_kl = _reference_kl(logp, inputs["ref_logp"].detach(), cfg.kl_estimator)
@@ -642,7 +868,7 @@ def clip_rates(metrics: list[dict]) -> dict:
     """How often the clips act: of the tokens with non-zero advantage in these micro-batches (a step's updates
     after the rollout's first, where w = 1 and nothing clips), the fraction any clip stopped, overall and per
     old-probability bucket (clip_rate, mu[BUCKET]/clip_rate; None without such tokens), and how many tokens
-    each is over (*_tokens). clip_low_frac and the other *_frac keep the older count over every token."""
+    each is over (*_tokens). clip_low_frac and the other *_frac count over every token instead."""
     rates = {}
     for prefix in ["", *(f"mu[{label}]/" for label in MU_LABELS)]:
         counts = np.array([m["tokens"] * m[f"{prefix}active_share"] for m in metrics], dtype=np.float64)
@@ -663,112 +889,12 @@ def _token_record(old_logp: Tensor, adv: Tensor, mask: Tensor, clip: Clip) -> di
 
     return {
         "mu": column(old_logp.double().exp().clamp_min(tiny), torch.float32),
-        "w": column(clip.ratio.detach(), torch.float32),
+        "w": column(clip.w, torch.float32),
         "advantage": column(adv, torch.float32),
         "region_low": column(clip.low, torch.bool),
         "region_high": column(clip.high, torch.bool),
         "limit": column(clip.limit, torch.bool),
     }
-
-
-# ----------------------------------------------------------------------------- the rules: objectives
-
-
-def _ppo_objective(t: Tokens) -> tuple[Tensor, Clip]:
-    clip = t.clip(t.log_ratio)
-    return t.adv * clip.ratio, clip
-
-
-def _gspo_objective(t: Tokens) -> tuple[Tensor, Clip]:
-    # Every token carries the sequence ratio s = exp(mean log w) as value and s * grad log pi_t as
-    # gradient; averaged over the sequence that is exactly GSPO's A * grad s.
-    lengths = t.mask.sum(-1, keepdim=True).clamp_min(1)
-    seq_log_ratio = torch.where(t.mask, t.log_ratio, 0).sum(-1, keepdim=True) / lengths  # [B, 1]
-    clip = t.clip(seq_log_ratio.detach() + t.log_ratio - t.log_ratio.detach())  # [B, T]
-    return t.adv * clip.ratio, clip
-
-
-def _gmpo_objective(t: Tokens) -> tuple[Tensor, Clip]:
-    # Clip each log w like PPO (stopped tokens sit at the edge of the region and the limits), then
-    # take the geometric mean.
-    clip, cfg = t.clip(t.log_ratio), t.cfg
-    lo, hi = -cfg.delta, cfg.delta_high
-    if cfg.ratio_limits is not None:
-        limit_lo, limit_hi = cfg.ratio_limits
-        lo, hi = max(lo, math.log(limit_lo) if limit_lo > 0 else -math.inf), min(hi, math.log(limit_hi))
-    edge = t.log_ratio.detach().clamp(lo, hi)
-    stopped = clip.low | clip.high | clip.limit
-    clipped_log_ratio = torch.where(stopped & t.mask, edge, torch.where(t.mask, t.log_ratio, 0))
-    lengths = t.mask.sum(-1).clamp_min(1)
-    seq_ratio = (clipped_log_ratio.sum(-1) / lengths).exp()  # [B]
-    seq_adv = torch.where(t.mask, t.adv, 0).sum(-1) / lengths  # [B]
-    return (seq_adv * seq_ratio)[:, None].expand_as(t.log_ratio), clip
-
-
-def _cispo_objective(t: Tokens) -> tuple[Tensor, Clip]:
-    # w * sg(weight / w) has value `weight` and gradient weight * grad log pi: REINFORCE with a
-    # truncated, stop-gradient importance weight, so the region never takes a token's gradient.
-    # Its flags: `high` marks the truncated weights.
-    clip = t.clip(t.log_ratio, inside=torch.ones_like(t.mask))
-    truncated = ~t.inside(t.log_ratio)
-    weight = torch.where(truncated, 1 + t.cfg.delta, clip.ratio.detach())
-    objective = t.adv * clip.ratio * (weight / clip.ratio.detach())
-    return objective, clip._replace(high=truncated, limit=clip.limit & ~truncated)
-
-
-def _sapo_objective(t: Tokens) -> tuple[Tensor, Clip]:
-    # d/dw of (4/tau) sigmoid(tau (w-1)) is 4 s (1-s), which is 1 at w = 1 and fades smoothly.
-    clip = t.clip(t.log_ratio)
-    tau = torch.where(t.adv > 0, t.cfg.sapo_tau_pos, t.cfg.sapo_tau_neg)
-    return t.adv * 4 / tau * torch.sigmoid(tau * (clip.ratio - 1)), clip
-
-
-def _token_covariance(logp: Tensor, adv: Tensor, mask: Tensor) -> Tensor:
-    """Per-token cov(A, log pi) over the batch's tokens, [B, T], -inf off the mask."""
-    count = mask.sum()
-    adv_mean = torch.where(mask, adv, 0).sum() / count
-    logp_mean = torch.where(mask, logp.detach(), 0).sum() / count
-    cov = (adv - adv_mean) * (logp.detach() - logp_mean)
-    return torch.where(mask, cov, -math.inf)
-
-
-def _top_tokens(score: Tensor, count: int) -> Tensor:
-    """Bool [B, T] marking the `count` highest scores among those > -inf."""
-    top = score.flatten().topk(min(count, score.numel()))
-    picked = torch.zeros(score.numel(), dtype=torch.bool, device=score.device)
-    picked[top.indices[top.values > -math.inf]] = True
-    return picked.view_as(score)
-
-
-def _clip_cov_objective(t: Tokens) -> tuple[Tensor, Clip]:
-    # Entropy collapse is driven by tokens with high cov(A, log pi); stop a random few of them.
-    clip = t.clip(t.log_ratio)
-    cov = _token_covariance(t.logp, t.adv, t.mask)
-    low, high = t.cfg.clip_cov_bounds
-    candidate = ~(clip.low | clip.high | clip.limit) & (cov > low) & (cov < high)
-    random_key = torch.where(candidate, torch.rand_like(cov), -math.inf)  # global RNG: seeded by the trainer
-    picked = _top_tokens(random_key, max(1, int(t.cfg.cov_ratio * t.mask.sum())))
-    below = clip.ratio.detach() < 1
-    return (
-        t.adv * torch.where(picked, clip.ratio.detach(), clip.ratio),
-        clip._replace(low=clip.low | (picked & below), high=clip.high | (picked & ~below)),
-    )
-
-
-def _kl_cov_objective(t: Tokens) -> tuple[Tensor, Clip]:
-    # Rather than stop the highest-covariance tokens, tie them to the old policy with |log w|.
-    clip = t.clip(t.log_ratio)
-    picked = _top_tokens(_token_covariance(t.logp, t.adv, t.mask), max(1, int(t.cfg.cov_ratio * t.mask.sum())))
-    return t.adv * clip.ratio - t.cfg.kl_cov_coef * picked * t.log_ratio.abs(), clip
-
-
-def _kl_full_objective(t: Tokens) -> tuple[Tensor, Clip]:
-    # The one region that depends on more than the sampled token: the exact KL over the vocabulary
-    # between the sampling and the current policy, a constant for the region test.
-    x = t.inputs
-    vocab_kl = full_vocab_kl(x["old_hidden"], x["hidden"], x["lm_head_weight"], temperature=x["temperature"])
-    clip = t.clip(t.log_ratio, inside=vocab_kl <= t.cfg.delta)
-    return t.adv * clip.ratio, clip
 
 
 @torch.no_grad()
@@ -797,174 +923,6 @@ def full_vocab_kl(
     return kl.view(old_hidden.shape[:2])
 
 
-# ----------------------------------------------------------------------------- the rules: regions
-
-
-def _constant_bounds(mu: Tensor, lo: float, hi: float) -> tuple[Tensor, Tensor]:
-    return torch.full_like(mu, lo), torch.full_like(mu, hi)
-
-
-def _interval_bounds(mu, cfg):  # grpo, dapo, gspo, clip_cov
-    return _constant_bounds(mu, max(1 - cfg.delta, 0.0), 1 + cfg.delta_high)
-
-
-def _everywhere_bounds(mu, cfg):  # interval: only ratio_limits clip
-    return _constant_bounds(mu, 0.0, math.inf)
-
-
-def _cispo_bounds(mu, cfg):  # where the importance weight is not truncated
-    return _constant_bounds(mu, 0.0, 1 + cfg.delta)
-
-
-def _gmpo_bounds(mu, cfg):  # GMPO clips log w to [-d, d_high]
-    return _constant_bounds(mu, math.exp(-cfg.delta), math.exp(cfg.delta_high))
-
-
-def _kl1_bounds(mu, cfg):
-    return _constant_bounds(mu, math.exp(-cfg.delta), math.inf)
-
-
-def _kl2_bounds(mu, cfg):
-    edge = math.sqrt(2 * cfg.delta)
-    return _constant_bounds(mu, math.exp(-edge), math.exp(edge))
-
-
-def _dppo_bounds(mu, cfg):
-    # DPPO's binary TV |pi - mu| = mu*|w - 1| <= d: the ratio may move by d/mu, so rare tokens move far
-    return (1 - cfg.delta / mu).clamp_min(0), 1 + cfg.delta / mu
-
-
-def _dcpo_bounds(mu, cfg):
-    # Roots of mu*w*(1-w) = d and mu*w*(w-1) = d_high: the allowed change of the token's probability
-    # shrinks as mu grows, so rare tokens may move further.
-    lo = 0.5 + 0.5 * torch.sqrt((1 - 4 * cfg.delta / mu).clamp_min(0))
-    hi = 0.5 + 0.5 * torch.sqrt(1 + 4 * cfg.delta_high / mu)
-    return lo, hi.clamp_max(DCPO_MAX_RATIO)
-
-
-def _lambertw(x: Tensor, branch: int) -> Tensor:
-    """Lambert W on branch 0 or -1 for x in [-1/e, 0), by Halley iterations (float64)."""
-    p = torch.sqrt((2 * (math.e * x + 1)).clamp_min(0))  # distance from the branch point x = -1/e
-    sign = 1.0 if branch == 0 else -1.0
-    w = -1 + sign * p - p**2 / 3 + sign * 11 / 72 * p**3  # series about the branch point
-    if branch == -1:  # asymptotic start where the series is poor, near x = 0
-        w = torch.where(x > -0.25, torch.log(-x) - torch.log(-torch.log(-x)), w)
-    for _ in range(20):
-        ew = torch.exp(w)
-        f = w * ew - x
-        denom = ew * (w + 1) - (w + 2) * f / (2 * w + 2)
-        w = torch.where(w + 1 == 0, w, w - f / denom)
-    return w
-
-
-def _kl3_bounds(mu, cfg):
-    # w - 1 - log w = d  <=>  (-w) e^(-w) = -e^(-1-d), so -w = W(-e^(-1-d)) on either real branch.
-    x = torch.full_like(mu, -math.exp(-1 - cfg.delta))
-    return -_lambertw(x, 0), -_lambertw(x, -1)
-
-
-def _sampled_kl_region(estimate: Callable[[Tensor], Tensor]) -> Callable:
-    return lambda log_w, old_logp, cfg: estimate(log_w) <= cfg.delta
-
-
-DIVERGENCES: dict[str, Callable[[Tensor, LossConfig], Tensor]] = {  # f as a function of log w
-    "tv": lambda lw, cfg: torch.expm1(lw).abs() * (0.5 if cfg.tv_half else 1.0),
-    "chi2": lambda lw, cfg: torch.expm1(lw) ** 2,
-    "hellinger": lambda lw, cfg: torch.expm1(lw / 2) ** 2,
-    "kl": lambda lw, cfg: lw.abs() if cfg.kl_two_sided else -lw,
-}
-ESTIMATORS = ("mc", "atomic", "binary")
-
-
-def grid_distance(divergence: str, estimator: str, log_w: Tensor, old_logp: Tensor, cfg: LossConfig) -> Tensor:
-    """The GPPO grid's estimate of the divergence between old and new policy at one token (float64)."""
-    f = DIVERGENCES[divergence]
-    if estimator == "mc":
-        return f(log_w, cfg)
-    mu = old_logp.exp()
-    if estimator == "atomic":
-        return mu * f(log_w, cfg)
-    # binary: the two-outcome distributions {token, rest}; the rest holds 1-mu before, 1-mu*w after.
-    rest_old = (-torch.expm1(old_logp)).clamp_min(1e-300)
-    rest_new = -torch.expm1(old_logp + log_w)
-    distance = mu * f(log_w, cfg) + rest_old * f(torch.log(rest_new.clamp_min(0)) - torch.log(rest_old), cfg)
-    return torch.where(rest_new < 0, math.inf, distance)  # mu*w > 1 is no distribution
-
-
-def _bernoulli_kl_region(log_w, old_logp, cfg):
-    return grid_distance("kl", "binary", log_w, old_logp, dataclasses.replace(cfg, kl_two_sided=False)) <= cfg.delta
-
-
-_KL3 = Rule(_ppo_objective, _sampled_kl_region(lambda lw: torch.expm1(lw) - lw), _kl3_bounds, delta=0.07)
-SEQUENCE_MEAN = "seq-mean-token-mean"
-RULES: dict[str, Rule] = {  # the registry: add a rule here
-    "grpo": Rule(_ppo_objective, bounds=_interval_bounds, delta=0.2),
-    "dapo": Rule(_ppo_objective, bounds=_interval_bounds, delta=0.2, delta_high=0.28),
-    "interval": Rule(_ppo_objective, bounds=_everywhere_bounds),
-    "kl1": Rule(_ppo_objective, _sampled_kl_region(lambda lw: -lw), _kl1_bounds, delta=-math.log(0.8)),
-    "kl2": Rule(_ppo_objective, _sampled_kl_region(lambda lw: lw**2 / 2), _kl2_bounds, delta=math.log(0.8) ** 2 / 2),
-    "kl3": _KL3,
-    "atr": _KL3,
-    "kl_full": Rule(
-        _kl_full_objective,
-        _bernoulli_kl_region,
-        delta=0.07,
-        needs=("old_hidden", "hidden", "lm_head_weight", "temperature"),
-    ),
-    "dcpo": Rule(_ppo_objective, bounds=_dcpo_bounds, delta=0.2, delta_high=0.28),
-    "dppo": Rule(_ppo_objective, bounds=_dppo_bounds, delta=0.2),
-    "gspo": Rule(_gspo_objective, bounds=_interval_bounds, delta=3e-4, delta_high=4e-4, aggregation=SEQUENCE_MEAN),
-    "gmpo": Rule(_gmpo_objective, bounds=_gmpo_bounds, delta=0.4, aggregation=SEQUENCE_MEAN),
-    "cispo": Rule(_cispo_objective, bounds=_cispo_bounds, delta=0.2),
-    "sapo": Rule(_sapo_objective, aggregation=SEQUENCE_MEAN),
-    "clip_cov": Rule(_clip_cov_objective, bounds=_interval_bounds, delta=0.2),
-    "kl_cov": Rule(_kl_cov_objective),
-}
-
-
-def get_rule(rule: str | tuple[str, str]) -> Rule:
-    """The Rule registered under a name, or the GPPO grid rule for (divergence, estimator)."""
-    if isinstance(rule, tuple):
-        if len(rule) != 2 or rule[0] not in DIVERGENCES or rule[1] not in ESTIMATORS:
-            raise ValueError(f"rule {rule!r}: expected (divergence, estimator) in {tuple(DIVERGENCES)} x {ESTIMATORS}")
-        return Rule(_ppo_objective, lambda lw, old, cfg: grid_distance(*rule, lw, old, cfg) <= cfg.delta)
-    if rule not in RULES:
-        raise ValueError(f"unknown rule {rule!r}; known: {', '.join(RULES)}, or (divergence, estimator)")
-    return RULES[rule]
-
-
-def inert_settings(cfg: LossConfig) -> dict[str, str]:
-    """The fields that change nothing with this rule and aggregation, each with the reason: a flag given
-    for one of them can only be a mistake (config.check_given refuses it)."""
-    name, rule = cfg.rule, get_rule(cfg.rule)
-    shown = "-".join(name) if isinstance(name, tuple) else name
-    divergence = name[0] if isinstance(name, tuple) else None
-    inert = {}
-    if rule.delta is None and divergence is None:
-        inert["delta"] = f"--rule {shown} has no trust-region size"
-    if rule.bounds not in (_interval_bounds, _gmpo_bounds, _dcpo_bounds):
-        inert["delta_high"] = (
-            f"--rule {shown} has no separate upper size (grpo, dapo, dcpo, gspo, gmpo and clip_cov do)"
-        )
-    for field_name, owner in (("tv_half", "tv"), ("kl_two_sided", "kl")):
-        if divergence != owner:
-            inert[field_name] = f"only the {owner} cells of the GPPO grid read it, not --rule {shown}"
-    for field_name, owners in (
-        ("sapo_tau_pos", ("sapo",)),
-        ("sapo_tau_neg", ("sapo",)),
-        ("cov_ratio", ("clip_cov", "kl_cov")),
-        ("clip_cov_bounds", ("clip_cov",)),
-        ("kl_cov_coef", ("kl_cov",)),
-    ):
-        if name not in owners:
-            inert[field_name] = f"only --rule {' or '.join(owners)} reads it, not --rule {shown}"
-    if cfg.aggregation != "seq-mean-token-sum-norm":
-        inert["norm_len"] = f"only --aggregation seq-mean-token-sum-norm divides by it, not {cfg.aggregation}"
-    if cfg.kl_beta == 0:
-        inert["kl_estimator"] = "the KL penalty is off (--kl-beta 0)"
-    return inert
-
-
 # ----------------------------------------------------------------------------- intervals
 
 
@@ -979,30 +937,15 @@ def as_probabilities(name: str, x) -> Tensor:
 def ratio_bounds(rule: str | tuple[str, str], delta: float | None, mu, **options) -> tuple[Tensor, Tensor]:
     """The ratio interval [lo, hi] a rule admits at old probability mu (float or tensor), float64.
 
-    Closed forms where they exist; otherwise bisection on log w (64 steps, vectorized over mu).
-    An unbounded side is 0 or inf. options: other LossConfig fields (delta_high, tv_half,
-    kl_two_sided, ratio_limits: the interval is then intersected with the limits).
+    An unbounded side is 0 or inf. options: other LossConfig fields (delta_high, tv_half, kl_two_sided,
+    ratio_limits: the interval is then intersected with the limits).
     """
     cfg = LossConfig(rule=rule, delta=delta, **options)
     spec = get_rule(cfg.rule)
     mu = as_probabilities("mu", mu)
-    if spec.bounds is not None:
-        lo, hi = (bound.expand_as(mu) for bound in spec.bounds(mu, cfg))
-    elif spec.region is None:
+    if spec.bounds is None:
         raise ValueError(f"rule {rule!r} has no trust region, so no ratio interval")
-    else:
-        old_logp = mu.log()
-
-        def edge(direction: float) -> Tensor:  # every region is an interval in log w around 0
-            inner, outer = torch.zeros_like(mu), torch.full_like(mu, direction * SEARCH_CAP)
-            unbounded = spec.region(outer, old_logp, cfg)
-            for _ in range(64):
-                middle = (inner + outer) / 2
-                ok = spec.region(middle, old_logp, cfg)
-                inner, outer = torch.where(ok, middle, inner), torch.where(ok, outer, middle)
-            return torch.where(unbounded, math.exp(direction * math.inf), inner.exp())
-
-        lo, hi = edge(-1.0), edge(1.0)
+    lo, hi = (torch.zeros_like(mu) + bound for bound in spec.bounds(mu, cfg))  # floats become [mu's shape]
     if cfg.ratio_limits is not None:
         lo, hi = lo.clamp_min(cfg.ratio_limits[0]), hi.clamp_max(cfg.ratio_limits[1])
     return lo, hi

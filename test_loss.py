@@ -10,17 +10,23 @@ import sympy
 import torch
 import torch.nn.functional as F
 
+import config
 from loss import (
     AGGREGATIONS,
     INPUTS,
+    LIMIT_SETTINGS,
     RULES,
     LossConfig,
+    Rule,
     advantages,
     full_vocab_kl,
     group_advantages,
     metric_share,
     policy_loss,
+    ppo_clip,
+    ppo_objective,
     ratio_bounds,
+    register,
     required_inputs,
 )
 
@@ -44,6 +50,25 @@ def grad_of(logp, old_logp, adv, mask, cfg, **kwargs):
     loss, metrics = policy_loss(logp, old_logp, adv, mask, cfg, **kwargs)
     loss.backward()
     return loss.detach(), logp.grad, metrics
+
+
+# A rule defined here and added with loss.register: one entry, and one row in INSIDE below. The tests that
+# run over the registry (bounds, the textbook clip, the flags, the no-NaN sweep) then cover it too.
+register(
+    "sqrt_band",
+    Rule(
+        ppo_objective,
+        lambda mu, cfg: ((1 - cfg.delta / mu.sqrt()).clamp_min(0), 1 + cfg.delta / mu.sqrt()),
+        ("delta", *LIMIT_SETTINGS),
+        delta=0.2,
+    ),
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def the_rule_defined_here_leaves_with_this_module():
+    yield
+    del RULES["sqrt_band"]
 
 
 # Each rule's region written from its paper's formula, on w and mu = old probability.
@@ -74,6 +99,7 @@ INSIDE = {
     ),
     "dcpo": dcpo_inside,
     "dppo": lambda mu, w: (mu * w - mu).abs() <= 0.2,  # DPPO's Binary-TV: |pi - mu| <= delta
+    "sqrt_band": lambda mu, w: mu.sqrt() * (w - 1).abs() <= 0.2,
 }
 
 
@@ -93,13 +119,6 @@ def test_kl3_bounds_via_lambert_w(delta):
     assert torch.equal(ratio_bounds("atr", delta, 0.3)[1], ratio_bounds("kl3", delta, 0.3)[1])
 
 
-def test_kl3_at_atr_default_and_kl2_closed_form():
-    lo, hi = ratio_bounds("atr", 0.07, 0.5)
-    assert lo.item() == pytest.approx(0.671, abs=5e-4) and hi.item() == pytest.approx(1.422, abs=5e-4)
-    lo, hi = ratio_bounds("kl2", 0.05, 0.5)
-    assert (lo.item(), hi.item()) == pytest.approx((math.exp(-math.sqrt(0.1)), math.exp(math.sqrt(0.1))), rel=1e-15)
-
-
 def test_atomic_interval_widens_as_mu_falls():
     mu = torch.logspace(0, -3, 200, dtype=f64)  # falling
     lo, hi = ratio_bounds(("kl", "atomic"), 0.223, mu)
@@ -107,7 +126,7 @@ def test_atomic_interval_widens_as_mu_falls():
     torch.testing.assert_close(hi, torch.exp(0.223 / mu), rtol=1e-12, atol=0)  # mu*log(hi) = delta
     crossing = 0.223 / math.log(10)  # ~0.0968
     hi_around = ratio_bounds(("kl", "atomic"), 0.223, torch.tensor([crossing * 1.01, crossing * 0.99]))[1]
-    assert hi_around[0] < 10 < hi_around[1] and crossing == pytest.approx(0.097, abs=1e-3)
+    assert hi_around[0] < 10 < hi_around[1]
 
 
 def test_grid_bounds_match_closed_forms_and_conventions():
@@ -120,11 +139,9 @@ def test_grid_bounds_match_closed_forms_and_conventions():
     torch.testing.assert_close(hi, 1 + (0.04 / mu).sqrt())
     lo, hi = ratio_bounds(("kl", "mc"), 0.223, 0.5)
     assert (lo.item(), hi.item()) == pytest.approx((math.exp(-0.223), math.exp(0.223)))
-    assert lo.item() == pytest.approx(0.8, abs=1e-3) and hi.item() == pytest.approx(1.25, abs=1e-3)
     defaults = {f: LossConfig(rule=(f, "mc")).delta for f in ("tv", "chi2", "hellinger", "kl")}
     f_of_08 = {"tv": 0.2, "chi2": 0.04, "hellinger": (math.sqrt(0.8) - 1) ** 2, "kl": -math.log(0.8)}
     assert defaults == pytest.approx(f_of_08, rel=1e-10)
-    assert defaults == pytest.approx({"tv": 0.2, "chi2": 0.04, "hellinger": 0.0111, "kl": 0.223}, abs=2e-4)
     assert LossConfig(rule=("tv", "mc"), tv_half=True).delta == pytest.approx(0.1)
     assert ratio_bounds(("tv", "mc"), 0.1, 0.5, tv_half=True)[1].item() == pytest.approx(1.2)
     lo, hi = ratio_bounds(("kl", "mc"), 0.223, 0.5, kl_two_sided=False)
@@ -136,9 +153,6 @@ def test_dppo_is_its_band_and_the_tv_cells_keep_their_conventions():
     lo, hi = ratio_bounds("dppo", 0.2, mu)
     torch.testing.assert_close(lo, torch.clamp(1 - 0.2 / mu, min=0), rtol=0, atol=0)
     torch.testing.assert_close(hi, 1 + 0.2 / mu, rtol=0, atol=0)
-    assert LossConfig(rule="dppo").delta == 0.2
-    assert [b.item() for b in ratio_bounds("dppo", 0.2, 0.05)] == pytest.approx([0.0, 5.0])
-    assert [b.item() for b in ratio_bounds("dppo", 0.2, 0.5)] == pytest.approx([0.6, 1.4])
     # the same band as the atomic TV cell at 0.2; the binary cell is half of it unless TV takes the 1/2
     atomic = ratio_bounds(("tv", "atomic"), 0.2, mu)
     for ours, cell in zip((lo, hi), atomic):
@@ -164,19 +178,42 @@ def test_kl_full_interval_is_the_bernoulli_kl_bound_and_dcpo_matches_its_roots()
     assert ratio_bounds("dcpo", 0.2, 0.001)[0].item() == 0.5 and ratio_bounds("dcpo", 0.2, 0.001)[1].item() == 10
 
 
-@pytest.mark.parametrize("name", [n for n, r in RULES.items() if r.region and r.bounds])
-def test_a_rules_region_and_its_closed_form_bounds_agree(name):
+@pytest.mark.parametrize("rule", list(INSIDE), ids=str)
+def test_a_rules_bounds_are_the_edges_of_its_papers_region(rule):
     mu = torch.tensor([0.9, 0.5, 0.05, 0.001], dtype=f64)
-    cfg, rule = LossConfig(rule=name), RULES[name]
-    lo, hi = rule.bounds(mu, cfg)
+    lo, hi = ratio_bounds(rule, None, mu)
     for edge, side in ((lo, -1), (hi, 1)):
         finite = (edge > 0) & (edge < math.inf)
-        just_in, just_out = edge * (1 - side * 1e-9), edge * (1 + side * 1e-9)
-        assert rule.region(just_in.log(), mu.log(), cfg)[finite].all()
-        assert not rule.region(just_out.log(), mu.log(), cfg)[finite].any()
+        assert INSIDE[rule](mu, edge * (1 - side * 1e-9))[finite].all()
+        assert not INSIDE[rule](mu, edge * (1 + side * 1e-9))[finite].any()
+        assert INSIDE[rule](mu, torch.full_like(mu, 1e-30 if side < 0 else 1e30))[~finite].all()  # unbounded
 
 
 # ----------------------------------------------------------------------------- the clip operator
+
+INTERVAL_RULES = [name for name, rule in RULES.items() if rule.objective is ppo_objective]
+
+
+@pytest.mark.parametrize("options", [{}, {"ratio_limits": (0.7, 2.0)}, {"dual_clip": 3.0}], ids=str)
+@pytest.mark.parametrize("rule", INTERVAL_RULES)
+def test_the_clip_operator_is_textbook_ppo_for_every_interval_rule(rule, options):
+    logp, old_logp, adv, mask = random_tokens(B=8, T=16, seed=15, spread=1.0, min_prob=1e-3)
+    cfg = LossConfig(rule=rule, **options)
+    value, grad, metrics = grad_of(logp, old_logp, adv, mask, cfg)
+    ppo_logp = logp.detach().clone().requires_grad_()
+    w, a = (ppo_logp - old_logp).exp(), adv[:, None]
+    lo, hi = ratio_bounds(rule, None, old_logp.exp(), **options)  # the rule's interval within the limits
+    objective = ppo_clip(w, a, lo, hi)
+    if "dual_clip" in options:  # dual-clip PPO: max(min(w*A, clip(w)*A), c*A) where A < 0
+        objective = torch.where(a < 0, torch.max(objective, options["dual_clip"] * a), objective)
+    textbook = -(objective * mask).sum() / mask.sum()
+    textbook.backward()
+    assert value.item() == pytest.approx(textbook.item(), rel=1e-12)
+    torch.testing.assert_close(grad, ppo_logp.grad, rtol=1e-12, atol=0)
+    stopped = ((ppo_logp.grad == 0) & mask).sum() / mask.sum()
+    counted = metrics["clip_low_frac"] + metrics["clip_high_frac"] + metrics["limit_clip_frac"]
+    assert counted == pytest.approx(stopped.item())
+    assert stopped > 0 or (rule == "interval" and not options)  # the interval rule alone clips nothing
 
 
 @pytest.mark.parametrize("rule", list(INSIDE), ids=str)
@@ -197,18 +234,12 @@ def test_gradient_is_zero_outside_pushed_outward_and_minus_a_w_over_n_elsewhere(
     assert metrics["clip_high_frac"] == pytest.approx(((outward & (w > 1)).sum() / n).item())
 
 
-def test_grpo_equals_tv_mc_token_for_token_and_textbook_ppo():
+def test_grpo_equals_tv_mc_token_for_token():
     logp, old_logp, adv, mask = random_tokens(seed=2, spread=0.4)
     loss_grpo, grad_grpo, metrics_grpo = grad_of(logp, old_logp, adv, mask, LossConfig(rule="grpo"))
     loss_tv, grad_tv, metrics_tv = grad_of(logp, old_logp, adv, mask, LossConfig(rule=("tv", "mc"), delta=0.2))
     assert torch.equal(grad_grpo, grad_tv) and torch.equal(loss_grpo, loss_tv) and metrics_grpo == metrics_tv
-    ppo_logp = logp.detach().clone().requires_grad_()
-    w = (ppo_logp - old_logp).exp()
-    a = adv[:, None]
-    objective = torch.minimum(w * a, w.clamp(0.8, 1.2) * a)
-    (-(objective * mask).sum() / mask.sum()).backward()
-    torch.testing.assert_close(grad_grpo, ppo_logp.grad, rtol=1e-12, atol=0)
-    assert (ppo_logp.grad == 0).any()
+    assert (grad_grpo == 0).any()
 
 
 def test_dual_clip_stops_negative_advantage_tokens_above_c():
@@ -236,9 +267,6 @@ def test_dual_clip_pair_also_stops_positive_advantage_tokens_below_lo():
     expected = torch.tensor([0.0, -1.0 * 0.6 / 4, 0.0, 1.0 * 8.0 / 4], dtype=f64)
     torch.testing.assert_close(grad[0], expected)
     assert metrics["limit_clip_frac"] == 0.5
-    for bad in ((1.5, 10.0), (0.5, 0.9), (0.5,)):
-        with pytest.raises(ValueError, match="--dual-clip"):
-            LossConfig(dual_clip=bad)
 
 
 # ----------------------------------------------------------------------------- other rules
@@ -394,7 +422,7 @@ def test_gradient_accumulation_equals_one_big_batch():
                 total += part.item()
             torch.testing.assert_close(weight.grad, full_grad, rtol=1e-10, atol=1e-14)
             assert total == pytest.approx(full.item(), rel=1e-10)
-    # The bug being guarded against: each micro-batch normalized by its own token count.
+    # Each micro-batch normalized by its own token count gives another gradient.
     weight.grad = None
     cfg = LossConfig(rule="grpo")
     for rows in micro_batches:
@@ -457,8 +485,6 @@ def test_entropy_bonus_is_subtracted_like_the_loss_and_differentiated():
     assert only_entropy.item() == pytest.approx(-(0.01 * entropy.detach()[mask].sum() / n).item(), rel=1e-12)
     torch.testing.assert_close(entropy.grad[mask], torch.full_like(entropy.grad[mask], -0.01 / n.item()))
     assert (entropy.grad[~mask] == 0).all()
-    with pytest.raises(ValueError, match="--entropy-coef"):
-        LossConfig(entropy_coef=-0.1)
 
 
 # ----------------------------------------------------------------------------- advantages
@@ -550,7 +576,7 @@ def test_clip_rates_of_acting_tokens_leave_out_zero_advantages():
     # stopped: w=1.5 A>0 (region), w=0.5 A<0 (region), both w=2 A>0 (region); the zero-advantage tokens never
     assert metrics["active_share"] == pytest.approx(4 / 6)
     assert metrics["active_clip_frac"] == pytest.approx(4 / 4)
-    assert metrics["clip_low_frac"] + metrics["clip_high_frac"] == pytest.approx(4 / 6)  # the older count
+    assert metrics["clip_low_frac"] + metrics["clip_high_frac"] == pytest.approx(4 / 6)  # over every token
     assert metrics["mu[>0.9]/active_share"] == pytest.approx(1 / 6)
     assert metrics["mu[>0.9]/active_clip_frac"] == 1.0 and metrics["mu[>0.9]/clip_frac"] == 0.5
     assert metrics["mu[0.5-0.9]/active_clip_frac"] == 0.0  # no tokens: 0, weighted by its share 0 when merged
@@ -563,20 +589,47 @@ def test_clip_rates_of_acting_tokens_leave_out_zero_advantages():
 # ----------------------------------------------------------------------------- bad input
 
 
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"rule": "ppo-ish"}, "--rule ppo-ish: unknown rule 'ppo-ish'; known: grpo, dapo"),
+        ({"rule": ("kl", "guess")}, r"--rule kl,guess: unknown rule \('kl', 'guess'\)"),
+        ({"rule": "kl3", "delta": -0.1}, "--delta -0.1: must be >= 0"),
+        ({"rule": "dapo", "delta_high": -0.1}, "--delta-high -0.1: must be >= 0"),
+        ({"delta": math.nan}, "--delta nan: must be a finite number"),
+        ({"aggregation": "mean"}, "--aggregation mean: expected one of token-mean, "),
+        ({"rule": "gspo", "aggregation": "token-mean"}, "--aggregation token-mean: rule gspo is sequence-level"),
+        ({"dual_clip": 0.5}, "--dual-clip 0.5: expected c > 1, or lo,hi with 0 < lo < 1 < hi"),
+        ({"dual_clip": (1.5, 10.0)}, "--dual-clip 1.5,10: expected"),
+        ({"dual_clip": (0.5, 0.9)}, "--dual-clip 0.5,0.9: expected"),
+        ({"dual_clip": (0.5,)}, "--dual-clip 0.5: expected"),
+        ({"ratio_limits": "2,1"}, "--ratio-limits 2,1: expected lo,hi with 0 <= lo < 1 < hi"),
+        ({"ratio_limits": [2, 1]}, "--ratio-limits 2,1: expected"),  # a JSON list
+        ({"ratio_limits": "0.5"}, "--ratio-limits 0.5: expected"),
+        ({"ratio_limits": (1.0, 10.0)}, "--ratio-limits 1,10: expected"),
+        ({"ratio_limits": (-0.1, 2.0)}, "--ratio-limits -0.1,2: expected"),
+        ({"ratio_limits": "a,b"}, "--ratio-limits a,b: expected numbers separated by commas"),
+        ({"adv_std": "global"}, "--adv-std global: expected one of group, batch, none"),
+        ({"entropy_coef": -0.1}, "--entropy-coef -0.1: must be >= 0"),
+        ({"kl_beta": -1.0}, "--kl-beta -1.0: must be >= 0"),
+        ({"kl_estimator": "k4"}, "--kl-estimator k4: expected one of k1, k2, k3"),
+        ({"norm_len": 0}, "--norm-len 0: must be >= 1"),
+        ({"rule": "sapo", "sapo_tau_neg": 0.0}, "--sapo-tau-neg 0.0: must be > 0"),
+        ({"rule": "kl_cov", "cov_ratio": 0.0}, r"--cov-ratio 0.0: must be in \(0, 1\]"),
+        ({"rule": "clip_cov", "clip_cov_bounds": (2.0, 1.0)}, "--clip-cov-bounds 2,1: expected lo,hi with lo < hi"),
+    ],
+    ids=str,
+)
+def test_a_bad_setting_fails_in_one_line_naming_its_flag(options, message):
+    with pytest.raises(ValueError, match=message) as error:
+        LossConfig(**options)
+    assert "\n" not in str(error.value)
+
+
 def test_bad_input_raises_value_errors_naming_the_argument():
     logp, old_logp, adv, mask = random_tokens()
-    with pytest.raises(ValueError, match="rule"):
-        LossConfig(rule="ppo-ish")
-    with pytest.raises(ValueError, match="rule"):
-        LossConfig(rule=("kl", "guess"))
-    with pytest.raises(ValueError, match="delta"):
-        LossConfig(rule="kl3", delta=-0.1)
-    with pytest.raises(ValueError, match="delta"):
+    with pytest.raises(ValueError, match="--delta -0.2"):
         ratio_bounds("grpo", -0.2, 0.5)
-    with pytest.raises(ValueError, match="aggregation"):
-        LossConfig(aggregation="mean")
-    with pytest.raises(ValueError, match="--dual-clip"):
-        LossConfig(dual_clip=0.5)
     with pytest.raises(ValueError, match="old_logp"):
         policy_loss(logp, old_logp[:, :-1], adv, mask, LossConfig())
     with pytest.raises(ValueError, match="advantages"):
@@ -589,6 +642,8 @@ def test_bad_input_raises_value_errors_naming_the_argument():
         ratio_bounds("sapo", 0.1, 0.5)
     with pytest.raises(ValueError, match="group_size"):
         group_advantages([1.0, 0.0, 1.0], 2)
+    with pytest.raises(ValueError, match="std must be one of group, batch, none"):
+        group_advantages([1.0, 0.0], 2, std="global")
 
 
 # ----------------------------------------------------------------------------- ratio limits
@@ -605,11 +660,6 @@ def test_ratio_limits_intersect_the_interval_and_the_interval_rule_is_the_limits
     assert (lo == 0).all() and (hi == math.inf).all()
     lo, hi = ratio_bounds("interval", None, mu, ratio_limits="0.5,10")
     assert (lo == 0.5).all() and (hi == 10).all()
-    for bad in ("2,1", "0.5", (1.0, 10.0), (-0.1, 2.0)):
-        with pytest.raises(ValueError, match="--ratio-limits"):
-            LossConfig(ratio_limits=bad)
-    with pytest.raises(ValueError, match="--ratio-limits 2,1: "):
-        LossConfig(ratio_limits=[2, 1])
 
 
 def test_interval_rule_with_limits_is_textbook_ppo_with_clip_range_half_to_ten():
@@ -666,6 +716,32 @@ def test_ratio_limits_stop_outward_tokens_in_every_rule(rule):
 # ----------------------------------------------------------------------------- the config and the rule interface
 
 
+def test_a_rule_registered_in_a_test_gets_its_flags_bounds_and_metrics_from_its_entry():
+    cfg, given, _ = config.parse_args(["--rule", "sqrt_band", "--delta", "0.3", "--ratio-limits", "0.5,10"])
+    assert cfg.loss.rule == "sqrt_band" and cfg.loss.delta == 0.3 and {"delta", "ratio_limits"} <= given
+    for flags in (["--delta-high", "0.3"], ["--tv-half"], ["--sapo-tau-pos", "2"]):
+        with pytest.raises(ValueError, match=f"{flags[0]}.*: --rule sqrt_band does not read it"):
+            config.parse_args(["--rule", "sqrt_band", *flags])
+    mu = torch.tensor([0.95, 0.25, 0.02], dtype=f64)
+    lo, hi = ratio_bounds("sqrt_band", 0.3, mu, ratio_limits=(0.5, 10.0))
+    torch.testing.assert_close(hi, (1 + 0.3 / mu.sqrt()).clamp_max(10))
+    torch.testing.assert_close(lo, (1 - 0.3 / mu.sqrt()).clamp_min(0.5))
+    old_logp = mu.log()[None]  # w = 1.5 pushed up: outside the band 1 +- 0.3/sqrt(mu) at mu = 0.95 only
+    _, metrics = policy_loss(old_logp + math.log(1.5), old_logp, torch.ones(1), torch.ones(1, 3, dtype=torch.bool),
+                             LossConfig(rule="sqrt_band", delta=0.3))  # fmt: skip
+    assert metrics["clip_high_frac"] == pytest.approx(1 / 3) and metrics["mu[>0.9]/clip_frac"] == 1.0
+    assert metrics["mu[0.1-0.5]/clip_frac"] == metrics["mu[0.01-0.1]/clip_frac"] == 0.0
+    with pytest.raises(ValueError, match="'sqrt_band' is registered already"):
+        register("sqrt_band", RULES["grpo"])
+
+
+def test_every_entry_declares_settings_that_are_config_fields_and_the_config_builds():
+    fields = {f.name for f in dataclasses.fields(LossConfig)}
+    for name, rule in RULES.items():
+        assert set(rule.settings) <= fields, name
+        assert LossConfig(rule=name).delta is None or "delta" in rule.settings, name
+
+
 def test_every_field_has_help_and_tuples_round_trip_through_json():
     for f in dataclasses.fields(LossConfig):
         assert f.metadata.get("help"), f.name
@@ -683,16 +759,12 @@ def test_advantages_take_their_options_from_the_config():
             expected = group_advantages(rewards, 4, std=adv_std, leave_one_out=leave_one_out)
             assert torch.equal(advantages(rewards, 4, cfg), expected)
     assert not torch.equal(advantages(rewards, 4, LossConfig(leave_one_out=True)), advantages(rewards, 4, LossConfig()))
-    with pytest.raises(ValueError, match="--adv-std"):
-        LossConfig(adv_std="global")
 
 
 def test_sequence_level_rules_default_to_their_aggregation_and_refuse_another():
     for rule in ("gspo", "gmpo", "sapo"):
         assert LossConfig(rule=rule).aggregation == "seq-mean-token-mean"
         assert LossConfig(rule=rule, aggregation="seq-mean-token-mean").aggregation == "seq-mean-token-mean"
-        with pytest.raises(ValueError, match="--aggregation token-mean"):
-            LossConfig(rule=rule, aggregation="token-mean")
     assert LossConfig(rule="atr").aggregation == "token-mean"
     assert LossConfig(rule="atr", aggregation="seq-mean-token-sum-norm").aggregation == "seq-mean-token-sum-norm"
 

@@ -177,7 +177,7 @@ def calibration_report(
     """
     for rule in rules:
         spec = loss.get_rule(loss.LossConfig(rule=rule).rule)
-        if spec.needs or (spec.bounds is None and spec.region is None):
+        if spec.needs or spec.bounds is None:
             raise ValueError(
                 f"rule {rule!r} cannot be calibrated on per-token records: "
                 + (f"it needs {', '.join(spec.needs)}" if spec.needs else "it has no trust region")

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import config
+import loss
 
 # Each row: (preset, setting, value, where the paper states it). Values the papers leave open are not here:
 # they are our choices, listed in the README.
@@ -184,19 +185,36 @@ def test_every_loss_setting_reaches_the_loss_config():
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--rule", "interval", "--delta", "0.1"], "--delta 0.1: --rule interval has no trust-region size"),
-        (["--rule", "atr", "--delta-high", "0.1"], "--delta-high 0.1: --rule atr has no separate upper size"),
-        (["--sapo-tau-pos", "2"], "--sapo-tau-pos 2.0: only --rule sapo reads it, not --rule grpo"),
-        (["--tv-half"], "--tv-half: only the tv cells of the GPPO grid read it, not --rule grpo"),
-        (["--rule", "kl-atomic", "--tv-half"], "--tv-half: only the tv cells .* not --rule kl-atomic"),
+        (
+            ["--rule", "interval", "--delta", "0.1"],
+            r"--delta 0.1: --rule interval has no trust-region size \(read by grpo",
+        ),
+        (["--rule", "atr", "--delta-high", "0.1"], r"--delta-high 0.1: --rule atr does not read it \(read by .*dcpo"),
+        (["--sapo-tau-pos", "2"], r"--sapo-tau-pos 2.0: --rule grpo does not read it \(read by sapo\)"),
+        (["--tv-half"], r"--tv-half: --rule grpo does not read it \(read by tv-mc, tv-atomic, tv-binary\)"),
+        (["--rule", "kl-atomic", "--tv-half"], r"--tv-half: --rule kl-atomic does not read it"),
+        (["--rule", "tv-mc", "--no-kl-two-sided"], r"--kl-two-sided: --rule tv-mc does not read it \(read by kl-mc"),
         (["--norm-len", "5"], "--norm-len 5: only --aggregation seq-mean-token-sum-norm divides by it, not token-mean"),
         (["--kl-estimator", "k2"], "--kl-estimator k2: the KL penalty is off"),
-        (["--rule", "clip_cov", "--kl-cov-coef", "2"], "--kl-cov-coef 2.0: only --rule kl_cov reads it"),
+        (
+            ["--rule", "clip_cov", "--kl-cov-coef", "2"],
+            r"--kl-cov-coef 2.0: --rule clip_cov does not read it \(read by kl_cov\)",
+        ),
     ],
 )
 def test_a_flag_that_does_nothing_with_the_others_is_refused(flags, message):
     with pytest.raises(ValueError, match=message):
         config.parse_args(flags)
+
+
+def test_every_setting_a_rules_entry_declares_is_accepted_with_it():
+    for rule, entry in loss.RULES.items():
+        for name in entry.settings:
+            text, value = FLAG_VALUES[name]
+            flag = "--" + name.replace("_", "-")
+            argv = [flag] if text is True else ["--no-" + flag[2:]] if text is False else [flag, text]
+            cfg, given, _ = config.parse_args(["--rule", rule, *argv])
+            assert getattr(cfg.loss, name) == value and name in given, (rule, name)
 
 
 def test_settings_that_leave_the_trust_region_inert_warn_once():
