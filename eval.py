@@ -524,7 +524,7 @@ def evaluate(
                 score == 1.0
                 for score in scoring.verdicts(
                     out.texts, references, template=template, open_thought=open_thought, code_limits=code_limits
-                )
+                )[0]
             ]
             finals = [reward.split_thinking(t, open_thought).answer for t in out.texts]
             answers = [None if f is None else _answer(f, p, template) for f, p in zip(finals, references)]

@@ -191,20 +191,18 @@ def score(out: rollout.Rollout, problems: list[dict], cfg: Config, step: int = 0
     (reward.split_thinking). code holds, per row: is it a code problem, the share of its tests passed, and a
     one-hot of why it failed (sandbox.REASONS)."""
     rows = [p for p in problems for _ in range(cfg.group_size)]
-    grades = []  # per row, a code problem's sandbox.Grade (None for math): the code metrics
-    verdicts = scoring.verdicts(
+    verdicts, grades = scoring.verdicts(  # grades: a code row's sandbox.Grade (None for math), the code metrics
         out.texts,
         rows,
         template=cfg.template,
         open_thought=open_thought,
         code_fraction=cfg.code_reward == "fraction",
         code_limits=sandbox.Limits(timeout=cfg.code_timeout),
-        grades=grades,
     )
     is_code = [grade is not None for grade in grades]
     given = {
-        reward.math_reward: [None if c else v for v, c in zip(verdicts, is_code)],
-        sandbox.code_reward: [v if c else None for v, c in zip(verdicts, is_code)],
+        "reward:math_reward": [None if c else v for v, c in zip(verdicts, is_code)],
+        "sandbox:code_reward": [v if c else None for v, c in zip(verdicts, is_code)],
     }
     functions = scoring.functions(cfg.reward_fn, cfg.reward_weights, cfg.reward_timeout)
     columns = {

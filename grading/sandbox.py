@@ -1164,14 +1164,16 @@ def reward(
     fraction: bool = False,
     limits: Limits = Limits(),
     workers: int | None = None,
-    grades: list | None = None,
 ) -> list[float]:
-    """Per completion: 1.0 when its program passes every test of its problem (fraction: the share passed).
-    `grades`, a list, receives each completion's Grade (for metrics: reasons, tests passed, seconds)."""
-    graded = grade([extract_program(c) for c in completions], problems, limits=limits, workers=workers)
-    if grades is not None:
-        grades.extend(graded)
-    return [g.reward(fraction) for g in graded]
+    """Per completion: 1.0 when its program passes every test of its problem (fraction: the share passed)."""
+    return [g.reward(fraction) for g in grade_completions(completions, problems, limits=limits, workers=workers)]
+
+
+def grade_completions(
+    completions: Sequence[str], problems: Sequence[Mapping], *, limits: Limits = Limits(), workers: int | None = None
+) -> list[Grade]:
+    """Per completion, the Grade of the program it holds (for metrics: reasons, tests passed, seconds)."""
+    return grade([extract_program(c) for c in completions], problems, limits=limits, workers=workers)
 
 
 def code_reward(

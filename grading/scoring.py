@@ -192,19 +192,19 @@ class RewardFunctions:
         columns: dict[str, list],
         where: str = "",
         group_size: int = 1,
-        given: dict[Callable, list[float]] | None = None,
+        given: dict[str, list[float | None]] | None = None,
     ) -> tuple[list[float], dict[str, list[float]]]:
         """(the weighted sum per completion, each function's values by name, None read as 0).
 
         columns holds the keyword arguments besides completions (prompts, completion_ids, the dataset's
-        columns), each a list aligned with completions. where and group_size name a failing row. given holds
-        the values of functions the caller has already computed (train.py grades the built-in reward itself,
-        with the run's code settings); those are not called again."""
+        columns), each a list aligned with completions. where and group_size name a failing row. given holds,
+        by spec (such as "reward:math_reward"), the values of functions the caller has already computed
+        (train.py grades the built-in rewards itself, with the run's code settings); those are not called."""
         totals, by_name, given = [0.0] * len(completions), {}, given or {}
         for spec, function, name, weight in zip(self.specs, self.functions, self.names, self.weights):
             values = (
-                given[function]
-                if function in given
+                given[spec]
+                if spec in given
                 else self._call(
                     spec, function, {"completions": completions, **columns}, len(completions), where, group_size
                 )
@@ -314,15 +314,14 @@ def verdicts(
     open_thought: bool = False,
     code_fraction: bool = False,
     code_limits: sandbox.Limits | None = None,
-    grades: list | None = None,
-) -> list[float]:
+) -> tuple[list[float], list[sandbox.Grade | None]]:
     """The built-in verdict of each completion, by its row's task: a math problem's answer checked against
     its "answer" (reward.reward, an echo of the row's "problem" refused), a code problem's program (task
     "code") run against its tests (sandbox.reward: 1.0 when every test passes, the share passed with
     code_fraction, within code_limits). Only the answer part after a thought is read (reward.split_thinking).
     This is what train.py's accuracy and eval.py's Mean@k count, whatever the reward functions are, and
-    what it hands reward.math_reward and sandbox.code_reward instead of calling them again. `grades`, a
-    list, receives each row's sandbox.Grade (None for math): the reasons behind the code metrics."""
+    what it hands reward.math_reward and sandbox.code_reward instead of calling them again. Returns the
+    verdicts and each row's sandbox.Grade (None for math): the reasons behind the code metrics."""
     code = [i for i, row in enumerate(rows) if row.get("task") == "code"]
     math_rows = [i for i, row in enumerate(rows) if row.get("task") != "code"]
     for i in math_rows:
@@ -340,16 +339,7 @@ def verdicts(
         values[i] = value
     if code:
         answers = [reward.split_thinking(completions[i], open_thought).answer or "" for i in code]  # "": none
-        programs: list[sandbox.Grade] = []
-        run = sandbox.reward(
-            answers,
-            [rows[i] for i in code],
-            fraction=code_fraction,
-            limits=code_limits or sandbox.Limits(),
-            grades=programs,
-        )
-        for i, value, grade in zip(code, run, programs):
-            values[i], found[i] = value, grade
-    if grades is not None:
-        grades.extend(found)
-    return values
+        programs = sandbox.grade_completions(answers, [rows[i] for i in code], limits=code_limits or sandbox.Limits())
+        for i, grade in zip(code, programs):
+            values[i], found[i] = grade.reward(code_fraction), grade
+    return values, found

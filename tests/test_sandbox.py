@@ -254,9 +254,9 @@ def test_a_supervisor_past_its_deadline_is_replaced(available, monkeypatch):
 
 def test_reward_extracts_and_reports(available):
     completions = [f"```python\n{ADD}```", "I cannot solve it.", "```python\nprint(7)\n```"]
-    grades = []
-    assert sandbox.reward(completions, [STDIO] * 3, grades=grades) == [1.0, 0.0, 0.0]
+    assert sandbox.reward(completions, [STDIO] * 3) == [1.0, 0.0, 0.0]
     assert sandbox.reward(completions, [STDIO] * 3, fraction=True) == [1.0, 0.0, 0.5]
+    grades = sandbox.grade_completions(completions, [STDIO] * 3)
     assert [g.reason for g in grades] == [None, "no_code_block", "wrong_answer"]
 
 
@@ -271,11 +271,11 @@ def test_a_program_is_read_after_the_thought_and_an_unclosed_thought_runs_nothin
         f"<think>\nplan\n</think>\n{program}",
         f"<think>\nstill thinking\n{program}",
     ]
-    grades = []
-    assert scoring.verdicts(completions, [problem] * 3, grades=grades) == [0.0, 1.0, 0.0]
-    assert scoring.verdicts([program], [problem]) == [1.0]
-    assert scoring.verdicts([program], [problem], open_thought=True, grades=grades) == [0.0]  # all of it thought
-    assert [g.reason for g in grades] == ["no_code_block", None, "no_code_block", "no_code_block"]
+    values, grades = scoring.verdicts(completions, [problem] * 3)
+    assert values == [0.0, 1.0, 0.0] and scoring.verdicts([program], [problem])[0] == [1.0]
+    thought, thought_grades = scoring.verdicts([program], [problem], open_thought=True)
+    assert thought == [0.0]  # all of it thought
+    assert [g.reason for g in grades + thought_grades] == ["no_code_block", None, "no_code_block", "no_code_block"]
     columns = {"task": ["code"] * 3 + [None], "tests": [STDIO["tests"]] * 3 + [None], "answer": [None] * 3 + ["7"]}
     assert sandbox.code_reward(completions + ["7"], **columns) == [0.0, 1.0, 0.0, None]  # None: not its row
 

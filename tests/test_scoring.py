@@ -99,9 +99,9 @@ def test_verdicts_grade_each_row_by_its_task_so_math_and_code_mix():
     code = {"task": "code", "problem": "Print 7.", "tests": [{"input": "", "output": "7"}]}
     rows = [{"problem": "What is 2 + 2?", "answer": "4"}, {"problem": "What is 2 + 3?", "answer": "5"}, code, code]
     completions = ["\\boxed{4}", "2 + 3", "```python\nprint(7)\n```", "```python\nprint(8)\n```"]
-    grades = []
     try:
-        assert scoring.verdicts(completions, rows, grades=grades) == [1.0, 0.0, 1.0, 0.0]
+        values, grades = scoring.verdicts(completions, rows)
+        assert values == [1.0, 0.0, 1.0, 0.0]
     except sandbox.SandboxUnavailable as error:
         pytest.skip(str(error))
     assert grades[:2] == [None, None] and [g.reason for g in grades[2:]] == [None, "wrong_answer"]
