@@ -44,9 +44,10 @@ import reward
 import rollout
 from config import Config
 from data import load_problems, opens_thought, render_prompt, stop_ids, thinking_note, user_message
-from engine import sizes
+from engine.pool import sampling_policy
 from grading import sandbox, scoring
 from infra import distributed
+from infra.errors import oom_hint
 from infra.weights import from_pretrained, load_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -618,14 +619,12 @@ def _held_out(
     pool: rollout.Pool | None = None,
 ) -> dict:
     results = {}
-    with sizes.sampling_policy(model, pool) as policy:  # a sharded model's weights, gathered once for every set
+    with sampling_policy(model, pool) as policy:  # a sharded model's weights, gathered once for every set
         for name, problems in eval_sets.items():
             lo, hi = (len(problems) * r // world.size for r in (world.rank, world.rank + 1))
             mine = []
             if hi > lo:
-                with sizes.oom_hint(
-                    f"evaluation on {name}", f"lower --eval-batch (now {cfg.eval_batch} prompts per call)"
-                ):
+                with oom_hint(f"evaluation on {name}", f"lower --eval-batch (now {cfg.eval_batch} prompts per call)"):
                     mine = evaluate(
                         policy,
                         tokenizer,
