@@ -48,6 +48,7 @@ from engine.pool import sampling_policy
 from grading import sandbox, scoring
 from infra import distributed
 from infra.errors import oom_hint
+from infra.rundir import strict_json
 from infra.weights import from_pretrained, load_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -351,18 +352,6 @@ def compare_to_baseline(
 
 # -----------------------------------------------------------------------------
 # run files and tables
-
-
-def strict_json(value):
-    """value with every NaN and infinity replaced by None: strict JSON readers reject Python's NaN, and a
-    standard error over one problem is undefined (NaN), so it is written as null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, Mapping):
-        return {key: strict_json(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [strict_json(item) for item in value]
-    return value
 
 
 def save_run(
