@@ -66,22 +66,23 @@ class SharedPrompts:
     """
 
     def __init__(self, prompt_mask: torch.Tensor, owner: torch.Tensor, completion_mask: torch.Tensor, cfg: ModelConfig):
-        (U, P), (R, C), device = prompt_mask.shape, completion_mask.shape, owner.device
+        (U, P), (R, C) = prompt_mask.shape, completion_mask.shape
         self.owner, self.sizes, self.cfg = owner, (U, P, R, C), cfg
         self.fold = C <= 2 * cfg.head_dim
-        keys, queries = torch.arange(P + C, device=device), torch.arange(C, device=device)
-        own_prompt = keys < prompt_mask.sum(1)[owner][:, None, None]  # [R, 1, P + C]: its prompt's real tokens
-        own_past = (keys >= P) & (keys - P <= queries[:, None])  # [C, P + C]: its own tokens up to the query
-        self.hidden = ~(own_prompt | own_past)  # [R, C, P + C]
+        self.prompt_lengths = prompt_mask.sum(1)[owner]  # [R]: each row's prompt tokens
         self.bias = None
 
     def _bias(self, dtype: torch.dtype) -> torch.Tensor:
-        """The additive mask in the dtype the blocks compute in, made at the first layer: under FSDP2 that is
-        the gathered weights' dtype, not the shards', and known only inside the forward."""
+        """The additive mask, made at the first layer in the dtype the blocks compute in (under FSDP2 the
+        gathered weights', not the shards', known only inside the forward); every layer reads it."""
         if self.bias is None:
             U, P, R, C = self.sizes
-            bias = torch.zeros(R, 1, C, P + C, dtype=dtype, device=self.hidden.device)
-            bias.masked_fill_(self.hidden[:, None], float("-inf"))
+            device = self.owner.device
+            keys, queries = torch.arange(P + C, device=device), torch.arange(C, device=device)
+            own_prompt = keys < self.prompt_lengths[:, None, None]  # [R, 1, P + C]: its prompt's real tokens
+            own_past = (keys >= P) & (keys - P <= queries[:, None])  # [C, P + C]: its own tokens up to the query
+            hidden = ~(own_prompt | own_past)  # [R, C, P + C]
+            bias = torch.zeros(R, 1, C, P + C, dtype=dtype, device=device).masked_fill_(hidden[:, None], float("-inf"))
             if self.fold:  # [R, 1, (head, t), P + C]
                 heads_per_kv = self.cfg.num_heads // self.cfg.num_kv_heads
                 bias = bias.expand(-1, heads_per_kv, -1, -1).reshape(R, 1, heads_per_kv * C, P + C)
