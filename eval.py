@@ -44,9 +44,11 @@ import reward
 import rollout
 from config import Config
 from data import load_problems, opens_thought, render_prompt, stop_ids, thinking_note, user_message
-from engine import sizes
+from engine.pool import sampling_policy
 from grading import sandbox, scoring
 from infra import distributed
+from infra.errors import oom_hint
+from infra.rundir import strict_json
 from infra.weights import from_pretrained, load_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -352,18 +354,6 @@ def compare_to_baseline(
 # run files and tables
 
 
-def strict_json(value):
-    """value with every NaN and infinity replaced by None: strict JSON readers reject Python's NaN, and a
-    standard error over one problem is undefined (NaN), so it is written as null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, Mapping):
-        return {key: strict_json(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [strict_json(item) for item in value]
-    return value
-
-
 def save_run(
     path: str | Path, config: Mapping, evaluations: Mapping[str, Evaluation], avg: Mapping[str, Estimate]
 ) -> None:
@@ -618,14 +608,12 @@ def _held_out(
     pool: rollout.Pool | None = None,
 ) -> dict:
     results = {}
-    with sizes.sampling_policy(model, pool) as policy:  # a sharded model's weights, gathered once for every set
+    with sampling_policy(model, pool) as policy:  # a sharded model's weights, gathered once for every set
         for name, problems in eval_sets.items():
             lo, hi = (len(problems) * r // world.size for r in (world.rank, world.rank + 1))
             mine = []
             if hi > lo:
-                with sizes.oom_hint(
-                    f"evaluation on {name}", f"lower --eval-batch (now {cfg.eval_batch} prompts per call)"
-                ):
+                with oom_hint(f"evaluation on {name}", f"lower --eval-batch (now {cfg.eval_batch} prompts per call)"):
                     mine = evaluate(
                         policy,
                         tokenizer,

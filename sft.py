@@ -40,11 +40,9 @@ import config
 import eval as evaluation
 import lora
 import reward
-import train
 from config import SFTConfig
 from data import load_problems, opens_thought, render_prompt, render_solution, thinking_note
-from engine import sizes
-from infra import rundir, stopping, weights
+from infra import errors, rundir, stopping, training, weights
 
 # ----------------------------------------------------------------------------- examples and batches
 
@@ -186,7 +184,7 @@ def run(cfg: SFTConfig) -> dict:
     run_dir = rundir.run_path(cfg)
     with rundir.RunLock(run_dir, resume=bool(cfg.resume)) as lock:
         try:
-            model, tokenizer, optimizer, _ = train.build(cfg)
+            model, tokenizer, optimizer, _ = training.build(cfg)
             examples, too_long = tokenize(problems, tokenizer, cfg)
             if not examples:
                 raise ValueError(f"--max-length {cfg.max_length}: every one of the {len(problems)} examples is longer")
@@ -288,19 +286,19 @@ def sft_step(
     chosen = [batches[i] for i in order[position * cfg.grad_accum : (position + 1) * cfg.grad_accum]]
     micro = [collate([examples[i] for i in rows], model.device) for rows in chosen]
     step_tokens = sum(int(batch[3].sum()) for batch in micro)
-    lr = train.learning_rate(cfg.lr, cfg.lr_schedule, cfg.warmup_steps, total_steps, step)
+    lr = training.learning_rate(cfg.lr, cfg.lr_schedule, cfg.warmup_steps, total_steps, step)
     for group in optimizer.param_groups:
         group["lr"] = lr
     model.train()
     total = torch.zeros((), device=model.device)
     for batch in micro:
-        with sizes.oom_hint(
+        with errors.oom_hint(
             f"an SFT micro-batch of {batch[0].numel()} padded tokens", f"lower --batch-tokens (now {cfg.batch_tokens})"
         ):
             value = reply_loss(model, batch, step_tokens)
             value.backward()
         total += value.detach()
-    grad_norm = train.optimizer_step(model, optimizer, total, cfg, step)
+    grad_norm = training.optimizer_step(model, optimizer, total, cfg, step)
     padded = sum(batch[0].numel() for batch in micro)
     real = sum(int(batch[1].sum()) for batch in micro)
     seconds = time.perf_counter() - start
@@ -353,8 +351,8 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.resume:
             cfg = config.resumed_config(cfg, given)
         state = run(cfg)
-    except train.USER_ERRORS as error:
-        if train._inside_training(error, ("sft_step", "measure")):
+    except errors.USER_ERRORS as error:
+        if errors.inside_training(error, ("sft_step", "measure")):
             raise
         print(f"sft.py: {error}", file=sys.stderr)
         sys.exit(2)

@@ -48,9 +48,13 @@ import rollout
 from config import Config
 from data import load_problems, opens_thought, render_prompt, stop_ids, thinking_note, user_message
 from engine import memory, sizes
+from engine.pool import sampling_policy
+from engine.shared_prompts import hidden_shared
 from grading import sandbox, scoring
 from infra import distributed, fsdp, rundir, weights
+from infra.errors import USER_ERRORS, inside_training, oom_hint
 from infra.stopping import Interrupted, Stopped, StopRequest, exit_interrupted
+from infra.training import build, learning_rate, optimizer_step, trainable
 from research import calibrate
 
 # ----------------------------------------------------------------------------- one step
@@ -161,7 +165,7 @@ def sample(
     ]
     model.eval()  # no LoRA dropout while sampling: the old log-probs must be the sampling policy's
     hint = f"lower --rollout-batch (now {cfg.rollout_batch} prompts in flight) or --kv-blocks (now {cfg.kv_blocks})"
-    with sizes.oom_hint("the rollout", hint), sizes.sampling_policy(model, pool) as policy:
+    with oom_hint("the rollout", hint), sampling_policy(model, pool) as policy:
         return rollout.generate(
             policy,
             prompts,
@@ -274,7 +278,7 @@ def policy_update(
         losses, metrics = [], []
         for rows, idle in micro_batches:
             hint = f"raise --grad-accum (now {cfg.grad_accum})"
-            with sizes.oom_hint(f"a training micro-batch of {len(rows)} rows", hint):
+            with oom_hint(f"a training micro-batch of {len(rows)} rows", hint):
                 logp, mask, inputs, entropy = policy_inputs(model, out, frozen, rows, cfg)
                 value, micro = loss.policy_loss(
                     logp, inputs.pop("old_logp"), advantages[rows], mask, cfg.loss, **totals,
@@ -375,20 +379,6 @@ def update_metrics(per_update: list[list[dict]], grad_norms: list[float | None],
 CLIP_KEYS = ("clip_low_frac", "clip_high_frac", "limit_clip_frac")
 
 
-def optimizer_step(model, optimizer, total_loss: torch.Tensor, cfg: Config, step: int) -> float | None:
-    """Clip and apply the accumulated gradient; a non-finite loss or norm skips the update (returns None)."""
-    grad_norm = fsdp.clip_grad_norm(trainable(model), cfg.grad_clip)
-    finite = bool(torch.isfinite(total_loss) & torch.isfinite(grad_norm))  # one device sync
-    if finite:
-        optimizer.step()
-    else:
-        warnings.warn(
-            f"step {step}: non-finite loss ({float(total_loss)}) or gradient norm ({float(grad_norm)}); update skipped"
-        )
-    optimizer.zero_grad(set_to_none=True)
-    return float(grad_norm) if finite else None
-
-
 def frozen_inputs(model, out: rollout.Rollout, cfg: Config, reference=None) -> dict[str, torch.Tensor]:
     """Per-token inputs of the loss taken before the policy moves, each [N, C, ...] completion-aligned.
 
@@ -454,7 +444,7 @@ def policy_states(
     completion tokens, and completion_states(h, start) the states that predict them.
 
     Rows of one prompt group (row // group_size: the rollout is prompt-major) share their prompt: where
-    any prompt has several rows here, each prompt runs once for all of them (model.hidden_shared, from the
+    any prompt has several rows here, each prompt runs once for all of them (hidden_shared, from the
     last prompt token on); where none has, each row runs whole (model.hidden over the window).
     """
     groups, owner = torch.unique(rows // group_size, return_inverse=True)
@@ -465,7 +455,8 @@ def policy_states(
     prompt_mask, completion_mask = out.pad_mask[groups * group_size, :P], out.pad_mask[rows, P:]
     first = int(prompt_mask.any(0).nonzero()[0])  # the columns some prompt uses
     c = int(completion_mask.any(0).nonzero()[-1]) + 1  # and some completion
-    h = model.hidden_shared(
+    h = hidden_shared(
+        model,
         out.input_ids[groups * group_size, first:P],
         prompt_mask[:, first:],
         owner,
@@ -694,63 +685,7 @@ def batch_of(problems: list[dict], position: int, size: int, seed: int) -> list[
     return batch
 
 
-def learning_rate(peak: float, schedule: str, warmup_steps: int, total_steps: int, step: int) -> float:
-    """The rate of step `step` (1-based): linear warmup to `peak` over warmup_steps, then constant, or a
-    cosine or linear decay that would reach 0 one step after the last (so the last step still learns)."""
-    if step <= warmup_steps:
-        return peak * step / warmup_steps
-    if schedule == "constant":
-        return peak
-    progress = (step - warmup_steps - 1) / max(1, total_steps - warmup_steps)  # 0 at the first decayed step
-    return peak * (0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress)
-
-
-# ----------------------------------------------------------------------------- building the model
-
-
-def build(cfg: Config, init_adapter: str | None = None, model_dir: Path | None = None):
-    """Model, tokenizer, optimizer and reference policy (from model_dir, cfg.model resolved, when given).
-
-    With LoRA: fresh adapters (or those of init_adapter) on the frozen base, which is also the reference
-    policy (None is returned).
-    With --lora-rank 0 every weight trains: fp32 master weights (under bf16 compute) sharded by FSDP2 over
-    the process group (fsdp.py; one process is a group of one), and the reference is a frozen sharded
-    copy in the compute dtype when the loss needs ref_logp, else None.
-    """
-    device, dtype = config.resolve_device(cfg)
-    source = cfg.model if model_dir is None else str(model_dir)
-    tokenizer = weights.load_tokenizer(source)
-    reference = None
-    if cfg.lora_rank:
-        model = weights.from_pretrained(source, dtype=dtype, device=device)
-        model.requires_grad_(False)
-        torch.manual_seed(cfg.seed)  # adapter initialization
-        lora.inject(
-            model, cfg.lora_rank, cfg.lora_alpha, targets=tuple(cfg.lora_targets.split(",")), dropout=cfg.lora_dropout
-        )
-        if init_adapter:  # a resumed run's checkpoint then replaces these weights
-            lora.load(model, init_adapter)
-    else:
-        model = fsdp.shard(weights.from_pretrained(source, dtype=fsdp.master_dtype(dtype), device=device), dtype)
-        if "ref_logp" in loss.required_inputs(cfg.loss):
-            frozen = weights.from_pretrained(source, dtype=dtype, device=device).requires_grad_(False)
-            reference = fsdp.shard(frozen, dtype)
-    model.gradient_checkpointing = cfg.gradient_checkpointing == "on" or (
-        cfg.gradient_checkpointing == "auto" and device.type == "cuda"
-    )
-    optimizer = torch.optim.AdamW(trainable(model), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return model, tokenizer, optimizer, reference
-
-
-def trainable(model) -> list[torch.nn.Parameter]:
-    """The parameters the optimizer steps: the adapters with LoRA, every weight without."""
-    return list(lora.parameters(model)) if lora.lora_modules(model) else list(model.parameters())
-
-
 # ----------------------------------------------------------------------------- command line
-
-
-USER_ERRORS = (ValueError, OSError, rundir.RunInUse)  # OSError: missing files, full disks, read-only folders
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -768,7 +703,7 @@ def main(argv: list[str] | None = None) -> None:
         with distributed.joined(config.resolve_device(cfg)[0], cfg.dist_timeout, group=not cfg.lora_rank) as world:
             state = train(cfg, world)
     except USER_ERRORS as error:
-        if _inside_training(error):
+        if inside_training(error):
             raise
         print(f"train.py: {_one_line(error)}", file=sys.stderr)
         sys.exit(2)
@@ -805,17 +740,6 @@ def _one_line(error: BaseException) -> str:
     if isinstance(error, OSError) and not isinstance(error, rundir.WriteError) and error.filename and error.strerror:
         return f"{error.filename}: {error.strerror}"
     return str(error).replace("\n", " ")
-
-
-def _inside_training(error: BaseException, functions: tuple[str, ...] = ("train_step", "held_out")) -> bool:
-    """Whether an error was raised inside a training step rather than by the checks before it: those are
-    bugs or hardware trouble, and keep their traceback."""
-    tb = error.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_name in functions:
-            return True
-        tb = tb.tb_next
-    return False
 
 
 if __name__ == "__main__":

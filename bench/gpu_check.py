@@ -54,6 +54,8 @@ from qwen3_shapes import QWEN3, QWEN3_TINY  # noqa: E402
 import lora  # noqa: E402
 import rollout  # noqa: E402
 from engine import memory  # noqa: E402
+from engine.graphs import CudaGraph, EagerGraph  # noqa: E402
+from engine.pool import Pool  # noqa: E402
 
 
 def load_bench(name: str):
@@ -170,10 +172,10 @@ def with_adapters(model) -> None:
             module.lora_B.weight.copy_(torch.randn(module.lora_B.weight.shape, generator=g) * 0.01)
 
 
-def new_pool(ours, prompts: list[list[int]], samples: int, new_tokens: int) -> rollout.Pool:
+def new_pool(ours, prompts: list[list[int]], samples: int, new_tokens: int) -> Pool:
     """A pool that holds every row at full length, with CUDA graphs on CUDA and their stand-in elsewhere."""
-    graph_class = rollout.CudaGraph if ours.device.type == "cuda" else rollout.EagerGraph
-    return rollout.Pool.for_groups(ours, [len(p) for p in prompts], samples, new_tokens, graph_class=graph_class)
+    graph_class = CudaGraph if ours.device.type == "cuda" else EagerGraph
+    return Pool.for_groups(ours, [len(p) for p in prompts], samples, new_tokens, graph_class=graph_class)
 
 
 def check_parity(check: Check, name: str, ours, tiny: bool) -> dict:
@@ -234,7 +236,7 @@ def rollout_shape(cap: int, tiny: bool) -> tuple[int, int, int]:
     return (32, 8, PROMPT_LEN) if cap <= 1024 else (8, 8, PROMPT_LEN)
 
 
-def planned_peak(ours, pool: rollout.Pool, prompts: int, samples: int, prompt_len: int, cap: int) -> int:
+def planned_peak(ours, pool: Pool, prompts: int, samples: int, prompt_len: int, cap: int) -> int:
     """The memory plan's peak for a rollout of this shape: weights, adapters and pool as allocated (no
     optimizer in this script), plus memory.sampling_phase's transients counted on the meta device."""
     work = memory.Workload(

@@ -12,8 +12,8 @@ check that runs anywhere; it also counts the grpo pass's FLOPs and tensor memory
 
 grpo: the training pass of the demo's step (`make train`): 8 prompts of 54-55 tokens x 8 completions of
 10-16 of 16 tokens, SmolLM2-135M-Instruct with the demo's LoRA (r 16, alpha 32, seven projections),
-forward, log-probs with the entropy, loss.policy_loss and backward, as train.py's micro_batch_loss.
-"shared prompts" runs each prompt once for its 8 rows (model.hidden_shared, as train.py does);
+forward, log-probs with the entropy, loss.policy_loss and backward, as train.py's policy_update.
+"shared prompts" runs each prompt once for its 8 rows (engine/shared_prompts.py's hidden_shared, as train.py does);
 "whole rows" runs every row with its own copy of its prompt (model.hidden), the pass without sharing. fp32 without
 checkpointing on the CPU, bf16 with it on a GPU, as the trainer's defaults.
 
@@ -48,6 +48,7 @@ import lora  # noqa: E402
 import loss  # noqa: E402
 import model as modeling  # noqa: E402
 from engine import memory  # noqa: E402
+from engine.shared_prompts import hidden_shared  # noqa: E402
 from infra import weights  # noqa: E402
 
 RANK, ALPHA = 32, 64
@@ -163,11 +164,11 @@ def demo_batch(device) -> dict[str, torch.Tensor]:
 
 
 def grpo_step(model, batch: dict, shared: bool) -> None:
-    """train.py's micro_batch_loss and backward on the whole step, its prompts shared or not. On the meta
+    """train.py's policy_update forward, loss and backward on the whole step, its prompts shared or not. On the meta
     device the loss is memory.py's surrogate (loss.policy_loss asks questions of the values)."""
     owner, mask = batch["owner"], batch["completion_mask"]
     if shared:
-        h = model.hidden_shared(batch["prompt_ids"], batch["prompt_mask"], owner, batch["completion_ids"], mask)
+        h = hidden_shared(model, batch["prompt_ids"], batch["prompt_mask"], owner, batch["completion_ids"], mask)
         ids, start = torch.cat([batch["prompt_ids"][owner, -1:], batch["completion_ids"]], 1), 1
     else:
         ids = torch.cat([batch["prompt_ids"][owner], batch["completion_ids"]], 1)

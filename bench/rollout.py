@@ -12,8 +12,9 @@ Two length modes, the same on both sides, so both produce the same token count:
   lengths. A rare stop token (the last id) is forced at that length, so finished rows leave ours
   (compaction) and stay padded in transformers'.
 --fixed-shapes runs our CUDA decode loop (span and row buckets) on the CPU.
---products times only the decode step's matrix products on the CPU: model.decode_linear against F.linear
-for every projection shape of SmolLM2-135M and Qwen3-1.7B (random fp32 weights) at 1 to 6 rows.
+--products times only the decode step's matrix products on the CPU: engine/decode_weights.py's decode_linear
+against F.linear for every projection shape of SmolLM2-135M and Qwen3-1.7B (random fp32 weights) at 1 to 6
+rows: the measurements its operand order (WEIGHT_LEFT_ROWS) follows; docs/engine.md keeps the table.
 
     .venv/bin/python bench/rollout.py [--device cpu|cuda|meta] [--repeats 2] [--threads N] [--dtype bfloat16]
                                       [--models Qwen3-1.7B Qwen3-8B] [--long-tail] [--fixed-shapes] [--products]
@@ -36,7 +37,11 @@ from qwen3_shapes import QWEN3, QWEN3_COMMON, QWEN3_TINY  # noqa: E402
 
 import model as modeling  # noqa: E402
 import rollout  # noqa: E402
-from engine import memory  # noqa: E402
+import sampling  # noqa: E402
+from engine import decode_weights, memory  # noqa: E402
+from engine.kv_cache import PagedRows, decode_step, prefill  # noqa: E402
+from engine.pool import FLASH_BLOCK, Pool  # noqa: E402
+from engine.scheduler import group_blocks  # noqa: E402
 from infra import weights  # noqa: E402
 
 long_tail_lengths = memory.long_tail_lengths  # the memory plan's length model
@@ -93,18 +98,18 @@ def forced_lengths(lengths: list[int] | None, stop_id: int):
     if lengths is None:
         yield
         return
-    draw = rollout._sample
+    draw = sampling.draw
     stop_at = torch.tensor(lengths + [0])  # the extra entry serves padding rows, which never stop
 
     def forcing_draw(logits, *, rows, position, **kwargs):
         tokens, logp = draw(logits, rows=rows, position=position, **kwargs)
         return tokens.masked_fill(stop_at.to(rows.device)[rows] == position + 1, stop_id), logp
 
-    rollout._sample = forcing_draw
+    sampling.draw = forcing_draw
     try:
         yield
     finally:
-        rollout._sample = draw
+        sampling.draw = draw
 
 
 def hf_stop_processor(lengths: list[int], prompt_len: int, stop_id: int):
@@ -247,12 +252,12 @@ PRODUCT_SHAPES = {  # (out, in) of each distinct projection, and how many of it 
 
 @torch.inference_mode()
 def bench_products(repeats: int) -> None:
-    """Seconds of one decode step's matrix products, F.linear against model.decode_linear, per shape and rows.
+    """Seconds of one decode step's matrix products, F.linear against decode_linear, per shape and rows.
     Each shape runs on as many distinct random matrices as the model has of it, so the weights stream from
     memory as in a decode step, not from the cache. Best of `repeats` rounds, interleaved."""
     print(
         f"CPU, {torch.get_num_threads()} threads, fp32: one decode step's products, F.linear / "
-        f"decode_linear in ms (weight on the left at rows: in_features up to {modeling.WEIGHT_LEFT_ROWS})"
+        f"decode_linear in ms (weight on the left at rows: in_features up to {decode_weights.WEIGHT_LEFT_ROWS})"
     )
     torch.manual_seed(0)
     for name, shapes in PRODUCT_SHAPES.items():
@@ -264,7 +269,7 @@ def bench_products(repeats: int) -> None:
                 x = torch.randn(rows, in_features)
                 best = [float("inf"), float("inf")]
                 for _ in range(repeats):
-                    for side, product in enumerate((F.linear, modeling.decode_linear)):
+                    for side, product in enumerate((F.linear, decode_weights.decode_linear)):
                         seconds, _ = timed(lambda: [product(x, w) for w in weights_], torch.device("cpu"))
                         best[side] = min(best[side], seconds)
                 totals = [total + b for total, b in zip(totals, best)]
@@ -333,16 +338,17 @@ def build_on_meta(models: list[str]) -> None:
     for name in models:
         hf, ours = build_qwen3(name, "meta")
         lora.inject(ours, 32, 64.0)
-        pool = rollout.Pool(ours, 1 + 4 * rollout.group_blocks(128, 4, 256, rollout.FLASH_BLOCK), max_len=128 + 256)
+        pool = Pool(ours, 1 + 4 * group_blocks(128, 4, 256, FLASH_BLOCK), max_len=128 + 256)
         table = torch.ones(4, pool.table_width, dtype=torch.int32, device=meta)
-        ours.prefill(
+        prefill(
+            ours,
             torch.zeros(4, 128, dtype=torch.long, device=meta),
             torch.ones(4, 128, dtype=torch.bool, device=meta),
-            modeling.PagedRows(pool.kv, table, torch.zeros(4, dtype=torch.long, device=meta)),
+            PagedRows(pool.kv, table, torch.zeros(4, dtype=torch.long, device=meta)),
         )
-        rows = modeling.PagedRows(pool.kv, table.repeat_interleave(4, 0), torch.full((16,), 128, device=meta))
-        logits = ours.decode_step(
-            torch.zeros(16, dtype=torch.long, device=meta), rows, pool.block_size, pool.decode_weights()
+        rows = PagedRows(pool.kv, table.repeat_interleave(4, 0), torch.full((16,), 128, device=meta))
+        logits = decode_step(
+            ours, torch.zeros(16, dtype=torch.long, device=meta), rows, pool.block_size, pool.decode_weights()
         )
         assert logits.shape == (16, ours.config.vocab_size)
         params = sum(p.numel() for p in ours.parameters())

@@ -2,7 +2,7 @@
 
 A hand formula for activation memory drifts from the code the day someone adds a cast or a mask. Here
 every phase calls the same functions the trainer and the sampler call (model.hidden, hidden_logprobs,
-backward, AdamW, rollout.Pool, the sampler loop's prefill, decode step and draw), on meta tensors:
+backward, AdamW, the sampler's Pool, its decode loop's prefill, decode step and draw), on meta tensors:
 shapes and dtypes are real, no data exists, so a plan of Qwen3-8B takes seconds of CPU time, without a
 GPU or its weights.
 `LiveBytes`, a dispatch mode, sees every tensor an operator returns and counts the bytes of each new
@@ -14,7 +14,7 @@ Phases, each peak = what is resident when it runs + the phase's own peak:
 - weights: the model in the run's dtype (resident throughout);
 - lora: adapters, their gradients and AdamW's two moments (fp32), plus the optimizer step's temporaries;
 - pool: the sampler's KV pool, allocated once after them and resident throughout (blocks x block bytes);
-- train: one micro-batch's forward and backward (model.hidden or model.hidden_shared, hidden_logprobs, a
+- train: one micro-batch's forward and backward (model.hidden or shared_prompts.hidden_shared, hidden_logprobs, a
   loss), beside the step data, at the largest of the layouts it can take (prompts_per_pass: rows run
   whole, or with each of their prompts run once);
 - frozen: the no-grad passes that recompute old log-probs, the reference policy's or old_hidden, one
@@ -79,9 +79,15 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lora
-import rollout
+import sampling
+from engine import sampler
+from engine.graphs import Batch
+from engine.kv_cache import KVPool
+from engine.pool import Pool
+from engine.scheduler import Group, Row, SamplerStats, Scheduler, group_blocks
+from engine.shared_prompts import hidden_shared
 from infra import fsdp
-from model import KVPool, ModelConfig, Transformer
+from model import ModelConfig, Transformer
 
 GB = 10**9  # decimal, as GPUs are sold: "40 GB" and "80 GB" cards hold a little more than this
 DEFAULT_GPU_BYTES = 80 * GB
@@ -90,7 +96,7 @@ RESERVED = 1 * GB  # CUDA context, cuBLAS and attention workspaces: memory no di
 TRAIN_TOKENS = 8192  # automatic training micro-batches hold at least this many tokens (or one row)
 ROWS_CAP = 1024  # the most rows in flight fit considers
 PASSES_TOLERANCE = 0.02  # fit keeps the fewest prompts in flight within this share of the fewest decode passes
-PREFILL_TOKENS = rollout.PREFILL_TOKENS
+PREFILL_TOKENS = sampler.PREFILL_TOKENS
 
 # The published config.json facts of the presets' models, so planning works offline.
 _QWEN3 = dict(
@@ -431,7 +437,7 @@ def _surrogate_loss(logp, old_logp, advantages, mask):
 def prompts_per_pass(work: Workload, rows: int, phase: str) -> list[int]:
     """The numbers of distinct prompts a pass of `rows` rows must be planned for: each layout of train.py's
     policy_states that can occur and may be the largest. All distinct prompts run each row whole (as
-    many prompts as rows); otherwise each prompt runs once (model.hidden_shared), and the most prompts
+    many prompts as rows); otherwise each prompt runs once (shared_prompts.hidden_shared), and the most prompts
     are the most tokens. Frozen passes and --shuffle groups take consecutive rows of the prompt-major
     rollout, from a group's first row: rows in whole groups span rows / G of them, other counts at
     most one more. --shuffle rows draws rows at random: up to one prompt per row."""
@@ -461,7 +467,8 @@ def _policy_states(model: Transformer, rows: int, prompts: int, work: Workload):
         ids = torch.zeros(rows, P + C, dtype=torch.long, device=device)
         return model.hidden(ids, torch.ones(rows, P + C, dtype=torch.bool, device=device)), ids, P
     completion_ids = torch.zeros(rows, C, dtype=torch.long, device=device)
-    h = model.hidden_shared(
+    h = hidden_shared(
+        model,
         torch.zeros(prompts, P, dtype=torch.long, device=device),
         torch.ones(prompts, P, dtype=torch.bool, device=device),
         torch.arange(rows, device=device) % prompts,
@@ -525,7 +532,7 @@ def frozen_phase(
 def sampling_phase(
     model: Transformer, work: Workload, prompts_in_flight: int, eval: bool = False, graphs: bool = True
 ) -> int:
-    """One sampler call as rollout.generate makes it on CUDA (rollout._Loop, fixed shapes), beside the resident
+    """One sampler call as rollout.generate makes it on CUDA (sampler.Loop, fixed shapes), beside the resident
     pool, at its widest moments:
     - the call's [N + 1, C] outputs and the results it returns for its N rows, throughout;
     - a prefill pass of as many prompts as PREFILL_TOKENS and the rows in flight allow, and its first draw;
@@ -539,10 +546,10 @@ def sampling_phase(
     temperature = work.eval_temperature if eval else work.temperature
     call_prompts = work.eval_prompts if eval else work.prompts_per_step
     rows = min(prompts_in_flight, call_prompts) * G
-    pool = rollout.Pool(model, 2, max_len=P + C)  # the resident pool is counted apart: blocks x block bytes
+    pool = Pool(model, 2, max_len=P + C)  # the resident pool is counted apart: blocks x block bytes
     draw = partial(
-        rollout._sample,
-        keys=rollout._row_keys(0, 0, call_prompts, G, device),
+        sampling.draw,
+        keys=sampling.row_keys(0, 0, call_prompts, G, device),
         temperature=temperature,
         top_p=work.top_p,
         top_k=work.top_k,
@@ -550,21 +557,21 @@ def sampling_phase(
     stop = torch.zeros(1, dtype=torch.long, device=device)
     model.eval()
     with LiveBytes() as tracker, torch.inference_mode():
-        loop = rollout._Loop(model, pool, [[0] * P] * call_prompts, G, C, draw, stop, rows, True, "off")
+        loop = sampler.Loop(model, pool, [[0] * P] * call_prompts, G, C, draw, stop, rows, True, "off")
         results = rollout_results(call_prompts * G, P, C, device)
-        groups = [rollout.Group(i, P, list(range(G))) for i in range(max(1, min(rows // G, PREFILL_TOKENS // P)))]
+        groups = [Group(i, P, list(range(G))) for i in range(max(1, min(rows // G, PREFILL_TOKENS // P)))]
         for group in groups:
-            group.rows = [rollout.Row(group, member, P, 1, [1] * -(-P // pool.block_size)) for member in range(G)]
+            group.rows = [Row(group, member, P, 1, [1] * -(-P // pool.block_size)) for member in range(G)]
         loop._prefill(groups, [row for group in groups for row in group.rows])
         prefill_peak = tracker.peak
 
-        R = rollout.bucket(rows)
+        R = sampler.bucket(rows)
         static_logits = [
             torch.empty(r, model.config.vocab_size, dtype=model.dtype, device=device)
             for r in ({R, max(1, R // 2)} if graphs else ())
         ]
         zeros = torch.zeros(R, dtype=torch.long, device=device)
-        batch = rollout._Batch(
+        batch = Batch(
             zeros, zeros.bool(), zeros, zeros, zeros, torch.zeros(R, pool.table_width, dtype=torch.int32, device=device)
         )
         tracker.reset_peak()
@@ -594,19 +601,19 @@ def simulate_rollout(
     block_size: int,
     max_rows: int,
     new_tokens: int,
-    chunk: int = rollout.SYNC_EVERY,
-) -> rollout.SamplerStats:
+    chunk: int = sampler.SYNC_EVERY,
+) -> SamplerStats:
     """What a generate call with a pool of `blocks` blocks does when row i (prompt-major) ends after lengths[i]
-    tokens: rollout.Scheduler's decisions, in the order the sampler's loop takes them, with no model."""
-    sched = rollout.Scheduler(blocks - 1, block_size, chunk, max_rows, new_tokens)
+    tokens: the Scheduler's decisions, in the order the sampler's loop takes them, with no model."""
+    sched = Scheduler(blocks - 1, block_size, chunk, max_rows, new_tokens)
     for i, prompt_len in enumerate(prompt_lens):
-        sched.add(rollout.Group(i, prompt_len, list(range(G))))
-    stats = rollout.SamplerStats()
+        sched.add(Group(i, prompt_len, list(range(G))))
+    stats = SamplerStats()
     while True:
         sched.finish([row for row in sched.running if row.position >= lengths[row.out_row(G)]])
         preempted, admitted = sched.sync()
         stats.preempted += len(preempted)
-        stats.prefills += len(rollout.prefill_batches(admitted))
+        stats.prefills += len(sampler.prefill_batches(admitted))
         if not sched.running:
             return stats
         steps = sched.chunk_steps()
@@ -739,8 +746,8 @@ class Planner:
         evaluation's (Pool.check_fits refuses a call otherwise)."""
         C = work.max_new_tokens
         return 1 + max(
-            rollout.group_blocks(work.prompt_len, work.group_size, C, self.block_size),
-            rollout.group_blocks(work.eval_len, work.eval_k, C, self.block_size),
+            group_blocks(work.prompt_len, work.group_size, C, self.block_size),
+            group_blocks(work.eval_len, work.eval_k, C, self.block_size),
         )
 
 
@@ -753,7 +760,7 @@ class _MetaRun:
             [t for name, t in model.state_dict(keep_vars=True).items() if ".lora_" not in name]
         )
         self.lora, self.lora_peak = (0, 0) if work.full else lora_state_phase(model)
-        self.block_size = rollout.Pool(model, 2).block_size
+        self.block_size = Pool(model, 2).block_size
 
     def step_data(self, rows: int) -> int:
         """Rollout results of `rows` rows, plus the frozen passes' [rows, C] fp32 outputs and, for a rule that
@@ -964,7 +971,7 @@ def _fit(planner: Planner, work: Workload, budget_bytes: int, free: tuple[str, .
     return next(trial for passes, trial in trials if passes <= (1 + PASSES_TOLERANCE) * fewest)
 
 
-def rollout_estimate(planner: Planner, work: Workload) -> rollout.SamplerStats:
+def rollout_estimate(planner: Planner, work: Workload) -> SamplerStats:
     """simulate_rollout of one step with the plan's pool: the step's prompts, each as long as the longest,
     and completion lengths from long_tail_lengths."""
     rows = work.step_rows

@@ -14,26 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from contextlib import contextmanager
 
 import torch
 
 import config
 import loss
-import rollout
 from config import Config
 from data import render_prompt
 from engine import memory
+from engine.pool import Pool, default_block_size
+from engine.scheduler import group_blocks
 from infra import distributed, fsdp
-
-
-@contextmanager
-def oom_hint(what: str, advice: str):
-    """Out of memory inside the block becomes an error that names the phase and the flag that lowers it."""
-    try:
-        yield
-    except torch.OutOfMemoryError as error:
-        raise torch.OutOfMemoryError(f"out of memory in {what}: {advice}") from error
+from infra.errors import oom_hint
 
 
 def resolve_sizes(
@@ -76,10 +68,10 @@ def resolve_automatic(
             eval_batch=cfg.eval_batch or 16,
         )
         if not cfg.kv_blocks:
-            block = rollout.default_block_size(model)
+            block = default_block_size(model)
             need = max(
-                cfg.rollout_batch * rollout.group_blocks(prompt_len, cfg.group_size, cfg.max_new_tokens, block),
-                cfg.eval_batch * rollout.group_blocks(eval_len, cfg.eval_k, cfg.max_new_tokens, block),
+                cfg.rollout_batch * group_blocks(prompt_len, cfg.group_size, cfg.max_new_tokens, block),
+                cfg.eval_batch * group_blocks(eval_len, cfg.eval_k, cfg.max_new_tokens, block),
             )
             cfg = dataclasses.replace(cfg, kv_blocks=1 + need)
         return cfg
@@ -197,31 +189,13 @@ def plan(cfg: Config) -> bool:
     return fits
 
 
-def sampler_pool(
-    cfg: Config, model, tokenizer, train_set: list[dict], eval_sets: dict[str, list[dict]]
-) -> rollout.Pool:
+def sampler_pool(cfg: Config, model, tokenizer, train_set: list[dict], eval_sets: dict[str, list[dict]]) -> Pool:
     """The run's KV pool: allocated once, before the first step, and reused by every rollout and evaluation.
     A sharded model's pool is made for its gathered weights (their compute dtype) and released until each
-    rollout binds it (sampling_policy)."""
+    rollout binds it (engine.pool.sampling_policy)."""
     prompt_len, eval_len = prompt_lengths(cfg, tokenizer, train_set, eval_sets)
     with oom_hint("the sampler's KV pool", f"lower --kv-blocks (now {cfg.kv_blocks})"), fsdp.whole(model) as policy:
-        pool = rollout.Pool(policy, cfg.kv_blocks, max_len=max(prompt_len, eval_len) + cfg.max_new_tokens)
+        pool = Pool(policy, cfg.kv_blocks, max_len=max(prompt_len, eval_len) + cfg.max_new_tokens)
         if policy is not model:
             pool.release()
         return pool
-
-
-@contextmanager
-def sampling_policy(model, pool: rollout.Pool | None):
-    """The model to sample with, the pool bound to it: the model itself, or a sharded model's weights gathered
-    for the block (fsdp.whole). Those live only for the block, so the pool lets go of them on leaving (its
-    decode weights and graphs are built again at the next rollout; its blocks stay)."""
-    with fsdp.whole(model) as policy:
-        if pool is None or policy is model:
-            yield policy
-            return
-        pool.bind(policy)
-        try:
-            yield policy
-        finally:
-            pool.release()

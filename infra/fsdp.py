@@ -12,11 +12,12 @@ optimizer then steps each rank's shards on their own. One process is a world of 
 nothing to communicate, and the fp32 weights still compute in bf16 block by block.
 
 Groups: each block is one; the root (embeddings, final norm, lm_head, so tied weights share a group)
-is another. Training reaches the model through `model.hidden` (or `model.hidden_shared`, which runs each
-prompt once for its rows) and `model.hidden_logprobs` rather than `forward`, so the two hidden methods
-are registered as forward methods: each gathers the root, which FSDP leaves gathered until the backward
-has used it (lm_head runs once per chunk of hidden_logprobs, without hooks of its own), and the root's
-gradients are reduce-scattered when the backward ends.
+is another. Training reaches the model through `model.hidden` (or engine/shared_prompts.py's
+`hidden_shared`, which runs each prompt once for its rows) and `model.hidden_logprobs` rather than
+`forward`; both run the blocks through `model.run_blocks`, which is registered as the forward method: it
+gathers the root, which FSDP leaves gathered until the backward has used it (the final norm after it and
+lm_head, once per chunk of hidden_logprobs, run without hooks of their own), and the root's gradients
+are reduce-scattered when the backward ends.
 
 The loss of each rank is its share of the whole step's (train.py normalizes over all ranks), so the
 gradients are summed over the ranks, not averaged: the reduce-scatter runs with divide factor 1.
@@ -62,8 +63,7 @@ def shard(model: Transformer, compute: torch.dtype, mesh: DeviceMesh | None = No
     for block in model.model.layers:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    for method in ("hidden", "hidden_shared"):
-        register_fsdp_forward_method(model, method)
+    register_fsdp_forward_method(model, "run_blocks")
     for module in groups(model):
         module.set_gradient_divide_factor(1.0)  # a sum over the ranks: each loss is already its share
         module.set_force_sum_reduction_for_comms(True)  # a plain SUM, which gloo has too (no PREMUL_SUM)

@@ -29,12 +29,14 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import math
 import os
 import random
 import shutil
 import sys
 import time
 import warnings
+from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -49,7 +51,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import config
-import eval as evaluation
 import lora
 from config import Config
 from infra import distributed, fsdp, loggers, weights
@@ -432,9 +433,21 @@ def record_resume(run_dir: Path, step: int, changed: dict[str, list], settings: 
     append_metrics(run_dir / "metrics.jsonl", {"step": step, "event": "resume", "changed": changed})
 
 
+def strict_json(value):
+    """value with every NaN and infinity replaced by None: strict JSON readers reject Python's NaN, and a
+    standard error over one problem is undefined (NaN), so it is written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value
+
+
 def to_json(value) -> str:
     """Strict JSON: NaN and infinities (an undefined standard error, say) become null."""
-    return json.dumps(evaluation.strict_json(value), allow_nan=False)
+    return json.dumps(strict_json(value), allow_nan=False)
 
 
 def write_json(path: Path, value) -> None:

@@ -58,8 +58,8 @@ import loss
 import train
 from data import load_problems
 from engine import sizes
-from eval import strict_json
 from infra import rundir
+from infra.rundir import strict_json
 from research import calibrate, study
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -40,8 +40,8 @@ from pathlib import Path
 import numpy as np
 
 import config
-from eval import strict_json
 from infra import rundir
+from infra.rundir import strict_json
 from loss import MU_LABELS  # the old-probability buckets of the metrics
 from research import calibrate
 

@@ -24,6 +24,7 @@ import eval as evaluation
 import lora
 import train
 from engine import memory, sizes
+from engine.graphs import EagerGraph
 from infra import distributed, fsdp, rundir, weights
 from model import ModelConfig, Transformer
 
@@ -31,7 +32,7 @@ FULL = ("--lora-rank", "0", "--lr", "1e-3")
 STEP_CASES = {  # token-mean in one-row micro-batches: the rank with fewer rows of a mini-batch runs idle passes
     "token-mean": ("--aggregation", "token-mean", "--grad-accum", "4"),
     "seq-mean-token-mean": ("--aggregation", "seq-mean-token-mean", "--adv-std", "batch"),
-    # micro-batches of 2 rows of one prompt (model.hidden_shared on the sharded model), idle passes between
+    # micro-batches of 2 rows of one prompt (hidden_shared on the sharded model), idle passes between
     "shared prompts": ("--shuffle", "groups"),
 }
 STEP_FLAGS = (*FULL, "--updates-per-rollout", "2", "--grad-accum", "2")
@@ -105,13 +106,13 @@ def counted_micro_batch(mesh=None) -> int:
 def ranks_worker(rank, size, port, second_port, model_dir, out_dir, result_file):
     join_as(rank, size, port)
     patch(setattr)
-    shared_passes, hidden_shared = [], Transformer.hidden_shared
+    shared_passes, hidden_shared = [], train.hidden_shared
 
-    def counted(model, *args):  # wrapped by fsdp.shard's forward hooks as the method itself is
+    def counted(model, *args):  # (model, prompt_ids, prompt_mask, owner, ...): the pass's rows
         shared_passes.append(len(args[2]))
         return hidden_shared(model, *args)
 
-    Transformer.hidden_shared = counted
+    train.hidden_shared = counted
     with distributed.joined(torch.device("cpu"), 60, group=True) as world:
         results = {"steps": {}, "shared_passes": {}}
         for name, flags in STEP_CASES.items():
@@ -160,7 +161,7 @@ def test_two_sharded_ranks_take_the_step_of_one_unsharded_process(
     patch(monkeypatch.setattr)
     if case == "shared prompts":
         policy_states, shared = train.policy_states, []
-        monkeypatch.setattr(Transformer, "hidden_shared", lambda *a: shared.append(1))  # never called
+        monkeypatch.setattr(train, "hidden_shared", lambda *a: shared.append(1))  # never called
         monkeypatch.setattr(train, "policy_states", lambda model, out, rows, G: policy_states(model, out, rows, 1))
     single, ranks = (
         one_full_step(tiny_model_dir, tmp_path, STEP_CASES[case], distributed.SOLO, sharded=False),
@@ -242,7 +243,7 @@ def test_a_full_run_samples_each_step_with_its_updated_weights_through_the_runs_
         cfg = sizes.resolve_sizes(cfg, model, tokenizer, train_set, world)
         pool = sizes.sampler_pool(cfg, model, tokenizer, train_set, {})
         assert pool.model is None and pool.kv.k.dtype == torch.float64
-        pool.graph_class = train.rollout.EagerGraph
+        pool.graph_class = EagerGraph
         first = train.batch_of(train_set, 0, cfg.prompts_per_step, cfg.seed)
         train.train_step(model, optimizer, tokenizer, first, cfg, 1, world, reference, pool)
         assert pool.model is None and pool.weights is None and not pool.graphs.captured, "nothing of step 1 kept"

@@ -14,6 +14,9 @@ import lora
 import loss
 import rollout
 from engine import memory, sizes
+from engine.pool import Pool
+from engine.scheduler import group_blocks
+from engine.shared_prompts import hidden_shared
 from model import ModelConfig, Transformer
 
 SMALL = ModelConfig(
@@ -125,7 +128,7 @@ def test_plan_matches_a_real_cpu_training_micro_batch(small_model, checkpointing
 
 @pytest.mark.parametrize("new_tokens", [C, 48])  # keys and values copied per query head; heads folded
 def test_plan_matches_a_real_cpu_micro_batch_of_one_prompt_group(small_model, new_tokens):
-    """--shuffle groups: a micro-batch of one prompt's 4 rows, its prompt run once (model.hidden_shared)."""
+    """--shuffle groups: a micro-batch of one prompt's 4 rows, its prompt run once (hidden_shared)."""
     work = dataclasses.replace(SMALL_WORK, shuffle="groups", max_new_tokens=new_tokens)
     assert memory.prompts_per_pass(work, ROWS, "train") == [1]
     planned = memory.Planner(SMALL, work).measure("train", ROWS)[1]
@@ -136,7 +139,7 @@ def test_plan_matches_a_real_cpu_micro_batch_of_one_prompt_group(small_model, ne
         prompt_mask = torch.arange(P)[None] >= 6
         completion_ids = torch.randint(0, SMALL.vocab_size, (ROWS, new_tokens))
         mask = torch.arange(new_tokens)[None] < lengths[:, None]
-        h = model.hidden_shared(prompt_ids, prompt_mask, torch.zeros(ROWS, dtype=torch.long), completion_ids, mask)
+        h = hidden_shared(model, prompt_ids, prompt_mask, torch.zeros(ROWS, dtype=torch.long), completion_ids, mask)
         ids = torch.cat([prompt_ids[:, -1:].expand(ROWS, 1), completion_ids], 1)
         logp, _ = model.hidden_logprobs(h, ids, start=1, with_entropy=True)
         value, _ = loss.policy_loss(logp, -torch.rand(ROWS, new_tokens), torch.randn(ROWS), mask, loss.LossConfig())
@@ -211,7 +214,7 @@ def test_plan_matches_a_real_cpu_rollout():
     model = Transformer(cfg).eval()
     lora.inject(model, SMALL_WORK.lora_rank, 32.0)
     prompts = [list(range(1, 33)), list(range(5, 25))]
-    pool = rollout.Pool(model, 200, max_len=P + C)
+    pool = Pool(model, 200, max_len=P + C)
     with memory.LiveBytes() as tracker:
         out = rollout.generate(
             model,
@@ -320,7 +323,7 @@ def test_simulation_of_continuous_batching():
     one to finish; without, it is admitted at once and, every row running to the cap, preempted and
     sampled again; when the first two groups' rows end early, it runs beside them."""
     G, C, bs = 4, 64, 16
-    blocks = 1 + 2 * rollout.group_blocks(16, G, C, bs) + 8
+    blocks = 1 + 2 * group_blocks(16, G, C, bs) + 8
     waits = memory.simulate_rollout([16] * 3, G, [C] * 12, blocks, bs, 8, C)
     assert (waits.rows_max, waits.preempted, waits.decode_steps) == (8, 0, 2 * (C - 1))
     preempts = memory.simulate_rollout([16] * 3, G, [C] * 12, blocks, bs, 12, C)

@@ -4,7 +4,6 @@ loop against the eager one, small pools that preempt, split calls, graphs (a sta
 calls, host syncs and operator counts, top-k/top-p sets, per-row stopping, bad input, and a CPU dry
 run of bench/gpu_check.py."""
 
-import contextlib
 import json
 import subprocess
 import sys
@@ -14,9 +13,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import model as modeling
 import rollout
+import sampling
 from conftest import make_tiny_checkpoint
+from engine import kv_cache, sampler
+from engine.graphs import EagerGraph
+from engine.pool import Pool
+from engine.scheduler import group_blocks
 from infra.weights import load_checkpoint_dir
 
 PROMPTS = [[5, 17, 42, 9], [100, 3, 77, 12, 250, 8, 61, 44, 19], [31]]  # different lengths: left padding
@@ -76,14 +79,14 @@ MANY_STOPS = list(range(3, 60))  # about a fifth of the tiny vocabulary: sampled
 def record_batches(monkeypatch) -> list:
     """The row counts of the device batches the loop builds (at every sync point that has rows running)."""
     sizes = []
-    build = rollout._Loop._batch
+    build = sampler.Loop._batch
 
     def recording(loop, *args):
         batch = build(loop, *args)
         sizes.append(len(batch.tokens))
         return batch
 
-    monkeypatch.setattr(rollout._Loop, "_batch", recording)
+    monkeypatch.setattr(sampler.Loop, "_batch", recording)
     return sizes
 
 
@@ -114,8 +117,8 @@ def test_preemption_and_pool_size_change_no_sample(model, fixed_shapes):
     kwargs = dict(samples_per_prompt=4, max_new_tokens=40, stop_ids=LONG_STOPS, fixed_shapes=fixed_shapes)
     whole = sample(model, **kwargs)
     assert whole.stats.preempted == 0 and whole.stats.rows_max == 12
-    blocks = 1 + rollout.group_blocks(9, 4, 40, 4) + 16  # the longest prompt's group, and some room
-    small = sample(model, pool=rollout.Pool(model, blocks, block_size=4), **kwargs)
+    blocks = 1 + group_blocks(9, 4, 40, 4) + 16  # the longest prompt's group, and some room
+    small = sample(model, pool=Pool(model, blocks, block_size=4), **kwargs)
     assert small.stats.preempted > 0 if not fixed_shapes else small.stats.rows_max < 12
     assert small.completions == whole.completions
     torch.testing.assert_close(small.old_logp, whole.old_logp, rtol=0, atol=1e-5)
@@ -128,7 +131,7 @@ def test_preempted_rows_restart_and_finished_ones_stay(model):
     sampled again (fewer rows redone than preempted groups hold), and the result is the big pool's."""
     kwargs = dict(samples_per_prompt=4, max_new_tokens=40, stop_ids=[7, 99, 150, 21])
     whole = sample(model, **kwargs)
-    small = sample(model, pool=rollout.Pool(model, 1 + rollout.group_blocks(9, 4, 40, 4), block_size=4), **kwargs)
+    small = sample(model, pool=Pool(model, 1 + group_blocks(9, 4, 40, 4), block_size=4), **kwargs)
     assert small.stats.preempted > 0 and small.completions == whole.completions
     torch.testing.assert_close(small.old_logp, whole.old_logp, rtol=0, atol=1e-5)
 
@@ -158,20 +161,20 @@ def test_seed_and_prompt_index_pick_the_stream(model):
 
 
 def test_uniforms_are_uniform_and_independent_of_the_device_dtype_path():
-    keys = rollout._row_keys(seed=2**40 + 7, first_prompt=3, prompts=64, G=16, device="cpu")
-    u = torch.cat([rollout._uniform(keys[:-1], t) for t in range(8)])[:, 0]
+    keys = sampling.row_keys(seed=2**40 + 7, first_prompt=3, prompts=64, G=16, device="cpu")
+    u = torch.cat([sampling.uniform(keys[:-1], t) for t in range(8)])[:, 0]
     assert u.min() > 0 and u.max() <= 1 and len(u.unique()) > 0.99 * len(u)
     assert abs(u.mean().item() - 0.5) < 0.01 and abs((u < 0.1).float().mean().item() - 0.1) < 0.01
     # the tensor hash equals the same arithmetic on Python integers (no int64 overflow anywhere)
-    assert rollout._mix32(torch.tensor([0, 1, 2**32 - 1])).tolist() == [rollout._mix32(x) for x in (0, 1, 2**32 - 1)]
+    assert sampling.mix32(torch.tensor([0, 1, 2**32 - 1])).tolist() == [sampling.mix32(x) for x in (0, 1, 2**32 - 1)]
     positions = torch.arange(8).repeat_interleave(len(keys) - 1)  # per-row positions: the same uniforms
-    assert torch.equal(rollout._uniform(keys[:-1].repeat(8), positions)[:, 0], u)
+    assert torch.equal(sampling.uniform(keys[:-1].repeat(8), positions)[:, 0], u)
 
 
 def test_graphs_are_captured_once_per_shape_and_reused_across_calls(model):
     """EagerGraph stands in for CUDA graphs: the loop reads its rows and logits from the static buffers the
     graphs read, and the pool keeps the graphs, so a second call of the same shapes captures none."""
-    pool = rollout.Pool(model, 400, block_size=4, graph_class=rollout.EagerGraph)
+    pool = Pool(model, 400, block_size=4, graph_class=EagerGraph)
     kwargs = dict(samples_per_prompt=4, stop_ids=MANY_STOPS, fixed_shapes=True)
     expected = sample(model, cuda_graphs="off", **kwargs)
     first = sample(model, pool=pool, cuda_graphs="on", **kwargs)
@@ -185,50 +188,13 @@ def test_graphs_are_captured_once_per_shape_and_reused_across_calls(model):
     assert other_seed.completions == sample(model, cuda_graphs="off", seed=1, **kwargs).completions
 
 
-def test_cuda_graph_capture_neither_synchronizes_nor_empties_the_cache(monkeypatch):
-    """CudaGraph.capture with torch.cuda's streams and graphs replaced by recorders: two warm-ups on a side
-    stream, then capture_begin into the shared memory pool, the step, capture_end; torch.cuda.synchronize and
-    torch.cuda.empty_cache, which the torch.cuda.graph context manager calls, are never called."""
-    events = []
-
-    class Recorder:
-        def __init__(self, *args, **kwargs):
-            pass
-
-        def wait_stream(self, other):
-            events.append("wait")
-
-        def capture_begin(self, pool=None):
-            events.append(("capture_begin", pool))
-
-        def capture_end(self):
-            events.append("capture_end")
-
-        def replay(self):
-            events.append("replay")
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("a capture must not synchronize or empty the allocator's cache")
-
-    monkeypatch.setattr(torch.cuda, "Stream", Recorder)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Recorder)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args: Recorder())
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "synchronize", forbidden)
-    monkeypatch.setattr(torch.cuda, "empty_cache", forbidden)
-    graph = rollout.CudaGraph()
-    graph.capture(lambda: events.append("step"), "pool handle")
-    graph.replay()
-    assert events == ["wait", "step", "step", ("capture_begin", "pool handle"), "step", "capture_end", "wait", "replay"]
-
-
 def test_new_adapters_rebuild_the_decode_weights_and_drop_the_graphs(tiny_model_dir):
     """A pool's decode weights follow the adapters: new values are copied in place (the graphs stay), and
     adapters added since make new buffers and new graphs; either way the samples are the model's."""
     import lora
 
     model = load_checkpoint_dir(tiny_model_dir)
-    pool = rollout.Pool(model, 400, block_size=4, graph_class=rollout.EagerGraph)
+    pool = Pool(model, 400, block_size=4, graph_class=EagerGraph)
     kwargs = dict(samples_per_prompt=2, stop_ids=MANY_STOPS, fixed_shapes=True, cuda_graphs="on")
     sample(model, pool=pool, **kwargs)
     lora.inject(model, rank=2, alpha=4.0)
@@ -258,7 +224,7 @@ HOST_SYNCS = {
 
 class CountHostSyncs(TorchDispatchMode):
     """Operators that make the host wait for a CUDA device: a scalar read, a data-dependent shape (nonzero,
-    boolean indexing, unique, ...) or a copy to the host (rollout._to_host's device="cpu" copy)."""
+    boolean indexing, unique, ...) or a copy to the host (the decode loop's _to_host, a device="cpu" copy)."""
 
     def __init__(self):
         super().__init__()
@@ -279,44 +245,9 @@ def test_the_fixed_shape_loop_syncs_the_host_once_every_16_steps(model):
     with CountHostSyncs() as counter:
         out = sample(model, samples_per_prompt=4, max_new_tokens=96, stop_ids=LONG_STOPS, fixed_shapes=True)
     steps = out.stats.decode_steps
-    assert steps >= 4 * rollout.SYNC_EVERY
+    assert steps >= 4 * sampler.SYNC_EVERY
     # one read of the finished flags per chunk of SYNC_EVERY steps, and the last one, which finds none running
-    assert len(counter.syncs) <= steps / rollout.SYNC_EVERY + 1, counter.syncs
-
-
-def test_lora_adds_at_most_a_quarter_to_the_operators_of_a_decode_step():
-    """Counted on the meta device for Qwen3-1.7B: with rank-32 adapters on all seven projections, a decode step
-    runs one more operator per adapted projection and one per group of projections reading one input."""
-    import lora
-    from engine import memory
-
-    cfg = memory.model_config("Qwen/Qwen3-1.7B")
-    counts = []
-    for adapted in (False, True):
-        with torch.device("meta"):
-            meta_model = modeling.Transformer(cfg).to(torch.bfloat16)
-        if adapted:
-            lora.inject(meta_model, 32, 64.0)
-        pool = modeling.KVPool(cfg, 8, 256, torch.bfloat16, "meta", "flash")
-        rows = modeling.PagedRows(
-            pool, torch.zeros(16, 4, dtype=torch.int32, device="meta"), torch.zeros(16, dtype=torch.long, device="meta")
-        )
-        decode = modeling.DecodeWeights(meta_model)
-        with torch.inference_mode(), CountOperators() as counter:
-            meta_model.decode_step(torch.zeros(16, dtype=torch.long, device="meta"), rows, 1024, decode)
-        counts.append(counter.count)
-    assert counts[1] <= 1.25 * counts[0], counts
-    assert counts[1] - counts[0] == cfg.num_layers * (7 + 4)  # one addmm per projection, one A per input
-
-
-class CountOperators(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
+    assert len(counter.syncs) <= steps / sampler.SYNC_EVERY + 1, counter.syncs
 
 
 def test_plan_simulation_takes_the_samplers_decisions(model, monkeypatch):
@@ -327,22 +258,22 @@ def test_plan_simulation_takes_the_samplers_decisions(model, monkeypatch):
     C, G = 48, 4
     lengths = [40, 38, 36, 34, 39, 37, 35, 33, 12, 9, 20, 5]  # prompts 0 and 1 run long: one is preempted
     stop = model.config.vocab_size - 1
-    draw = rollout._sample
+    draw = sampling.draw
     stop_at = torch.tensor(lengths + [0])
 
     def forcing_draw(logits, *, rows, position, **kw):
         tokens, logp = draw(logits, rows=rows, position=position, **kw)
         return tokens.masked_fill(stop_at[rows] == position + 1, stop), logp
 
-    monkeypatch.setattr(rollout, "_sample", forcing_draw)
-    blocks = 1 + rollout.group_blocks(9, G, C, 4) + 24
+    monkeypatch.setattr(sampling, "draw", forcing_draw)
+    blocks = 1 + group_blocks(9, G, C, 4) + 24
     out = sample(
         model,
         samples_per_prompt=G,
         max_new_tokens=C,
         stop_ids=[stop],
         fixed_shapes=True,
-        pool=rollout.Pool(model, blocks, block_size=4),
+        pool=Pool(model, blocks, block_size=4),
     )
     ended = out.completion_mask.sum(1).tolist()  # the forced lengths, or earlier where the model drew the stop
     assert all(n <= cap for n, cap in zip(ended, lengths)) and sum(ended) > 250
@@ -368,9 +299,9 @@ def test_a_failed_capture_warns_and_decodes_eagerly_unless_graphs_are_required(m
     def failing_capture(*args):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(rollout.EagerGraph, "capture", failing_capture)
+    monkeypatch.setattr(EagerGraph, "capture", failing_capture)
     for required in (False, True):
-        pool = rollout.Pool(model, 400, block_size=4, graph_class=rollout.EagerGraph)
+        pool = Pool(model, 400, block_size=4, graph_class=EagerGraph)
         if required:
             with pytest.raises(RuntimeError, match="stream is capturing"):
                 sample(model, samples_per_prompt=4, stop_ids=MANY_STOPS, fixed_shapes=True, pool=pool, cuda_graphs="on")
@@ -394,7 +325,7 @@ def test_no_tensor_is_made_off_the_models_device(model):
                 {},
                 {"fixed_shapes": True},
                 {"max_rows": 4},
-                {"pool": rollout.Pool(model, 40, block_size=4, graph_class=rollout.EagerGraph), "fixed_shapes": True},
+                {"pool": Pool(model, 40, block_size=4, graph_class=EagerGraph), "fixed_shapes": True},
             )
         ]
     finally:
@@ -531,9 +462,9 @@ def test_results_can_enter_autograd(model):
 )
 def test_bad_input_names_the_argument(model, tiny_model_dir, overrides, argument):
     if overrides.get("pool") == "small":
-        overrides["pool"] = rollout.Pool(model, 6, block_size=4)
+        overrides["pool"] = Pool(model, 6, block_size=4)
     elif overrides.get("pool") == "other model":
-        overrides["pool"] = rollout.Pool(load_checkpoint_dir(tiny_model_dir), 400)
+        overrides["pool"] = Pool(load_checkpoint_dir(tiny_model_dir), 400)
     with pytest.raises(ValueError, match=argument):
         sample(model, **overrides)
 
@@ -542,7 +473,7 @@ def test_out_of_memory_names_the_knobs(model, monkeypatch):
     def no_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(modeling.KVPool, "__init__", no_memory)
+    monkeypatch.setattr(kv_cache.KVPool, "__init__", no_memory)
     with pytest.raises(torch.OutOfMemoryError, match="3 prompts x 3 samples x 24 new tokens.*max_rows"):
         sample(model)
 

@@ -723,19 +723,19 @@ def recorded_update(cfg, out, advantages, monkeypatch) -> dict:
     model, _, _, _ = train.build(cfg)
     model.to(torch.float64)
     optimizer, losses, shared_passes = RecordingSGD(lora.parameters(model)), [], []
-    policy_loss, hidden_shared = train.loss.policy_loss, model.hidden_shared
+    policy_loss, hidden_shared = train.loss.policy_loss, train.hidden_shared
 
     def recorded_loss(*args, **kwargs):
         value, metrics = policy_loss(*args, **kwargs)
         losses.append(value.detach())
         return value, metrics
 
-    def counted(*args):  # (rows, prompts of different lengths) of each shared pass
+    def counted(model, *args):  # (rows, prompts of different lengths) of each shared pass
         shared_passes.append((len(args[2]), args[1].sum(1).unique().numel()))
-        return hidden_shared(*args)
+        return hidden_shared(model, *args)
 
     monkeypatch.setattr(train.loss, "policy_loss", recorded_loss)
-    monkeypatch.setattr(model, "hidden_shared", counted)
+    monkeypatch.setattr(train, "hidden_shared", counted)
     metrics, _ = train.policy_update(model, optimizer, out, advantages, cfg, step=1)
     return {"metrics": metrics, "losses": torch.stack(losses), "grads": optimizer.grads, "shared": shared_passes}
 

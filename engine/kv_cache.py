@@ -1,0 +1,222 @@
+"""The sampler's paged KV cache and the two passes that use it.
+
+KVPool holds every layer's keys and values in blocks of block_size token slots; a row reaches its slots
+through its block table (PagedRows). `prefill` runs prompts through the model, storing their keys and
+values in the rows' blocks; `decode_step` runs one token per row, storing its key and value and
+attending over the row's slots. Both run model.py's blocks: prefill through Transformer.run_blocks with
+PrefillWrite as its attention, decode_step on [rows, features] activations with the projections of
+DecodeWeights.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.decode_weights import DecodeWeights, decode_linear
+from model import ModelConfig, Transformer, apply_rope, leading_pads, rope_cos_sin
+
+
+class KVPool:
+    """The sampler's keys and values: every layer's in blocks of block_size token slots, k and v each
+    [layers, blocks, block_size, kv_heads, head_dim], shared by all rows through their block tables.
+
+    A row's t-th token sits at slot t of its sequence: block table[t // block_size], offset t % block_size,
+    and its RoPE position is t too (rows hold no padding). A row holds blocks only for the tokens it has,
+    and the G samples of a prompt share the blocks its prompt fills completely. Block 0 is never handed
+    out: table entries past a row's blocks point at it, so a write past them or a read of them touches
+    finite, unused slots (the pool starts zeroed) and never another row's.
+
+    Attention reads a row's blocks in one of two ways (`attention`), both exact:
+    - "flash" (CUDA, bf16/fp16, when torch has the paged FlashAttention kernel): torch.nn.attention.varlen
+      reads the blocks in place through the block table, and only each row's own slots. It needs blocks
+      of 256 slots.
+    - "gather" (any device and dtype): the rows' first `span` slots are copied into one [rows, kv_heads,
+      span, head_dim] tensor per layer (index_select over whole blocks), and F.scaled_dot_product_attention
+      attends over them with the unfilled slots masked. On the CPU the copies cost less than the attention
+      they feed and less than advanced indexing (docs/engine.md); FlexAttention, the other in-place option,
+      runs its math fallback on the CPU and needs torch.compile to be fast on a GPU.
+    """
+
+    def __init__(
+        self, cfg: ModelConfig, blocks: int, block_size: int, dtype: torch.dtype, device, attention: str = "gather"
+    ):
+        if blocks < 2:
+            raise ValueError(f"KVPool: blocks={blocks}; block 0 is reserved, so at least 2 are needed")
+        if attention not in ("gather", "flash"):
+            raise ValueError(f"KVPool: attention must be 'gather' or 'flash', got {attention!r}")
+        shape = (cfg.num_layers, blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size, self.attention = block_size, attention
+
+    @property
+    def blocks(self) -> int:
+        return self.k.shape[1]
+
+    @staticmethod
+    def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one block of keys and values over all layers."""
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+    def copy_blocks(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy blocks source [n] into blocks target [n] in every layer (a prompt's partly filled last
+        block, given to each of its samples)."""
+        for pool in (self.k, self.v):
+            pool.index_copy_(1, target, pool.index_select(1, source))
+
+
+def flash_paged_attention_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch has the paged FlashAttention kernel (varlen_attn with a block table) for this
+    device and dtype. The meta device stands for CUDA here: the memory plan runs the CUDA path on it."""
+    if device.type not in ("cuda", "meta") or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    return "block_table" in inspect.signature(varlen_attn).parameters
+
+
+@dataclass
+class PagedRows:
+    """Rows' view of a KVPool for one pass: table [rows, max_blocks] int32 block ids (0 past a row's
+    blocks) and length [rows] long, the slots each row has filled (its next token's slot and position)."""
+
+    pool: KVPool
+    table: torch.Tensor
+    length: torch.Tensor
+
+    def slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """Flat slot ids (block * block_size + offset) of the given slots [rows, T] of each row's sequence."""
+        bs = self.pool.block_size
+        return self.table.long().gather(1, positions // bs) * bs + positions % bs
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store keys and values [n, kv_heads, head_dim] at flat slots [n]."""
+        for pool, new in ((self.pool.k, k), (self.pool.v, v)):
+            pool[layer].view(-1, *new.shape[1:]).index_copy_(0, slots, new)
+
+
+class PrefillWrite:
+    """What attention does during a prefill (`prefill`): store the batch's keys
+    and values at slots 0..T-1 of each row's blocks, then attend causally within the batch."""
+
+    def __init__(self, rows: PagedRows, T: int):
+        self.rows = rows
+        self.slots = rows.slots(torch.arange(T, device=rows.length.device).expand(len(rows.length), T)).reshape(-1)
+
+    def attend(self, layer: int, q, k, v) -> torch.Tensor:
+        """q [B, heads, T, D], k and v [B, kv_heads, T, D] -> attention output [B, T, heads, D]."""
+        self.rows.write(layer, self.slots, k.transpose(1, 2).flatten(0, 1), v.transpose(1, 2).flatten(0, 1))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+
+
+class DecodeAttention:
+    """One decode step's attention over the pool: each row's new key and value go to slot `length`, and
+    its query attends over slots 0..length. Everything a layer needs is computed once per step, from
+    device tensors only, so a CUDA graph captured for a (rows, span) shape serves every step of it."""
+
+    def __init__(self, rows: PagedRows, span: int):
+        pool, R = rows.pool, len(rows.length)
+        bs = pool.block_size
+        if span % bs or not 0 < span <= rows.table.shape[1] * bs:
+            raise ValueError(
+                f"span={span}: must be a positive multiple of the block size {bs} within the table "
+                f"({rows.table.shape[1]} blocks)"
+            )
+        self.rows, self.span = rows, span
+        self.write_slots = rows.slots(rows.length[:, None])[:, 0]  # [R]
+        if pool.attention == "flash":
+            seen = (rows.length + 1).int()  # [R] slots each query reads
+            self.seen, self.cu_q = seen, torch.arange(R + 1, dtype=torch.int32, device=seen.device)
+            self.cu_k = F.pad(seen.cumsum(0, dtype=torch.int32), (1, 0))
+        else:
+            self.gather = rows.table[:, : span // bs].reshape(-1).long()  # [R * blocks]
+            positions = torch.arange(span, device=rows.length.device)
+            self.mask = (positions <= rows.length[:, None])[:, None, None]  # [R, 1, 1, span]
+
+    def __call__(self, layer: int, q, k, v) -> torch.Tensor:
+        """q [R, heads, D], k and v [R, kv_heads, D] -> attention output [R, heads * D]."""
+        rows, pool = self.rows, self.rows.pool
+        rows.write(layer, self.write_slots, k, v)
+        R, H, D = q.shape
+        kv_heads = k.shape[1]
+        if pool.attention == "flash":
+            from torch.nn.attention.varlen import varlen_attn
+
+            out = varlen_attn(
+                q,
+                pool.k[layer],
+                pool.v[layer],
+                self.cu_q,
+                self.cu_k,
+                1,
+                self.span,
+                seqused_k=self.seen,
+                block_table=rows.table,
+                enable_gqa=True,
+            )
+            return out.reshape(R, H * D)
+        keys, values = (
+            pool_[layer]
+            .view(pool.blocks, -1)
+            .index_select(0, self.gather)
+            .view(R, self.span, kv_heads, D)
+            .transpose(1, 2)
+            for pool_ in (pool.k, pool.v)
+        )
+        # the query heads sharing a kv head are one query axis of length H / kv_heads: no copy per head
+        out = F.scaled_dot_product_attention(q.view(R, kv_heads, H // kv_heads, D), keys, values, attn_mask=self.mask)
+        return out.reshape(R, H * D)
+
+
+def prefill(model: Transformer, input_ids: torch.Tensor, pad_mask: torch.Tensor, rows: PagedRows) -> torch.Tensor:
+    """The final-normed hidden state [B, hidden] of each row's last prompt token, for prompts left-padded
+    to [B, T]; their keys and values are stored at slots 0.. of each row's blocks (rows.table).
+
+    As in Transformer.hidden, each row is rotated so its real tokens come first, which is also the pool's
+    layout: slot = position. The padding lands in the slots after the prompt (or in block 0), which the
+    row's next tokens overwrite before any query reads them.
+    """
+    shift, T = leading_pads(pad_mask), input_ids.shape[1]
+    arange = torch.arange(T, device=input_ids.device)
+    rotated = input_ids.gather(1, (arange + shift[:, None]) % T)
+    h = model.model.norm(model.run_blocks(rotated, arange.expand_as(input_ids), PrefillWrite(rows, T)))
+    return h[torch.arange(len(h), device=h.device), T - 1 - shift]
+
+
+def decode_step(
+    model: Transformer, tokens: torch.Tensor, rows: PagedRows, span: int, weights: DecodeWeights | None = None
+) -> torch.Tensor:
+    """Logits [rows, V] for one token per row (tokens [rows] long): each is stored at slot rows.length of
+    its row (its position) and attends over slots 0..length; rows.length is not advanced.
+
+    Attention reads each row's first `span` slots (a multiple of the block size covering every row's
+    length + 1; the rest are masked or skipped), and nothing here reads a Python number that changes
+    between steps, so one CUDA graph per (rows, span) serves every step of that shape. The activations
+    are [rows, features] throughout and the projections come from `weights` (DecodeWeights, built here
+    when not given): one operator per projection, plus one per adapted one. The sampler runs in eval
+    mode, so LoRA dropout does not apply here.
+    """
+    cfg, R = model.config, len(tokens)
+    weights = weights if weights is not None else DecodeWeights(model)
+    attend = DecodeAttention(rows, span)
+    x = model.model.embed_tokens(tokens)  # [R, hidden]
+    cos, sin = (t.view(R, 1, -1) for t in rope_cos_sin(rows.length[:, None], cfg.head_dim, cfg.rope_theta, x.dtype))
+    for i, block in enumerate(model.model.layers):
+        q, k, v = weights.project(4 * i, block.input_layernorm(x))
+        q = q.view(R, cfg.num_heads, cfg.head_dim)
+        k, v = k.view(R, cfg.num_kv_heads, cfg.head_dim), v.view(R, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = block.self_attn.q_norm(q), block.self_attn.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        (out,) = weights.project(4 * i + 1, attend(i, q, k, v))
+        x = x + out
+        gate, up = weights.project(4 * i + 2, block.post_attention_layernorm(x))
+        (down,) = weights.project(4 * i + 3, F.silu(gate) * up)
+        x = x + down
+    return decode_linear(model.model.norm(x), model.lm_head.weight)

@@ -1,0 +1,303 @@
+"""Tests for the engine's decode path on tiny random checkpoints: the paged KV cache's prefill and decode
+step against the full forward pass, decode_linear and its operand order against the benchmark's table,
+the decode weights following the adapters, the shared-prompt training pass against whole rows, and the
+CUDA graph capture's calls. The sampler end to end (scheduler, preemption, graphs): test_rollout.py."""
+
+import contextlib
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_model import padded_batch, random_rows
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import lora
+from conftest import assert_equal_to
+from engine import memory
+from engine.decode_weights import DecodeWeights, decode_linear, weight_on_the_left
+from engine.graphs import CudaGraph
+from engine.kv_cache import KVPool, PagedRows, decode_step, prefill
+from engine.shared_prompts import hidden_shared
+from infra import weights
+from model import Transformer
+
+ROOT = Path(__file__).parent.parent
+
+
+def load_bench_rollout(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_rollout", ROOT / "bench" / "rollout.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("adapted", [False, True])
+def test_paged_prefill_and_decode_equal_the_full_forward(checkpoint, adapted):
+    """Two prompts prefilled into a KV pool of 4-slot blocks, one left-padded; prompt 0 (6 tokens) fills one
+    block, which its two rows share, and each row gets its own copy of the partly filled second; then
+    three decode steps, one row dead for a step, against the plain forward pass of each full row."""
+    model = weights.from_pretrained(checkpoint).eval()
+    if adapted:  # LoRA on every projection, with nonzero B: the decode step's low-rank terms are exercised
+        lora.inject(model, rank=4, alpha=8.0)
+        for p in lora.parameters(model):
+            p.normal_(0, 0.1, generator=torch.Generator().manual_seed(p.numel()))
+    prompts = random_rows([6, 3], model.config.vocab_size, seed=5)
+    prompt_ids, prompt_mask = padded_batch(prompts, left=[0, 3], right=[0, 0])
+    pool = KVPool(model.config, 16, 4, model.dtype, model.device)
+    prefill_table = torch.tensor([[1, 2] + [0] * 2, [3] + [0] * 3], dtype=torch.int32)
+    h = prefill(model, prompt_ids, prompt_mask, PagedRows(pool, prefill_table, torch.zeros(2).long()))
+    full = model.hidden(prompt_ids, prompt_mask)[:, -1]
+    assert (h - full).abs().max() < 1e-4
+    # rows 0, 1 continue prompt 0 (block 1 shared, block 2 copied to 4); rows 2, 3 prompt 1 (block 3 copied to 5)
+    pool.copy_blocks(torch.tensor([2, 3]), torch.tensor([4, 5]))
+    table = torch.tensor([[1, 2, 6, 0], [1, 4, 7, 0], [3, 8, 0, 0], [5, 9, 0, 0]], dtype=torch.int32)
+    rows = PagedRows(pool, table, torch.tensor([6, 6, 3, 3]))
+    continuation = torch.randint(3, model.config.vocab_size, (4, 3), generator=torch.Generator().manual_seed(6))
+    weights_ = DecodeWeights(model)
+    sequences = [list(prompts[r // 2]) for r in range(4)]
+    for step, alive in enumerate([[True] * 4, [True, False, True, True], [True] * 4]):
+        logits = decode_step(model, continuation[:, step], rows, span=12, weights=weights_)
+        rows.length += torch.tensor(alive)  # a dead row's token is overwritten by its next one
+        for r in (r for r in range(4) if alive[r]):
+            sequences[r].append(continuation[r, step].item())
+            assert (logits[r] - model(torch.tensor([sequences[r]]))[0, -1]).abs().max() < 1e-4, (step, r)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rows", range(1, 6))
+def test_a_decode_step_of_a_few_rows_equals_the_full_forward(tiny_model_dir, rows):
+    """One to five rows, the counts at which decode_linear's operand order changes on the CPU: each row's logits
+    after its prompt are the plain forward pass's."""
+    model = weights.from_pretrained(tiny_model_dir).eval()
+    prompts = random_rows([3 + r for r in range(rows)], model.config.vocab_size, seed=rows)
+    pool = KVPool(model.config, 1 + 2 * rows, 4, model.dtype, model.device)
+    table = torch.arange(1, 1 + 2 * rows, dtype=torch.int32).view(rows, 2)  # two 4-slot blocks per row
+    for r, prompt in enumerate(prompts):
+        row = PagedRows(pool, table[r : r + 1], torch.zeros(1, dtype=torch.long))
+        prefill(model, torch.tensor([prompt[:-1]]), torch.ones(1, len(prompt) - 1, dtype=torch.bool), row)
+    paged = PagedRows(pool, table, torch.tensor([len(p) - 1 for p in prompts]))
+    logits = decode_step(model, torch.tensor([p[-1] for p in prompts]), paged, span=8)
+    for r, prompt in enumerate(prompts):
+        assert (logits[r] - model(torch.tensor([prompt]))[0, -1]).abs().max() < 1e-4, r
+
+
+@pytest.mark.parametrize("rows", range(1, 7))
+@pytest.mark.parametrize("in_features", [48, 2048])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_decode_linear_is_linear_up_to_rounding(rows, in_features, with_bias):
+    """Whichever side the weight takes, decode_linear gives F.linear's [rows, out], contiguous (the decode step
+    views it per head), to fp32 rounding."""
+    generator = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, in_features, generator=generator), torch.randn(40, in_features, generator=generator)
+    bias = torch.randn(40, generator=generator) if with_bias else None
+    out = decode_linear(x, weight, bias)
+    assert out.shape == (rows, 40) and out.is_contiguous()
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
+def measured_speedups() -> dict[str, dict[int, list[float]]]:
+    """docs/engine.md's table of `bench/rollout.py --products`: per model, per row count, F.linear's time over
+    decode_linear's at each thread count measured."""
+    text = (ROOT / "docs" / "engine.md").read_text()
+    header = next(line for line in text.splitlines() if line.startswith("| rows |"))
+    columns = [cell.strip() for cell in header.strip("|").split("|")][1:]
+    table = text[text.index(header) :].splitlines()[2:]
+    speedups: dict[str, dict[int, list[float]]] = {}
+    for line in table:
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        for column, cell in zip(columns, cells[1:]):
+            model = column.split(",")[0]
+            ratio = float(re.search(r"\(([0-9.]+)x\)", cell).group(1))
+            speedups.setdefault(model, {}).setdefault(int(cells[0]), []).append(ratio)
+    return speedups
+
+
+@pytest.mark.skipif(
+    not torch.backends.mkl.is_available(), reason="decode_linear reorders products only where measured: MKL"
+)
+def test_the_operand_order_is_the_one_the_benchmark_measured_faster(monkeypatch):
+    """Per model and row count of the benchmark's table: where the weight on the left was faster at every
+    thread count (by more than 10%), each of the model's products takes it; where it gained nothing, none
+    does. In bf16 and on meta, as on CUDA, decode_linear is F.linear."""
+    shapes = load_bench_rollout(monkeypatch).PRODUCT_SHAPES
+    speedups = measured_speedups()
+    assert set(speedups) == set(shapes) and all(set(rows) == set(range(1, 6)) for rows in speedups.values())
+    for model, by_rows in speedups.items():
+        for rows, ratios in by_rows.items():
+            if min(ratios) > 1.1 or max(ratios) < 1.1:
+                for _, in_features in shapes[model]:
+                    expected = min(ratios) > 1.1
+                    assert weight_on_the_left(torch.zeros(rows, in_features)) == expected, (model, rows, in_features)
+    for other in (torch.zeros(2, 576, dtype=torch.bfloat16), torch.zeros(2, 576, device="meta")):
+        assert not weight_on_the_left(other)
+
+
+def test_the_products_benchmark_prints_both_sides_per_shape_and_row_count(monkeypatch, capsys):
+    """bench/rollout.py --products on two small shapes: per row count, each shape's F.linear / decode_linear
+    times and their ratio, and the step's total."""
+    bench = load_bench_rollout(monkeypatch)
+    monkeypatch.setattr(bench, "PRODUCT_SHAPES", {"tiny": {(24, 16): 3, (16, 24): 2}})
+    bench.bench_products(repeats=1)
+    lines = capsys.readouterr().out.splitlines()
+    assert "24x16" in lines[1] and "16x24" in lines[1] and lines[1].rstrip().endswith("step")
+    rows = [line.split() for line in lines[2:]]
+    assert [int(cells[0]) for cells in rows] == list(range(1, 7))
+    assert all(len(cells) == 1 + 3 * 4 and [c[-1] for c in cells[4::4]] == ["x"] * 3 for cells in rows)
+
+
+def test_decode_weights_follow_the_adapters_in_place(tiny_model_dir):
+    """refresh copies new adapter values into the same buffers (CUDA graphs read their addresses); a change of
+    which projections carry a term (disabled adapters) asks for new DecodeWeights."""
+    model = weights.from_pretrained(tiny_model_dir).eval()
+    lora.inject(model, rank=2, alpha=4.0, targets=("q_proj", "v_proj", "up_proj"))
+    decode = DecodeWeights(model)
+    _, A, Bs = decode.groups[0]  # layer 0's q, k, v: q's and v's A side by side, k without a term
+    assert A.shape == (model.config.hidden_size, 4) and Bs[1] is None
+    address = A.data_ptr()
+    with torch.no_grad():
+        for p in lora.parameters(model):
+            p.fill_(0.5)
+    decode.refresh(model)
+    assert A.data_ptr() == address and (A == 0.5).all()
+    assert torch.equal(Bs[0][:2], torch.full_like(Bs[0][:2], 0.5 * 2.0)) and not Bs[0][2:].any()  # scale alpha/r = 2
+    with lora.disabled(model), pytest.raises(ValueError, match="build new DecodeWeights"):
+        decode.refresh(model)
+
+
+def shared_prompt_batch(vocab: int, completion_len: int):
+    """3 prompts of 5, 3 and 6 tokens (left-padded) and 7 rows of them, in mixed order, whose completions
+    of up to completion_len tokens are right-padded; one row of prompt 0 has a single token."""
+    prompts = random_rows([5, 3, 6], vocab, seed=11)
+    prompt_ids, prompt_mask = padded_batch(prompts, left=[1, 3, 0], right=[0, 0, 0])
+    owner = torch.tensor([0, 2, 0, 1, 2, 2, 0])
+    lengths = [completion_len, 2, 3, 1, completion_len, 2, completion_len - 1]
+    completions = random_rows(lengths, vocab, seed=12)
+    right = [completion_len - n for n in lengths]
+    completion_ids, completion_mask = padded_batch(completions, left=[0] * 7, right=right)
+    return prompt_ids, prompt_mask, owner, completion_ids, completion_mask
+
+
+@pytest.mark.parametrize("completion_len", [4, 40])  # at most twice the head size (heads folded), and more
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_shared_prompts_give_the_states_and_gradients_of_whole_rows(checkpoint, completion_len, checkpointing):
+    """Each prompt run once for its rows (hidden_shared) against every row run whole (model.hidden), in float64:
+    the states and every adapter's gradient through both the completions and the prompts."""
+    model = lora.inject(weights.from_pretrained(checkpoint).to(torch.float64), rank=4, alpha=8).train()
+    model.gradient_checkpointing = checkpointing
+    with torch.no_grad():  # B starts at zero, so the gradient of A would be too: a small update of each layer
+        for module in lora.lora_modules(model).values():
+            module.lora_B.weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(7))
+    prompt_ids, prompt_mask, owner, completion_ids, completion_mask = shared_prompt_batch(
+        model.config.vocab_size, completion_len
+    )
+    P = prompt_ids.shape[1]
+    used = torch.cat([torch.ones_like(completion_mask[:, :1]), completion_mask], 1)  # [R, 1 + C]
+    loss_weights = torch.randn(*used.shape, model.config.hidden_size, dtype=torch.float64) * used[..., None]
+
+    def states_and_grads(shared: bool):
+        model.zero_grad()
+        if shared:
+            h = hidden_shared(model, prompt_ids, prompt_mask, owner, completion_ids, completion_mask)
+        else:
+            ids = torch.cat([prompt_ids[owner], completion_ids], 1)
+            # the last prompt token's state, then the completion's
+            h = model.hidden(ids, torch.cat([prompt_mask[owner], completion_mask], 1))[:, P - 1 :]
+        (h * loss_weights).sum().backward()
+        return h[used], [p.grad.clone() for p in lora.parameters(model)]
+
+    (shared, shared_grads), (whole, whole_grads) = states_and_grads(True), states_and_grads(False)
+    assert_equal_to(shared, whole)
+    for got, expected in zip(shared_grads, whole_grads):
+        assert expected.abs().max() > 0
+        assert_equal_to(got, expected)
+
+
+def test_the_demo_pass_with_shared_prompts_does_under_half_the_work_in_half_the_memory():
+    """bench/model.py counts the demo's training pass on the meta device (FLOPs, and tensor bytes as the
+    memory plan counts them): each prompt run once against every row run whole."""
+    run = subprocess.run(
+        [sys.executable, "bench/model.py", "--device", "meta", "--bench", "grpo"],
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr
+    flops, memory = (float(x.rstrip("x")) for x in run.stdout.splitlines()[-1].split()[-2:])
+    assert flops < 0.4 and memory <= 0.5, run.stdout
+
+
+def test_cuda_graph_capture_neither_synchronizes_nor_empties_the_cache(monkeypatch):
+    """CudaGraph.capture with torch.cuda's streams and graphs replaced by recorders: two warm-ups on a side
+    stream, then capture_begin into the shared memory pool, the step, capture_end; torch.cuda.synchronize and
+    torch.cuda.empty_cache, which the torch.cuda.graph context manager calls, are never called."""
+    events = []
+
+    class Recorder:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def wait_stream(self, other):
+            events.append("wait")
+
+        def capture_begin(self, pool=None):
+            events.append(("capture_begin", pool))
+
+        def capture_end(self):
+            events.append("capture_end")
+
+        def replay(self):
+            events.append("replay")
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a capture must not synchronize or empty the allocator's cache")
+
+    monkeypatch.setattr(torch.cuda, "Stream", Recorder)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Recorder)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args: Recorder())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", forbidden)
+    monkeypatch.setattr(torch.cuda, "empty_cache", forbidden)
+    graph = CudaGraph()
+    graph.capture(lambda: events.append("step"), "pool handle")
+    graph.replay()
+    assert events == ["wait", "step", "step", ("capture_begin", "pool handle"), "step", "capture_end", "wait", "replay"]
+
+
+def test_lora_adds_at_most_a_quarter_to_the_operators_of_a_decode_step():
+    """Counted on the meta device for Qwen3-1.7B: with rank-32 adapters on all seven projections, a decode step
+    runs at most a quarter more operators (one per adapted projection, one per group reading one input)."""
+    cfg = memory.model_config("Qwen/Qwen3-1.7B")
+    counts = []
+    for adapted in (False, True):
+        with torch.device("meta"):
+            meta_model = Transformer(cfg).to(torch.bfloat16)
+        if adapted:
+            lora.inject(meta_model, 32, 64.0)
+        pool = KVPool(cfg, 8, 256, torch.bfloat16, "meta", "flash")
+        rows = PagedRows(
+            pool, torch.zeros(16, 4, dtype=torch.int32, device="meta"), torch.zeros(16, dtype=torch.long, device="meta")
+        )
+        decode = DecodeWeights(meta_model)
+        with torch.inference_mode(), CountOperators() as counter:
+            decode_step(meta_model, torch.zeros(16, dtype=torch.long, device="meta"), rows, 1024, decode)
+        counts.append(counter.count)
+    assert counts[1] <= 1.25 * counts[0], counts
+
+
+class CountOperators(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
