@@ -64,7 +64,7 @@ class LoRALinear(nn.Module):
 
     def low_rank(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(A [r, in], scale * B [out, r]) in fp32 while the adapter adds to the output (not merged, not
-        disabled), else None. The sampler's decode step casts these once per rollout (model.DecodeWeights)
+        disabled), else None. The sampler's decode step casts these once per rollout (engine.decode_weights.DecodeWeights)
         instead of casting and scaling them at every token as forward does."""
         if self.merged or not self.enabled:
             return None
