@@ -8,14 +8,15 @@ runs problem by problem so a reader sees at once which gaps are noise.
 
     python eval.py --model PATH_OR_ID [--adapter DIR] --bench aime24,aime25,amc23 --k 8 --temperature 0.6 \
         --top-p 0.95 --max-new-tokens 4096 [--out runs/eval.json]
-    python eval.py --run runs/NAME [--bench aime24 --k 16 ...]   # as the run trained: its settings, best adapter
+    python eval.py --run runs/NAME [--bench aime24 --k 16 ...]   # as the run trained: its settings, last adapter
     python eval.py --compare A.json B.json [--baseline TABLE.json]
     python eval.py --bench math500 --limit 20 --limit-seed 0 --k 2 --max-new-tokens 1024    # a quick try
 
 Every file written is strict JSON (an undefined standard error is null); an existing --out is kept unless --force.
 If sampling fails or is interrupted, the problems finished so far are written beside --out as OUT.partial.json.
 --run takes a training run's model, prompt (template, system prompt, thinking setting where the run has one),
-sampling, held-out sets and k, and its best adapter, prints the equivalent command, and lets flags override.
+sampling, held-out sets and k, and its last adapter (--checkpoint best: the one best on its validation split,
+never chosen on the held-out sets), prints the equivalent command, and lets flags override.
 
 The statistics are plain numpy over a [problems, samples] table of correct flags. evaluate() is the plain function
 train.py's held-out evaluation (held_out: each rank a slice of each set, over the run's KV pool) calls before,
@@ -704,7 +705,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         metavar="RUN",
         help="a train.py run directory: its model, template, "
-        "system prompt, sampling, held-out sets, k and best adapter, unless flags say otherwise",
+        "system prompt, sampling, held-out sets, k and last adapter (--checkpoint), unless flags say otherwise",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        choices=("last", "best"),
+        default="last",
+        help="which policy of a run directory (--run, or --adapter RUN): its last, or the best on its validation "
+        "split, a sample of its training set disjoint from the held-out sets (default: %(default)s)",
     )
     parser.add_argument(
         "--model", default=None, help="model directory or hub id (default: the offline SmolLM2-135M-Instruct)"
@@ -712,7 +720,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--adapter",
         default=None,
-        help="LoRA adapter directory (PEFT format) to load on the model, or a run directory (its best adapter)",
+        help="LoRA adapter directory (PEFT format) to load on the model, or a run directory (its --checkpoint)",
     )
     parser.add_argument(
         "--bench",
@@ -855,11 +863,11 @@ def take_run_settings(args: argparse.Namespace) -> list[str]:
     if saved.get("lora_rank") == 0:  # every weight trained: the run's best weights are a model of their own
         best = Path(args.run) / "best"
         if "model" in filled:
-            if not (best / "config.json").is_file():
+            if args.checkpoint == "last" or not (best / "config.json").is_file():
                 raise FileNotFoundError(
-                    f"--run {args.run}: a full-parameter run without best weights yet; export its "
-                    f"last checkpoint (python train.py --resume {args.run} --steps 0 --export DIR) "
-                    "and evaluate --model DIR"
+                    f"--run {args.run}: a full-parameter run's last weights are sharded in its checkpoint; export "
+                    f"them (python train.py --resume {args.run} --steps 0 --export DIR) and evaluate --model DIR"
+                    + ("" if args.checkpoint == "last" else "; it has no best weights yet")
                 )
             args.model = str(best)
         return filled
@@ -869,26 +877,31 @@ def take_run_settings(args: argparse.Namespace) -> list[str]:
     return filled
 
 
-def resolve_adapter(path: str) -> tuple[Path, str]:
-    """(adapter directory, what it is): a PEFT adapter directory as given, or a run directory's best adapter
-    (else its last checkpoint's). A ValueError naming --adapter when it is neither."""
+def resolve_adapter(path: str, checkpoint: str = "last") -> tuple[Path, str]:
+    """(adapter directory, what it is): a PEFT adapter directory as given, or a run directory's last adapter
+    (its newest checkpoint's) or, with checkpoint "best", the adapter best on its validation split. The
+    default is the last: a best chosen during training is a selection, and the run chose it on its
+    validation split, never on the held-out sets. A ValueError naming --adapter when it is neither."""
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"--adapter: directory {path} does not exist")
     if (folder / "adapter_config.json").is_file():
         return folder, "as given"
-    summary_file = folder / "summary.json"
-    if (folder / "best" / "adapter_config.json").is_file():
+    if checkpoint == "best":
+        if not (folder / "best" / "adapter_config.json").is_file():
+            raise ValueError(f"--adapter {path} --checkpoint best: the run has no best adapter yet")
+        summary_file = folder / "summary.json"
         best = json.loads(summary_file.read_text()).get("best") if summary_file.is_file() else None
         what = (
-            f"the run's best: held-out accuracy {100 * best['accuracy']:.1f}% at step {best['step']}"
+            f"the run's best on its validation split: accuracy {100 * best['accuracy']:.1f}% at step {best['step']}"
             if isinstance(best, dict)
-            else "the run's best so far"
+            else "the run's best on its validation split so far"
         )
         return folder / "best", what
     latest = folder / "latest"
     if latest.is_file() and (folder / latest.read_text().strip() / "adapter" / "adapter_config.json").is_file():
-        return folder / latest.read_text().strip() / "adapter", "the run's last checkpoint (it has no best yet)"
+        name = latest.read_text().strip()
+        return folder / name / "adapter", f"the run's last adapter ({name})"
     raise ValueError(f"--adapter {path}: neither an adapter (no adapter_config.json) nor a run directory with one")
 
 
@@ -1093,7 +1106,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.compare:
             run_compare(*args.compare, args.baseline)
             return
-        adapter, adapter_what = resolve_adapter(args.adapter) if args.adapter is not None else (None, "")
+        adapter, adapter_what = (
+            resolve_adapter(args.adapter, args.checkpoint) if args.adapter is not None else (None, "")
+        )
         baseline = _load_baseline(args.baseline) if args.baseline else None
         benchmarks = load_benchmarks(args)
         out = Path(args.out or f"{args.run or 'runs'}/eval-{time.strftime('%Y%m%d-%H%M%S')}.json")

@@ -598,7 +598,23 @@ def run(
 ) -> dict:
     """The loop of a started run: the evaluation before, the steps, the evaluation after, the summary."""
     writer = world.rank == 0
-    train_set, eval_sets = start["train_set"], start["eval_sets"]
+    eval_sets = start["eval_sets"]
+    whole_sets = {name: load_problems(name) for name in eval_sets}  # not cut to --eval-problems: every problem
+    train_set, validation = rundir.validation_split(start["train_set"], whole_sets, cfg.seed)
+    if writer:
+        rundir.write_json(
+            run_dir / "validation.json",
+            {"drawn_from": cfg.dataset, "seed": cfg.seed, "problems": [p["problem"] for p in validation]},
+        )
+
+    def keep_best(desc: str) -> dict | None:
+        """The validation split's evaluation, and the best checkpoint kept on it (None without a split)."""
+        if not validation:
+            return None
+        result = evaluation.held_out(model, tokenizer, {"validation": validation}, cfg, desc, world, pool)
+        rundir.keep_best(run_dir, model, state, result, writer, tokenizer)
+        return result
+
     with (
         StopRequest() as stop,
         contextlib.closing(rundir.open_trackers(cfg, run_dir, state, list(eval_sets), writer)) as trackers,
@@ -633,7 +649,7 @@ def run(
                     record["eval"] = evaluation.held_out(
                         model, tokenizer, eval_sets, cfg, f"eval step {step}", world, pool
                     )
-                rundir.keep_best(run_dir, model, state, record["eval"], writer, tokenizer)
+                    record["validation"] = keep_best(f"validation step {step}")
             if writer:
                 rundir.append_metrics(run_dir / "metrics.jsonl", record)
                 trackers.log_step(record)
@@ -653,8 +669,8 @@ def run(
                 raise Stopped(run_dir, step)
         with stop.immediate():
             state["after"] = evaluation.held_out(model, tokenizer, eval_sets, cfg, "eval after", world, pool)
+            keep_best("validation after")
         trackers.log_eval(state["after"], state["step"], "after")
-    rundir.keep_best(run_dir, model, state, state["after"], writer, tokenizer)
     save(state)
     if writer:
         rundir.write_json(run_dir / "summary.json", {k: state[k] for k in ("before", "after", "best")})
@@ -728,10 +744,14 @@ def main(argv: list[str] | None = None) -> None:
         exit_interrupted()
     if "after" in state and world.rank == 0:  # an export-only resume trained and evaluated nothing
         before, after, best = state["before"], state["after"], state["best"]
-        print(f"best held-out accuracy {100 * best['accuracy']:.1f}% at step {best['step']}")
+        if best is not None:
+            print(
+                f"best validation accuracy {100 * best['accuracy']:.1f}% at step {best['step']} "
+                f"({best['problems']} training problems held out of training, in validation.json; the adapter in best/)"
+            )
         print(
-            f"held-out accuracy: before {100 * before['accuracy']:.1f}% -> after {100 * after['accuracy']:.1f}% "
-            f"(n={after['problems']}, k={after['k']}, se {100 * (after['se'] or 0):.1f})"
+            f"held-out accuracy of the last policy: before {100 * before['accuracy']:.1f}% -> after "
+            f"{100 * after['accuracy']:.1f}% (n={after['problems']}, k={after['k']}, se {100 * (after['se'] or 0):.1f})"
         )
 
 

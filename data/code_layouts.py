@@ -2,13 +2,18 @@
 
 A code problem has tests instead of an answer: {"problem", "task": "code", "style": "stdio" or "call",
 "tests": [{"input", "output"}, ...], "fn_name" (call style), "tolerance" (when the statement gives one),
-"id", "source"}; grading/sandbox.py runs a program against its tests. check_code_problem is the one check of
+"case_sensitive": false (when the dataset's judge compares output tokens ignoring case), "id", "source"};
+grading/sandbox.py runs a program against its tests. check_code_problem is the one check of
 that format, for a prepared file (prepare.read_problems), a converted row and sandbox.py's inputs.
 
 Each layout turns one row of a Hub dataset into such a record (APPS, TACO, CodeContests, Codeforces,
 LiveCodeBench), or raises Skip for a problem these tests cannot grade: interactive ones, ones reading
-or writing named files, ones needing a checker (several right answers), ones without tests;
-prepare.convert_rows counts the skips. prepare.py holds the rest of reading, converting and downloading
+or writing named files, ones needing a checker (several right answers: Codeforces' generated_checker,
+or a statement that accepts any of several answers), ones without tests; prepare.convert_rows counts
+the skips. Codeforces' checkers accept YES/yes/Yes where the statement says the answer may be printed
+in any case, and CodeContests holds Codeforces' problems under the same judges: in those two layouts
+such a statement makes the problem case-insensitive. APPS, TACO and LiveCodeBench grade by their own
+harnesses, which compare case-sensitively, so their problems stay so. prepare.py holds the rest of reading, converting and downloading
 datasets, math and code alike.
 """
 
@@ -25,7 +30,8 @@ CODE_STYLES = ("stdio", "call")  # the test styles sandbox.py grades
 def check_code_problem(problem: dict, where: str) -> None:
     """A ValueError naming `where` unless problem holds gradable tests: "tests", a non-empty list of
     {"input", "output"}; "style" stdio (input and output text) or call (input the argument list, output any
-    JSON value, and "fn_name" the function to call); "tolerance", when present, a number >= 0."""
+    JSON value, and "fn_name" the function to call); "tolerance", when present, a number >= 0; "case_sensitive",
+    when present, a bool."""
     tests, style = problem.get("tests"), problem.get("style", "stdio")
     if style not in CODE_STYLES:
         raise ValueError(f"{where}: style must be one of {', '.join(CODE_STYLES)}, got {style!r}")
@@ -34,6 +40,8 @@ def check_code_problem(problem: dict, where: str) -> None:
     name = problem.get("fn_name")
     if style == "call" and not (isinstance(name, str) and name.isidentifier()):
         raise ValueError(f'{where}: call-style tests need "fn_name", the function to call, got {name!r}')
+    if not isinstance(problem.get("case_sensitive", True), bool):
+        raise ValueError(f"{where}: case_sensitive must be true or false, got {problem['case_sensitive']!r}")
     tolerance = problem.get("tolerance")
     if tolerance is not None and (
         isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance >= 0
@@ -58,6 +66,18 @@ _TOLERANCE_RE = re.compile(
     r"(?:10\s*\^\s*\{?\s*\(?\s*[-−]\s*(\d+)|1\s*[eE]\s*[-−]\s*(\d+))",
     re.I | re.S,
 )
+# "You may print each letter in any case (upper or lower)": a Codeforces judge then compares ignoring case
+_ANY_CASE_RE = re.compile(
+    r"\b(?:in|using) any (?:letter )?(?:case|register)\b|\bcase[- ]insensitive\b|\bany combination of (?:upper|lower)",
+    re.I,
+)
+# "If there are multiple answers, print any of them": a right program may print another answer than the test's
+_ANY_ANSWER_RE = re.compile(
+    r"\b(?:multiple|several|many|more than one)\s+(?:possible\s+|valid\s+|correct\s+|optimal\s+|such\s+)?"
+    r"(?:answers?|solutions?)\b[^.]{0,80}?\b(?:print|output|return|show)\s+any\b"
+    r"|\b(?:print|output)\s+any\s+(?:one\s+)?of\s+them\b",
+    re.I | re.S,
+)
 STDIO_NOTE = "Read the input from standard input and write the answer to standard output."
 
 
@@ -67,13 +87,29 @@ def tolerance_of(statement: str) -> float | None:
     return None if match is None else 10.0 ** -int(match[1] or match[2])
 
 
+def accepts_any_case(statement: str) -> bool:
+    """Whether a statement lets the answer be printed in any letter case (Codeforces' YES/yes convention)."""
+    return _ANY_CASE_RE.search(statement) is not None
+
+
 def code_problem(
-    statement: str, tests: list[dict], source_id, *, fn_name: str | None = None, starter: str = ""
+    statement: str,
+    tests: list[dict],
+    source_id,
+    *,
+    fn_name: str | None = None,
+    starter: str = "",
+    judge_ignores_case: bool = False,
 ) -> dict:
     """The prepared record of a code problem. The statement gets what the program must do: read stdin and
-    write stdout, or complete the starter code, whose function the tests call with their arguments."""
+    write stdout, or complete the starter code, whose function the tests call with their arguments.
+    judge_ignores_case: the dataset's judge honours a statement's "in any case" (accepts_any_case), and
+    the record then says case_sensitive false. A statement that accepts any of several answers needs a
+    checker these tests do not have: Skip."""
     if not tests:
         raise Skip("no tests")
+    if _ANY_ANSWER_RE.search(statement):
+        raise Skip("needs a checker")
     statement = statement.strip()
     if fn_name:
         code = starter.strip() or f"def {fn_name}(...):"
@@ -91,6 +127,8 @@ def code_problem(
         record["fn_name"] = fn_name
     if (tolerance := tolerance_of(statement)) is not None:
         record["tolerance"] = tolerance
+    if judge_ignores_case and accepts_any_case(statement):
+        record["case_sensitive"] = False
     return record
 
 
@@ -128,7 +166,7 @@ def code_contests_row(row: dict, index: int = 0) -> dict:
         for kind in ("public_tests", "private_tests", "generated_tests")
         for i, o in zip((row.get(kind) or {}).get("input", []), (row.get(kind) or {}).get("output", []))
     ]
-    return code_problem(row["description"], tests, row.get("name", index))
+    return code_problem(row["description"], tests, row.get("name", index), judge_ignores_case=True)
 
 
 def codeforces_row(row: dict, index: int = 0) -> dict:
@@ -153,7 +191,7 @@ def codeforces_row(row: dict, index: int = 0) -> dict:
         "\n\n".join(p.strip() for p in parts) + examples + (f"\n\nNote\n{row['note']}" if row.get("note") else "")
     )
     tests = [{"input": t["input"], "output": t["output"]} for t in row.get("official_tests") or []]
-    return code_problem(statement, tests, row.get("id", index))
+    return code_problem(statement, tests, row.get("id", index), judge_ignores_case=True)
 
 
 class _NoGlobals(pickle.Unpickler):

@@ -26,6 +26,9 @@ cards and published code that loads them):
     aime25       opencompass/AIME2025             aime2025-*.jsonl      question, answer (AIME 2025 I and II)
     amc23        math-ai/amc23                    test-*.parquet        question, answer (AMC 2023: the 40 problems of
                                                                         Qwen2.5-Math's evaluation)
+    amc83        AI-MO/aimo-validation-amc        data/train-*.parquet  problem, answer (AMC 12 2022 and 2023 with
+                                                                        integer answers, 83: the AMC set of the
+                                                                        reasoning-RL papers, ATR-GRPO's "AMC23")
     brumo25      MathArena/brumo_2025             data/train-*.parquet  problem_idx, problem, answer (BRUMO 2025, 30)
     smt25        MathArena/smt_2025               data/train-*.parquet  problem_idx, problem, answer (SMT 2025)
   with solutions, for sft.py:
@@ -49,8 +52,12 @@ Code sources (stdio unless noted; a statement that states a float tolerance keep
                                                                              examples, note, official_tests
     livecodebench  livecodebench/code_generation_lite  test*.jsonl           question_content, starter_code, public and
                                                                              private test cases, metadata.func_name
-Problems these tests cannot grade are skipped and counted: interactive ones, ones reading or writing
-named files, ones needing a checker (several right answers), ones without tests.
+Problems these tests cannot grade are skipped and counted per dataset: interactive ones, ones reading or
+writing named files, ones needing a checker (several right answers), ones without tests. Codeforces and
+CodeContests problems whose statement accepts the answer in any letter case carry "case_sensitive": false,
+as their judges compare so (code_layouts.py). The code training set (taco_train) is decontaminated: a
+problem whose statement repeats one of an evaluated code set's (CODE_BENCHMARKS), exactly or nearly
+(decontaminate), is removed, and the removals are printed by kind and by set.
 A local copy of one of these, in .parquet, .jsonl or .json (a list, an object holding one list such as
 {"data": [...]}, or JSON lines as `datasets` writes them), converts by its layout: `--out NAME` with a
 Hub name, or `--layout` (dapo, gsm8k, math500, aime, amc, matharena, openmath, gsm8k_solution,
@@ -68,6 +75,7 @@ import pickle
 import re
 import sys
 import zlib
+from collections import Counter
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -75,7 +83,7 @@ if __package__ in (None, ""):  # run as `python data/prepare.py`: import as the 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the answer checker, reward.py, is one up
     __package__ = "data"
 
-from .code_layouts import CODE_LAYOUTS, Skip, check_code_problem  # noqa: E402
+from .code_layouts import CODE_LAYOUTS, STDIO_NOTE, Skip, check_code_problem  # noqa: E402
 
 DATA_DIR = Path(__file__).resolve().parent
 DAPO_PREFIX = (
@@ -441,13 +449,108 @@ def convert_rows(rows: Iterable[tuple[str, dict]], layout: str, source: str) -> 
             yield {**problem, "source": source}
         if skipped:
             print(
-                f"skipped {sum(skipped.values())} problems these tests cannot grade: "
+                f"{source}: skipped {sum(skipped.values())} problems these tests cannot grade: "
                 + ", ".join(f"{count} {reason}" for reason, count in sorted(skipped.items()))
             )
 
     if layout == "openmath":  # its rows without an expected answer are dropped with the unmatched ones
         return matching_solutions(problems())
     return dedupe(problems()) if layout == "dapo" else problems()
+
+
+# ---------------------------------------------------------------- decontamination of the code training set
+
+CODE_BENCHMARKS = ("taco", "apps", "code_contests", "codeforces", "livecodebench")  # the evaluated code sets
+DECONTAMINATE = {"taco_train": CODE_BENCHMARKS}  # training set -> the sets its problems must not repeat
+NGRAM = 10  # words per shingle of a near-duplicate check
+NEAR = 0.5  # near-duplicate: this share of the shorter statement's shingles found in the other's
+COMMON = 20  # a shingle in more benchmark statements than this is boilerplate ("the first line contains ...")
+
+
+def statement_words(text: str) -> tuple[str, ...]:
+    """A code statement as lowercase word tokens, without the note a layout appends (what the program must
+    do), so that a stdio and a call-style copy of one problem compare by their statements alone."""
+    for note in ("\n\n" + STDIO_NOTE, "\n\nComplete this code;"):
+        text = text.split(note)[0]
+    return tuple(re.findall(r"\w+", text.lower()))
+
+
+def shingles(words: tuple[str, ...]) -> set[int]:
+    """The hashed NGRAM-word windows of a statement (none below NGRAM words: such a one matches only exactly)."""
+    return {hash(words[i : i + NGRAM]) for i in range(len(words) - NGRAM + 1)}
+
+
+def benchmark_index(statements: Iterable[tuple[str, str]]) -> dict:
+    """(benchmark, statement) pairs indexed for duplicate_of: exact word sequences, and shingle -> statements
+    holding it (boilerplate shingles, in more than COMMON statements, left out)."""
+    exact, sizes, postings = {}, [], {}
+    for name, text in statements:
+        words = statement_words(text)
+        exact.setdefault(words, name)
+        grams = shingles(words)
+        for gram in grams:
+            postings.setdefault(gram, []).append(len(sizes))
+        sizes.append((name, len(grams)))
+    postings = {gram: ids for gram, ids in postings.items() if len(ids) <= COMMON}
+    return {"exact": exact, "sizes": sizes, "postings": postings}
+
+
+def duplicate_of(text: str, index: dict) -> tuple[str, str] | None:
+    """("exact" or "near", benchmark) when a statement repeats one of the index's, else None. Exact: the same
+    words (case, punctuation and spacing aside). Near: NEAR of the shorter statement's shingles shared."""
+    words = statement_words(text)
+    if words in index["exact"]:
+        return "exact", index["exact"][words]
+    grams = shingles(words)
+    shared = Counter(i for gram in grams for i in index["postings"].get(gram, ()))
+    for i, count in shared.most_common(1):
+        name, size = index["sizes"][i]
+        if count >= NEAR * min(len(grams), size):
+            return "near", name
+    return None
+
+
+def read_statements(names: Iterable[str], data_dir: str | Path) -> Iterator[tuple[str, str]]:
+    """(benchmark, statement) of every problem of the prepared benchmark files, streamed (their tests unread)."""
+    for name in names:
+        for _, record in read_rows(Path(data_dir) / f"{name}.jsonl"):
+            yield name, record["problem"]
+
+
+def decontaminate(problems: Iterable[dict], index: dict, name: str) -> Iterator[dict]:
+    """The problems whose statement repeats no benchmark's (duplicate_of); prints how many were removed,
+    exact and near, and from which benchmarks."""
+    removed: Counter = Counter()
+    total = 0
+    for problem in problems:
+        total += 1
+        found = duplicate_of(problem["problem"], index)
+        if found is None:
+            yield problem
+        else:
+            removed.update([found[0], found[1]])
+    kinds = {"exact", "near"}
+    by_set = ", ".join(f"{removed[b]} {b}" for b in sorted(set(removed) - kinds))
+    print(
+        f"{name}: removed {removed['exact'] + removed['near']} of {total} problems that repeat an evaluated code "
+        f"set's statement ({removed['exact']} exact, {removed['near']} near-duplicate"
+        + (f"; {by_set}" if by_set else "")
+        + ")"
+    )
+
+
+def decontaminated(problems: Iterable[dict], name: str, data_dir: str | Path) -> Iterable[dict]:
+    """problems as they are, or, for a training set of DECONTAMINATE, without the benchmarks' problems (their
+    prepared files must be in data_dir: a ValueError names those that are not, before any problem is read)."""
+    if name not in DECONTAMINATE:
+        return problems
+    missing = [b for b in DECONTAMINATE[name] if not (Path(data_dir) / f"{b}.jsonl").is_file()]
+    if missing:
+        raise ValueError(
+            f"{name} is decontaminated against the evaluated code sets; prepare {', '.join(missing)} first "
+            f"(python data/prepare.py {' '.join(missing)})"
+        )
+    return decontaminate(problems, benchmark_index(read_statements(DECONTAMINATE[name], data_dir)), name)
 
 
 # ---------------------------------------------------------------- the Hub (thin layer)
@@ -461,6 +564,7 @@ HUB = {
     "aime24": ("HuggingFaceH4/aime_2024", "data/*.parquet", "aime"),
     "aime25": ("opencompass/AIME2025", "aime2025-*.jsonl", "aime"),
     "amc23": ("math-ai/amc23", "test-*.parquet", "amc"),
+    "amc83": ("AI-MO/aimo-validation-amc", "data/train-*.parquet", "amc"),
     "brumo25": ("MathArena/brumo_2025", "data/train-*.parquet", "matharena"),
     "smt25": ("MathArena/smt_2025", "data/train-*.parquet", "matharena"),
     "openmath": ("nvidia/OpenMathReasoning", "data/cot-00000-of-*.parquet", "openmath"),
@@ -468,17 +572,21 @@ HUB = {
     "math_sft": ("MaziyarPanahi/MATH-lighteval", "data/train-*.parquet", "math_solution"),
     "apps": ("codeparrot/apps", "test.jsonl", "apps"),
     "taco": ("BAAI/TACO", "ALL/test-*.parquet", "taco"),
-    "taco_train": ("BAAI/TACO", "ALL/train-*.parquet", "taco"),
     "code_contests": ("deepmind/code_contests", "data/test-*.parquet", "code_contests"),
     "codeforces": ("open-r1/codeforces", "data/test-*.parquet", "codeforces"),
     "livecodebench": ("livecodebench/code_generation_lite", "test*.jsonl", "livecodebench"),
+    "taco_train": ("BAAI/TACO", "ALL/train-*.parquet", "taco"),  # after the sets it is decontaminated against
 }
 
 
 def download(name: str, data_dir: str | Path = DATA_DIR) -> Path:
-    """Fetch one Hub dataset, convert it and write data_dir/NAME.jsonl; returns that path."""
+    """Fetch one Hub dataset, convert it and write data_dir/NAME.jsonl; returns that path. A training set of
+    DECONTAMINATE fetches the benchmarks it is checked against first, where they are not prepared yet."""
     if name not in HUB:
         raise ValueError(f"unknown dataset {name!r}; known: {', '.join(HUB)}")
+    for benchmark in DECONTAMINATE.get(name, ()):
+        if not (Path(data_dir) / f"{benchmark}.jsonl").is_file():
+            download(benchmark, data_dir)
     repo, pattern, layout = HUB[name]
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
@@ -495,7 +603,8 @@ def download(name: str, data_dir: str | Path = DATA_DIR) -> Path:
     if not files:
         raise FileNotFoundError(f"{repo} has no file matching {pattern!r}; its layout may have changed")
     rows = (row for path in files for row in read_rows(path))
-    return _write_checked(convert_rows(rows, layout, repo), Path(data_dir) / f"{name}.jsonl")
+    problems = decontaminated(convert_rows(rows, layout, repo), name, data_dir)
+    return _write_checked(problems, Path(data_dir) / f"{name}.jsonl")
 
 
 def convert_file(
@@ -511,19 +620,21 @@ def convert_file(
     """A local .jsonl/.json/.parquet file -> data_dir/OUT.jsonl in the prepared format.
 
     With a layout (a key of LAYOUTS) the file is a copy of that Hub dataset; without, the problem and
-    answer are read from the named (dotted) fields by read_problems.
+    answer are read from the named (dotted) fields by read_problems. An OUT of DECONTAMINATE is
+    decontaminated against the benchmarks prepared in data_dir.
     """
     if Path(out).name != out or Path(out).suffix in (".json", ".jsonl"):
         raise ValueError(f"--out takes a dataset name such as 'math500' (written as NAME.jsonl), got {out!r}")
     if layout is not None:
         try:
-            problems = list(convert_rows(read_rows(path), layout, str(path)))
+            problems = list(decontaminated(convert_rows(read_rows(path), layout, str(path)), out, data_dir))
         except LayoutError as error:
             raise LayoutError(f"{error}; for a file in another layout give --problem-key and --answer-key") from None
     else:
         problems = read_problems(path, problem_key, answer_key)
         for problem in problems:
             problem.setdefault("source", str(path))
+        problems = list(decontaminated(problems, out, data_dir))
     return _write_checked(dedupe(problems) if remove_duplicates else problems, Path(data_dir) / f"{out}.jsonl")
 
 

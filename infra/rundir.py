@@ -1,7 +1,7 @@
 """The run directory on disk: one writer at a time, the start of a run (a new run's first files, a resume's
 checkpoint and the record of what it changed, the trackers, an export-only resume), checkpoints written
 atomically and read back with a fallback, the metrics file trimmed for a resume, strict JSON files, and
-the best adapter.
+the validation split and the adapter best on it.
 
     runs/NAME/.lock              held (flock) by the one process writing the run; it names that process
     runs/NAME/config.json        the run's settings, rewritten when a resume changes them
@@ -10,9 +10,11 @@ the best adapter.
     runs/NAME/checkpoint-STEP/   adapter (PEFT format) + trainer.pt (optimizer, state, RNG); the two newest
                                  (a full run: shards/ + trainer.pt, see below)
     runs/NAME/latest             the name of the newest complete checkpoint
-    runs/NAME/best/              the adapter with the best held-out accuracy (a full run: the whole weights,
-                                 in transformers' layout)
-    runs/NAME/summary.json       before / after / best, written at the end
+    runs/NAME/validation.json    the validation split: training problems held out of training, none of them
+                                 a problem of the held-out sets
+    runs/NAME/best/              the adapter with the best accuracy on the validation split (a full run: the
+                                 whole weights, in transformers' layout); never chosen on the held-out sets
+    runs/NAME/summary.json       before / after (held-out, the last policy) / best (validation), at the end
 
 Every file is written under a temporary name and renamed into place, so a crash at any moment leaves
 the previous good state readable; a write that fails (a full disk, a read-only folder) removes its
@@ -258,13 +260,32 @@ def export_run(cfg: Config, run_dir: Path, model, tokenizer, optimizer, world: d
 # ----------------------------------------------------------------------------- checkpoints
 
 
+VALIDATION_PROBLEMS = 32  # problems of the validation split, at most a quarter of the training set
+
+
+def validation_split(train_set: list[dict], eval_sets: dict[str, list[dict]], seed: int) -> tuple[list, list]:
+    """(training problems, validation problems): the validation split is a seeded sample of the training set
+    (its distribution), drawn only among problems whose statement is in no held-out set, and taken out of
+    training. The best checkpoint is chosen on it, so no held-out figure comes from a checkpoint selected on
+    the held-out problems. VALIDATION_PROBLEMS of them, at most a quarter of the training set."""
+    held_out = {problem["problem"] for problems in eval_sets.values() for problem in problems}
+    eligible = [i for i, problem in enumerate(train_set) if problem["problem"] not in held_out]
+    size = min(VALIDATION_PROBLEMS, len(train_set) // 4, len(eligible))
+    order = torch.randperm(len(eligible), generator=torch.Generator().manual_seed(seed * 7907 + 1))
+    chosen = {eligible[int(i)] for i in order[:size]}
+    return (
+        [problem for i, problem in enumerate(train_set) if i not in chosen],
+        [train_set[i] for i in sorted(chosen)],
+    )
+
+
 def keep_best(run_dir: Path, model, state: dict, result: dict, write: bool = True, tokenizer=None) -> None:
-    """Keep the policy with the best held-out accuracy in run_dir/best (the papers report best and last):
+    """Keep the policy with the best accuracy on the validation split (result: its evaluation) in run_dir/best:
     a LoRA run's adapter, a full run's whole weights (with the tokenizer, so eval.py --model reads it).
     Every rank updates its state (and gathers a sharded model's weights), and the writer (rank 0) the folder."""
     if state["best"] is not None and result["accuracy"] <= state["best"]["accuracy"]:
         return
-    state["best"] = {**result, "step": state["step"]}
+    state["best"] = {**result, "step": state["step"], "split": "validation"}
     with fsdp.whole(model) as whole_model:
         if not write:
             return

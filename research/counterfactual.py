@@ -7,13 +7,13 @@
 Trained end to end, two rules differ in their rollouts, their data order's luck and their seeds' noise,
 and a few seeds cannot separate that from the rule. Here the rule is the only difference. A grpo pilot
 run (train.py's train_step, the study's settings) keeps its state, LoRA adapters and AdamW moments, at a
-few steps, the points. From each point, each rollout (--rollout-prompts fresh prompts of the training set,
---group-size completions each, fresh random streams) is sampled once; then, for every arm, the state is
+few steps, the points. From each point, each rollout (--rollout-prompts prompts of the training set, by
+default a pilot step's, --group-size completions each) is sampled once; then, for every arm, the state is
 restored and train.policy_update applies the arm's update to that rollout: the same mini-batches in the
-same order, the same optimizer state, only the loss differs. The pilot trains on --prompts-per-step prompts
-a step, enough for its groups to find rewards; a rollout of one prompt costs a quarter of a step of four,
-and each measure is paired within the rollout, so many small rollouts buy more than a few large ones.
-What each update did is measured on the rollout and with one fresh sample:
+same order, the same optimizer state, only the loss differs. Every rollout has prompts and random streams
+of its own (run_point), so rollouts are the independent units of the paired tests; the lines record their
+prompts, and rollouts that share one are clustered (prompt_clusters). What each update did is measured
+on the rollout and with one fresh sample:
 
     kl              KL(new || old) over the whole vocabulary at each completion position, mean per token
     entropy         change of the policy's entropy (nats) at those positions, exact over the vocabulary
@@ -25,9 +25,12 @@ What each update did is measured on the rollout and with one fresh sample:
     reward          mean reward of fresh samples (--fresh-samples per prompt, the same random streams for
                     every arm) minus that of the policy before the update on the same streams
 
-Every difference to grpo is paired by rollout: its standard error shrinks with the number of rollouts,
-and with the study's 30 or more it is small enough to see what a rule does. Arms ending in -eq run at
-the delta that gives their rule grpo's clip rate on the pilot's token records (calibrate.calibrate_to).
+Every difference to grpo is paired by rollout: its standard error shrinks with the number of independent
+rollouts. A gap is called a difference when Holm's test over the table's family rejects; the table states
+the gap each test detects with 80% power, and marks the clip-rate gaps that follow from the regions (an
+arm's region holding grpo's at every old probability) as by construction, outside the family. Arms ending
+in -eq run at the delta that gives their rule grpo's clip rate on the pilot's token records
+(calibrate.calibrate_to).
 
 OUT/pilot holds the pilot (metrics.jsonl, tokens/, points/step-N); OUT/rollouts/point-P.jsonl a line
 per rollout drawn with every arm's effects (the points run in --workers processes at once);
@@ -356,9 +359,39 @@ def read_rollouts(path: Path) -> list[dict]:
     return lines
 
 
-def summarize(lines: list[dict], arms: list[str], baseline: str = "grpo") -> dict:
+def prompt_clusters(lines: list[dict]) -> list[int]:
+    """One cluster id per rollout line: rollouts that share a prompt (through any chain of shared prompts) are
+    one cluster, the independent unit of the paired tests. Each rollout draws prompts of its own (run_point),
+    so the clusters are the rollouts; lines written before rollouts recorded their prompts shared draw d's
+    prompts and streams at every point, and cluster by draw."""
+    parent = list(range(len(lines)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    first_with: dict = {}
+    for i, line in enumerate(lines):
+        for key in line.get("prompts") or [("draw", line["draw"])]:
+            if key in first_with:
+                parent[root(i)] = root(first_with[key])
+            else:
+                first_with[key] = i
+    return [root(i) for i in range(len(lines))]
+
+
+CLIP_MEASURES = ("clip", "clip_all")  # the measures a containment of regions decides (study.region_contains)
+
+
+def summarize(
+    lines: list[dict], arms: list[str], baseline: str = "grpo", regions: dict[str, loss.LossConfig] | None = None
+) -> dict:
     """Per arm and measure: mean and se over rollouts; per arm other than the baseline and measure: the paired
-    gap to it (study.Comparison, judged with every other gap of the table as one family)."""
+    gap to it, clustered by prompt (prompt_clusters), judged with every other tested gap of the table as one
+    family. An arm whose region (regions: each arm's LossConfig) holds the baseline's at every old probability
+    has its clip-rate gaps by construction: stated, not tested."""
     columns = list(MEASURES) + [f"clip[{label}]" for label in loss.MU_LABELS]
     values = {
         arm: {m: np.array([line["arms"][arm][m] for line in lines], dtype=float) for m in columns} for arm in arms
@@ -366,13 +399,18 @@ def summarize(lines: list[dict], arms: list[str], baseline: str = "grpo") -> dic
     means = {
         arm: {m: study.mean_se(v[~np.isnan(v)]) for m, v in by_measure.items()} for arm, by_measure in values.items()
     }
+    clusters = prompt_clusters(lines)
     gaps = {
-        arm: {m: study.paired(values[arm][m] - values[baseline][m]) for m in MEASURES}
+        arm: {m: study.paired(values[arm][m] - values[baseline][m], clusters) for m in MEASURES}
         for arm in arms
         if arm != baseline and baseline in values
     }
+    for arm, by_measure in gaps.items():
+        if regions and study.region_contains(regions[arm], regions[baseline]):
+            for m in CLIP_MEASURES:
+                by_measure[m].by_construction = True
     study.judge([c for by_measure in gaps.values() for c in by_measure.values()])
-    return {"means": means, "gaps": gaps, "rollouts": len(lines)}
+    return {"means": means, "gaps": gaps, "rollouts": len(lines), "units": len(set(clusters))}
 
 
 def markdown(summary: dict, arms: list[str], baseline: str = "grpo") -> str:
@@ -385,13 +423,22 @@ def markdown(summary: dict, arms: list[str], baseline: str = "grpo") -> str:
         cells = [_cell(*summary["means"][arm][m], scale, digits) for m, (_, scale, digits) in MEASURES.items()]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     if summary["gaps"]:
-        k = study.power_multiplier(summary["rollouts"], len(family))
+        tests = [c for c in family if not c.by_construction and not math.isnan(c.p)]
+        units = summary["units"]
+        k = study.power_multiplier(units, len(tests))
+        unit = (
+            f"the rollout, {units} of them, each with prompts and random streams of its own"
+            if units == summary["rollouts"]
+            else f"the prompt cluster: {summary['rollouts']} rollouts in {units} clusters of rollouts sharing a prompt"
+        )
         lines += [
             "",
-            f"Paired gaps to {baseline} (arm - {baseline}, ± se over {summary['rollouts']} rollouts). "
-            f"* marks a gap called a difference: beyond the gap detectable with 80% power at the 5% level "
-            f"two-sided over the family of {len(family)} tests (Bonferroni), {k:.2f} se here; such a gap "
-            f"also passes Holm's test.",
+            f"Paired gaps to {baseline} (arm - {baseline}, ± se). Unit of analysis: {unit}. * marks a gap called "
+            f"a difference: Holm's adjusted p below 0.05 over the family of {len(tests)} tests (two-sided paired t, "
+            f"{units - 1} df). A gap of {k:.2f} se is detected with 80% power (at Holm's strictest level, exact "
+            "noncentral t). A clip-rate gap marked 'by construction' follows from the regions: the arm's region "
+            f"holds {baseline}'s at every old probability, so on the same ratios it stops a subset of the tokens "
+            f"{baseline} stops; it is stated, not tested.",
             "",
             head.replace("| arm |", f"| arm - {baseline} |"),
             rule,
@@ -423,7 +470,9 @@ def _gap_cell(c: study.Comparison, scale: float, digits: int) -> str:
     if math.isnan(c.gap):
         return "-"
     se = "" if math.isnan(c.se) else f" ± {c.se * scale:.{digits}f}"
-    return f"{c.gap * scale:+.{digits}f}{se}" + (" *" if c.called else "")
+    return f"{c.gap * scale:+.{digits}f}{se}" + (
+        " *" if c.called else " (by construction)" if c.by_construction else ""
+    )
 
 
 # ----------------------------------------------------------------------------- command line
@@ -445,9 +494,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--rollout-prompts",
         type=int,
-        default=1,
-        help="prompts per measured rollout, each with --group-size completions; the pilot trains "
-        "with --prompts-per-step (default: %(default)s)",
+        default=None,
+        help="prompts per measured rollout, each with --group-size completions (default: --prompts-per-step, "
+        "so a measured update is a pilot step's)",
     )
     parser.add_argument(
         "--fresh-samples",
@@ -486,6 +535,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.points or args.points[0] < 0:
         parser.error(f"--points {','.join(map(str, args.points))}: need steps >= 0")
     args.arms = study.check_arms(parser, args.arms)
+    study.resolve_setting(args)
+    if args.rollout_prompts is None:
+        args.rollout_prompts = args.prompts_per_step
     if args.arms[0] != "grpo":
         parser.error(f"--arms {','.join(args.arms)}: grpo must come first, the baseline of every gap")
     if min(args.rollouts, args.rollout_prompts, args.fresh_samples, args.workers, args.max_draws) < 1:
@@ -495,7 +547,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if args.point is not None and args.point not in args.points:
         parser.error(f"--point {args.point}: not one of --points")
-    study.resolve_setting(args)
     return args
 
 
@@ -537,8 +588,11 @@ def main(argv: list[str] | None = None) -> None:
     lines = {p: read_rollouts(rollout_file(args.out, p)) for p in args.points}
     kept = [line for p in args.points for line in kept_rollouts(lines[p], list(arms))[0][: args.rollouts]]
     skipped = {p: kept_rollouts(lines[p], list(arms))[1] for p in args.points}
-    summary = summarize(kept, list(arms)) | {"skipped": skipped}
-    summary["by_point"] = {p: summarize([line for line in kept if line["point"] == p], list(arms)) for p in args.points}
+    regions = {arm: cfg.loss for arm, cfg in arms.items()}
+    summary = summarize(kept, list(arms), regions=regions) | {"skipped": skipped}
+    summary["by_point"] = {
+        p: summarize([line for line in kept if line["point"] == p], list(arms), regions=regions) for p in args.points
+    }
     table = markdown(summary, list(arms))
     (args.out / "table.md").write_text(table)
     results = {
@@ -618,8 +672,10 @@ def run_points(args: argparse.Namespace, arms: dict[str, config.Config], points:
 def run_point(args: argparse.Namespace, arms: dict[str, config.Config], point: int) -> None:
     """Draw rollouts from the point's state until args.rollouts are measured, appending a line per draw.
 
-    Draw d has the same prompts (the training set in an order of its own, seed + 1) and random streams at
-    every point, so points differ in the policy alone."""
+    Every rollout has prompts and random streams of its own: the training set in an order of its own (seed
+    + 1) is cut into one share per point, and draw d of a point takes the next prompts of its share and
+    streams no other draw uses. Rollouts are then independent given the pilot's states, the unit the
+    paired tests count (prompt_clusters checks it from the prompts each line records)."""
     path = rollout_file(args.out, point)
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = read_rollouts(path)
@@ -631,22 +687,25 @@ def run_point(args: argparse.Namespace, arms: dict[str, config.Config], point: i
         return
     base = next(iter(arms.values()))
     train_set = load_problems(base.dataset)
+    slot, share = args.points.index(point), len(train_set) // len(args.points)
+    draws = min(args.max_draws * args.rollouts, share // base.prompts_per_step)
     model, tokenizer, optimizer, _ = train.build(base)  # LoRA: the reference is the frozen base
     load_point(args.out / "pilot" / "points" / f"step-{point}", model, optimizer)
     state = State.of(model, optimizer)
     started = time.time()
-    for draw in range(args.max_draws * args.rollouts):
+    for draw in range(draws):
         if kept >= args.rollouts:
             return
         if draw in done:
             continue
-        problems = train.batch_of(train_set, draw * base.prompts_per_step, base.prompts_per_step, base.seed + 1)
+        start = slot * share + draw * base.prompts_per_step
+        problems = train.batch_of(train_set, start, base.prompts_per_step, base.seed + 1)
+        stream = 1_000_000 + 2 * (slot * DRAWS_PER_POINT + draw)
         line = {
             "point": point,
             "draw": draw,
-            **counterfactual_rollout(
-                model, optimizer, tokenizer, state, arms, problems, 1_000_000 + 2 * draw, args.fresh_samples
-            ),
+            "prompts": [problem["problem"] for problem in problems],
+            **counterfactual_rollout(model, optimizer, tokenizer, state, arms, problems, stream, args.fresh_samples),
         }
         with path.open("a") as f:
             f.write(json.dumps(strict_json(line), allow_nan=False) + "\n")
@@ -662,10 +721,18 @@ def run_point(args: argparse.Namespace, arms: dict[str, config.Config], point: i
             flush=True,
         )
     if kept < args.rollouts:
-        raise SystemExit(
-            f"counterfactual.py: point {point}: {args.max_draws * args.rollouts} rollouts drawn, {kept} "
-            "with an acting token (a group of mixed rewards); the policy there gives no signal"
+        why = (
+            f"its share of the training set ({share} prompts, {draws} rollouts of {base.prompts_per_step}) ran out"
+            if draws < args.max_draws * args.rollouts
+            else "the policy there gives no signal"
         )
+        raise SystemExit(
+            f"counterfactual.py: point {point}: {draws} rollouts drawn, {kept} with an acting token (a group of "
+            f"mixed rewards); {why}"
+        )
+
+
+DRAWS_PER_POINT = 100_000  # stream names reserved per point: draw d of point slot s is stream pair s * this + d
 
 
 def _plain(value):

@@ -7,11 +7,13 @@
 The papers behind loss.py rank trust regions by a few points of accuracy from one seed each. Here every
 arm (a set of train.py flags: the rule and its size) is trained with the same seeds; seed s gives every
 arm the same prompts in the same order and the same held-out problems, so an arm's gap to grpo is
-paired seed by seed and its standard error comes from the spread over seeds. Before any gap the table
-says which gap the design could detect (80% power, 5% two-sided over the table's family of gaps), and
-a gap is called a difference only beyond it. With a few seeds that is tens of points: the main table
-of the study is counterfactual.py's, which holds everything but the rule fixed. This file also holds
-what both share: the arms, the settings (binding, gentle), the -eq arms' calibration and the statistics.
+paired seed by seed and its standard error comes from the spread over seeds: the seed is the unit.
+Before any gap the table says which gap its test detects with 80% power (5% two-sided over the table's
+family, Holm), and a gap is called a difference when Holm's test rejects. A clip-rate gap that follows
+from the regions (one contains the other at every old probability) is stated by construction, not
+tested. With a few seeds the detectable gaps are tens of points: the main table of the study is
+counterfactual.py's, which holds everything but the rule fixed. This file also holds what both share:
+the arms, the settings (binding, atr-step, gentle), the -eq arms' calibration and the statistics.
 
 The default task, two-digit plus or minus one-digit numbers, starts the 135M model near 6%. Arms ending
 in -eq run at the delta that clips grpo's rate (of the acting tokens: advantage not 0, after a
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import shutil
@@ -38,8 +41,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 import config
+import loss
 from infra import rundir
 from infra.rundir import strict_json
 from loss import MU_LABELS  # the old-probability buckets of the metrics
@@ -59,21 +64,25 @@ ARMS = {  # name -> the train.py flags that make it
 EQUAL_RATE = "-eq"  # ARM-eq: ARM at the delta that clips grpo's rate on grpo's per-token records
 DEFAULT_ARMS = "grpo,atr,kl-atomic,gppo,limits,atr-eq,kl-atomic-eq"
 
-# Two regimes (their measurements: docs/study.md). "gentle" takes four updates per rollout. "binding" takes
-# eight at the same learning rate, so the last mini-batches of a rollout meet a policy twice as many steps away
-# from the sampler and the regions stop more tokens. The rate stays at 3e-4: higher, with eight updates, the
-# pilot diverges (docs/clip-rules.md).
+# The regimes (docs/study.md compares their optimizer steps with the papers'). Each optimizer step takes
+# prompts_per_step x group_size / updates_per_rollout completions. "binding", the default, steps on 32, as
+# ATR-GRPO's (batch 8 x accumulation 4) does, and takes two steps per rollout, the fewest at which a region
+# can act (the first step's ratios are 1). "atr-step" is ATR-GRPO's rollout as well: 16 prompts x 8 in four
+# steps of 32. GPPO steps on 128 completions, 8 steps a rollout; on two CPU cores that is out of reach.
+# "gentle": 4 prompts x 8 in four steps of 8.
 SETTINGS = {
-    "binding": {"updates_per_rollout": 8, "lr": 3e-4},
-    "gentle": {"updates_per_rollout": 4, "lr": 3e-4},
+    "binding": {"prompts_per_step": 8, "updates_per_rollout": 2, "lr": 3e-4},
+    "atr-step": {"prompts_per_step": 16, "updates_per_rollout": 4, "lr": 3e-4},
+    "gentle": {"prompts_per_step": 4, "updates_per_rollout": 4, "lr": 3e-4},
 }
+
 
 # study flag -> (default, help); each is passed to train.py under the same name (None: from --setting)
 TRAIN_FLAGS = {
     "steps": (10, "training steps per run"),
     "dataset": ("two_digit", "training set"),
     "eval_dataset": ("two_digit_test", "held-out set, the same for every arm"),
-    "prompts_per_step": (4, "prompts per step"),
+    "prompts_per_step": (None, "prompts per step (default: the setting's)"),
     "group_size": (8, "completions per prompt"),
     "updates_per_rollout": (None, "optimizer steps per rollout; above 1 the regions can clip (default: the setting's)"),
     "max_new_tokens": (16, "completion length cap"),
@@ -84,7 +93,7 @@ TRAIN_FLAGS = {
     "log_tokens": (2000, "per-token records per step, for calibrate.py and the -eq arms"),
     "checkpoint_every": (5, "checkpoint every N steps, where a killed study resumes"),
 }
-FLAG_TYPES = {"updates_per_rollout": int, "lr": float}
+FLAG_TYPES = {"prompts_per_step": int, "updates_per_rollout": int, "lr": float}
 
 
 def arm_flags(arm: str, deltas: dict[str, float] | None = None) -> list[str]:
@@ -177,8 +186,10 @@ def t_cdf(t: float, df: int) -> float:
     return 0.5 + 0.5 * a if t >= 0 else 0.5 - 0.5 * a
 
 
+@functools.lru_cache(maxsize=None)
 def t_quantile(p: float, df: int) -> float:
-    """The t with P(T <= t) = p, by bisection on atan(t / sqrt(df)) (the CDF is monotone in it)."""
+    """The t with P(T <= t) = p, by bisection on atan(t / sqrt(df)) (the CDF is monotone in it); cached, as
+    every comparison of a family asks for the same few."""
     if not 0 < p < 1:
         raise ValueError(f"p={p}: must be in (0, 1)")
     low, high = -math.pi / 2, math.pi / 2
@@ -188,11 +199,47 @@ def t_quantile(p: float, df: int) -> float:
     return math.sqrt(df) * math.tan((low + high) / 2)
 
 
+_normal_cdf = np.vectorize(lambda x: 0.5 * math.erfc(-x / math.sqrt(2)))
+
+
+def t_test_power(shift: float, df: int, critical: float) -> float:
+    """P(|T'| > critical) for the noncentral t, T' = (Z + shift) / sqrt(V / df) with V ~ chi2(df): the power of
+    a two-sided t test at that critical value when the true gap is `shift` true standard errors. Exact up to
+    the quadrature: the trapezoid rule over the chi density of sqrt(V) on 4,001 points (error below 1e-6)."""
+    root = np.linspace(0.0, math.sqrt(df) + 12.0, 4001)  # sqrt(V)
+    log_norm = (df / 2 - 1) * math.log(2) + math.lgamma(df / 2)
+    with np.errstate(divide="ignore"):
+        density = (
+            np.exp((df - 1) * np.log(root) - root**2 / 2 - log_norm) if df > 1 else np.exp(-(root**2) / 2 - log_norm)
+        )
+    scale = critical * root / math.sqrt(df)  # the critical value in units of Z
+    reject = _normal_cdf(shift - scale) + _normal_cdf(-shift - scale)
+    return float(np.trapezoid(density * reject, root))
+
+
+@functools.lru_cache(maxsize=None)
+def power_multiplier(n: int, tests: int, alpha: float = ALPHA, power: float = POWER) -> float:
+    """k such that a true paired gap of k standard errors is found with `power` by the two-sided t test over n
+    pairs at alpha / tests, Holm's first and strictest level (Bonferroni): the exact noncentral t (t_test_power),
+    not the usual approximation t(1 - alpha / (2 tests)) + t(power), which falls short of the power it names
+    (at 30 pairs and 27 tests it gives 4.28 se, detected 79% of the time). nan below 2 pairs."""
+    if n < 2:
+        return math.nan
+    critical = t_quantile(1 - alpha / (2 * max(tests, 1)), n - 1)
+    low, high = 0.0, 200.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if t_test_power(middle, n - 1, critical) < power else (low, middle)
+    return (low + high) / 2
+
+
 @dataclasses.dataclass
 class Comparison:
-    """A paired gap: its mean over pairs, standard error, pairs, t = gap / se and two-sided p; after judge(),
-    Holm's adjusted p, the detectable gap (mde), whether the gap is called a difference, and the half-width
-    of its own 95% interval (ci95, not adjusted for the family)."""
+    """A paired gap: its mean over the independent units (pairs, or clusters of pairs), standard error, units n,
+    t = gap / se and two-sided p; after judge(), Holm's adjusted p, the detectable gap (mde), whether the gap is
+    called a difference, and the half-width of its own 95% interval (ci95, not adjusted for the family).
+    by_construction: the gap's direction follows from the rules' regions (region_contains), so it is stated,
+    not tested: no Holm p, no call, and it is not in the family."""
 
     gap: float
     se: float
@@ -203,16 +250,29 @@ class Comparison:
     mde: float = math.nan
     called: bool = False
     ci95: float = math.nan
+    by_construction: bool = False
 
 
-def paired(differences) -> Comparison:
-    """The paired comparison of per-pair differences (nan pairs, where a measure is undefined, left out)."""
+def paired(differences, clusters=None) -> Comparison:
+    """The paired comparison of per-pair differences (nan pairs, where a measure is undefined, left out).
+
+    With clusters (one hashable key per pair), pairs that share a key are not independent: each cluster's
+    mean difference is one unit, so the standard error and the t test's degrees of freedom count clusters."""
     x = np.asarray(differences, dtype=float)
-    x = x[~np.isnan(x)]
+    keep = ~np.isnan(x)
+    if clusters is not None:
+        if len(clusters) != x.size:
+            raise ValueError(f"clusters: {len(clusters)} keys for {x.size} differences")
+        by_cluster: dict = {}
+        for key, value in zip((k for k, kept in zip(clusters, keep) if kept), x[keep]):
+            by_cluster.setdefault(key, []).append(value)
+        x = np.array([np.mean(values) for values in by_cluster.values()], dtype=float)
+    else:
+        x = x[keep]
     gap, se = mean_se(x)
     if x.size < 2:
         return Comparison(gap, se, int(x.size), math.nan, math.nan)
-    if se == 0:  # every pair differs by the same amount: exact
+    if se == 0:  # every unit differs by the same amount: exact
         t = 0.0 if gap == 0 else math.copysign(math.inf, gap)
     else:
         t = gap / se
@@ -226,27 +286,49 @@ def paired_gap(arm, baseline) -> tuple[float, float, float]:
     return c.gap, c.se, c.t
 
 
-def power_multiplier(n: int, tests: int, alpha: float = ALPHA, power: float = POWER) -> float:
-    """k such that a true paired gap of k standard errors is found with `power` by a two-sided t test at
-    alpha / tests (Bonferroni) over n pairs: t(1 - alpha / (2 tests), n - 1) + t(power, n - 1), the usual
-    approximation of the noncentral t. nan below 2 pairs."""
-    if n < 2:
-        return math.nan
-    return t_quantile(1 - alpha / (2 * max(tests, 1)), n - 1) + t_quantile(power, n - 1)
-
-
 def judge(family: list[Comparison], alpha: float = ALPHA, power: float = POWER) -> None:
-    """Holm's adjusted p over the family; each gap's detectable size (mde = k se at the family's Bonferroni
-    level); a gap is called a difference only when it reaches its mde, which also makes it pass Holm's test."""
-    tested = sorted((c for c in family if not math.isnan(c.p)), key=lambda c: c.p)
+    """Holm's adjusted p over the family's tests (the comparisons with a p that are not by construction); a gap
+    is called a difference when its Holm p is below alpha. Each tested gap's mde is the gap that test detects
+    with `power`: power_multiplier at Holm's strictest level, alpha over the number of tests, times its se
+    (Holm's later steps are less strict, so it detects that gap at least that often)."""
+    tested = sorted((c for c in family if not c.by_construction and not math.isnan(c.p)), key=lambda c: c.p)
     running = 0.0
     for rank, c in enumerate(tested):
         running = max(running, min(1.0, (len(tested) - rank) * c.p))
         c.p_holm = running
     for c in family:
-        c.mde = power_multiplier(c.n, len(family), alpha, power) * c.se if c.n >= 2 else math.nan
-        c.called = bool(c.n >= 2 and c.gap != 0 and abs(c.gap) >= c.mde and c.p_holm < alpha)
         c.ci95 = t_quantile(0.975, c.n - 1) * c.se if c.n >= 2 else math.nan
+        if c.by_construction or math.isnan(c.p):
+            c.p_holm, c.mde, c.called = math.nan, math.nan, False
+            continue
+        c.mde = power_multiplier(c.n, len(tested), alpha, power) * c.se
+        c.called = bool(c.gap != 0 and c.p_holm < alpha)
+
+
+CONTAINMENT_MU = np.logspace(-8, 0, 161)  # old probabilities at which two regions are compared
+
+
+def region_contains(outer, inner) -> bool:
+    """Whether outer's ratio interval (a loss.LossConfig's) holds inner's at every old probability of
+    CONTAINMENT_MU, to a relative 1e-6 (the bisected bounds' error). Then on the same ratios outer stops a
+    subset of the tokens inner stops, and "outer clips less" follows from the regions. False for a rule
+    without a region (sapo)."""
+    try:
+        (outer_lo, outer_hi), (inner_lo, inner_hi) = (
+            loss.ratio_bounds(
+                c.rule,
+                c.delta,
+                torch.as_tensor(CONTAINMENT_MU),
+                delta_high=c.delta_high,
+                tv_half=c.tv_half,
+                kl_two_sided=c.kl_two_sided,
+                ratio_limits=c.ratio_limits,
+            )
+            for c in (outer, inner)
+        )
+    except ValueError:
+        return False
+    return bool((outer_lo <= inner_lo * (1 + 1e-6)).all() and (outer_hi >= inner_hi * (1 - 1e-6)).all())
 
 
 def normal_quantile(p: float) -> float:
@@ -313,11 +395,19 @@ def _weighted_rate(steps: list[dict], prefix: str) -> float:
 
 
 GAP_KEYS = ("after", "final_entropy", "clip")
+CLIP_KEYS = ("clip",)  # the gaps a containment of regions decides (region_contains)
 
 
-def arm_rows(results: dict[str, dict[int, dict]], baseline: str = "grpo") -> list[dict]:
+def arm_rows(
+    results: dict[str, dict[int, dict]], baseline: str = "grpo", flags: dict[str, list[str]] | None = None
+) -> list[dict]:
     """Per arm: means over seeds with standard errors, and gaps to the baseline arm paired by seed (held-out
-    accuracy after training, final entropy, clip rate), all the table's gaps judged as one family."""
+    accuracy after training, final entropy, clip rate), all the table's tested gaps judged as one family.
+    The unit is the seed: each seed is its own training run, with its own prompts, streams and held-out draws.
+    An arm whose region holds the baseline's at every old probability (flags: each arm's train.py flags,
+    default ARMS) has its clip-rate gap by construction, stated and not tested."""
+    flags = flags or {}
+    base_loss = config.parse_args(flags.get(baseline, ARMS.get(baseline, [])))[0].loss if baseline in results else None
     rows = []
     for arm, by_seed in results.items():
         seeds = sorted(by_seed)
@@ -341,6 +431,11 @@ def arm_rows(results: dict[str, dict[int, dict]], baseline: str = "grpo") -> lis
             if shared
             else None
         )
+        own_flags = flags.get(arm, ARMS.get(arm))
+        if row["gaps"] and own_flags is not None and base_loss is not None:
+            contains = region_contains(config.parse_args(own_flags)[0].loss, base_loss)
+            for key in CLIP_KEYS:
+                row["gaps"][key].by_construction = contains
         rows.append(row)
     judge([row["gaps"][key] for row in rows if row["gaps"] for key in GAP_KEYS])
     return rows
@@ -357,7 +452,7 @@ def _gap(c: Comparison, scale: float, digits: int) -> str:
     if math.isnan(c.gap):
         return "-"
     text = f"{c.gap * scale:+.{digits}f}" + ("" if math.isnan(c.se) else f" ± {c.se * scale:.{digits}f}")
-    return text + (" *" if c.called else "")
+    return text + (" *" if c.called else " (by construction)" if c.by_construction else "")
 
 
 def _number(x: float, digits: int = 1, scale: float = 100) -> str:
@@ -365,19 +460,28 @@ def _number(x: float, digits: int = 1, scale: float = 100) -> str:
 
 
 def power_lines(rows: list[dict], problems: int, k: int) -> list[str]:
-    """What the design can detect, stated before any gap: per arm the accuracy gap found with 80% power."""
-    family = sum(len(GAP_KEYS) for row in rows if row["gaps"])
+    """What the design can detect, stated before any gap: per arm the gap its test finds with 80% power."""
+    family = [c for row in rows if row["gaps"] for c in row["gaps"].values()]
+    tests = sum(1 for c in family if not c.by_construction and not math.isnan(c.p))
     seeds = max(row["seeds"] for row in rows)
-    multiplier = power_multiplier(seeds, family)
+    multiplier = power_multiplier(seeds, tests)
     accuracy = float(np.nanmean([row["after"][0] for row in rows]))
-    floor = held_out_floor(accuracy, problems, k, seeds, family) if 0 < accuracy < 1 else math.nan
+    floor = held_out_floor(accuracy, problems, k, seeds, tests) if 0 < accuracy < 1 else math.nan
+    construction = len(family) - tests
     lines = [
-        f"Power first. {seeds} seeds, each arm paired with grpo seed by seed; held-out {problems} problems x "
-        f"{k} samples. The family is the table's {family} gaps (accuracy, entropy and clip rate of each arm), "
-        f"two-sided at 5% over it: a gap is detected with 80% power when it is {_number(multiplier, 2, 1)} of "
-        f"its standard errors (paired t, {seeds - 1} df, Bonferroni level; Holm for the tests), and called "
-        f"a difference (*) only then. The held-out sampling alone (binomial, at the mean accuracy "
-        f"{_number(accuracy)}%) puts a floor of {_number(floor)} points under a detectable accuracy gap.",
+        f"Power first. The unit is the seed: {seeds} seeds, each arm's run paired with grpo's of the same seed "
+        f"(the same prompts in the same order, the same held-out problems); held-out {problems} problems x {k} "
+        f"samples. The family is the table's {tests} tested gaps (accuracy, entropy and clip rate of each arm"
+        + (
+            f"; {construction} clip-rate gaps follow from the regions and are stated by construction"
+            if construction
+            else ""
+        )
+        + f"), two-sided at 5% over it with Holm's correction: a gap is called a difference (*) when its Holm p "
+        f"is below 0.05. A gap of {_number(multiplier, 2, 1)} of its standard errors is detected with 80% power "
+        f"(paired t, {seeds - 1} df, at Holm's strictest level 0.05 / {tests}; exact noncentral t). The held-out "
+        f"sampling alone (binomial, at the mean accuracy {_number(accuracy)}%) puts a floor of {_number(floor)} "
+        f"points under a detectable accuracy gap.",
         "",
         "| arm | detectable accuracy gap, points | detectable entropy gap | detectable clip-rate gap, points |",
         "| --- | --: | --: | --: |",
@@ -385,9 +489,9 @@ def power_lines(rows: list[dict], problems: int, k: int) -> list[str]:
     for row in rows:
         if row["gaps"]:
             g = row["gaps"]
+            clip = "by construction" if g["clip"].by_construction else _number(g["clip"].mde)
             lines.append(
-                f"| {row['arm']} | {_number(g['after'].mde)} | {_number(g['final_entropy'].mde, 3, 1)} "
-                f"| {_number(g['clip'].mde)} |"
+                f"| {row['arm']} | {_number(g['after'].mde)} | {_number(g['final_entropy'].mde, 3, 1)} | {clip} |"
             )
     return lines
 
@@ -435,8 +539,11 @@ def add_train_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
         "--setting",
         choices=tuple(SETTINGS),
         default="binding",
-        help="updates per rollout and learning rate: "
-        + "; ".join(f"{name} {v['updates_per_rollout']} and {v['lr']:g}" for name, v in SETTINGS.items())
+        help="prompts per step, updates per rollout and learning rate: "
+        + "; ".join(
+            f"{name} {v['prompts_per_step']}, {v['updates_per_rollout']} and {v['lr']:g}"
+            for name, v in SETTINGS.items()
+        )
         + " (default: %(default)s)",
     )
     parser.add_argument("--model", default=None, help="model for train.py (default: the offline SmolLM2-135M)")
@@ -703,7 +810,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     started = time.time()
     results, calibration, flags = run_grid(args)
-    rows = arm_rows(results)
+    rows = arm_rows(results, flags=flags)
     for row in rows:
         row["flags"] = flags[row["arm"]]
     table = markdown_table(rows, problems=args.eval_problems, k=args.eval_k)

@@ -13,55 +13,88 @@ import pytest
 import config
 import loss
 
-# Each row: (preset, setting, value, where the paper states it). Values the papers leave open are not here:
-# they are our choices, listed in the README.
-PAPER_VALUES = [
-    ("atr-grpo-qwen3-1.7b", "model", "Qwen/Qwen3-1.7B", "ATR-GRPO, arXiv:2602.05494, experiments"),
-    ("atr-grpo-qwen3-8b", "model", "Qwen/Qwen3-8B", "ATR-GRPO, experiments: the 8B twin"),
-    ("atr-grpo-qwen3-1.7b", "lora_rank", 32, "ATR-GRPO, experimental setup"),
-    ("atr-grpo-qwen3-1.7b", "lr", 5e-6, "ATR-GRPO, experimental setup"),
-    ("atr-grpo-qwen3-1.7b", "group_size", 8, "ATR-GRPO, experimental setup"),
-    ("atr-grpo-qwen3-1.7b", "rule", "atr", "ATR-GRPO: the KL3 constraint"),
-    ("atr-grpo-qwen3-1.7b", "delta", 0.07, "ATR-GRPO, experimental setup"),
-    ("atr-grpo-qwen3-1.7b", "eval_dataset", "amc23,aime24,aime25", "ATR-GRPO, results tables"),
-    ("atr-grpo-qwen3-1.7b", "eval_k", 8, "ATR-GRPO: Mean@8 and Pass@8"),
-    ("atr-grpo-qwen3-1.7b", "dataset", "dapo", "ATR-GRPO: trained on DAPO-Math-17k"),
-    ("gppo-qwen3-8b", "model", "Qwen/Qwen3-8B-Base", "GPPO, experimental setup"),
-    ("gppo-qwen3-8b", "prompts_per_step", 128, "GPPO: 1024 rollouts per step = 128 prompts x 8"),
-    ("gppo-qwen3-8b", "group_size", 8, "GPPO, experimental setup"),
-    ("gppo-qwen3-8b", "updates_per_rollout", 8, "GPPO: 8 mini-batch updates per rollout"),
-    ("gppo-qwen3-8b", "steps", 400, "GPPO: 400 steps for math"),
-    ("gppo-qwen3-8b", "rule", ("kl", "atomic"), "GPPO: the KL x Atomic cell"),
-    ("gppo-qwen3-8b", "ratio_limits", (0.5, 10.0), "GPPO: global clip [0.5, 10]"),
-    ("gppo-qwen3-8b", "kl_beta", 0.0, "GPPO: no KL penalty"),
-    ("gppo-qwen3-8b", "eval_dataset", "aime24,aime25,brumo25,smt25", "GPPO: math benchmarks"),
-    ("gppo-qwen3-8b", "eval_k", 8, "GPPO: avg@8"),
-    ("gppo-qwen3-8b-full", "lr", 1e-6, "GPPO: learning rate 1e-6"),
-    ("gppo-qwen3-8b-full", "world_size", 8, "GPPO: 8 GPUs"),
-]
-# GPPO's run on every weight states what the LoRA preset states, in a file of its own
-PAPER_VALUES += [
-    ("gppo-qwen3-8b-full", name, value, source)
-    for preset, name, value, source in PAPER_VALUES
-    if preset == "gppo-qwen3-8b"
-]
-# GPPO's code run states 600 steps, its reward and its evaluation sets; the rest as the math run
-PAPER_VALUES += [
-    ("gppo-qwen3-8b-code", name, value, source)
-    for preset, name, value, source in PAPER_VALUES
-    if preset == "gppo-qwen3-8b" and name not in ("steps", "eval_dataset")
-]
-PAPER_VALUES += [
-    ("gppo-qwen3-8b-code", "steps", 600, "GPPO: 600 steps for code"),
-    ("gppo-qwen3-8b-code", "code_reward", "binary", "GPPO: the reward is 1 when every test passes"),
-    ("gppo-qwen3-8b-code", "eval_dataset", "codeforces,code_contests,taco,apps", "GPPO: the code results table"),
-]
-# the 8B twin of ATR-GRPO states the same setup as the 1.7B run, in a file of its own
-PAPER_VALUES += [
-    ("atr-grpo-qwen3-8b", name, value, source)
-    for preset, name, value, source in PAPER_VALUES
-    if preset == "atr-grpo-qwen3-1.7b" and name != "model"
-]
+ROOT = Path(config.__file__).parent
+PRESET_TABLE = ROOT / "docs" / "presets.md"
+PLACE = re.compile(
+    r"\b(?:sections?|tables?|theorems?|equations?|eq\.|appendix|figures?)\b", re.I
+)  # where a paper states it
+
+
+def preset_table() -> list[dict]:
+    """The rows of docs/presets.md's preset table: presets, setting, value (a TOML value), status, source."""
+    rows, started = [], False
+    for number, line in enumerate(PRESET_TABLE.read_text().splitlines(), start=1):
+        if line.startswith("| presets | setting |"):
+            started = True
+            continue
+        if not started or not line.startswith("| ") or line.startswith("| ---"):
+            continue
+        presets, setting, value, status, source = (cell.strip() for cell in line.strip()[1:-1].split(" | "))
+        rows.append(
+            {
+                "line": number,
+                "presets": [name.strip() for name in presets.split(",")],
+                "setting": setting,
+                "value": tomllib.loads(f"value = {value.strip('`')}")["value"],
+                "status": status,
+                "source": source,
+            }
+        )
+    return rows
+
+
+def preset_files() -> dict[str, dict]:
+    """Every preset file as TOML reads it: name -> its settings."""
+    paths = sorted((ROOT / "configs").glob("*.toml")) + sorted((ROOT / "configs" / "sft").glob("*.toml"))
+    return {path.stem: tomllib.loads(path.read_text()) for path in paths}
+
+
+def test_every_preset_file_holds_what_the_preset_table_says():
+    files, table = preset_files(), preset_table()
+    assert set(config.PRESETS) | set(config.SFT_PRESETS) == set(files)
+    written: dict[str, dict] = {name: {} for name in files}
+    for row in table:
+        for name in row["presets"]:
+            assert name in files, f"docs/presets.md:{row['line']}: no preset {name}"
+            assert row["setting"] not in written[name], f"docs/presets.md:{row['line']}: {name} {row['setting']} twice"
+            written[name][row["setting"]] = row["value"]
+    for name, settings in files.items():
+        assert settings == written[name], name
+
+
+def test_a_stated_value_names_where_its_paper_states_it():
+    table = preset_table()
+    assert {row["status"] for row in table} == {"stated", "chosen"}
+    for row in table:
+        where = f"docs/presets.md:{row['line']}"
+        if row["status"] == "stated":
+            assert row["source"].startswith(("ATR-GRPO", "GPPO")), f"{where}: a stated value names its paper"
+            assert PLACE.search(row["source"]), f"{where}: a stated value names its section, table or equation"
+        else:
+            assert len(row["source"]) > 10, f"{where}: a chosen value gives its reason"
+
+
+def test_readings_the_papers_do_not_state_are_chosen():
+    """GPPO's learning rate and code reward are not in its text, and [0.5, 10] as outer limits is a reading."""
+    status = {(name, row["setting"]): row["status"] for row in preset_table() for name in row["presets"]}
+    assert status["gppo-qwen3-8b-full", "lr"] == status["gppo-qwen3-8b-code", "code_reward"] == "chosen"
+    assert {status[name, "ratio_limits"] for name in ("gppo-qwen3-8b", "gppo-qwen3-8b-full")} == {"chosen"}
+    assert status["atr-grpo-qwen3-1.7b", "eval_dataset"] == "stated"  # the 83-problem AMC set
+
+
+def test_presets_run_with_their_files_values():
+    """What a preset file holds is what a run with --preset gets (the files are config.PRESETS' source)."""
+    for name, settings in preset_files().items():
+        if name in config.PRESETS:
+            flat = config.flat_config(config.parse_args(["--preset", name])[0])
+            for setting, value in settings.items():
+                got = flat[setting]
+                expected = tuple(value) if isinstance(value, list) and isinstance(got, tuple) else value
+                if setting == "rule" and isinstance(got, tuple):
+                    expected = tuple(value.split("-"))
+                assert got == expected, (name, setting)
+
+
 # What every preset writes out, stated or chosen: a change of a default must not change a paper's run.
 WRITTEN_OUT = (
     "model",
@@ -98,12 +131,6 @@ WRITTEN_OUT = (
     "eval_temperature",
     "eval_every",
 )
-
-
-@pytest.mark.parametrize("preset, name, value, source", PAPER_VALUES)
-def test_presets_are_the_papers_runs(preset, name, value, source):
-    cfg, _, _ = config.parse_args(["--preset", preset])
-    assert config.flat_config(cfg)[name] == value, source
 
 
 @pytest.mark.parametrize("preset", list(config.PRESETS))
@@ -236,20 +263,20 @@ def test_flags_are_never_abbreviations():
 # ----------------------------------------------------------------------------- settings files
 
 
-def test_every_preset_is_a_file_whose_stated_values_are_all_checked():
-    """A preset is configs/NAME.toml; each value marked "stated" there has its row in PAPER_VALUES."""
+def test_every_preset_is_a_file_whose_stated_comments_follow_the_table():
+    """A preset is configs/NAME.toml; a value its file comments "# stated" is stated in docs/presets.md, and
+    the other way round, so the files' comments say what the table says."""
     files = sorted(config.CONFIGS.glob("*.toml"))
     assert sorted(config.PRESETS) == sorted(path.stem for path in files) and files
-    checked = {(preset, name) for preset, name, _, _ in PAPER_VALUES}
+    stated = {(name, row["setting"]) for row in preset_table() if row["status"] == "stated" for name in row["presets"]}
     for path in files:
-        stated = [
-            line.split("=")[0].strip()
+        marked = {
+            (path.stem, line.split("=")[0].strip())
             for line in path.read_text().splitlines()
             if "# stated" in line and not line.startswith("#")
-        ]
-        assert stated, f"{path.name} states no value"
-        for name in stated:
-            assert (path.stem, name) in checked, f"{path.name}: {name} is stated but PAPER_VALUES has no row for it"
+        }
+        assert marked, f"{path.name} states no value"
+        assert marked == {key for key in stated if key[0] == path.stem}, path.name
         config.validate(config.make_config(config.PRESETS[path.stem]), need_device=False)
 
 

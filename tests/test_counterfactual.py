@@ -148,15 +148,25 @@ def test_a_tiny_table_runs_end_to_end_and_resumes(tiny_model_dir, tmp_path, monk
     counterfactual.main(argv)
     results = json.loads((out / "results.json").read_text())
     assert results["rollouts"] == 4 and set(results["means"]) == {"grpo", "atr", "limits", "atr-eq"}
-    assert results["settings"]["rollout_prompts"] == 1  # the default: one prompt a rollout, the pilot trains on two
+    assert results["settings"]["rollout_prompts"] == 2  # the default: a rollout is a pilot step's prompts
     assert json.loads((out / "pilot" / "config.json").read_text())["prompts_per_step"] == 2
+    # every rollout has prompts of its own, so each is its own unit; atr's and limits' regions hold grpo's
+    rollouts = [json.loads(line) for p in (0, 1) for line in (out / "rollouts" / f"point-{p}.jsonl").open()]
+    prompts = [prompt for line in rollouts for prompt in line["prompts"]]
+    assert len(prompts) == len(set(prompts)) == 2 * len(rollouts)
+    assert results["units"] == results["rollouts"] == 4
+    assert (
+        results["gaps"]["atr"]["clip"]["by_construction"] and results["gaps"]["limits"]["clip_all"]["by_construction"]
+    )
+    assert not results["gaps"]["atr"]["kl"]["by_construction"]
     calibration = results["calibration"]
     assert 0 < calibration["target"] < 1 and calibration["deltas"]["atr-eq"] > 0
     assert results["arms"]["atr-eq"][-2:] == ["--delta", f"{calibration['deltas']['atr-eq']:.6g}"]
     gap = results["gaps"]["atr"]["kl"]
-    assert gap["n"] == 4 and math.isfinite(gap["mde"]) and gap["called"] == (abs(gap["gap"]) >= gap["mde"])
+    assert gap["n"] == 4 and math.isfinite(gap["mde"]) and gap["called"] == (gap["p_holm"] < 0.05)
     table = (out / "table.md").read_text()
     assert "| atr-eq |" in table and "Paired gaps to grpo" in table
+    assert "Unit of analysis: the rollout, 4 of them" in table and "(by construction)" in table
     assert sorted(p.name for p in (out / "figures").glob("*.png")) == ["clip_buckets.png", "gaps.png"]
     assert sorted(p.name for p in (out / "pilot" / "points").iterdir()) == ["step-0", "step-1"]
     lines = [(out / "rollouts" / f"point-{p}.jsonl").read_text() for p in (0, 1)]
@@ -164,6 +174,27 @@ def test_a_tiny_table_runs_end_to_end_and_resumes(tiny_model_dir, tmp_path, monk
     assert [(out / "rollouts" / f"point-{p}.jsonl").read_text() for p in (0, 1)] == lines
     with pytest.raises(SystemExit, match="other points"):
         counterfactual.main([*argv[:1], "0,2", *argv[2:]])
+
+
+def test_rollouts_that_share_a_prompt_are_one_cluster():
+    lines = [
+        {"draw": 0, "prompts": ["a", "b"]},
+        {"draw": 1, "prompts": ["c"]},
+        {"draw": 2, "prompts": ["b", "d"]},
+        {"draw": 3, "prompts": ["d"]},
+        {"draw": 0},  # a line without its prompts: draw d had the same prompts at every point
+        {"draw": 0},
+    ]
+    clusters = counterfactual.prompt_clusters(lines)
+    assert clusters[0] == clusters[2] == clusters[3] and len({clusters[0], clusters[1], clusters[4]}) == 3
+    assert clusters[4] == clusters[5]
+    # the gap's units are the clusters: 3 here, not 6 rollouts
+    arms = {"grpo": {m: 0.0 for m in [*counterfactual.MEASURES, *(f"clip[{b}]" for b in loss.MU_LABELS)]}}
+    lines = [
+        line | {"arms": {"grpo": arms["grpo"], "atr": {**arms["grpo"], "kl": float(i)}}} for i, line in enumerate(lines)
+    ]
+    summary = counterfactual.summarize(lines, ["grpo", "atr"])
+    assert summary["gaps"]["atr"]["kl"].n == summary["units"] == 3 and summary["rollouts"] == 6
 
 
 def test_points_run_in_worker_processes_and_a_failed_one_is_named(tiny_model_dir, tmp_path, monkeypatch):

@@ -621,7 +621,8 @@ def test_a_damaged_or_foreign_adapter_and_a_binary_run_file_are_one_line_errors(
 
 
 def fake_run(path: Path, **settings) -> Path:
-    """A run directory as train.py leaves it, without weights: config.json, a best adapter, a summary."""
+    """A run directory as train.py leaves it, without weights: config.json, its last checkpoint's adapter, a best
+    adapter, a summary."""
     saved = {
         "model": "some/model",
         "template": "equation",
@@ -638,6 +639,9 @@ def fake_run(path: Path, **settings) -> Path:
     }
     (path / "best").mkdir(parents=True)
     (path / "best" / "adapter_config.json").write_text("{}")
+    (path / "checkpoint-000020" / "adapter").mkdir(parents=True)
+    (path / "checkpoint-000020" / "adapter" / "adapter_config.json").write_text("{}")
+    (path / "latest").write_text("checkpoint-000020")
     (path / "config.json").write_text(json.dumps(saved))
     (path / "summary.json").write_text(json.dumps({"best": {"accuracy": 0.625, "step": 20}}))
     return path
@@ -657,16 +661,52 @@ def test_run_settings_fill_the_flags_not_given_and_name_the_best_adapter(tmp_pat
     )
     assert (args.k, args.temperature, args.limit, args.dtype) == (4, 0.6, None, None), "flags win; auto stays auto"
     assert args.adapter == str(run) and "k" not in args.from_run and "top_p" in args.from_run
-    assert ev.resolve_adapter(args.adapter) == (run / "best", "the run's best: held-out accuracy 62.5% at step 20")
+    # the default is the run's last adapter; --checkpoint best takes the one chosen on its validation split
+    assert args.checkpoint == "last"
+    assert ev.resolve_adapter(args.adapter) == (
+        run / "checkpoint-000020" / "adapter",
+        "the run's last adapter (checkpoint-000020)",
+    )
+    assert ev.resolve_adapter(args.adapter, "best") == (
+        run / "best",
+        "the run's best on its validation split: accuracy 62.5% at step 20",
+    )
     line = ev.settings_line(args, run / "best", "the run's best")
     assert "--template equation --system 'Be brief.' --seed 3" in line and "--k 4 --temperature 0.6" in line
-    # --adapter RUN alone: the run's best adapter too; a run without a best one: its last checkpoint's
     (run / "best" / "adapter_config.json").unlink()
-    (run / "checkpoint-000004" / "adapter").mkdir(parents=True)
-    (run / "checkpoint-000004" / "adapter" / "adapter_config.json").write_text("{}")
-    (run / "latest").write_text("checkpoint-000004")
-    assert ev.resolve_adapter(str(run))[0] == run / "checkpoint-000004" / "adapter"
+    with pytest.raises(ValueError, match="--checkpoint best: the run has no best adapter yet"):
+        ev.resolve_adapter(str(run), "best")
     assert ev.parse_args(["--run", str(run), "--system", ""]).system is None, "empty: the chat template's own"
+
+
+def test_no_held_out_figure_comes_from_a_checkpoint_chosen_on_its_problems(tiny_model_dir, tmp_path, varied_rewards):
+    """The best checkpoint is chosen on a validation split of the training set that holds no held-out problem
+    and is never trained on; the held-out figures (before, every --eval-every, after) are the policy's at
+    their step, after is the last's, and eval.py --run evaluates the last adapter unless told otherwise."""
+    from conftest import metric_lines, run_training, tiny_args
+    from data import load_problems
+    from infra import rundir
+
+    argv = tiny_args(tiny_model_dir, tmp_path, "run", "--steps", "4", "--eval-every", "2", "--dataset", "two_digit")
+    argv += ["--eval-dataset", "two_digit_test"]
+    state = run_training(argv)
+    run = tmp_path / "run"
+    validation = json.loads((run / "validation.json").read_text())
+    held_out = {p["problem"] for p in load_problems("two_digit_test")}
+    assert validation["drawn_from"] == "two_digit" and len(validation["problems"]) == 32
+    assert not set(validation["problems"]) & held_out, "the validation split holds no held-out problem"
+    train_set, split = rundir.validation_split(load_problems("two_digit"), {"t": load_problems("two_digit_test")}, 0)
+    assert [p["problem"] for p in split] == validation["problems"]
+    assert not {p["problem"] for p in train_set} & set(validation["problems"]), "and is never trained on"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["best"]["split"] == "validation" and summary["best"]["problems"] == 32
+    step_2 = [line["validation"] for line in metric_lines(run) if line.get("validation")]
+    assert len(step_2) == 1 and step_2[0]["problems"] == 32 and summary["best"]["step"] in (2, 4)
+    # the held-out evaluations are on the held-out set, at their own steps; none is picked by the best
+    assert summary["after"]["problems"] == 3 and state["step"] == 4
+    args = ev.parse_args(["--run", str(run)])
+    adapter, what = ev.resolve_adapter(args.adapter, args.checkpoint)
+    assert adapter == run / "checkpoint-000004" / "adapter" and what == "the run's last adapter (checkpoint-000004)"
 
 
 def test_run_and_out_mistakes_fail_before_the_model_loads(tmp_path, capsys, no_model):

@@ -361,7 +361,9 @@ def test_the_export_of_a_full_run_loads_in_transformers_with_the_trained_logits(
     assert (ours - initial).abs().max() > 1e-3, "one step at lr 1e-2 moved the logits"
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
     assert (tmp_path / "full" / "best" / "model.safetensors").is_file()  # the best step's weights, the same way
-    run_args = evaluation.parse_args(["--run", str(tmp_path / "full")])  # eval.py --run evaluates them
+    run_args = evaluation.parse_args(
+        ["--run", str(tmp_path / "full"), "--checkpoint", "best"]
+    )  # eval.py evaluates them
     assert run_args.model == str(tmp_path / "full" / "best") and run_args.adapter is None
     train.main(["--resume", str(tmp_path / "full"), "--steps", "0", "--export", str(tmp_path / "again")])
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again", dtype=torch.float32).eval()

@@ -213,20 +213,20 @@ log_project = "test-logged"
     assert {log["step"] for log in logs if "eval/mean_at_k" in log} == {0, 1, 2, 3}
     assert SQLiteStorage.get_run_config("test-logged", "logged")["lora_rank"] == 4
 
-    # eval.py --run takes the run's settings and its best adapter, and says which
+    # eval.py --run takes the run's settings and its last adapter, and says which
     capsys.readouterr()
     out = tmp_path / "eval.json"
     evaluation.main(["--run", str(run_dir), "--out", str(out)])
     err = capsys.readouterr().err
+    last = run_dir / (run_dir / "latest").read_text().strip() / "adapter"
     assert (
-        f"--adapter {run_dir / 'best'} --bench arithmetic_test --limit 3 --k 2 --temperature 1.0 --top-p 1.0 "
+        f"--adapter {last} --bench arithmetic_test --limit 3 --k 2 --temperature 1.0 --top-p 1.0 "
         f"--max-new-tokens 4 --template equation --system 'You are a helpful assistant.' --seed 0"
     ) in err
     assert "from the run: model, template, system, thinking, temperature" in err
     saved = json.loads(out.read_text())
-    assert saved["config"]["adapter"] == str(run_dir / "best") and saved["config"]["k"] == 2
-    best = summary["best"]
-    assert saved["benchmarks"]["arithmetic_test"]["summary"]["mean@k"]["mean"] == best["accuracy"]
+    assert saved["config"]["adapter"] == str(last) and saved["config"]["k"] == 2
+    assert saved["benchmarks"]["arithmetic_test"]["summary"]["mean@k"]["mean"] == summary["after"]["accuracy"]
     with pytest.raises(SystemExit) as exit_info:  # an existing file is kept
         evaluation.main(["--run", str(run_dir), "--out", str(out), "--k", "1"])
     assert exit_info.value.code == 2 and "already exists; pass --force" in capsys.readouterr().err

@@ -350,6 +350,10 @@ HUB_COPIES = {
         [{"id": 0, "question": "Cities A and B are 45 miles apart.", "answer": 27.0, "url": "https://aops"}],
         [("Cities A and B are 45 miles apart.", "27")],
     ),
+    "amc83": (  # AI-MO/aimo-validation-amc: AMC 12 2022 and 2023, answers stored as floats
+        [{"id": 82, "problem": "Flora the frog starts at 0.", "answer": 3.0, "url": "https://aops"}],
+        [("Flora the frog starts at 0.", "3")],
+    ),
     "dapo": (DAPO_ROWS, [("What is 1 + 1?", "2"), ("Find x if 2x = 6.", "3")]),
     "brumo25": (
         [
@@ -802,9 +806,96 @@ def test_tolerance_is_read_from_the_statement():
         assert code_layouts.tolerance_of(statement) == tolerance, statement
 
 
+def test_case_is_ignored_where_the_dataset_s_judge_ignores_it():
+    any_case = "Print YES or NO. You can output the answer in any case (upper or lower)."
+    row = {**CODE_COPIES["codeforces"][0][0], "output_format": any_case}
+    assert code_layouts.codeforces_row(row)["case_sensitive"] is False
+    contest = {**CODE_COPIES["code_contests"][0][0], "description": any_case}
+    assert code_layouts.code_contests_row(contest)["case_sensitive"] is False
+    plain = {**CODE_COPIES["codeforces"][0][0], "output_format": "Print YES or NO."}
+    assert "case_sensitive" not in code_layouts.codeforces_row(plain)
+    # APPS and TACO grade by their own harness, which compares case-sensitively, whatever the statement says
+    apps = {**APPS_ROWS[0], "question": any_case}
+    assert "case_sensitive" not in code_layouts.apps_row(apps)
+
+
+def test_a_statement_that_accepts_any_answer_is_skipped_and_counted_per_set(tmp_path, capsys):
+    rows = [
+        {**CODE_COPIES["codeforces"][0][0], "id": "1A", "output_format": "If there are multiple answers, print any."},
+        {**CODE_COPIES["codeforces"][0][0], "id": "1B", "note": "If there are several solutions, output any of them."},
+        {**CODE_COPIES["codeforces"][0][0], "id": "1C", "generated_checker": "int main() {}"},
+        CODE_COPIES["codeforces"][0][0],
+    ]
+    source = write_copy(tmp_path / "cf.parquet", rows)
+    prepare.main(["--from", str(source), "--out", "codeforces", "--data-dir", str(tmp_path)])
+    assert f"{source}: skipped 3 problems these tests cannot grade: 3 needs a checker" in capsys.readouterr().out
+    assert [p["id"] for p in load_problems("codeforces", data_dir=tmp_path)] == ["2000A"]
+
+
+def code_record(statement: str, index: int) -> dict:
+    return code_layouts.code_problem(statement, [{"input": "1\n", "output": "1\n"}], index)
+
+
+LEGEND = (
+    "Little Vasya has n boxes standing in a row, the i-th of them holds a_i candies. Each minute he may take one "
+    "candy from a box whose neighbour holds more candies than it. Find the least number of minutes after which no "
+    "box can give a candy away."
+)
+
+
+def test_decontamination_removes_exact_and_near_repeats_of_the_benchmarks():
+    index = prepare.benchmark_index(
+        [
+            ("codeforces", code_record(LEGEND, 0)["problem"]),
+            ("apps", "Given two integers, print their sum."),  # below NGRAM words: matched only exactly
+        ]
+        + [
+            ("taco", f"{i} The first line of the input contains a single integer n, the number of test cases.")
+            for i in range(30)
+        ]
+    )
+    same = LEGEND.upper().replace(",", " ,")  # case, punctuation and spacing aside, the same words
+    reworded = LEGEND.replace("Little Vasya", "Petya").replace("least number of minutes", "minimum time")
+    assert prepare.duplicate_of(same, index) == ("exact", "codeforces")
+    assert prepare.duplicate_of(reworded, index) == ("near", "codeforces")
+    assert prepare.duplicate_of("Given two integers, print their sum.", index) == ("exact", "apps")
+    assert prepare.duplicate_of("Given two integers, print their product.", index) is None
+    # boilerplate shared with 30 benchmark statements is no evidence of a repeat
+    other = "The first line of the input contains a single integer n, the number of test cases. Print n squared."
+    assert prepare.duplicate_of(other, index) is None
+    # a call-style copy of a stdio problem compares by its statement: the appended notes are left out
+    call = code_layouts.code_problem(LEGEND, [{"input": [1], "output": 1}], 9, fn_name="minutes")
+    assert prepare.duplicate_of(call["problem"], index) == ("exact", "codeforces")
+
+
+def test_the_code_training_set_is_decontaminated_against_every_evaluated_set(tmp_path, capsys):
+    rows = [
+        {**APPS_ROWS[0], "question": LEGEND},
+        {**APPS_ROWS[0], "question": LEGEND.replace("Little Vasya", "Petya")},
+        {**APPS_ROWS[0], "question": "Given two integers, print their sum."},
+    ]
+    source = write_copy(tmp_path / "train.parquet", rows)
+    message = run_cli(["--from", str(source), "--out", "taco_train", "--data-dir", str(tmp_path)], capsys)
+    assert "prepare taco, apps, code_contests, codeforces, livecodebench first" in message
+    assert not (tmp_path / "taco_train.jsonl").exists()
+    for i, name in enumerate(prepare.CODE_BENCHMARKS):
+        statement = LEGEND if name == "codeforces" else f"Benchmark {name} problem {i}: print the {name} of the input."
+        prepare.write_jsonl([code_record(statement, i)], tmp_path / f"{name}.jsonl")
+    prepare.main(["--from", str(source), "--out", "taco_train", "--data-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "taco_train: removed 2 of 3 problems that repeat an evaluated code set's statement" in out
+    assert "(1 exact, 1 near-duplicate; 2 codeforces)" in out
+    kept = load_problems("taco_train", data_dir=tmp_path)
+    assert [p["problem"].split("\n\n")[0] for p in kept] == ["Given two integers, print their sum."]
+
+
 @pytest.mark.parametrize(
     "record, message",
     [
+        (
+            {"problem": "p", "task": "code", "tests": [{"input": "1", "output": "1"}], "case_sensitive": "no"},
+            "case_sensitive",
+        ),
         ({"problem": "p", "task": "code", "tests": []}, "non-empty list"),
         ({"problem": "p", "task": "code", "tests": [{"input": "1"}]}, "test 0"),
         ({"problem": "", "task": "code", "tests": [{"input": "1", "output": "1"}]}, "empty or non-text problem"),

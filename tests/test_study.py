@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+import config
 from data import load_problems
 from loss import MU_LABELS
 from research import study
@@ -88,15 +89,20 @@ def test_table_statistics_match_a_hand_computation():
     assert atr["clip"][0] == pytest.approx(0.2)
     assert (atr["gaps"]["clip"].gap, atr["gaps"]["clip"].se, atr["gaps"]["clip"].t) == pytest.approx((0.1, 0.1, 1.0))
     assert atr["gaps"]["final_entropy"].p == 1.0
-    # the family is the 3 gaps; Bonferroni 0.05 / 3 -> t(1 - 0.05/6, 2) + t(0.8, 2) standard errors
-    k = study.t_quantile(1 - 0.05 / 6, 2) + study.t_quantile(0.8, 2)
+    # atr's region [0.671, 1.422] holds grpo's [0.8, 1.2]: its clip-rate gap is by construction, not tested
+    assert atr["gaps"]["clip"].by_construction and math.isnan(atr["gaps"]["clip"].p_holm)
+    # the family is the 2 tested gaps: the gap its t test at 0.05 / 2 detects with 80% power
+    k = study.power_multiplier(3, 2)
     assert after.mde == pytest.approx(k * after.se) and not after.called
     table = study.markdown_table([grpo, atr], problems=64, k=2)
     assert table.index("Power first") < table.index("| arm | train.py flags")
-    assert f"| atr | {after.mde * 100:.1f} | {atr['gaps']['final_entropy'].mde:.3f} |" in table
+    assert "The unit is the seed" in table and "1 clip-rate gaps follow from the regions" in table
+    assert f"| atr | {after.mde * 100:.1f} | {atr['gaps']['final_entropy'].mde:.3f} | by construction |" in table
     assert "| atr | `--rule atr --delta 0.07` | 3 | 10.0 ± 0.0 | 45.0 ± 5.0 | +5.0 ± 2.9 | +1.7 |" in table
     assert "| grpo | 0.500 ± 0.000 | - | 10.0 ± 0.0 | - | 5.0 ± 0.0 | 10.0 | 10.0 | 10.0 | 10.0 | 10.0 |" in table
-    assert "| atr | 0.500 ± 0.000 | +0.000 ± 0.000 | 20.0 ± 10.0 | +10.0 ± 10.0 | 10.0 ± 5.0 | 20.0 |" in table
+    assert (
+        "| atr | 0.500 ± 0.000 | +0.000 ± 0.000 | 20.0 ± 10.0 | +10.0 ± 10.0 (by construction) | 10.0 ± 5.0 |" in table
+    )
 
 
 def test_one_seed_has_no_error_bar():
@@ -119,23 +125,94 @@ def test_student_t_against_printed_tables():
 
 
 def test_power_and_holm_against_a_hand_calculation():
-    # 30 paired rollouts, one test: a gap of (2.045 + 0.854) se is found with 80% power
-    assert study.power_multiplier(30, 1) == pytest.approx(2.0452 + 0.8538, abs=1e-3)
+    # 30 paired rollouts, one test: the noncentral t puts 80% power a little above the usual approximation
+    # t(0.975, 29) + t(0.8, 29) = 2.899, which the exact power at that gap shows short of 80%
+    critical = study.t_quantile(0.975, 29)
+    approximate = critical + study.t_quantile(0.8, 29)
+    assert study.t_test_power(approximate, 29, critical) == pytest.approx(0.80, abs=0.005)
+    assert study.power_multiplier(30, 1) == pytest.approx(approximate, abs=0.01)
+    # 27 tests: the approximation's 4.28 se is detected 79% of the time, the exact gap is larger
+    critical = study.t_quantile(1 - 0.05 / 54, 29)
+    assert critical + study.t_quantile(0.8, 29) == pytest.approx(4.28, abs=0.01)
+    assert study.t_test_power(4.28, 29, critical) == pytest.approx(0.79, abs=0.005)
+    assert study.t_test_power(study.power_multiplier(30, 27), 29, critical) == pytest.approx(0.8, abs=1e-6)
+    assert study.power_multiplier(30, 27) > 4.28
+    # the normal limit: a z test at 5% two-sided finds a gap of 2.80 standard errors 80% of the time
+    assert study.power_multiplier(2001, 1) == pytest.approx(1.95996 + 0.84162, abs=2e-3)
     assert math.isnan(study.power_multiplier(1, 1))
-    # Holm on p = 0.01, 0.04, 0.03: sorted 0.01 * 3, 0.03 * 2, 0.04 * 1, each at least the one before
+    # Holm on p = 0.01, 0.04, 0.03: sorted 0.01 * 3, 0.03 * 2, 0.04 * 1, each at least the one before; a gap
+    # is called where its Holm p is below 0.05
     family = [study.Comparison(gap, 0.1, 30, gap / 0.1, p) for gap, p in ((0.3, 0.01), (0.25, 0.04), (0.27, 0.03))]
     study.judge(family)
     assert [c.p_holm for c in family] == pytest.approx([0.03, 0.06, 0.06])
-    k = study.t_quantile(1 - 0.05 / 6, 29) + study.t_quantile(0.8, 29)  # Bonferroni 0.05 / 3, two-sided
-    assert [c.mde for c in family] == pytest.approx([k * 0.1] * 3)
-    assert [c.called for c in family] == [k * 0.1 <= 0.3, False, False]
+    assert [c.mde for c in family] == pytest.approx([study.power_multiplier(30, 3) * 0.1] * 3)
+    assert [c.called for c in family] == [True, False, False]
     assert family[0].ci95 == pytest.approx(study.t_quantile(0.975, 29) * 0.1)
+    # a gap by construction leaves the family: the other two are Holm's over 2 tests
+    family = [study.Comparison(gap, 0.1, 30, gap / 0.1, p) for gap, p in ((0.3, 0.01), (0.25, 0.04), (0.27, 0.03))]
+    family[0].by_construction = True
+    study.judge(family)
+    assert math.isnan(family[0].p_holm) and not family[0].called and math.isnan(family[0].mde)
+    assert [c.p_holm for c in family[1:]] == pytest.approx([0.06, 0.06])
     exact = study.paired([0.2, 0.2, 0.2])  # every pair differs by the same amount: exact, called
     study.judge([exact])
     assert exact.p == 0.0 and exact.called
     # the held-out floor: 80% power, 5% two-sided, one test: (1.960 + 0.842) sqrt(2 p (1-p) / (n k) / seeds)
     floor = study.held_out_floor(0.2, problems=64, k=2, seeds=3, tests=1)
     assert floor == pytest.approx((1.95996 + 0.84162) * math.sqrt(2 * 0.16 / 128 / 3), rel=1e-4)
+
+
+def called_share(units: int, tests: int, draws: int, seed: int) -> float:
+    """How often paired() and judge(), as the tables use them, call a true gap of the stated detectable size
+    (power_multiplier true standard errors) in a family of `tests` whose other gaps are 0."""
+    rng = np.random.default_rng(seed)
+    shift = study.power_multiplier(units, tests) / math.sqrt(units)  # in units of one pair's sd
+    called = 0
+    for _ in range(draws):
+        differences = rng.standard_normal((tests, units))
+        differences[0] += shift
+        family = [study.paired(row) for row in differences]
+        study.judge(family)
+        called += family[0].called
+    return called / draws
+
+
+@pytest.mark.parametrize("units, tests", [(30, 27), (3, 18)])
+def test_the_stated_detectable_gap_is_called_80_percent_of_the_time(units, tests):
+    """The counterfactual table's design (30 rollouts, 27 tests) and the grid's (3 seeds, 18 tests): at the
+    detectable gap the tables state, the procedure calls it 0.80 +- 0.02 of the time. 3,000 draws put the
+    share's standard error at 0.0073, so a share outside 0.78-0.82 would be a wrong figure, not chance."""
+    assert called_share(units, tests, draws=3000, seed=units) == pytest.approx(0.80, abs=0.02)
+
+
+def test_clustered_pairs_keep_the_tests_level():
+    """Pairs that share a cluster (rollouts drawn from the same prompts) are not independent: counted one by one,
+    their t test rejects a true null far more often than 5%; counted by cluster, at 5%."""
+    rng = np.random.default_rng(0)
+    clusters = [c for c in range(10) for _ in range(3)]  # 30 pairs, 10 clusters of 3
+    naive = clustered = 0
+    for _ in range(2000):
+        differences = np.repeat(rng.standard_normal(10), 3) + 0.3 * rng.standard_normal(30)  # no true gap
+        naive += study.paired(differences).p < 0.05
+        c = study.paired(differences, clusters)
+        clustered += c.p < 0.05
+    assert c.n == 10
+    assert naive / 2000 > 0.2 and clustered / 2000 == pytest.approx(0.05, abs=0.015)
+    with pytest.raises(ValueError, match="clusters: 2 keys for 3 differences"):
+        study.paired([0.1, 0.2, 0.3], [0, 1])
+
+
+def test_regions_that_hold_grpo_s_clip_less_by_construction():
+    def loss_of(*flags):
+        return config.parse_args(list(flags))[0].loss
+
+    grpo = loss_of(*study.ARMS["grpo"])
+    for arm in ("atr", "kl-atomic", "gppo", "limits", "dapo"):  # each holds [0.8, 1.2] at every mu
+        assert study.region_contains(loss_of(*study.ARMS[arm]), grpo), arm
+    assert study.region_contains(grpo, grpo)
+    assert not study.region_contains(grpo, loss_of(*study.ARMS["atr"]))
+    assert not study.region_contains(loss_of("--rule", "atr", "--delta", "0.02"), grpo)  # [0.811, 1.216]
+    assert not study.region_contains(loss_of("--rule", "sapo"), grpo)  # no region at all
 
 
 def test_equal_rate_arms_are_calibrated_on_grpo_records():

@@ -21,7 +21,7 @@ import lora
 import train
 from conftest import RecordingSGD, assert_equal_to, metric_lines, run_training, tiny_args
 from engine import sizes
-from infra import weights
+from infra import rundir, weights
 
 REAL_REWARD = train.reward.reward  # before varied_rewards replaces it
 pytestmark = pytest.mark.usefixtures("varied_rewards")
@@ -120,6 +120,13 @@ def test_a_reward_function_of_your_own_trains_next_to_the_built_in_one(tiny_mode
         assert -1 <= line["rewards/brevity"] <= 0
 
 
+def trained_on(dataset: str, eval_dataset: str, seed: int = 0) -> list[dict]:
+    """The problems a run trains on: its training set without its validation split."""
+    return rundir.validation_split(train.load_problems(dataset), {"held out": train.load_problems(eval_dataset)}, seed)[
+        0
+    ]
+
+
 def test_a_failing_reward_function_stops_the_step_in_one_line(tiny_model_dir, tmp_path, capsys):
     module = tmp_path / "broken.py"
     module.write_text("def on_step_one(completions, **columns):\n    return [1 / 0 for _ in completions]\n")
@@ -130,7 +137,7 @@ def test_a_failing_reward_function_stops_the_step_in_one_line(tiny_model_dir, tm
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 1 and lines[-1] == (
         f"train.py: reward function {module}:on_step_one raised on row 0 of step 1 (prompt 0, completion 0: "
-        f"{train.batch_of(train.load_problems('arithmetic'), 0, 2, 0)[0]['problem']!r}): ZeroDivisionError: "
+        f"{train.batch_of(trained_on('arithmetic', 'arithmetic_test'), 0, 2, 0)[0]['problem']!r}): ZeroDivisionError: "
         "division by zero; the last checkpoint is kept: continue with python train.py --resume "
         f"{tmp_path / 'broken'}"
     ), lines
