@@ -20,12 +20,12 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-loggers.txt
 train: setup
 	$(PY) train.py $(ARGS)
 
-# The clip rules' main table: every rule's update of the same rollouts, paired by rollout (counterfactual.py:
-# a 10-step pilot, then 30 rollouts x 4 arms, those 32 min on 2 shared cores); a killed study resumes.
+# The clip rules' main table: every rule's update of the same rollouts, paired by rollout (research/counterfactual.py:
+# a 10-step pilot, then 30 rollouts of 64 completions x 4 arms, several hours on 2 cores); a killed study resumes.
 study: setup
 	OMP_NUM_THREADS=1 $(PY) -m research.counterfactual $(ARGS)
 
-# The clip rules trained end to end over seeds, power stated first (study.py: 7 arms x 3 seeds x 10 steps).
+# The clip rules trained end to end over seeds, the detectable gap stated first (research/study.py).
 grid: setup
 	OMP_NUM_THREADS=1 $(PY) -m research.study $(ARGS)
 
