@@ -98,10 +98,12 @@ def flex_paged_attention_available() -> bool:
 
 
 def best_attention(device: torch.device, dtype: torch.dtype) -> str:
-    """The fastest exact attention this torch offers for this device and dtype: flash, else flex, else gather."""
+    """The fastest exact attention this torch offers for this device and dtype: flash, else flex (both for the
+    half-precision dtypes a GPU samples in), else gather."""
     if flash_paged_attention_available(device, dtype):
         return "flash"
-    fused = device.type in ("cuda", "meta")  # meta stands for CUDA in the memory plan
+    # meta stands for CUDA in the memory plan; fp32 and float64 take gather there, as the CPU's exact reference
+    fused = device.type in ("cuda", "meta") and dtype in (torch.float16, torch.bfloat16)
     return "flex" if fused and flex_paged_attention_available() else "gather"
 
 

@@ -42,10 +42,9 @@ class Pool:
     on a small self-check, which the memory plan asks for too, so it plans the path the pool takes). graph_class
     replays the fixed-shape steps: CudaGraph on CUDA; EagerGraph stands in for it anywhere.
 
-    A pool serves the model it was made with. A full-parameter run samples each step with weights gathered
-    anew (fsdp.whole: a new Transformer whose tensors live only for the rollout), so it binds the pool to
-    that model for the call and releases it after: the decode weights and graphs, which read the model's
-    tensors, are dropped, and the blocks are kept.
+    A pool serves the model it was made with (bind serves another, dropping the decode weights and graphs,
+    which read the model's tensors; the blocks are kept). A full-parameter run samples each step with its
+    updated weights copied into the pool's resident copy (sampling_policy), so the graphs survive the steps.
     """
 
     def __init__(
@@ -71,6 +70,7 @@ class Pool:
         self.graph_class = graph_class or CudaGraph
         self.graphs = Graphs(self.kv, self.graph_class)
         self.weights: DecodeWeights | None = None
+        self.resident: Transformer | None = None  # a sharded model's whole weights, kept (sampling_policy)
 
     @classmethod
     def for_groups(cls, model: Transformer, prompt_lens: list[int], G: int, new_tokens: int, **kwargs) -> Pool:
@@ -208,15 +208,17 @@ def _paged_agrees(device: torch.device, dtype: torch.dtype, kind: str) -> bool:
 
 @contextmanager
 def sampling_policy(model: Transformer, pool: Pool | None) -> Iterator[Transformer]:
-    """The model to sample with, the pool bound to it: the model itself, or a sharded model's weights gathered
-    for the block (fsdp.whole). Those live only for the block, so the pool lets go of them on leaving (its
-    decode weights and graphs are built again at the next rollout; its blocks stay)."""
-    with fsdp.whole(model) as policy:
-        if pool is None or policy is model:
+    """The model to sample with, the pool bound to it: the model itself, or a sharded model's whole weights.
+    With a pool, those are copied into the pool's resident copy (fsdp.resident_copy, made at the first
+    rollout and kept), whose tensors keep their addresses, so the decode weights and the CUDA graphs captured
+    over them serve every later step: one capture per (rows, span) for the run. Without one, they are
+    gathered for the block only (fsdp.whole)."""
+    if pool is None or not fsdp.is_sharded(model):
+        with fsdp.whole(model) as policy:
             yield policy
-            return
+        return
+    if pool.resident is None:
+        pool.resident = fsdp.resident_copy(model)
+    with fsdp.whole(model, into=pool.resident) as policy:
         pool.bind(policy)
-        try:
-            yield policy
-        finally:
-            pool.release()
+        yield policy
