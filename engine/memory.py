@@ -869,18 +869,16 @@ class _ShardedRun:
 
     def measure(self, name: str, size: int) -> tuple[int, int]:
         """(resident, own) bytes of a phase, as _MetaRun.measure: the gradients are held only while training
-        (train.py frees them after each update). The sampler's resident copy of the whole model in the compute
-        dtype (fsdp.resident_copy) is held throughout; sampling fills it one gathered group at a time."""
+        (train.py frees them after each update), the gathered whole model only while sampling."""
         w, whole = self.work, self.whole
         held = self.weights + self.moments
         if name == "weights":
             return 0, self.weights
         if name == "optimizer":
-            return self.reference_weights + whole.weights, self.state_peak
-        if name in ("rollout", "eval"):  # the shards stay, and the sampler reads its resident whole model
+            return self.reference_weights, self.state_peak
+        if name in ("rollout", "eval"):  # the shards stay, and the sampler reads the whole model, gathered
             resident, own = whole.measure(name, size)
             return held + resident, own
-        held += whole.weights  # the resident copy, outside sampling too
         with self.mode, flash_attention_on_meta():
             layouts = prompts_per_pass(w, size, name) if name in ("train", "frozen") else []
             if name == "train":

@@ -44,7 +44,8 @@ class Pool:
 
     A pool serves the model it was made with (bind serves another, dropping the decode weights and graphs,
     which read the model's tensors; the blocks are kept). A full-parameter run samples each step with its
-    updated weights copied into the pool's resident copy (sampling_policy), so the graphs survive the steps.
+    weights gathered anew, or copied into the pool's resident copy where it has one (sampling_policy), which
+    the graphs survive.
     """
 
     def __init__(
@@ -70,7 +71,7 @@ class Pool:
         self.graph_class = graph_class or CudaGraph
         self.graphs = Graphs(self.kv, self.graph_class)
         self.weights: DecodeWeights | None = None
-        self.resident: Transformer | None = None  # a sharded model's whole weights, kept (sampling_policy)
+        self.resident: Transformer | None = None  # a sharded model's whole weights, if kept (sampling_policy)
 
     @classmethod
     def for_groups(cls, model: Transformer, prompt_lens: list[int], G: int, new_tokens: int, **kwargs) -> Pool:
@@ -209,16 +210,18 @@ def _paged_agrees(device: torch.device, dtype: torch.dtype, kind: str) -> bool:
 @contextmanager
 def sampling_policy(model: Transformer, pool: Pool | None) -> Iterator[Transformer]:
     """The model to sample with, the pool bound to it: the model itself, or a sharded model's whole weights.
-    With a pool, those are copied into the pool's resident copy (fsdp.resident_copy, made at the first
-    rollout and kept), whose tensors keep their addresses, so the decode weights and the CUDA graphs captured
-    over them serve every later step: one capture per (rows, span) for the run. Without one, they are
-    gathered for the block only (fsdp.whole)."""
-    if pool is None or not fsdp.is_sharded(model):
-        with fsdp.whole(model) as policy:
+    Those are gathered for the block (fsdp.whole) and the pool lets go of them on leaving (its decode weights
+    and graphs are built again at the next rollout; its blocks stay), unless the pool has a resident copy
+    (pool.resident = fsdp.resident_copy(model)): then they are copied into it in place, its tensors keep their
+    addresses, and the graphs captured over them serve every later step (one capture per (rows, span) for the
+    run), at the cost of the whole model in the compute dtype held for the run."""
+    with fsdp.whole(model, into=None if pool is None else pool.resident) as policy:
+        if pool is None or policy is model:
             yield policy
-        return
-    if pool.resident is None:
-        pool.resident = fsdp.resident_copy(model)
-    with fsdp.whole(model, into=pool.resident) as policy:
-        pool.bind(policy)
-        yield policy
+            return
+        pool.bind(policy)  # the resident copy: the same tensors as last time, so bind keeps the graphs
+        try:
+            yield policy
+        finally:
+            if policy is not pool.resident:
+                pool.release()

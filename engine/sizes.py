@@ -200,12 +200,12 @@ def plan(cfg: Config) -> bool:
 
 def sampler_pool(cfg: Config, model, tokenizer, train_set: list[dict], eval_sets: dict[str, list[dict]]) -> Pool:
     """The run's KV pool: allocated once, before the first step, and reused by every rollout and evaluation.
-    A sharded model's pool serves its resident copy of the whole weights in the compute dtype, which each
-    rollout fills with the current weights (engine.pool.sampling_policy)."""
+    A sharded model's pool is made for its gathered weights (their compute dtype) and released until each
+    rollout binds it (engine.pool.sampling_policy); given a resident copy (pool.resident), its graphs survive
+    the steps."""
     prompt_len, eval_len = prompt_lengths(cfg, tokenizer, train_set, eval_sets)
-    with oom_hint("the sampler's KV pool", f"lower --kv-blocks (now {cfg.kv_blocks})"):
-        policy = fsdp.resident_copy(model) if fsdp.is_sharded(model) else model  # filled at each rollout
+    with oom_hint("the sampler's KV pool", f"lower --kv-blocks (now {cfg.kv_blocks})"), fsdp.whole(model) as policy:
         pool = Pool(policy, cfg.kv_blocks, max_len=max(prompt_len, eval_len) + cfg.max_new_tokens)
         if policy is not model:
-            pool.resident = policy
+            pool.release()
         return pool

@@ -230,8 +230,8 @@ def test_a_full_step_is_the_loss_autograd_and_adamw_written_out(tiny_model_dir, 
 def test_a_full_run_samples_each_step_with_its_updated_weights_through_the_runs_pool(
     tiny_model_dir, tmp_path, monkeypatch
 ):
-    """The run's pool is made once with a resident copy of the whole weights; each rollout copies the updated
-    weights into it in place, so the graphs (fixed shapes, replayed by EagerGraph) survive the steps: over 3
+    """The run's pool is made once and given a resident copy of the whole weights; each rollout copies the
+    updated weights into it in place, so the graphs (fixed shapes, replayed by EagerGraph) survive the steps: over 3
     steps each (rows, span) is captured once, and the third step's samples and old log-probs are those of a
     graph-free sampler over the updated model, not the starting one's."""
     patch(monkeypatch.setattr)
@@ -251,7 +251,8 @@ def test_a_full_run_samples_each_step_with_its_updated_weights_through_the_runs_
         train_set = train.load_problems(cfg.dataset)
         cfg = sizes.resolve_sizes(cfg, model, tokenizer, train_set, world)
         pool = sizes.sampler_pool(cfg, model, tokenizer, train_set, {})
-        assert pool.model is pool.resident and pool.kv.k.dtype == torch.float64
+        assert pool.model is None and pool.kv.k.dtype == torch.float64
+        pool.resident = fsdp.resident_copy(model)
         pool.graph_class = pool.graphs.graph_class = EagerGraph
         for step in (1, 2):
             problems = train.batch_of(train_set, (step - 1) * cfg.prompts_per_step, cfg.prompts_per_step, cfg.seed)
