@@ -20,8 +20,9 @@ seven projections (B nonzero, so the adapters do work). For each model, in order
    memory.sampling_phase) next to torch.cuda.max_memory_allocated.
 3. train: one LoRA micro-batch (bench/model.py's steps and GPU shapes) against transformers + peft.
 Every row is printed as it finishes and DIR/gpu_check.json is rewritten after each, so a run cut short
-keeps what it measured. Before each run the time it will take is estimated from the runs so far (the
-first of a kind runs regardless); a run that would end past --budget-s is skipped and recorded so.
+keeps what it measured. Before each run the time it will take is estimated from the runs so far (a kind's
+first run from its first_s: a compile warm-up's is COMPILE_S); a run that would end past --budget-s is
+skipped and recorded so. Each row records the peak memory allocated and reserved (graph pools stay reserved).
 Exit status 1 when parity fails or one of our runs fails; a failing reference run is only recorded.
 """
 
@@ -68,6 +69,7 @@ def load_bench(name: str):
 
 bench_model, bench_rollout = load_bench("model"), load_bench("rollout")
 PROMPT_LEN = 128
+COMPILE_S = 120.0  # the estimate of a first torch.compile warm-up (a kind not yet timed), before one is timed
 DEFAULT_OUT = "runs/gpu-check"
 
 
@@ -75,9 +77,9 @@ class Check:
     """Times runs, records them as table rows with their peak memory, rewrites the JSON after each, skips
     what the budget cannot hold, and lets no failure stop the rest."""
 
-    def __init__(self, device: torch.device, report: dict, out_file: Path, budget_s: float):
-        self.device, self.report, self.out_file = device, report, out_file
-        self.start, self.budget_s = time.perf_counter(), budget_s
+    def __init__(self, device: torch.device, report: dict, out_file: Path, budget_s: float, clock=time.perf_counter):
+        self.device, self.report, self.out_file, self.clock = device, report, out_file, clock
+        self.start, self.budget_s = clock(), budget_s
         self.rows, self.failed = report.setdefault("rows", []), False
         self.rates: dict[str, float] = {}  # seconds per unit of work, by kind of run
 
@@ -97,10 +99,13 @@ class Check:
         work: float = 0.0,
         kind: str | None = None,
         planned=None,
+        first_s: float = 0.0,
     ):
         """fn() timed once; returns its result (None if it failed or was skipped). tokens and steps may be
         functions of the result; they give tokens/s and ms per decode step. work (in any unit) and kind
-        estimate the time from earlier runs of the kind; planned(result) gives the planned peak bytes."""
+        estimate the time from earlier runs of the kind; first_s is the estimate of a kind's first run (a
+        compile warm-up's), so even a first run is skipped when it cannot end within the budget; planned(result)
+        gives the planned peak bytes."""
         row = dict(
             model=model,
             phase=phase,
@@ -109,11 +114,12 @@ class Check:
             tokens_per_s=None,
             ms_per_step=None,
             peak_allocated_bytes=None,
+            peak_reserved_bytes=None,  # graph pools and the allocator's cache: what the GPU actually gives up
             planned_peak_bytes=None,
             status="ok",
         )
-        elapsed = time.perf_counter() - self.start
-        estimate = self.rates.get(kind, 0.0) * work
+        elapsed = self.clock() - self.start
+        estimate = self.rates[kind] * work if kind in self.rates else first_s
         if elapsed + estimate > self.budget_s:
             row["status"] = f"skipped: budget ({elapsed:.0f} s spent, about {estimate:.0f} s more needed)"
             return self._record(row, None)
@@ -123,16 +129,17 @@ class Check:
         result = None
         try:
             self.sync()
-            start = time.perf_counter()
+            start = self.clock()
             result = fn()
             self.sync()
-            row["seconds"] = seconds = time.perf_counter() - start
+            row["seconds"] = seconds = self.clock() - start
         except Exception as err:  # noqa: BLE001 - recorded in the table, and the check goes on
             traceback.print_exc()
             row["status"] = f"error: {type(err).__name__}: {str(err)[:300]}"
             self.failed |= ours
         if self.device.type == "cuda":
             row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+            row["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
         if row["status"] == "ok":
             tokens, steps = (x(result) if callable(x) else x for x in (tokens, steps))
             row["tokens_per_s"] = tokens / seconds if tokens else None
@@ -178,13 +185,22 @@ def new_pool(ours, prompts: list[list[int]], samples: int, new_tokens: int) -> P
     return Pool.for_groups(ours, [len(p) for p in prompts], samples, new_tokens, graph_class=graph_class)
 
 
+def forced_generate(lengths: list[int], stop_id: int, *args, **kwargs):
+    """rollout.generate with row i drawing stop_id as its lengths[i]-th token."""
+    with bench_rollout.forced_lengths(lengths, stop_id):
+        return rollout.generate(*args, **kwargs)
+
+
 def check_parity(check: Check, name: str, ours, tiny: bool) -> dict:
     """The fixed-shape loop replayed from graphs (CUDA graphs, or EagerGraph on the CPU) against the same loop
     run eagerly over the same pool: the same tokens, greedy and sampled, rows ending at scattered steps."""
     vocab = ours.config.vocab_size
     prompts = random_prompts(4 if tiny else 8, 12 if tiny else 64, vocab, seed=1, varied=True)
-    stops = list(range(3, 3 + max(1, vocab // 40)))  # about 1 token in 40 ends a row under a random model
     new_tokens = 16 if tiny else 96
+    # rows end at scattered steps by a forced stop token (bench/rollout.py's forced_lengths): one stop id keeps
+    # torch.isin off the sorting path (with a sync) that thousands of stop ids send it down
+    stop_id = 3
+    lengths = torch.randint(1, new_tokens + 1, (len(prompts) * 4,), generator=torch.Generator().manual_seed(2))
     pool = new_pool(ours, prompts, 4, new_tokens)
     variants = {"graphs": "on", "eager": "off"}
     result = {"compared": "graphs vs eager", "attention": pool.attention, "ok": True}
@@ -194,13 +210,15 @@ def check_parity(check: Check, name: str, ours, tiny: bool) -> dict:
                 name,
                 f"parity t={temperature:g} {variant}",
                 "ours",
-                lambda graphs=graphs: rollout.generate(
+                lambda graphs=graphs: forced_generate(
+                    lengths.tolist(),
+                    stop_id,
                     ours,
                     prompts,
                     samples_per_prompt=4,
                     max_new_tokens=new_tokens,
                     temperature=temperature,
-                    stop_ids=stops,
+                    stop_ids=[stop_id],
                     seed=0,
                     fixed_shapes=True,
                     cuda_graphs=graphs,
@@ -324,6 +342,7 @@ def check_rollout(check: Check, name: str, hf, ours, cap: int, tiny: bool) -> No
         ours=False,
         work=rows * 4,
         kind=f"{name} hf compile",
+        first_s=COMPILE_S,
     )
     check.run(
         name,

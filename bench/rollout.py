@@ -100,10 +100,13 @@ def forced_lengths(lengths: list[int] | None, stop_id: int):
         return
     draw = sampling.draw
     stop_at = torch.tensor(lengths + [0])  # the extra entry serves padding rows, which never stop
+    on_device = {}  # copied to a device once: a copy per step would add a host sync to every timed step
 
     def forcing_draw(logits, *, rows, position, **kwargs):
         tokens, logp = draw(logits, rows=rows, position=position, **kwargs)
-        return tokens.masked_fill(stop_at.to(rows.device)[rows] == position + 1, stop_id), logp
+        if rows.device not in on_device:
+            on_device[rows.device] = stop_at.to(rows.device)
+        return tokens.masked_fill(on_device[rows.device][rows] == position + 1, stop_id), logp
 
     sampling.draw = forcing_draw
     try:

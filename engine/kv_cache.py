@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from engine.decode_weights import DecodeWeights, decode_linear
 from model import ModelConfig, Transformer, apply_rope, leading_pads, rope_cos_sin
 
+ATTENTION_KINDS = ("flash", "flex", "gather")
+
 
 class KVPool:
     """The sampler's keys and values: every layer's in blocks of block_size token slots, k and v each
@@ -30,10 +32,13 @@ class KVPool:
     out: table entries past a row's blocks point at it, so a write past them or a read of them touches
     finite, unused slots (the pool starts zeroed) and never another row's.
 
-    Attention reads a row's blocks in one of two ways (`attention`), both exact:
+    Attention reads a row's blocks in one of three ways (`attention`), all exact:
     - "flash" (CUDA, bf16/fp16, when torch has the paged FlashAttention kernel): torch.nn.attention.varlen
       reads the blocks in place through the block table, and only each row's own slots. It needs blocks
       of 256 slots.
+    - "flex" (CUDA, any torch with FlexAttention's BlockMask.from_kv_blocks): flex_attention reads the blocks
+      in place, the row's block table as the block mask's kv indices and a mask over the slots past its
+      length; torch.compile makes it one kernel (eager, as on the CPU, it runs FlexAttention's math).
     - "gather" (any device and dtype): the rows' first `span` slots are copied into one [rows, kv_heads,
       span, head_dim] tensor per layer (index_select over whole blocks), and F.scaled_dot_product_attention
       attends over them with the unfilled slots masked. On the CPU the copies cost less than the attention
@@ -46,8 +51,8 @@ class KVPool:
     ):
         if blocks < 2:
             raise ValueError(f"KVPool: blocks={blocks}; block 0 is reserved, so at least 2 are needed")
-        if attention not in ("gather", "flash"):
-            raise ValueError(f"KVPool: attention must be 'gather' or 'flash', got {attention!r}")
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"KVPool: attention must be one of {', '.join(ATTENTION_KINDS)}, got {attention!r}")
         shape = (cfg.num_layers, blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -79,6 +84,72 @@ def flash_paged_attention_available(device: torch.device, dtype: torch.dtype) ->
     except ImportError:
         return False
     return "block_table" in inspect.signature(varlen_attn).parameters
+
+
+def flex_paged_attention_available() -> bool:
+    """Whether this torch's FlexAttention takes a block mask built from block tables (BlockMask.from_kv_blocks
+    with seq_lengths; the kv batch of one is shared by every query row): a check of the API, not the version.
+    It runs on any device; only CUDA compiles it into one kernel."""
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return "seq_lengths" in inspect.signature(BlockMask.from_kv_blocks).parameters
+
+
+def best_attention(device: torch.device, dtype: torch.dtype) -> str:
+    """The fastest exact attention this torch offers for this device and dtype: flash, else flex (both for the
+    half-precision dtypes a GPU samples in), else gather."""
+    if flash_paged_attention_available(device, dtype):
+        return "flash"
+    # meta stands for CUDA in the memory plan; fp32 and float64 take gather there, as the CPU's exact reference
+    fused = device.type in ("cuda", "meta") and dtype in (torch.float16, torch.bfloat16)
+    return "flex" if fused and flex_paged_attention_available() else "gather"
+
+
+_compiled_flex = None
+
+
+def paged_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> torch.Tensor:
+    """flex_attention of q [R, heads, 1, D] over k, v [1, kv_heads, slots, D] under block_mask; compiled on CUDA
+    (one fused kernel, which a CUDA graph then captures), eager elsewhere. The memory plan replaces it on meta."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if q.device.type != "cuda":
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+def flex_block_mask(rows: PagedRows):
+    """The BlockMask of one decode step over a pool's flat slots: row r reads the blocks of its table that hold
+    slots 0..length[r] (kv indices = table ids), and within them the slots at logical position <= length[r]
+    (through a [R, blocks] map from a block id to its index in the row's table, -1 where absent)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    pool, table, length = rows.pool, rows.table, rows.length
+    R, width, bs, blocks = *table.shape, pool.block_size, pool.blocks
+    used = (length // bs + 1).int()  # [R] blocks holding slots 0..length
+    index = torch.arange(width, device=table.device).expand(R, width)
+    held = index < used[:, None]  # [R, width]
+    logical = torch.full((R, blocks), -1, dtype=torch.long, device=table.device)
+    logical.scatter_(1, torch.where(held, table.long(), 0), torch.where(held, index, -1))
+    logical[:, 0] = -1  # block 0 is never a row's: table entries past its blocks point at it
+    kv_indices = F.pad(table, (0, blocks - width)) if blocks > width else table[:, :blocks]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        block = logical[b, kv_idx // bs]
+        return (block >= 0) & (block * bs + kv_idx % bs <= length[b])
+
+    return BlockMask.from_kv_blocks(
+        used[:, None, None],
+        kv_indices[:, None, None, :].contiguous(),
+        BLOCK_SIZE=(128, bs),
+        mask_mod=mask_mod,
+        seq_lengths=(1, blocks * bs),
+    )
 
 
 @dataclass
@@ -134,6 +205,8 @@ class DecodeAttention:
             seen = (rows.length + 1).int()  # [R] slots each query reads
             self.seen, self.cu_q = seen, torch.arange(R + 1, dtype=torch.int32, device=seen.device)
             self.cu_k = F.pad(seen.cumsum(0, dtype=torch.int32), (1, 0))
+        elif pool.attention == "flex":
+            self.block_mask = flex_block_mask(rows)
         else:
             self.gather = rows.table[:, : span // bs].reshape(-1).long()  # [R * blocks]
             positions = torch.arange(span, device=rows.length.device)
@@ -161,6 +234,9 @@ class DecodeAttention:
                 enable_gqa=True,
             )
             return out.reshape(R, H * D)
+        if pool.attention == "flex":
+            keys, values = (pool_[layer].view(1, -1, kv_heads, D).transpose(1, 2) for pool_ in (pool.k, pool.v))
+            return paged_flex_attention(q[:, :, None], keys, values, self.block_mask).reshape(R, H * D)
         keys, values = (
             pool_[layer]
             .view(pool.blocks, -1)

@@ -80,9 +80,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import lora
 import sampling
-from engine import sampler
+from engine import kv_cache, sampler
 from engine.graphs import Batch
-from engine.kv_cache import KVPool
+from engine.kv_cache import ATTENTION_KINDS, KVPool
 from engine.pool import Pool
 from engine.scheduler import Group, Row, SamplerStats, Scheduler, group_blocks
 from engine.shared_prompts import hidden_shared
@@ -208,6 +208,9 @@ class Workload:
     eval_prompts: int = 16  # prompts in flight in an evaluation call
     eval_k: int = 8
     eval_temperature: float = 1.0
+    # the sampler's attention (engine.pool.pool_attention): "auto" is the best kind on CUDA; train.py passes the
+    # kind its GPU's self-check chose, so a paged kernel that fails there is planned as the gather path it takes
+    attention: str = "auto"
 
     def __post_init__(self):
         for name in (
@@ -228,6 +231,8 @@ class Workload:
             raise ValueError(f"Workload.shuffle must be 'rows' or 'groups', got {self.shuffle!r}")
         if self.lora_rank < 0:
             raise ValueError(f"Workload.lora_rank must be >= 0 (0: full-parameter), got {self.lora_rank}")
+        if self.attention not in ("auto", *ATTENTION_KINDS):
+            raise ValueError(f"Workload.attention must be auto or one of {ATTENTION_KINDS}, got {self.attention!r}")
 
     @property
     def full(self) -> bool:
@@ -340,8 +345,8 @@ class _FlashAttentionOnMeta(torch.autograd.Function):
 @contextmanager
 def flash_attention_on_meta():
     """While active, F.scaled_dot_product_attention on meta tensors allocates what the fused CUDA kernels
-    do (_FlashAttentionOnMeta); meta tensors would otherwise take the math fallback and materialize
-    [B, heads, T, T] scores. A module attribute, not a mode, so gradient checkpointing's recomputation
+    do (_FlashAttentionOnMeta), and so does the sampler's paged FlexAttention; meta tensors would otherwise take
+    the math fallback and materialize [B, heads, T, T] scores. A module attribute, not a mode, so gradient checkpointing's recomputation
     in backward sees it too."""
     original = F.scaled_dot_product_attention
 
@@ -359,11 +364,19 @@ def flash_attention_on_meta():
             )
         return _FlashAttentionOnMeta.apply(q, k, v)
 
-    F.scaled_dot_product_attention = flash
+    original_flex = kv_cache.paged_flex_attention
+
+    def flex(q, k, v, block_mask):
+        if not _no_data(q):
+            return original_flex(q, k, v, block_mask)
+        q.new_empty(*q.shape[:3], dtype=torch.float32)  # the kernel's log-sum-exp per query, freed with it
+        return torch.empty_like(q)
+
+    F.scaled_dot_product_attention, kv_cache.paged_flex_attention = flash, flex
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = original
+        F.scaled_dot_product_attention, kv_cache.paged_flex_attention = original, original_flex
 
 
 def storage_bytes(tensors) -> int:
@@ -546,7 +559,9 @@ def sampling_phase(
     temperature = work.eval_temperature if eval else work.temperature
     call_prompts = work.eval_prompts if eval else work.prompts_per_step
     rows = min(prompts_in_flight, call_prompts) * G
-    pool = Pool(model, 2, max_len=P + C)  # the resident pool is counted apart: blocks x block bytes
+    pool = Pool(
+        model, 2, max_len=P + C, attention=work.attention
+    )  # the resident pool is counted apart: blocks x block bytes
     draw = partial(
         sampling.draw,
         keys=sampling.row_keys(0, 0, call_prompts, G, device),
@@ -760,7 +775,7 @@ class _MetaRun:
             [t for name, t in model.state_dict(keep_vars=True).items() if ".lora_" not in name]
         )
         self.lora, self.lora_peak = (0, 0) if work.full else lora_state_phase(model)
-        self.block_size = Pool(model, 2).block_size
+        self.block_size = Pool(model, 2, attention=work.attention).block_size
 
     def step_data(self, rows: int) -> int:
         """Rollout results of `rows` rows, plus the frozen passes' [rows, C] fp32 outputs and, for a rule that

@@ -13,12 +13,21 @@ import torch
 
 from engine.decode_weights import DecodeWeights
 from engine.graphs import CudaGraph, Graphs
-from engine.kv_cache import DecodeAttention, KVPool, PagedRows, flash_paged_attention_available
+from engine.kv_cache import (
+    DecodeAttention,
+    KVPool,
+    PagedRows,
+    best_attention,
+    flash_paged_attention_available,
+    flex_paged_attention_available,
+)
 from engine.scheduler import group_blocks
 from infra import fsdp
-from model import Transformer
+from model import ModelConfig, Transformer
 
-GATHER_BLOCK, FLASH_BLOCK = 16, 256  # block sizes: FlashAttention's paged kernel needs multiples of 256
+# block sizes: FlashAttention's paged kernel needs multiples of 256; FlexAttention's kernels tile kv by 128
+GATHER_BLOCK, FLEX_BLOCK, FLASH_BLOCK = 16, 128, 256
+BLOCK_SIZES = {"gather": GATHER_BLOCK, "flex": FLEX_BLOCK, "flash": FLASH_BLOCK}
 
 
 class Pool:
@@ -28,14 +37,15 @@ class Pool:
 
     blocks counts the pool's blocks, block 0 included (reserved); max_len bounds a row's prompt plus
     completion (the block tables' width; default the model's context). attention is "flash" (CUDA,
-    bf16/fp16, torch with the paged FlashAttention kernel), "gather" or "auto" (flash where it is
-    available and agrees with gather on a small self-check at creation, else gather). graph_class
+    bf16/fp16, torch with the paged FlashAttention kernel), "flex" (torch with FlexAttention's block
+    masks), "gather" or "auto" (pool_attention: the best of them for the device that agrees with gather
+    on a small self-check, which the memory plan asks for too, so it plans the path the pool takes). graph_class
     replays the fixed-shape steps: CudaGraph on CUDA; EagerGraph stands in for it anywhere.
 
-    A pool serves the model it was made with. A full-parameter run samples each step with weights gathered
-    anew (fsdp.whole: a new Transformer whose tensors live only for the rollout), so it binds the pool to
-    that model for the call and releases it after: the decode weights and graphs, which read the model's
-    tensors, are dropped, and the blocks are kept.
+    A pool serves the model it was made with (bind serves another, dropping the decode weights and graphs,
+    which read the model's tensors; the blocks are kept). A full-parameter run samples each step with its
+    weights gathered anew, or copied into the pool's resident copy where it has one (sampling_policy), which
+    the graphs survive.
     """
 
     def __init__(
@@ -48,16 +58,8 @@ class Pool:
         attention: str = "auto",
         graph_class: type | None = None,
     ):
-        if attention not in ("auto", "flash", "gather"):
-            raise ValueError(f"attention must be auto, flash or gather, got {attention!r}")
-        flash = flash_paged_attention_available(model.device, model.dtype)
-        if attention == "flash" and not flash:
-            raise ValueError(
-                f"attention='flash' needs CUDA, bf16 or fp16 and torch's paged varlen_attn "
-                f"(model on {model.device} in {model.dtype})"
-            )
-        kind = "flash" if flash and attention != "gather" else "gather"
-        self.block_size = block_size or default_block_size(model, attention)
+        kind = pool_attention(model.device, model.dtype, attention)
+        self.block_size = block_size or BLOCK_SIZES[kind]
         if kind == "flash" and self.block_size % FLASH_BLOCK:
             raise ValueError(
                 f"block_size={self.block_size}: the paged FlashAttention kernel needs a multiple of {FLASH_BLOCK}"
@@ -66,11 +68,10 @@ class Pool:
         self.shape = (model.config, model.dtype, model.device)
         self.table_width = -(-self.max_len // self.block_size)
         self.kv = KVPool(model.config, blocks, self.block_size, model.dtype, model.device, kind)
-        if kind == "flash" and attention == "auto" and model.device.type == "cuda" and not _flash_agrees(self.kv):
-            self.kv.attention = "gather"
         self.graph_class = graph_class or CudaGraph
         self.graphs = Graphs(self.kv, self.graph_class)
         self.weights: DecodeWeights | None = None
+        self.resident: Transformer | None = None  # a sharded model's whole weights, if kept (sampling_policy)
 
     @classmethod
     def for_groups(cls, model: Transformer, prompt_lens: list[int], G: int, new_tokens: int, **kwargs) -> Pool:
@@ -132,60 +133,95 @@ class Pool:
 
 
 def default_block_size(model: Transformer, attention: str = "auto") -> int:
-    """The block size of a pool for this model: FLASH_BLOCK where the paged FlashAttention kernel serves it."""
-    flash = attention != "gather" and flash_paged_attention_available(model.device, model.dtype)
-    return FLASH_BLOCK if flash else GATHER_BLOCK
+    """The block size of a pool for this model and attention (pool_attention's choice for "auto")."""
+    return BLOCK_SIZES[pool_attention(model.device, model.dtype, attention)]
+
+
+_checked: dict[tuple, str] = {}  # (device, dtype) -> the kind "auto" chose there
+
+
+def pool_attention(device: torch.device, dtype: torch.dtype, attention: str = "auto") -> str:
+    """The attention kind a pool of this device and dtype uses: `attention` itself if named (ValueError if this
+    torch or device lacks it), else the best available (best_attention) that passes a self-check against the
+    gather path on a small pool of this device (CUDA only; meta, the plan's device, takes the best). A kind
+    that fails its check falls back to the next: flash, flex, gather. Decided once per device and dtype."""
+    device = torch.device(device)
+    if attention not in ("auto", "flash", "flex", "gather"):
+        raise ValueError(f"attention must be auto, flash, flex or gather, got {attention!r}")
+    if attention == "flash" and not flash_paged_attention_available(device, dtype):
+        raise ValueError(
+            f"attention='flash' needs CUDA, bf16 or fp16 and torch's paged varlen_attn (model on {device} in {dtype})"
+        )
+    if attention == "flex" and not flex_paged_attention_available():
+        raise ValueError("attention='flex' needs FlexAttention's BlockMask.from_kv_blocks with seq_lengths")
+    if attention != "auto":
+        return attention
+    if device.type != "cuda":
+        return best_attention(device, dtype)
+    key = (str(device), dtype)
+    if key not in _checked:
+        kinds = [
+            kind
+            for kind, available in (
+                ("flash", flash_paged_attention_available(device, dtype)),
+                ("flex", flex_paged_attention_available()),
+            )
+            if available
+        ]
+        _checked[key] = next((k for k in kinds if _paged_agrees(device, dtype, k)), "gather")
+    return _checked[key]
 
 
 @torch.no_grad()
-def _flash_agrees(kv: KVPool) -> bool:
-    """A self-check of the paged FlashAttention kernel on this machine: three rows of different lengths over
-    random blocks, against the gather path. False (with a warning) if it fails or differs."""
+def _paged_agrees(device: torch.device, dtype: torch.dtype, kind: str) -> bool:
+    """A self-check of a paged kernel on this machine: three rows of different lengths over random blocks of a
+    small pool, against the gather path. False (with a warning) if it fails or differs."""
+    cfg = ModelConfig(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64)
+    kv = KVPool(cfg, 9, BLOCK_SIZES[kind], dtype, device, kind)
     heads, kv_heads, D = 2 * kv.k.shape[3], kv.k.shape[3], kv.k.shape[4]
     rows = 3
     width = min(4, kv.blocks - 1)
     g = torch.Generator(device=kv.k.device).manual_seed(0)
-    table = torch.randint(1, kv.blocks, (rows, width), generator=g, device=kv.k.device, dtype=torch.int32)
+    # distinct blocks per row, as a row's table holds
+    order = torch.rand(rows, kv.blocks - 1, generator=g, device=kv.k.device).argsort(1)
+    table = (order[:, :width] + 1).int()
     length = torch.tensor([1, kv.block_size + 3, width * kv.block_size - 1], device=kv.k.device)
     length = length.clamp(max=width * kv.block_size - 1)
-    saved = kv.k[0].clone(), kv.v[0].clone()
     try:
         kv.k[0].normal_(generator=g)
         kv.v[0].normal_(generator=g)
         q = torch.randn(rows, heads, D, generator=g, device=kv.k.device, dtype=kv.k.dtype)
         k = torch.randn(rows, kv_heads, D, generator=g, device=kv.k.device, dtype=kv.k.dtype)
         out = {}
-        for kind in ("flash", "gather"):
-            kv.attention = kind
+        for name in (kind, "gather"):
+            kv.attention = name
             paged = PagedRows(kv, table, length)
-            out[kind] = DecodeAttention(paged, width * kv.block_size)(0, q, k, k).float()
-        error = (out["flash"] - out["gather"]).abs().max().item()
+            out[name] = DecodeAttention(paged, width * kv.block_size)(0, q, k, k).float()
+        error = (out[kind] - out["gather"]).abs().max().item()
         agrees = error < 0.05
         if not agrees:
-            warnings.warn(
-                f"paged FlashAttention differs from the gather path by {error:.3g}; using gather", stacklevel=3
-            )
-    except Exception as err:  # noqa: BLE001 - any failure of the kernel means the gather path
-        warnings.warn(f"paged FlashAttention failed its self-check ({err!r}); using gather", stacklevel=3)
+            warnings.warn(f"paged {kind} attention differs from the gather path by {error:.3g}", stacklevel=3)
+    except Exception as err:  # noqa: BLE001 - any failure of the kernel means the next kind
+        warnings.warn(f"paged {kind} attention failed its self-check ({err!r})", stacklevel=3)
         agrees = False
-    finally:
-        kv.k[0].copy_(saved[0])
-        kv.v[0].copy_(saved[1])
-        kv.attention = "flash"
     return agrees
 
 
 @contextmanager
 def sampling_policy(model: Transformer, pool: Pool | None) -> Iterator[Transformer]:
-    """The model to sample with, the pool bound to it: the model itself, or a sharded model's weights gathered
-    for the block (fsdp.whole). Those live only for the block, so the pool lets go of them on leaving (its
-    decode weights and graphs are built again at the next rollout; its blocks stay)."""
-    with fsdp.whole(model) as policy:
+    """The model to sample with, the pool bound to it: the model itself, or a sharded model's whole weights.
+    Those are gathered for the block (fsdp.whole) and the pool lets go of them on leaving (its decode weights
+    and graphs are built again at the next rollout; its blocks stay), unless the pool has a resident copy
+    (pool.resident = fsdp.resident_copy(model)): then they are copied into it in place, its tensors keep their
+    addresses, and the graphs captured over them serve every later step (one capture per (rows, span) for the
+    run), at the cost of the whole model in the compute dtype held for the run."""
+    with fsdp.whole(model, into=None if pool is None else pool.resident) as policy:
         if pool is None or policy is model:
             yield policy
             return
-        pool.bind(policy)
+        pool.bind(policy)  # the resident copy: the same tensors as last time, so bind keeps the graphs
         try:
             yield policy
         finally:
-            pool.release()
+            if policy is not pool.resident:
+                pool.release()

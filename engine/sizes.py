@@ -22,7 +22,7 @@ import loss
 from config import Config
 from data import render_prompt
 from engine import memory
-from engine.pool import Pool, default_block_size
+from engine.pool import Pool, default_block_size, pool_attention
 from engine.scheduler import group_blocks
 from infra import distributed, fsdp
 from infra.errors import oom_hint
@@ -76,7 +76,11 @@ def resolve_automatic(
             cfg = dataclasses.replace(cfg, kv_blocks=1 + need)
         return cfg
     budget = memory.gpu_memory_bytes(str(model.device), cfg.gpu_memory)
-    return planned_config(cfg, model.config, budget, prompt_len=prompt_len, eval_prompt_len=eval_len)
+    # the kind this GPU's self-check chose (the pool made later takes the same), so a fallback is planned
+    attention = pool_attention(model.device, model.dtype)
+    return planned_config(
+        cfg, model.config, budget, prompt_len=prompt_len, eval_prompt_len=eval_len, attention=attention
+    )
 
 
 def prompt_lengths(
@@ -105,8 +109,10 @@ def planned_config(
     prompt_len: int = memory.Workload.prompt_len,
     eval_prompt_len: int = 0,
     planner: memory.Planner | None = None,
+    attention: str = "auto",
 ) -> Config:
-    """cfg with rollout_batch, grad_accum, eval_batch and kv_blocks chosen by the memory plan where they are 0."""
+    """cfg with rollout_batch, grad_accum, eval_batch and kv_blocks chosen by the memory plan where they are 0,
+    for a sampler whose attention is `attention` (engine.pool.pool_attention)."""
     free = tuple(
         size
         for size, flag in (
@@ -116,7 +122,7 @@ def planned_config(
         )
         if not flag
     )
-    work = memory.fit(model_cfg, workload(cfg, prompt_len, eval_prompt_len), budget, free, planner)
+    work = memory.fit(model_cfg, workload(cfg, prompt_len, eval_prompt_len, attention), budget, free, planner)
     return dataclasses.replace(
         cfg,
         rollout_batch=cfg.rollout_batch or work.rollout_prompts,
@@ -126,9 +132,11 @@ def planned_config(
     )
 
 
-def workload(cfg: Config, prompt_len: int = memory.Workload.prompt_len, eval_prompt_len: int = 0) -> memory.Workload:
+def workload(
+    cfg: Config, prompt_len: int = memory.Workload.prompt_len, eval_prompt_len: int = 0, attention: str = "auto"
+) -> memory.Workload:
     """What one step of this config asks of one GPU, its prompts_per_step being that rank's share; sizes left
-    at 0 start at their largest, for fit to choose."""
+    at 0 start at their largest, for fit to choose; the sampler's attention is `attention`."""
     _, dtype = config.resolve_device(cfg)
     minibatch_rows = math.ceil(cfg.prompts_per_step * cfg.group_size / cfg.updates_per_rollout)
     needs = loss.required_inputs(cfg.loss)
@@ -159,6 +167,7 @@ def workload(cfg: Config, prompt_len: int = memory.Workload.prompt_len, eval_pro
         entropy_grad="entropy" in needs,
         eval_k=cfg.eval_k,
         eval_temperature=cfg.eval_temperature,
+        attention=attention,
     )
 
 
@@ -192,7 +201,8 @@ def plan(cfg: Config) -> bool:
 def sampler_pool(cfg: Config, model, tokenizer, train_set: list[dict], eval_sets: dict[str, list[dict]]) -> Pool:
     """The run's KV pool: allocated once, before the first step, and reused by every rollout and evaluation.
     A sharded model's pool is made for its gathered weights (their compute dtype) and released until each
-    rollout binds it (engine.pool.sampling_policy)."""
+    rollout binds it (engine.pool.sampling_policy); given a resident copy (pool.resident), its graphs survive
+    the steps."""
     prompt_len, eval_len = prompt_lengths(cfg, tokenizer, train_set, eval_sets)
     with oom_hint("the sampler's KV pool", f"lower --kv-blocks (now {cfg.kv_blocks})"), fsdp.whole(model) as policy:
         pool = Pool(policy, cfg.kv_blocks, max_len=max(prompt_len, eval_len) + cfg.max_new_tokens)

@@ -112,7 +112,10 @@ def joined(device: torch.device, timeout: float, group: bool = False):
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", device.index or 0)))  # "cuda" means this GPU now
         device = torch.device("cuda", torch.cuda.current_device())
-        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")  # a timeout raises here instead of aborting
+        # collectives stay asynchronous (a blocking wait would stall the host on each one and lose FSDP2's
+        # prefetch); a collective past the process group's timeout is caught by NCCL's watchdog, which aborts
+        # the communicators and ends the process with the timed-out collective in its message
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     if size == 1:  # no torchrun: no rendezvous either
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=timeout)

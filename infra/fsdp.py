@@ -64,6 +64,7 @@ def shard(model: Transformer, compute: torch.dtype, mesh: DeviceMesh | None = No
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     register_fsdp_forward_method(model, "run_blocks")
+    model.compute_dtype = compute  # what whole gathers in (resident_copy allocates it)
     for module in groups(model):
         module.set_gradient_divide_factor(1.0)  # a sum over the ranks: each loss is already its share
         module.set_force_sum_reduction_for_comms(True)  # a plain SUM, which gloo has too (no PREMUL_SUM)
@@ -87,12 +88,18 @@ def reshard(model: nn.Module) -> None:
 
 
 @contextmanager
-def whole(model: Transformer) -> Iterator[Transformer]:
+def whole(model: Transformer, into: Transformer | None = None) -> Iterator[Transformer]:
     """The model with whole weights, for the sampler and the export: a sharded model's groups gathered in the
     compute dtype, seen through a plain Transformer (no hooks, no copies) that must not outlive the block;
-    any other model is itself. Collective: every rank enters it."""
+    any other model is itself. With `into` (resident_copy's), the weights are copied into its tensors in place,
+    one group gathered at a time, and `into` is what the block sees: its addresses stay, so CUDA graphs
+    captured over it serve every step. Collective: every rank enters it."""
     if not is_sharded(model):
         yield model
+        return
+    if into is not None:
+        copy_whole(model, into)
+        yield into
         return
     reshard(model)  # a group left gathered by an earlier forward is gathered again, from the current shards
     for module in groups(model):
@@ -109,6 +116,33 @@ def whole(model: Transformer) -> Iterator[Transformer]:
     finally:
         del plain
         reshard(model)
+
+
+def resident_copy(model: Transformer) -> Transformer:
+    """A plain Transformer of a sharded model's config in its compute dtype on its device, weights
+    uninitialized (copy_whole fills them): the sampler's copy of the whole weights, kept for the run."""
+    with torch.device("meta"):
+        plain = Transformer(model.config).to(model.compute_dtype)
+    plain.to_empty(device=next(model.parameters()).device).requires_grad_(False)
+    if model.config.tie_word_embeddings:
+        plain.lm_head.weight = plain.model.embed_tokens.weight
+    return plain
+
+
+@torch.no_grad()
+def copy_whole(model: Transformer, into: Transformer) -> None:
+    """Copy a sharded model's current weights into `into`'s tensors in place, gathering one FSDP group at a time
+    (the whole model is never gathered twice over). Collective: every rank calls it."""
+    reshard(model)
+    targets = dict(into.named_parameters())
+    for group in groups(model):
+        group.unshard()
+        for name, param in model.named_parameters():
+            if not isinstance(param, DTensor) and name in targets:  # this group's, now gathered
+                targets.pop(name).copy_(param)
+        group.reshard()
+    if targets:
+        raise RuntimeError(f"copy_whole: {len(targets)} weights were never gathered, e.g. {next(iter(targets))}")
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:

@@ -245,3 +245,24 @@ def test_a_rank_that_dies_is_an_error_naming_the_cause(tiny_model_dir, tmp_path)
         .read_text()
         .startswith("rank 0 of 2: a sum across processes failed; another process died or hangs")
     )
+
+
+def test_nccl_collectives_do_not_block_the_host(monkeypatch):
+    """On CUDA the process group is made without TORCH_NCCL_BLOCKING_WAIT (each collective would block the host
+    and FSDP2's prefetch would not overlap) and with NCCL's watchdog tearing down a collective past the timeout.
+    The CUDA calls are replaced, so this runs on the CPU: it checks the environment the group is made in."""
+    seen = {}
+    monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT", raising=False)
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(
+        dist, "init_process_group", lambda backend, **kw: seen.update(backend=backend, env=dict(os.environ))
+    )
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: None)
+    with distributed.joined(torch.device("cuda"), 60, group=True):
+        pass
+    assert seen["backend"] == "nccl"
+    assert "TORCH_NCCL_BLOCKING_WAIT" not in seen["env"]
+    assert seen["env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"

@@ -20,7 +20,7 @@ from conftest import assert_equal_to
 from engine import memory
 from engine.decode_weights import DecodeWeights, decode_linear, weight_on_the_left
 from engine.graphs import CudaGraph
-from engine.kv_cache import KVPool, PagedRows, decode_step, prefill
+from engine.kv_cache import KVPool, PagedRows, decode_step, flex_paged_attention_available, prefill
 from engine.shared_prompts import hidden_shared
 from infra import weights
 from model import Transformer
@@ -36,10 +36,21 @@ def load_bench_rollout(monkeypatch):
     return bench
 
 
+def available_paths() -> list:
+    """Every paged attention path, the ones this torch or device lacks skipped with the reason."""
+    flash = "needs CUDA and torch's paged varlen_attn (block_table)"
+    return [
+        "gather",
+        pytest.param("flex", marks=pytest.mark.skipif(not flex_paged_attention_available(), reason="no block masks")),
+        pytest.param("flash", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=flash)),
+    ]
+
+
 @torch.no_grad()
+@pytest.mark.parametrize("attention", available_paths())
 @pytest.mark.parametrize("adapted", [False, True])
-def test_paged_prefill_and_decode_equal_the_full_forward(checkpoint, adapted):
-    """Two prompts prefilled into a KV pool of 4-slot blocks, one left-padded; prompt 0 (6 tokens) fills one
+def test_paged_prefill_and_decode_equal_the_full_forward(checkpoint, adapted, attention):
+    """On each attention path: two prompts prefilled into a KV pool of 4-slot blocks, one left-padded; prompt 0 (6 tokens) fills one
     block, which its two rows share, and each row gets its own copy of the partly filled second; then
     three decode steps, one row dead for a step, against the plain forward pass of each full row."""
     model = weights.from_pretrained(checkpoint).eval()
@@ -49,7 +60,7 @@ def test_paged_prefill_and_decode_equal_the_full_forward(checkpoint, adapted):
             p.normal_(0, 0.1, generator=torch.Generator().manual_seed(p.numel()))
     prompts = random_rows([6, 3], model.config.vocab_size, seed=5)
     prompt_ids, prompt_mask = padded_batch(prompts, left=[0, 3], right=[0, 0])
-    pool = KVPool(model.config, 16, 4, model.dtype, model.device)
+    pool = KVPool(model.config, 16, 4, model.dtype, model.device, attention)
     prefill_table = torch.tensor([[1, 2] + [0] * 2, [3] + [0] * 3], dtype=torch.int32)
     h = prefill(model, prompt_ids, prompt_mask, PagedRows(pool, prefill_table, torch.zeros(2).long()))
     full = model.hidden(prompt_ids, prompt_mask)[:, -1]
@@ -70,13 +81,14 @@ def test_paged_prefill_and_decode_equal_the_full_forward(checkpoint, adapted):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("attention", available_paths())
 @pytest.mark.parametrize("rows", range(1, 6))
-def test_a_decode_step_of_a_few_rows_equals_the_full_forward(tiny_model_dir, rows):
-    """One to five rows, the counts at which decode_linear's operand order changes on the CPU: each row's logits
-    after its prompt are the plain forward pass's."""
+def test_a_decode_step_of_a_few_rows_equals_the_full_forward(tiny_model_dir, rows, attention):
+    """One to five rows, the counts at which decode_linear's operand order changes on the CPU, on each attention
+    path: each row's logits after its prompt are the plain forward pass's."""
     model = weights.from_pretrained(tiny_model_dir).eval()
     prompts = random_rows([3 + r for r in range(rows)], model.config.vocab_size, seed=rows)
-    pool = KVPool(model.config, 1 + 2 * rows, 4, model.dtype, model.device)
+    pool = KVPool(model.config, 1 + 2 * rows, 4, model.dtype, model.device, attention)
     table = torch.arange(1, 1 + 2 * rows, dtype=torch.int32).view(rows, 2)  # two 4-slot blocks per row
     for r, prompt in enumerate(prompts):
         row = PagedRows(pool, table[r : r + 1], torch.zeros(1, dtype=torch.long))

@@ -230,36 +230,47 @@ def test_a_full_step_is_the_loss_autograd_and_adamw_written_out(tiny_model_dir, 
 def test_a_full_run_samples_each_step_with_its_updated_weights_through_the_runs_pool(
     tiny_model_dir, tmp_path, monkeypatch
 ):
-    """The run's pool is made once; each rollout binds it to the weights fsdp.whole gathers anew and releases them
-    after, so the second step's rollout (fixed shapes, graphs replayed by EagerGraph, which would read the first
-    step's freed tensors if they were kept) samples with the updated weights: the samples of a fresh pool, and
-    old log-probs that are the updated model's, not the starting one's."""
+    """The run's pool is made once and given a resident copy of the whole weights; each rollout copies the
+    updated weights into it in place, so the graphs (fixed shapes, replayed by EagerGraph) survive the steps: over 3
+    steps each (rows, span) is captured once, and the third step's samples and old log-probs are those of a
+    graph-free sampler over the updated model, not the starting one's."""
     patch(monkeypatch.setattr)
     monkeypatch.setattr(train.rollout, "generate", functools.partial(train.rollout.generate, fixed_shapes=True))
     cfg, _, _ = config.parse_args(tiny_args(tiny_model_dir, tmp_path, "pool", *FULL, "--cuda-graphs", "on"))
+    captures = []
+    generate = train.rollout.generate
+
+    def counted(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        captures.append(out.stats.captures)
+        return out
+
+    monkeypatch.setattr(train.rollout, "generate", counted)
     with distributed.joined(torch.device("cpu"), 60, group=True) as world:
         model, tokenizer, optimizer, reference = train.build(cfg)
         train_set = train.load_problems(cfg.dataset)
         cfg = sizes.resolve_sizes(cfg, model, tokenizer, train_set, world)
         pool = sizes.sampler_pool(cfg, model, tokenizer, train_set, {})
         assert pool.model is None and pool.kv.k.dtype == torch.float64
-        pool.graph_class = EagerGraph
-        first = train.batch_of(train_set, 0, cfg.prompts_per_step, cfg.seed)
-        train.train_step(model, optimizer, tokenizer, first, cfg, 1, world, reference, pool)
-        assert pool.model is None and pool.weights is None and not pool.graphs.captured, "nothing of step 1 kept"
-        second = train.batch_of(train_set, cfg.prompts_per_step, cfg.prompts_per_step, cfg.seed)
-        out = train.sample(model, tokenizer, second, cfg, 2, pool=pool)
-        assert out.stats.captures > 0
-        fresh = train.sample(model, tokenizer, second, dataclasses.replace(cfg, cuda_graphs="off"), 2)
+        pool.resident = fsdp.resident_copy(model)
+        pool.graph_class = pool.graphs.graph_class = EagerGraph
+        for step in (1, 2):
+            problems = train.batch_of(train_set, (step - 1) * cfg.prompts_per_step, cfg.prompts_per_step, cfg.seed)
+            train.train_step(model, optimizer, tokenizer, problems, cfg, step, world, reference, pool)
+        assert pool.model is pool.resident and pool.graphs.captured, "the graphs of steps 1 and 2 are kept"
+        third = train.batch_of(train_set, 2 * cfg.prompts_per_step, cfg.prompts_per_step, cfg.seed)
+        out = train.sample(model, tokenizer, third, cfg, 3, pool=pool)
+        fresh = train.sample(model, tokenizer, third, dataclasses.replace(cfg, cuda_graphs="off"), 3)
         with fsdp.whole(model) as updated:
             updated_logp = updated.token_logprobs(out.input_ids, out.pad_mask)[0][:, out.prompt_len :]
+    assert sum(captures[:3]) == len(pool.graphs.captured) > 0, captures  # one capture per (rows, span)
     mask = out.completion_mask
     assert out.completions == fresh.completions
     torch.testing.assert_close(out.old_logp[mask], fresh.old_logp[mask], rtol=0, atol=1e-12)
     torch.testing.assert_close(out.old_logp[mask], updated_logp[mask].float(), rtol=0, atol=1e-6)  # kept in fp32
     start = weights.from_pretrained(str(tiny_model_dir), dtype=torch.float64)
     start_logp = start.token_logprobs(out.input_ids, out.pad_mask)[0][:, out.prompt_len :]
-    assert (out.old_logp - start_logp)[mask].abs().max() > 1e-3, "step 1 moved the weights the rollout read"
+    assert (out.old_logp - start_logp)[mask].abs().max() > 1e-3, "steps 1 and 2 moved the weights the rollout read"
 
 
 def test_rank_0_trains_every_weight_and_a_rank_only_its_adapters(tiny_model_dir, tmp_path, monkeypatch):

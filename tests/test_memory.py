@@ -424,3 +424,20 @@ def test_the_full_parameter_preset_plans_each_of_8_ranks_on_80_gb(capsys):
     whole_bf16 = 2 * sum(s.numel() for s in shapes) / memory.GB
     assert float(table["rollout"][2]) - float(table["rollout"][1]) > 12 * shard / memory.GB + whole_bf16
     assert re.fullmatch(r"plan: peak \d+\.\d GB of 80\.0 GB \(fits\)", lines[-1])
+
+
+def test_the_plan_counts_the_attention_path_the_sampler_takes():
+    """Qwen3-1.7B, 64 rows at 256 + 4096 tokens: planned on the gather path (the fallback of a GPU whose paged
+    kernels fail their self-check), the rollout phase holds each layer's gathered keys and values, which the
+    paged paths (flash, flex) read in place: over half a GB more than either."""
+    cfg = memory.model_config("Qwen/Qwen3-1.7B")
+    own = {}
+    for kind in ("flash", "flex", "gather"):
+        work = memory.Workload(attention=kind, prompt_len=256, max_new_tokens=4096, prompts_per_step=8, group_size=8)
+        with memory.planning(cfg, work) as planner:
+            own[kind] = planner.measure("rollout", 8)[1]
+    copy = 2 * 64 * (256 + 4096) * cfg.num_kv_heads * cfg.head_dim * 2  # one layer's keys and values, bf16
+    assert own["gather"] - max(own["flash"], own["flex"]) > copy / 2, own
+    assert abs(own["flash"] - own["flex"]) < copy / 100, own
+    with pytest.raises(ValueError, match="Workload.attention"):
+        memory.Workload(attention="paged")

@@ -4,6 +4,7 @@ loop against the eager one, small pools that preempt, split calls, graphs (a sta
 calls, host syncs and operator counts, top-k/top-p sets, per-row stopping, bad input, and a CPU dry
 run of bench/gpu_check.py."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -520,6 +521,39 @@ def test_gpu_check_dry_run(tmp_path):
     report = json.loads((tmp_path / "cut" / "gpu_check.json").read_text())
     statuses = [row["status"] for row in report["rows"]]
     assert statuses[0] == "ok" and all(s.startswith("skipped: budget") for s in statuses[1:]) and len(statuses) > 5
+
+
+def test_gpu_check_budget_skips_what_cannot_end_in_time_on_a_fake_clock(tmp_path, monkeypatch):
+    """The check's budget with a clock that advances only by what each run takes: a kind's first run is
+    estimated by its first_s (a compile warm-up longer than the budget never starts), later runs by the
+    slowest rate of their kind so far; a run that would end past the budget is skipped, and the next one that
+    fits still runs. Every row is in the JSON, with its reserved peak field."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "bench"))
+    spec = importlib.util.spec_from_file_location(
+        "bench_gpu_check", Path(__file__).parent.parent / "bench" / "gpu_check.py"
+    )
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    now = [0.0]
+
+    def taking(seconds: float):
+        def run():
+            now[0] += seconds
+            return seconds
+
+        return run
+
+    check = gpu_check.Check(torch.device("cpu"), {}, tmp_path / "check.json", budget_s=100, clock=lambda: now[0])
+    check.run("m", "warm-up (compile)", "transformers", taking(50), ours=False, work=1, kind="compile", first_s=120)
+    check.run("m", "a", "ours", taking(30), work=10, kind="decode")  # the first of its kind: 3 s per unit
+    check.run("m", "b", "ours", taking(30), work=30, kind="decode")  # 30 s spent + 90 s estimated > 100
+    check.run("m", "c", "ours", taking(30), work=20, kind="decode")  # 30 + 60 <= 100: runs
+    check.run("m", "d", "ours", taking(1), work=1, kind="decode")  # 60 + 3 <= 100: runs
+    statuses = [row["status"].split(":")[0] for row in check.rows]
+    assert statuses == ["skipped", "ok", "skipped", "ok", "ok"], check.rows
+    assert now[0] == 61 and not check.failed
+    rows = json.loads((tmp_path / "check.json").read_text())["rows"]
+    assert len(rows) == 5 and all("peak_reserved_bytes" in row for row in rows)
 
 
 def test_the_command_line_samples_a_prompt_and_grades_it(tiny_model_dir):
