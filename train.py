@@ -363,7 +363,7 @@ def policy_update(
             hint = f"raise --grad-accum (now {cfg.grad_accum})"
             with oom_hint(f"a training micro-batch of {len(rows)} rows", hint):
                 logp, mask, inputs, entropy = policy_inputs(model, out, frozen, rows, cfg)
-                if not mask.any():  # every row masked out (--overlong mask): a pass at weight 0, like an idle one
+                if cfg.overlong == "mask" and not mask.any():  # every row truncated: a pass at weight 0, as idle
                     idle, mask = True, out.completion_mask[rows, : mask.shape[1]]
                 value, micro = loss.policy_loss(
                     logp, inputs.pop("old_logp"), advantages[rows], mask, cfg.loss, **totals,
