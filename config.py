@@ -90,6 +90,18 @@ class Config:
         "auto", "replay the decode step from CUDA graphs (auto: on, eager if capture fails)", ("auto", "on", "off")
     )
     format_weight: float = opt(0.0, "reward in [0, 1) for an answer in the template's format, added to correctness")
+    dynamic_sampling: int = opt(
+        0,
+        "DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476; verl's filter_groups): up to N sampler calls "
+        "a step, each on --prompts-per-step new prompts, until the step holds --prompts-per-step groups whose "
+        "rewards differ (one process only); 0 = off, one call",
+    )
+    overlong: str = opt(
+        "off",
+        "truncated completions: mask (out of the loss, TRL's mask_truncated_completions) or penalty:L, DAPO's "
+        "soft overlong punishment (arXiv:2503.14476, eq. 13) adding ((Lmax - L) - |y|) / L to the reward over "
+        "the last L tokens before Lmax = --max-new-tokens; off",
+    )
     # reward
     reward_fn: tuple[str, ...] = opt(
         ("reward:math_reward",),
@@ -258,6 +270,14 @@ CONFIGS = Path(__file__).resolve().parent / "configs"
 # ----------------------------------------------------------------------------- checks
 
 
+def overlong_cache(overlong: str, max_new_tokens: int) -> int | None:
+    """L of --overlong penalty:L when it is one (1 <= L <= max_new_tokens), else None."""
+    kind, _, length = overlong.partition(":")
+    if kind != "penalty" or not length.isdigit() or not 1 <= int(length) <= max_new_tokens:
+        return None
+    return int(length)
+
+
 def resolve_device(cfg: Config) -> tuple[torch.device, torch.dtype]:
     """The device and dtype the settings name: auto is cuda when present, and bf16 there, fp32 on the CPU."""
     device = torch.device(
@@ -370,6 +390,21 @@ def _checks(cfg: Config, need_device: bool):
     yield cfg.group_size >= 2, f"--group-size {cfg.group_size}: GRPO compares at least 2 samples per prompt"
     yield cfg.prompts_per_step >= 1, f"--prompts-per-step {cfg.prompts_per_step}: must be >= 1"
     yield cfg.max_new_tokens >= 1, f"--max-new-tokens {cfg.max_new_tokens}: must be >= 1"
+    yield cfg.dynamic_sampling >= 0, f"--dynamic-sampling {cfg.dynamic_sampling}: must be >= 0 (0 = off)"
+    yield (
+        cfg.dynamic_sampling == 0 or processes == 1,
+        f"--dynamic-sampling {cfg.dynamic_sampling}: filters the groups of one process; run it without torchrun",
+    )
+    yield (
+        overlong_cache(cfg.overlong, cfg.max_new_tokens) is not None or cfg.overlong in ("off", "mask"),
+        f"--overlong {cfg.overlong}: expected off, mask or penalty:L with 1 <= L <= --max-new-tokens "
+        f"({cfg.max_new_tokens})",
+    )
+    yield (
+        cfg.loss.rollout_correction == "off" or cfg.recompute_old_logp != "off",
+        f"--rollout-correction {cfg.loss.rollout_correction}: weighs by the training pass's old log-probs over "
+        "the sampler's, so it needs --recompute-old-logp on or auto",
+    )
     yield (
         cfg.temperature > 0,
         f"--temperature {cfg.temperature}: training needs sampling (> 0); greedy samples of "

@@ -123,7 +123,8 @@ INPUTS = {  # what a trainer can hand policy_loss by name, when the config asks 
     "hidden": "[B, T, H] the current policy's final hidden states at the same positions",
     "lm_head_weight": "[V, H] the output projection",
     "temperature": "float, the sampling temperature the log-probs use",
-    "entropy": "[B, T] the current policy's entropy at each token's position, with its gradient",
+    "entropy": "[B, T] the current policy's entropy at each token's position (with its gradient for a bonus)",
+    "sampler_logp": "[B, T] the sampler's own log-probs of the tokens, when old_logp is the training pass's",
 }
 
 Bounds = Callable[[Tensor, "LossConfig"], tuple]  # (mu float64 [B, T], cfg) -> (lo, hi), floats or [B, T]
@@ -458,6 +459,7 @@ RULES: dict[str, Rule] = {  # by the name --rule takes; each entry's comment is 
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+ROLLOUT_CORRECTIONS = ("off", "tis-token", "tis-seq", "mis-token", "mis-seq")
 
 
 def _invalid(name: str, value, why: str) -> ValueError:
@@ -573,6 +575,27 @@ class LossConfig:
         default=(1.0, 5.0), metadata={"help": "clip_cov: lo,hi covariance window the stopped tokens are drawn from"}
     )
     kl_cov_coef: float = field(default=1.0, metadata={"help": "kl_cov: weight of |log w| on the selected tokens"})
+    rollout_correction: str = field(
+        default="off",
+        metadata={
+            "help": "sampler-trainer mismatch correction, a weight on each token's policy-gradient term from "
+            "rho = pi_train_old / pi_sampler (needs --recompute-old-logp): tis-token min(rho_t, C), tis-seq "
+            "min(prod rho_t, C), mis-token rho_t 1[rho_t <= C], mis-seq the same per sequence (Yao et al. 2025, "
+            "'Your efficient RL framework secretly brings you off-policy RL training'; TRL's vllm_importance_sampling_"
+            "mode, verl's rollout_correction); off"
+        },
+    )
+    rollout_correction_cap: float = field(
+        default=2.0, metadata={"help": "--rollout-correction's cap C >= 1 (verl's default 2; TRL's 3)"}
+    )
+    top_entropy_quantile: float = field(
+        default=1.0,
+        metadata={
+            "help": "q in (0, 1]: only the tokens whose entropy is in the top q of the micro-batch carry the "
+            "policy gradient (Wang et al. 2025, 'Beyond the 80/20 rule: high-entropy minority tokens drive RL "
+            "for LLM reasoning'; TRL's top_entropy_quantile); 1 = every token"
+        },
+    )
 
     def __post_init__(self):
         if isinstance(self.rule, str) and self.rule.split("-")[0] in DIVERGENCES:
@@ -635,6 +658,13 @@ class LossConfig:
                 "expected lo,hi with lo < hi",
             ),
             ("kl_cov_coef", self.kl_cov_coef >= 0, "must be >= 0"),
+            (
+                "rollout_correction",
+                self.rollout_correction in ROLLOUT_CORRECTIONS,
+                f"expected one of {', '.join(ROLLOUT_CORRECTIONS)}",
+            ),
+            ("rollout_correction_cap", self.rollout_correction_cap >= 1, "must be >= 1 (a weight of 1 is no change)"),
+            ("top_entropy_quantile", 0 < self.top_entropy_quantile <= 1, "must be in (0, 1]"),
         ):
             if not ok:
                 raise _invalid(name, getattr(self, name), why)
@@ -648,11 +678,13 @@ def _valid_dual_clip(dual_clip) -> bool:
 
 def required_inputs(cfg: LossConfig) -> frozenset[str]:
     """The names policy_loss needs beyond the log-probs: the rule's declared needs, ref_logp for a KL penalty,
-    and the differentiable entropy for an entropy bonus."""
+    the entropy for an entropy bonus (differentiable) or an entropy selection, and the sampler's log-probs for
+    a rollout correction."""
     return (
         frozenset(get_rule(cfg.rule).needs)
         | ({"ref_logp"} if cfg.kl_beta > 0 else set())
-        | ({"entropy"} if cfg.entropy_coef > 0 else set())
+        | ({"entropy"} if cfg.entropy_coef > 0 or cfg.top_entropy_quantile < 1 else set())
+        | ({"sampler_logp"} if cfg.rollout_correction != "off" else set())
     )
 
 
@@ -676,6 +708,8 @@ def inert_settings(cfg: LossConfig) -> dict[str, str]:
         inert["norm_len"] = f"only --aggregation seq-mean-token-sum-norm divides by it, not {cfg.aggregation}"
     if cfg.kl_beta == 0:
         inert["kl_estimator"] = "the KL penalty is off (--kl-beta 0)"
+    if cfg.rollout_correction == "off":
+        inert["rollout_correction_cap"] = "the rollout correction is off (--rollout-correction off)"
     return inert
 
 
@@ -722,6 +756,15 @@ def policy_loss(
     old_logp = old_logp.detach()  # the sampling policy is a constant
     log_ratio = torch.where(mask, logp - old_logp, 0).clamp(-LOG_RATIO_CAP, LOG_RATIO_CAP)  # [B, T]
     objective, clip = rule.objective(Tokens(logp, log_ratio, old_logp.double().exp(), adv, mask, inputs, cfg, rule))
+    extra = {}
+    if cfg.rollout_correction != "off":
+        weight = correction_weight(old_logp, inputs["sampler_logp"].detach(), mask, cfg)  # [B, T], constant
+        objective = objective * weight.to(objective.dtype)
+        extra |= _weight_metrics(weight, mask)
+    if cfg.top_entropy_quantile < 1:
+        selected = top_entropy_tokens(inputs["entropy"].detach(), mask, cfg.top_entropy_quantile)
+        objective = torch.where(selected, objective, 0)
+        extra["entropy_selected_frac"] = float(selected.sum() / mask.sum())
     token_loss, ref_kl = -objective, None
     if cfg.kl_beta:
         ref_kl = _reference_kl(logp, inputs["ref_logp"].detach(), cfg.kl_estimator)
@@ -731,7 +774,60 @@ def policy_loss(
     loss = _aggregate(token_loss, mask, cfg, num_tokens, num_seqs)
     if records is not None:
         records.append(_token_record(old_logp, adv, mask, clip))
-    return loss, _metrics(log_ratio, old_logp, adv, mask, clip, ref_kl)
+    return loss, _metrics(log_ratio, old_logp, adv, mask, clip, ref_kl) | extra
+
+
+def correction_weight(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, cfg: LossConfig) -> Tensor:
+    """The rollout correction's weight per token [B, T] float64 (1 off the mask), from rho = pi_old / pi_sampler:
+    the training pass's old log-probs over the sampler's, of the same tokens.
+
+        tis-token  min(rho_t, C)                  mis-token  rho_t * 1[rho_t <= C]
+        tis-seq    min(prod_t rho_t, C)           mis-seq    prod_t rho_t * 1[prod_t rho_t <= C]
+
+    Truncation (TIS) bounds the weight's variance at a bias; masking (MIS) drops the tokens or sequences the
+    sampler got far off instead. With equal log-probs rho is exactly 1 and so is every weight."""
+    log_rho = torch.where(mask, old_logp.double() - sampler_logp.double(), 0)  # [B, T]
+    if cfg.rollout_correction.endswith("-seq"):
+        log_rho = log_rho.sum(-1, keepdim=True).expand_as(log_rho)  # the sequence's log prod rho_t on each token
+    rho, cap = log_rho.exp(), cfg.rollout_correction_cap
+    weight = rho.clamp_max(cap) if cfg.rollout_correction.startswith("tis") else torch.where(rho <= cap, rho, 0)
+    return torch.where(mask, weight, 1.0)
+
+
+@torch.no_grad()
+def _weight_metrics(weight: Tensor, mask: Tensor) -> dict[str, float]:
+    w = weight[mask]
+    stats = torch.stack([w.mean(), w.min(), w.max(), (w == 0).double().mean()]).tolist()
+    return dict(
+        zip(
+            ("correction_weight_mean", "correction_weight_min", "correction_weight_max", "correction_masked_frac"),
+            stats,
+        )
+    )
+
+
+def top_entropy_tokens(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
+    """Bool [B, T]: the masked tokens whose entropy is at least the (1 - quantile) quantile of the masked
+    tokens' entropies (ties at the threshold all kept), as TRL's top_entropy_quantile selects them."""
+    threshold = torch.quantile(entropy[mask].float(), 1 - quantile)
+    return mask & (entropy >= threshold)
+
+
+@torch.no_grad()
+def mismatch(sampler_logp: Tensor, trainer_logp: Tensor, mask: Tensor) -> dict[str, float]:
+    """How far the sampler's log-probs of the tokens are from the training pass's, over the masked tokens:
+    mean and max |d log p|, the k3 estimate of KL(sampler || trainer) (r - 1 - log r, r = pi_train / pi_sampler,
+    the tokens being the sampler's samples), and the fraction of tokens with r outside [0.5, 2]."""
+    log_r = (trainer_logp.double() - sampler_logp.double())[mask.bool()]  # [n]
+    stats = torch.stack(
+        [
+            log_r.abs().mean(),
+            log_r.abs().max(),
+            (torch.expm1(log_r) - log_r).mean(),
+            (log_r.abs() > math.log(2)).double().mean(),
+        ]
+    ).tolist()
+    return dict(zip(("mismatch/abs_mean", "mismatch/abs_max", "mismatch/k3", "mismatch/out_frac"), stats))
 
 
 def _check_inputs(logp, old_logp, advantages, mask, cfg, inputs) -> tuple[Tensor, Tensor]:
@@ -750,6 +846,7 @@ def _check_inputs(logp, old_logp, advantages, mask, cfg, inputs) -> tuple[Tensor
         ("mask", mask),
         ("ref_logp", inputs.get("ref_logp")),
         ("entropy", inputs.get("entropy")),
+        ("sampler_logp", inputs.get("sampler_logp")),
     ):
         if t is not None and t.shape != logp.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected logp's {tuple(logp.shape)}")

@@ -138,6 +138,46 @@ def generate(
     )
 
 
+def joined(parts: list[tuple[Rollout, torch.Tensor]]) -> Rollout:
+    """Some rows of several rollouts as one: (rollout, row indices) pairs, the rows in that order. Prompts are
+    left-padded and completions right-padded to the widest part, so every row's tokens, masks and log-probs are
+    its own rollout's; the stats add up. Dynamic sampling keeps the groups of several sampler calls this way."""
+    P = max(out.prompt_len for out, _ in parts)
+    C = max(out.completion_mask.shape[1] for out, _ in parts)
+
+    def padded(out: Rollout, rows: torch.Tensor, name: str, value) -> torch.Tensor:
+        tensor = getattr(out, name)[rows]  # [n, C_part] or [n, P_part + C_part]
+        if name in ("input_ids", "pad_mask"):
+            left, right = P - out.prompt_len, C - out.completion_mask.shape[1]
+        else:
+            left, right = 0, C - tensor.shape[1]
+        return torch.nn.functional.pad(tensor, (left, right), value=value)
+
+    def cat(name: str, value) -> torch.Tensor:
+        return torch.cat([padded(out, rows, name, value) for out, rows in parts])
+
+    stats = SamplerStats()
+    for out, _ in parts:
+        for name, count in vars(out.stats).items():
+            setattr(
+                stats, name, max(getattr(stats, name), count) if name == "rows_max" else getattr(stats, name) + count
+            )
+    picked = [(out, rows.tolist()) for out, rows in parts]
+    return Rollout(
+        completions=[out.completions[i] for out, rows in picked for i in rows],
+        old_logp=cat("old_logp", 0.0),
+        completion_ids=cat("completion_ids", sampler.PAD_ID),
+        completion_mask=cat("completion_mask", False),
+        finished=torch.cat([out.finished[rows] for out, rows in parts]),
+        truncated=torch.cat([out.truncated[rows] for out, rows in parts]),
+        input_ids=cat("input_ids", sampler.PAD_ID),
+        pad_mask=cat("pad_mask", False),
+        prompt_len=P,
+        texts=None if parts[0][0].texts is None else [out.texts[i] for out, rows in picked for i in rows],
+        stats=stats,
+    )
+
+
 def _check_args(
     model,
     prompts,

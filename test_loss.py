@@ -795,3 +795,103 @@ def test_required_inputs_and_missing_or_unknown_inputs():
         )
     loss, _ = policy_loss(logp, old_logp, adv, mask, LossConfig(), ref_logp=old_logp)  # given, not needed: unused
     assert loss.item() == policy_loss(logp, old_logp, adv, mask, LossConfig())[0].item()
+
+
+# ----------------------------------------------------------------------------- the rollout correction, entropy tokens
+
+
+@pytest.mark.parametrize("rule", ["grpo", "dapo", "gspo", "cispo", "sapo", "atr", "kl-binary"])
+@pytest.mark.parametrize("form", ["tis-token", "tis-seq", "mis-token", "mis-seq"])
+def test_a_rollout_correction_with_equal_sampler_and_trainer_logp_changes_nothing_bit_for_bit(rule, form):
+    logp, old_logp, adv, mask = random_tokens(seed=3)
+    plain, plain_grad, _ = grad_of(logp, old_logp, adv, mask, LossConfig(rule=rule))
+    cfg = LossConfig(rule=rule, rollout_correction=form, rollout_correction_cap=1.0)  # the tightest cap
+    value, grad, metrics = grad_of(logp, old_logp, adv, mask, cfg, sampler_logp=old_logp.clone())
+    assert torch.equal(value, plain) and torch.equal(grad, plain_grad)
+    assert metrics["correction_weight_min"] == metrics["correction_weight_max"] == 1.0
+
+
+def test_each_rollout_correction_matches_its_formula_on_a_hand_made_batch():
+    # two sequences of two tokens; rho per token = old / sampler probability
+    old_logp = torch.log(torch.tensor([[0.5, 0.4], [0.2, 0.9]], dtype=f64))
+    rho = torch.tensor([[3.0, 0.5], [1.5, 1.2]], dtype=f64)
+    sampler_logp = old_logp - rho.log()
+    mask = torch.tensor([[True, True], [True, False]])
+    adv = torch.tensor([1.0, -2.0], dtype=f64)
+    C = 2.0
+    # the first sequence's product is 1.5, the second's (one token) 1.5: both under the cap
+    expected = {
+        "tis-token": [[2.0, 0.5], [1.5, 1.0]],
+        "mis-token": [[0.0, 0.5], [1.5, 1.0]],
+        "tis-seq": [[1.5, 1.5], [1.5, 1.0]],
+        "mis-seq": [[1.5, 1.5], [1.5, 1.0]],
+    }
+    for form, weight in expected.items():
+        weight = torch.tensor(weight, dtype=f64)
+        cfg = LossConfig(rule="interval", rollout_correction=form, rollout_correction_cap=C)
+        logp = old_logp.clone().requires_grad_()  # w = 1: grpo's objective is A * w per token
+        value, metrics = policy_loss(logp, old_logp, adv, mask, cfg, sampler_logp=sampler_logp)
+        value.backward()
+        per_token = adv[:, None] * weight  # the objective's gradient in log p at w = 1
+        assert torch.allclose(value, -(per_token * mask).sum() / mask.sum())
+        assert torch.allclose(logp.grad, torch.where(mask, -per_token / mask.sum(), 0))
+        assert metrics["correction_masked_frac"] == pytest.approx((weight[mask] == 0).double().mean().item())
+    # a sequence over the cap: tis-seq truncates it to C, mis-seq drops it
+    over = old_logp - torch.log(torch.tensor([[3.0, 1.0], [1.0, 1.0]], dtype=f64))
+    for form, first in (("tis-seq", C), ("mis-seq", 0.0)):
+        cfg = LossConfig(rollout_correction=form, rollout_correction_cap=C)
+        logp = old_logp.clone().requires_grad_()
+        policy_loss(logp, old_logp, adv, mask, cfg, sampler_logp=over)[0].backward()
+        assert torch.allclose(logp.grad[0], torch.full((2,), -1.0 * first / 3, dtype=f64))
+
+
+def test_the_rollout_correction_needs_the_sampler_logp_and_its_cap_is_inert_without_it():
+    assert required_inputs(LossConfig(rollout_correction="tis-token")) == {"sampler_logp"}
+    assert "sampler_logp" in INPUTS
+    logp, old_logp, adv, mask = random_tokens()
+    with pytest.raises(ValueError, match="needs the inputs sampler_logp"):
+        policy_loss(logp, old_logp, adv, mask, LossConfig(rollout_correction="tis-seq"))
+    with pytest.raises(ValueError, match="--rollout-correction tis: expected one of off, tis-token"):
+        LossConfig(rollout_correction="tis")
+    with pytest.raises(ValueError, match="--rollout-correction-cap 0.5: must be >= 1"):
+        LossConfig(rollout_correction="tis-token", rollout_correction_cap=0.5)
+    from loss import inert_settings
+
+    assert "rollout_correction_cap" in inert_settings(LossConfig())
+    assert "rollout_correction_cap" not in inert_settings(LossConfig(rollout_correction="mis-token"))
+
+
+def test_top_entropy_quantile_keeps_the_gradient_of_the_top_tokens_only():
+    logp, old_logp, adv, mask = random_tokens(B=2, T=4, seed=5)
+    mask = torch.tensor([[True, True, True, True], [True, True, False, False]])
+    entropy = torch.tensor([[0.1, 2.0, 0.5, 3.0], [1.0, 0.2, 9.0, 9.0]], dtype=f64)  # 9.0s are off the mask
+    # six masked entropies 0.1 0.2 0.5 1.0 2.0 3.0; the top half: 1.0, 2.0, 3.0
+    top = torch.tensor([[False, True, False, True], [True, False, False, False]])
+    cfg = LossConfig(rule="interval", top_entropy_quantile=0.5)  # no clip: every token has a gradient
+    assert required_inputs(cfg) == {"entropy"}
+    value, grad, metrics = grad_of(logp, old_logp, adv, mask, cfg, entropy=entropy)
+    _, full_grad, _ = grad_of(logp, old_logp, adv, mask, LossConfig(rule="interval"))
+    assert torch.equal(grad[top], full_grad[top]) and (grad[~top] == 0).all() and (full_grad[top] != 0).all()
+    assert metrics["entropy_selected_frac"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match=r"--top-entropy-quantile 0.0: must be in \(0, 1\]"):
+        LossConfig(top_entropy_quantile=0.0)
+
+
+def test_mismatch_metrics_against_hand_computation():
+    from loss import mismatch
+
+    sampler = torch.log(torch.tensor([[0.5, 0.5, 0.1]], dtype=f64))
+    trainer = torch.log(torch.tensor([[0.5, 0.25, 0.3]], dtype=f64))
+    mask = torch.tensor([[True, True, True]])
+    r = torch.tensor([1.0, 0.5, 3.0], dtype=f64)
+    stats = mismatch(sampler, trainer, mask)
+    assert stats["mismatch/abs_mean"] == pytest.approx(r.log().abs().mean().item())
+    assert stats["mismatch/abs_max"] == pytest.approx(math.log(3))
+    assert stats["mismatch/k3"] == pytest.approx((r - 1 - r.log()).mean().item())
+    assert stats["mismatch/out_frac"] == pytest.approx(1 / 3)  # 0.5 is on the edge, inside; 3 outside
+    assert mismatch(sampler, sampler, mask) == {
+        "mismatch/abs_mean": 0.0,
+        "mismatch/abs_max": 0.0,
+        "mismatch/k3": 0.0,
+        "mismatch/out_frac": 0.0,
+    }

@@ -90,20 +90,78 @@ def train_step(
     """
     world = world or distributed.SOLO
     watch = Stopwatch()
-    mine = world.prompts(len(problems))  # this rank's prompts, whole groups
-    out = sample(model, tokenizer, problems[mine], cfg, step, first_prompt=mine.start, pool=pool)
-    watch.lap("rollout")
     open_thought = opens_thought(tokenizer, cfg.thinking == "on")
-    scores = score(out, problems[mine], cfg, step, open_thought)
-    watch.lap("reward")
+    if cfg.dynamic_sampling:  # one process (config.validate): every group is this rank's
+        out, scores, sampled = dynamic_sample(model, tokenizer, problems, cfg, step, open_thought, watch, pool)
+        mine = slice(0, cfg.prompts_per_step)
+    else:
+        mine = world.prompts(len(problems))  # this rank's prompts, whole groups
+        out = sample(model, tokenizer, problems[mine], cfg, step, first_prompt=mine.start, pool=pool)
+        watch.lap("rollout")
+        scores, sampled = score(out, problems[mine], cfg, step, open_thought), {}
+        watch.lap("reward")
     rewards = world.cat(scores.reward)  # [N of the step]: a batch-wide std normalizes over every rank's rows
     my_rows = slice(mine.start * cfg.group_size, mine.stop * cfg.group_size)
     advantages = loss.advantages(rewards, cfg.group_size, cfg.loss)[my_rows]  # [N of this rank]
     update, records = policy_update(model, optimizer, out, advantages, cfg, step, world, reference, cfg.log_tokens)
     watch.lap("update")
-    return step_metrics(
-        step, out, scores, update, watch, cfg, world, thought_lengths(out, tokenizer, open_thought)
-    ), records
+    metrics = step_metrics(step, out, scores, update, watch, cfg, world, thought_lengths(out, tokenizer, open_thought))
+    return metrics | sampled, records
+
+
+def dynamic_sample(
+    model,
+    tokenizer,
+    problems: list[dict],
+    cfg: Config,
+    step: int,
+    open_thought: bool,
+    watch: Stopwatch,
+    pool: rollout.Pool | None = None,
+) -> tuple[rollout.Rollout, Scores, dict]:
+    """DAPO's dynamic sampling: sampler calls on successive slices of prompts_per_step problems (call k's
+    prompts are the step's prompts k*n .., so each draws from its own random streams and a run repeats), until
+    n = prompts_per_step groups have rewards that differ or dynamic_sampling calls are spent. Returns the
+    step's n groups as one rollout, with their scores: the groups whose rewards differ in the order sampled,
+    then, when too few did, equal-reward groups of the first calls (zero advantage) to keep the step's size;
+    and the counts logged (dynamic/groups_sampled, dynamic/groups_kept, dynamic/calls)."""
+    n, G = cfg.prompts_per_step, cfg.group_size
+    varied, equal, calls = [], [], []  # (call, group) in sampling order; calls: (rollout, scores) per call
+    for call in range(cfg.dynamic_sampling):
+        batch = problems[call * n : (call + 1) * n]
+        out = sample(model, tokenizer, batch, cfg, step, first_prompt=call * n, pool=pool)
+        watch.lap("rollout")
+        scores = score(out, batch, cfg, step, open_thought)
+        watch.lap("reward")
+        calls.append((out, scores))
+        groups = scores.reward.view(-1, G)  # [n, G]
+        differ = (groups.amax(1) != groups.amin(1)).tolist()
+        varied += [(call, g) for g in range(n) if differ[g]]
+        equal += [(call, g) for g in range(n) if not differ[g]]
+        if len(varied) >= n:
+            break
+    chosen = (varied + equal)[:n]
+    parts = []  # runs of consecutive groups of one call, as that call's rows
+    for call, group in chosen:
+        rows = torch.arange(group * G, (group + 1) * G)
+        if parts and parts[-1][0] == call:
+            parts[-1] = (call, torch.cat([parts[-1][1], rows]))
+        else:
+            parts.append((call, rows))
+    out = rollout.joined([(calls[call][0], rows) for call, rows in parts])
+
+    def rows_of(pick) -> torch.Tensor:
+        return torch.cat([pick(calls[call][1])[rows.to(calls[call][1].reward.device)] for call, rows in parts])
+
+    first = calls[0][1]
+    scores = Scores(
+        rows_of(lambda s: s.reward),
+        rows_of(lambda s: s.correct),
+        {name: rows_of(lambda s, name=name: s.by_function[name]) for name in first.by_function},
+        rows_of(lambda s: s.code),
+    )
+    counts = {"dynamic/groups_sampled": n * len(calls), "dynamic/groups_kept": min(n, len(varied))}
+    return out, scores, counts | {"dynamic/calls": len(calls)}
 
 
 def step_metrics(
@@ -130,6 +188,8 @@ def step_metrics(
         "think_length": think_length,
         "answer_length": answer_length,
     }
+    if (penalty := overlong_penalty(out, cfg)) is not None:
+        columns["overlong_penalty"] = penalty
     rows = world.cat(torch.cat([torch.stack(list(columns.values()), 1), scores.code], 1))  # [N of the step, ...]
     seconds = torch.tensor([watch.laps["rollout"], watch.laps["update"]], dtype=torch.float64, device="cpu")
     tokens = torch.tensor([lengths.sum().item(), out.pad_mask.sum().item()], dtype=torch.float64, device="cpu")
@@ -223,6 +283,9 @@ def score(out: rollout.Rollout, problems: list[dict], cfg: Config, step: int = 0
             total + cfg.format_weight * (answer is not None and reward.has_format(answer, cfg.template))
             for total, answer in zip(totals, answers)
         ]
+    penalty = overlong_penalty(out, cfg)
+    if penalty is not None:
+        totals = [total + value for total, value in zip(totals, penalty.tolist())]
     code = sandbox.metric_rows(grades)  # built on the host, then one copy to the device
 
     def tensor(values: list) -> torch.Tensor:
@@ -230,6 +293,25 @@ def score(out: rollout.Rollout, problems: list[dict], cfg: Config, step: int = 0
 
     by_function = {name: tensor(values) for name, values in by_name.items()} if len(by_name) > 1 else {}
     return Scores(tensor(totals), (tensor(verdicts) >= 1).float(), by_function, tensor(code))
+
+
+def overlong_penalty(out: rollout.Rollout, cfg: Config) -> torch.Tensor | None:
+    """DAPO's soft overlong punishment per row [N] under --overlong penalty:L (None otherwise): 0 up to
+    Lmax - L tokens, then ((Lmax - L) - |y|) / L, falling linearly to -1 at Lmax = max_new_tokens, which no
+    completion passes (the sampler stops there)."""
+    cache = config.overlong_cache(cfg.overlong, cfg.max_new_tokens)
+    if cache is None:
+        return None
+    lengths = out.completion_mask.sum(1).double()  # [N]
+    return ((cfg.max_new_tokens - cache - lengths) / cache).clamp(-1.0, 0.0).float()
+
+
+def loss_mask(out: rollout.Rollout, cfg: Config) -> torch.Tensor:
+    """The tokens the loss is over, [N, C] bool: the completions', less the truncated rows' under --overlong
+    mask (TRL's mask_truncated_completions: a cut-off answer is neither rewarded nor punished)."""
+    if cfg.overlong != "mask":
+        return out.completion_mask
+    return out.completion_mask & ~out.truncated[:, None]
 
 
 def thought_lengths(out: rollout.Rollout, tokenizer, open_thought: bool) -> torch.Tensor:
@@ -270,6 +352,7 @@ def policy_update(
     """
     world = world or distributed.SOLO
     frozen = frozen_inputs(model, out, cfg, reference)  # what the loss needs of the policy before it moves
+    mismatch = sampler_mismatch(model, out, frozen, cfg)
     advantages = advantages.to(out.old_logp.device)
     records = [] if keep_records else None
     model.train()
@@ -280,6 +363,8 @@ def policy_update(
             hint = f"raise --grad-accum (now {cfg.grad_accum})"
             with oom_hint(f"a training micro-batch of {len(rows)} rows", hint):
                 logp, mask, inputs, entropy = policy_inputs(model, out, frozen, rows, cfg)
+                if cfg.overlong == "mask" and not mask.any():  # every row truncated: a pass at weight 0, as idle
+                    idle, mask = True, out.completion_mask[rows, : mask.shape[1]]
                 value, micro = loss.policy_loss(
                     logp, inputs.pop("old_logp"), advantages[rows], mask, cfg.loss, **totals,
                     records=None if idle else records, **inputs,
@@ -299,7 +384,8 @@ def policy_update(
         per_update.append(metrics)
     # every rank's micro-batches, update by update
     per_update = [sum(updates, []) for updates in zip(*world.gather(per_update))]
-    return update_metrics(per_update, grad_norms, cfg), [] if records is None else sum(world.gather(records), [])
+    summary = update_metrics(per_update, grad_norms, cfg) | mismatch
+    return summary, [] if records is None else sum(world.gather(records), [])
 
 
 def micro_batch_plan(
@@ -319,7 +405,8 @@ def micro_batch_plan(
     first = world.rank * N
     minibatches = shuffled_minibatches(N * world.size, cfg, step)  # epoch by epoch
     mine = [(m[(m >= first) & (m < first + N)] - first).to(device) for m in minibatches]
-    num_tokens = world.sum(torch.stack([out.completion_mask[rows].sum() for rows in mine]))
+    tokens = loss_mask(out, cfg)  # [N, C]
+    num_tokens = world.sum(torch.stack([tokens[rows].sum() for rows in mine]))
     plan = []
     for minibatch, step_rows, step_tokens in zip(mine, minibatches, num_tokens):
         # micro-batches of the size one rank's average share needs: the largest share takes more of them
@@ -344,8 +431,8 @@ def policy_inputs(
     h, ids, start, c = policy_states(model, out, rows, cfg.group_size)
     needs = loss.required_inputs(cfg.loss)
     logp, entropy = model.hidden_logprobs(
-        h, ids, start=start, temperature=cfg.temperature, with_entropy=True, entropy_grad="entropy" in needs
-    )  # an entropy bonus differentiates the entropy
+        h, ids, start=start, temperature=cfg.temperature, with_entropy=True, entropy_grad=cfg.loss.entropy_coef > 0
+    )  # an entropy bonus differentiates the entropy; an entropy selection reads its value
     live = {
         "hidden": completion_states(h, start),
         "lm_head_weight": model.lm_head.weight,
@@ -354,11 +441,14 @@ def policy_inputs(
     }
     inputs = {name: value[rows, :c] for name, value in frozen.items()}
     inputs |= {name: value for name, value in live.items() if name in needs}
-    return logp, out.completion_mask[rows, :c], inputs, entropy
+    return logp, loss_mask(out, cfg)[rows, :c], inputs, entropy
 
 
 def update_metrics(per_update: list[list[dict]], grad_norms: list[float | None], cfg: Config) -> dict:
-    """The update's metrics from every rank's micro-batch metrics, update by update."""
+    """The update's metrics from every rank's micro-batch metrics, update by update (only the skipped updates
+    when no micro-batch had a token to train on)."""
+    if not any(per_update):
+        return {"grad_norm": None, "skipped_updates": len(grad_norms)}
     summary, start = loss.merge_metrics(sum(per_update, [])), loss.merge_metrics(per_update[0])
     applied = [norm for norm in grad_norms if norm is not None]
     summary.update(
@@ -389,12 +479,17 @@ def frozen_inputs(model, out: rollout.Rollout, cfg: Config, reference=None) -> d
     """
     needs = loss.required_inputs(cfg.loss)
     _, dtype = config.resolve_device(cfg)  # the compute dtype (a full run's weights are fp32 under bf16)
-    recompute = cfg.recompute_old_logp == "on" or (cfg.recompute_old_logp == "auto" and dtype != torch.float32)
+    recompute = (
+        cfg.recompute_old_logp == "on"
+        or (cfg.recompute_old_logp == "auto" and dtype != torch.float32)
+        or "sampler_logp" in needs  # a rollout correction weighs the training pass's old log-probs by the sampler's
+    )
     passes = {"old_logp": recompute, "ref_logp": "ref_logp" in needs, "old_hidden": "old_hidden" in needs}
     N, C = out.completion_mask.shape
     results = {name: None for name, wanted in passes.items() if wanted}
+    sampler = {"sampler_logp": out.old_logp} if "sampler_logp" in needs else {}
     if not results:
-        return {"old_logp": out.old_logp}
+        return {"old_logp": out.old_logp, **sampler}
     model.eval()
     with torch.no_grad():
         for rows in torch.arange(N, device=out.completion_mask.device).chunk(cfg.updates_per_rollout * cfg.grad_accum):
@@ -415,7 +510,25 @@ def frozen_inputs(model, out: rollout.Rollout, cfg: Config, reference=None) -> d
                 results[name][rows, :c] = value
     if reference is not None:
         fsdp.reshard(reference)  # its root stays gathered after a pass without backward
-    return {"old_logp": out.old_logp, **results}
+    return {"old_logp": out.old_logp, **results, **sampler}
+
+
+def sampler_mismatch(model, out: rollout.Rollout, frozen: dict[str, torch.Tensor], cfg: Config) -> dict[str, float]:
+    """loss.mismatch of the sampler's old log-probs against the training pass's, of the same tokens, before the
+    policy moves. With the old log-probs recomputed it reads them (free); otherwise it runs the training pass,
+    without gradient and in eval mode, on the first micro-batch's worth of rows (1 / (updates_per_rollout x
+    grad_accum) of the step's rows, whole prompt groups first): a forward of that share of the rows.
+    mismatch/rows says how many rows it is over."""
+    N = len(out.completion_mask)
+    if frozen["old_logp"] is not out.old_logp:
+        return loss.mismatch(out.old_logp, frozen["old_logp"], out.completion_mask) | {"mismatch/rows": N}
+    rows = torch.arange(N, device=out.completion_mask.device).chunk(cfg.updates_per_rollout * max(1, cfg.grad_accum))[0]
+    model.eval()
+    with torch.no_grad():
+        h, ids, start, c = policy_states(model, out, rows, cfg.group_size)
+        trainer_logp = model.hidden_logprobs(h, ids, start=start, temperature=cfg.temperature)[0]  # [rows, c]
+    stats = loss.mismatch(out.old_logp[rows, :c], trainer_logp, out.completion_mask[rows, :c])
+    return stats | {"mismatch/rows": len(rows)}
 
 
 def shuffled_minibatches(rows: int, cfg: Config, step: int) -> list[torch.Tensor]:
@@ -495,7 +608,7 @@ def completion_states(h: torch.Tensor, start: int) -> torch.Tensor:
 
 
 class Stopwatch:
-    """Seconds per named stage of a step, as laps of one clock."""
+    """Seconds per named stage of a step, as laps of one clock; a stage's laps add up."""
 
     def __init__(self):
         self.start = self.last = time.perf_counter()
@@ -503,7 +616,7 @@ class Stopwatch:
 
     def lap(self, name: str) -> None:
         now = time.perf_counter()
-        self.laps[name], self.last = now - self.last, now
+        self.laps[name], self.last = self.laps.get(name, 0.0) + now - self.last, now  # a stage may recur
 
     @property
     def total(self) -> float:
@@ -633,13 +746,15 @@ def run(
         )  # no bar's escapes in a redirected log
         for _ in bar:
             step = state["step"] + 1
-            problems = batch_of(train_set, state["data_position"], cfg.prompts_per_step, cfg.seed)
+            calls = max(1, cfg.dynamic_sampling)  # dynamic sampling may draw this many steps' prompts
+            problems = batch_of(train_set, state["data_position"], cfg.prompts_per_step * calls, cfg.seed)
             lr = learning_rate(cfg.lr, cfg.lr_schedule, cfg.warmup_steps, cfg.steps, step)
             for group in optimizer.param_groups:  # a function of the step alone, so a resume needs no state
                 group["lr"] = lr
             record, records = train_step(model, optimizer, tokenizer, problems, cfg, step, world, reference, pool)
             record["lr"] = lr
-            state.update(step=step, data_position=state["data_position"] + cfg.prompts_per_step)
+            drawn = cfg.prompts_per_step * record.get("dynamic/calls", 1)  # the prompts the sampler used
+            state.update(step=step, data_position=state["data_position"] + drawn)
             if records and writer:
                 path = run_dir / "tokens" / f"step-{step:06d}.npz"
                 with rundir.writing(path):
@@ -656,7 +771,7 @@ def run(
                 if bar.disable:  # a log file gets one plain line per step instead of the bar
                     print(
                         f"step {step}/{cfg.steps}: reward {record['reward']:.3f}, accuracy {record['accuracy']:.3f}, "
-                        f"{record['step_seconds']:.1f} s",
+                        f"{record['step_seconds']:.1f} s{progress_note(record)}",
                         file=sys.stderr,
                     )
             bar.set_postfix(reward=f"{record['reward']:.2f}", acc=f"{record['accuracy']:.2f}")
@@ -684,6 +799,20 @@ def run(
         print(f"run directory: {run_dir}", file=sys.stderr)
     world.barrier("waiting for rank 0 to write the summary and the export")
     return state
+
+
+MISMATCH_SHOWN = 1e-3  # k3 KL(sampler || trainer) per token above which the progress line shows it
+
+
+def progress_note(record: dict) -> str:
+    """What a step's plain progress line adds: the groups dynamic sampling kept of those it sampled, and the
+    sampler-trainer mismatch once its k3 KL passes MISMATCH_SHOWN (fp32 sits near 1e-7, bf16 sampling higher)."""
+    note = ""
+    if "dynamic/calls" in record:
+        note += f", groups kept {record['dynamic/groups_kept']}/{record['dynamic/groups_sampled']}"
+    if record.get("mismatch/k3", 0.0) > MISMATCH_SHOWN:
+        note += f", mismatch k3 {record['mismatch/k3']:.2e} (max |d log p| {record['mismatch/abs_max']:.2f})"
+    return note
 
 
 def batch_of(problems: list[dict], position: int, size: int, seed: int) -> list[dict]:

@@ -193,6 +193,7 @@ class Workload:
     group_size: int = 8
     prompts_per_step: int = 8
     updates_per_rollout: int = 1  # mini-batches per step
+    sampler_calls: int = 1  # most sampler calls a step (--dynamic-sampling): the earlier calls' rollouts are held
     shuffle: str = "rows"  # mini-batches of random rows, or of whole prompt groups ("groups")
     rollout_prompts: int = 8  # prompts in flight in the sampler (their rows bound its batch)
     micro_batch_rows: int = 64  # rows per training micro-batch (and per frozen pass)
@@ -220,6 +221,7 @@ class Workload:
             "group_size",
             "prompts_per_step",
             "updates_per_rollout",
+            "sampler_calls",
             "rollout_prompts",
             "micro_batch_rows",
             "eval_prompts",
@@ -792,6 +794,20 @@ class _MetaRun:
         del kept
         return tracker.peak
 
+    def earlier_rollouts(self) -> int:
+        """Under dynamic sampling, what the last sampler call finds held: the step's earlier calls' rollouts
+        (sampler_calls - 1 of step_rows rows each); joining the kept groups then copies one step's worth, no
+        more than the train phase holds."""
+        w = self.work
+        if w.sampler_calls == 1:
+            return 0
+        with LiveBytes() as tracker:
+            kept = rollout_results(
+                (w.sampler_calls - 1) * w.step_rows, w.prompt_len, w.max_new_tokens, self.model.device
+            )
+        del kept
+        return tracker.peak
+
     def measure(self, name: str, size: int) -> tuple[int, int]:
         """(resident, own) bytes of a phase, the pool left out: what is held when it starts, and its own peak."""
         w, model, resident = self.work, self.model, self.weights + self.lora
@@ -811,7 +827,7 @@ class _MetaRun:
                     frozen_phase(model, size, w, prompts=prompts) for prompts in prompts_per_pass(w, size, name)
                 )
             if name == "rollout":
-                return resident, sampling_phase(model, w, size)
+                return resident + self.earlier_rollouts(), sampling_phase(model, w, size)
             if name == "eval":
                 return resident, sampling_phase(model, w, size, eval=True)
         raise ValueError(f"unknown phase {name!r}")

@@ -160,11 +160,13 @@ def workload(
         top_p=cfg.top_p,
         top_k=cfg.top_k,
         recompute_old_logp=cfg.recompute_old_logp == "on"
-        or (cfg.recompute_old_logp == "auto" and dtype != torch.float32),
+        or (cfg.recompute_old_logp == "auto" and dtype != torch.float32)
+        or "sampler_logp" in needs,  # a rollout correction recomputes them (train.frozen_inputs)
         ref_logp="ref_logp" in needs,
         old_hidden="old_hidden" in needs,
         eval_prompts=cfg.eval_batch or 16,
-        entropy_grad="entropy" in needs,
+        entropy_grad=cfg.loss.entropy_coef > 0,
+        sampler_calls=max(1, cfg.dynamic_sampling),
         eval_k=cfg.eval_k,
         eval_temperature=cfg.eval_temperature,
         attention=attention,

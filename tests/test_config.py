@@ -183,6 +183,9 @@ FLAG_VALUES = {  # a value for every loss setting, other than its default, and w
     "adv_std": ("batch", "batch"),
     "leave_one_out": (True, True),
     "entropy_coef": ("0.01", 0.01),
+    "rollout_correction": ("tis-seq", "tis-seq"),
+    "rollout_correction_cap": ("3", 3.0),
+    "top_entropy_quantile": ("0.2", 0.2),
 }
 
 
@@ -195,6 +198,7 @@ ACTIVE_WITH = {
     "cov_ratio": ["--rule", "kl_cov"],
     "clip_cov_bounds": ["--rule", "clip_cov"],
     "kl_cov_coef": ["--rule", "kl_cov"],
+    "rollout_correction_cap": ["--rollout-correction", "mis-token"],
     "norm_len": ["--aggregation", "seq-mean-token-sum-norm"],
     "kl_estimator": ["--kl-beta", "0.1"],
 }

@@ -441,3 +441,18 @@ def test_the_plan_counts_the_attention_path_the_sampler_takes():
     assert abs(own["flash"] - own["flex"]) < copy / 100, own
     with pytest.raises(ValueError, match="Workload.attention"):
         memory.Workload(attention="paged")
+
+
+def test_the_plan_counts_the_rollouts_dynamic_sampling_holds():
+    cfg = memory.model_config("Qwen/Qwen3-1.7B")
+    planner = memory.Planner(cfg, ATR)
+    oversampled = memory.Planner(cfg, dataclasses.replace(ATR, sampler_calls=3))
+    # the last of 3 calls finds the 2 earlier rollouts held: their [N, P + C] ids and [N, C] ids and log-probs
+    grown = oversampled.peak("rollout", 4) - planner.peak("rollout", 4)
+    per_rollout = ATR.step_rows * ((ATR.prompt_len + ATR.max_new_tokens) * 9 + ATR.max_new_tokens * (8 + 4 + 1))
+    assert grown >= 2 * per_rollout
+    assert oversampled.peak("train", 4) == planner.peak("train", 4)  # the step trains on prompts_per_step groups
+    dapo = config.parse_args(["--preset", "atr-grpo-qwen3-1.7b", "--dynamic-sampling", "3"])[0]
+    assert sizes.workload(dapo).sampler_calls == 3
+    entropy_only = config.parse_args(["--preset", "atr-grpo-qwen3-1.7b", "--top-entropy-quantile", "0.2"])[0]
+    assert sizes.workload(entropy_only).with_entropy and not sizes.workload(entropy_only).entropy_grad

@@ -802,3 +802,162 @@ def test_a_float32_run_with_shared_prompts_logs_the_metrics_of_whole_rows(tiny_m
             assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (got["step"], key)
     summaries = [json.loads((tmp_path / run / "summary.json").read_text()) for run in ("shared", "whole")]
     assert summaries[0] == summaries[1]
+
+
+# ----------------------------------------------------------------------------- dynamic sampling, overlong, mismatch
+
+
+def dynamic_setup(tiny_model_dir, tmp_path, monkeypatch, *flags):
+    cfg, _, _ = config.parse_args(
+        tiny_args(tiny_model_dir, tmp_path, "dyn", "--prompts-per-step", "4", "--max-new-tokens", "6", *flags)
+    )
+    model, tokenizer, _, _ = train.build(cfg)
+    cfg = sizes.resolve_automatic(cfg, model, tokenizer, [])
+    monkeypatch.setattr(train, "stop_ids", lambda config, tok: list(range(0, len(tok), 4)))
+    problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step * 3, cfg.seed)
+    return cfg, model, tokenizer, problems
+
+
+def test_dynamic_sampling_keeps_the_groups_whose_rewards_differ_from_each_calls_own_streams(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    cfg, model, tokenizer, problems = dynamic_setup(tiny_model_dir, tmp_path, monkeypatch, "--dynamic-sampling", "3")
+    G, n = cfg.group_size, cfg.prompts_per_step
+    out, scores, counts = train.dynamic_sample(model, tokenizer, problems, cfg, 1, False, train.Stopwatch())
+    calls = [
+        train.sample(model, tokenizer, problems[k * n : (k + 1) * n], cfg, 1, first_prompt=k * n)
+        for k in range(counts["dynamic/calls"])
+    ]
+    groups = [(k, g) for k, call in enumerate(calls) for g in range(n)]
+    rewards = torch.cat([train.score(call, problems[k * n : (k + 1) * n], cfg).reward for k, call in enumerate(calls)])
+    differ = [bool(r.max() != r.min()) for r in rewards.view(-1, G)]
+    expected = ([gk for gk, d in zip(groups, differ) if d] + [gk for gk, d in zip(groups, differ) if not d])[:n]
+    assert counts == {
+        "dynamic/groups_sampled": n * len(calls),
+        "dynamic/groups_kept": min(n, sum(differ)),
+        "dynamic/calls": len(calls),
+    }
+    assert sum(differ[:-n]) < n <= sum(differ) or len(calls) == 3  # it stops at the first call that fills the step
+    assert len(out.completions) == n * G and torch.equal(scores.reward.view(-1, G), rewards.view(-1, G)[
+        [k * n + g for k, g in expected]
+    ])  # fmt: skip
+    for i, (k, g) in enumerate(expected):  # each kept row is its call's row, token for token
+        for j in range(G):
+            row, source = i * G + j, g * G + j
+            assert out.completions[row] == calls[k].completions[source]
+            length = len(out.completions[row])
+            assert torch.equal(out.old_logp[row, :length], calls[k].old_logp[source, :length])
+            assert out.input_ids[row][out.pad_mask[row]].tolist() == calls[k].input_ids[source][
+                calls[k].pad_mask[source]
+            ].tolist()  # fmt: skip
+    again = train.dynamic_sample(model, tokenizer, problems, cfg, 1, False, train.Stopwatch())
+    assert again[0].completions == out.completions and again[2] == counts  # a run repeats
+
+
+def test_dynamic_sampling_on_a_step_whose_groups_all_differ_is_the_plain_step(tiny_model_dir, tmp_path, monkeypatch):
+    cfg, model, tokenizer, problems = dynamic_setup(tiny_model_dir, tmp_path, monkeypatch, "--dynamic-sampling", "3")
+    monkeypatch.setattr(
+        train.reward, "reward", lambda texts, references, **_: [float(i % 2) for i in range(len(texts))]
+    )
+    out, scores, counts = train.dynamic_sample(model, tokenizer, problems, cfg, 1, False, train.Stopwatch())
+    plain = train.sample(model, tokenizer, problems[: cfg.prompts_per_step], cfg, 1)
+    assert counts["dynamic/calls"] == 1 and counts["dynamic/groups_kept"] == cfg.prompts_per_step
+    for name in ("old_logp", "completion_ids", "completion_mask", "input_ids", "pad_mask", "truncated"):
+        assert torch.equal(getattr(out, name), getattr(plain, name)), name
+    assert torch.equal(scores.reward, train.score(plain, problems[: cfg.prompts_per_step], cfg).reward)
+
+
+def test_a_dynamic_sampling_run_logs_its_groups_and_draws_the_prompts_it_used(tiny_model_dir, tmp_path, capsys):
+    state = run_training(
+        tiny_args(
+            tiny_model_dir, tmp_path, "dapo", "--steps", "2", "--dynamic-sampling", "3", "--overlong", "penalty:2"
+        )
+    )
+    lines = metric_lines(tmp_path / "dapo")
+    for line in lines:
+        assert line["dynamic/groups_sampled"] == 2 * line["dynamic/calls"] and line["dynamic/calls"] in (1, 2, 3)
+        assert 0 <= line["dynamic/groups_kept"] <= 2 and -1 <= line["overlong_penalty"] <= 0
+    assert state["data_position"] == 2 * sum(line["dynamic/calls"] for line in lines)
+    assert "groups kept" in capsys.readouterr().err
+
+
+def test_the_soft_overlong_penalty_is_daps_formula():
+    from types import SimpleNamespace
+
+    lengths = torch.tensor([3, 6, 7, 8, 10])
+    out = SimpleNamespace(completion_mask=torch.arange(10)[None, :] < lengths[:, None])
+    cfg = SimpleNamespace(overlong="penalty:4", max_new_tokens=10)  # Lmax 10, L 4: 0 up to 6 tokens
+    assert train.overlong_penalty(out, cfg).tolist() == pytest.approx([0.0, 0.0, -0.25, -0.5, -1.0])
+    assert train.overlong_penalty(out, SimpleNamespace(overlong="mask", max_new_tokens=10)) is None
+
+
+def test_overlong_mask_takes_truncated_rows_out_of_the_loss(tiny_model_dir, tmp_path, monkeypatch):
+    cfg, out, advantages = sampled_step(tiny_model_dir, tmp_path, monkeypatch, "--overlong", "mask")
+    assert out.truncated.any() and not out.truncated.all()
+    mask = train.loss_mask(out, cfg)
+    assert not mask[out.truncated].any() and torch.equal(mask[~out.truncated], out.completion_mask[~out.truncated])
+    plan = train.micro_batch_plan(out, cfg, 1, train.distributed.SOLO, False)
+    assert plan[0][1]["num_tokens"] == mask.sum()
+    # the update is the one of the untruncated rows alone, with the truncated rows' advantages anything
+    updated = []
+    for adv in (advantages, torch.where(out.truncated, 100.0, advantages)):
+        model, _, _, _ = train.build(cfg)
+        optimizer = torch.optim.SGD(lora.parameters(model), lr=1.0)
+        train.policy_update(model, optimizer, out, adv, cfg, step=1)
+        updated.append([v.detach().clone() for v in model.parameters() if v.requires_grad])
+    assert all(torch.equal(a, b) for a, b in zip(*updated))
+
+
+def test_the_mismatch_is_measured_every_step_and_near_zero_in_float32(tiny_model_dir, tmp_path):
+    run_training(tiny_args(tiny_model_dir, tmp_path, "sampled", "--steps", "1"))
+    run_training(tiny_args(tiny_model_dir, tmp_path, "all", "--steps", "1", "--recompute-old-logp", "on"))
+    (sampled,), (every,) = metric_lines(tmp_path / "sampled"), metric_lines(tmp_path / "all")
+    assert sampled["mismatch/rows"] == 4 // 1 and every["mismatch/rows"] == 4  # 1 update x 1 micro-batch: all rows
+    for line in (sampled, every):
+        assert 0 <= line["mismatch/k3"] < 1e-6 and line["mismatch/abs_max"] < 1e-3 and line["mismatch/out_frac"] == 0
+
+
+def test_the_mismatch_sample_is_the_first_micro_batch_and_matches_a_recomputation(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    cfg, out, _ = sampled_step(tiny_model_dir, tmp_path, monkeypatch, "--grad-accum", "2")
+    model, _, _, _ = train.build(cfg)
+    sampled = train.sampler_mismatch(model, out, {"old_logp": out.old_logp}, cfg)
+    assert sampled["mismatch/rows"] == len(out.completions) // 2
+    shifted = out.old_logp - 0.1 * out.completion_mask  # a trainer 0.1 nats above the sampler on every token
+    full = train.sampler_mismatch(model, out, {"old_logp": shifted}, cfg)
+    assert full["mismatch/rows"] == len(out.completions)
+    assert full["mismatch/abs_mean"] == pytest.approx(0.1, rel=1e-5)
+    assert full["mismatch/k3"] == pytest.approx(math.exp(-0.1) - 1 + 0.1, rel=1e-4)
+
+
+def test_a_rollout_correction_trains_with_its_weights_logged(tiny_model_dir, tmp_path):
+    run_training(
+        tiny_args(
+            tiny_model_dir, tmp_path, "tis", "--steps", "1", "--rollout-correction", "tis-token",
+            "--top-entropy-quantile", "0.5",
+        )
+    )  # fmt: skip
+    (line,) = metric_lines(tmp_path / "tis")
+    assert line["mismatch/rows"] == 4  # the correction recomputes the old log-probs
+    assert line["correction_weight_mean"] == pytest.approx(1.0, abs=1e-4) and line["correction_weight_max"] <= 2.0
+    assert 0.4 <= line["entropy_selected_frac"] <= 1.0
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--dynamic-sampling", "-1"], "--dynamic-sampling -1: must be >= 0"),
+        (["--overlong", "penalty:0"], "--overlong penalty:0: expected off, mask or penalty:L"),
+        (["--overlong", "trim"], "--overlong trim: expected off, mask or penalty:L"),
+        (["--rollout-correction", "tis-token", "--recompute-old-logp", "off"], "--rollout-correction tis-token: "),
+        (["--rollout-correction", "tis"], "--rollout-correction tis: expected one of off, tis-token"),
+        (["--top-entropy-quantile", "1.5"], "--top-entropy-quantile 1.5: must be in (0, 1]"),
+        (["--rollout-correction-cap", "3"], "--rollout-correction-cap 3"),  # inert without a correction
+    ],
+)
+def test_the_field_options_fail_in_one_line_before_the_model_loads(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--model", str(tmp_path / "no-model"), "--out-dir", str(tmp_path), *flags])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1 and message in lines[0], lines
