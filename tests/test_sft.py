@@ -53,8 +53,9 @@ def run_sft(argv: list[str]) -> dict:
 
 
 def metric_lines(run_dir: Path) -> list[dict]:
+    """The steps' lines, without their timings (a resume's event lines are not steps)."""
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in line.items() if k not in TIMING_KEYS} for line in lines]
+    return [{k: v for k, v in line.items() if k not in TIMING_KEYS} for line in lines if "event" not in line]
 
 
 def test_the_loss_is_the_mean_negative_log_likelihood_of_the_reply_tokens(tiny_model_dir):
@@ -115,6 +116,8 @@ def test_a_run_trains_checkpoints_resumes_exactly_and_hands_train_py_its_adapter
     (tmp_path / "cut" / "adapter").rename(tmp_path / "cut-adapter-at-2")
     run_sft(["--resume", str(tmp_path / "cut"), "--max-steps", "3"])
     assert metric_lines(tmp_path / "cut") == lines
+    events = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert [e for e in events if "event" in e] == [{"step": 2, "event": "resume", "changed": {"max_steps": [2, 3]}}]
     resumed = lora.load(weights.from_pretrained(str(tiny_model_dir)), tmp_path / "cut" / "adapter")
     whole = lora.load(weights.from_pretrained(str(tiny_model_dir)), run_dir / "adapter")
     for a, b in zip(lora.parameters(resumed), lora.parameters(whole)):
