@@ -2,6 +2,10 @@
 checkpoints and resumes exactly, and its adapter is one train.py starts from."""
 
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -136,6 +140,12 @@ def test_a_run_trains_checkpoints_resumes_exactly_and_hands_train_py_its_adapter
         ]
     )
     config.check_init_adapter(grpo)
+    # the adapter learned the answer template's prompts: another template is refused before the model loads
+    other, _, _ = config.parse_args(
+        ["--model", str(tiny_model_dir), "--lora-rank", "4", "--init-adapter", str(run_dir / "adapter")]
+    )
+    with pytest.raises(ValueError, match=r"posed the prompts with --template 'answer' \(this run: 'equation'\)"):
+        config.check_init_adapter(other)
     started, _, _, _ = train.build(grpo, grpo.init_adapter)
     for a, b in zip(lora.parameters(started), lora.parameters(whole)):
         assert torch.equal(a, b)
@@ -197,3 +207,56 @@ def test_the_presets_hold_the_grpo_stages_adapter_shape_and_prompt():
         )
     ]
     assert not missing, f"the SFT preset leaves {missing} to the defaults"
+
+
+def test_ctrl_c_exits_130_with_a_checkpoint_and_the_adapter_so_far(tiny_model_dir, tmp_path):
+    """As train.py: one Ctrl-C stops after the step in progress, checkpoints it and exits 130; sft.py also writes
+    the adapter so far, which train.py --init-adapter loads, and names the run it stopped, not a placeholder."""
+    run_dir = tmp_path / "stopped"
+    args = tiny_args(tiny_model_dir, tmp_path, "stopped", "--max-steps", "100000", "--checkpoint-every", "100000")
+    log = tmp_path / "sft.log"
+    with log.open("w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "sft.py", *args], cwd=Path(sft.__file__).parent, stdout=subprocess.DEVNULL, stderr=stderr
+        )
+    deadline = time.monotonic() + 300
+    while not ((run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").read_text().strip()):
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=300) == 130, log.read_text()
+    step = int((run_dir / "latest").read_text().rpartition("-")[2])
+    assert log.read_text().splitlines()[-1] == (
+        f"stopped at step {step}; the adapter so far is {run_dir / 'adapter'}; continue with: "
+        f"python sft.py --resume {run_dir}"
+    )
+    assert (run_dir / "config.toml").is_file() and "batch_tokens = 2048  # given" in (
+        run_dir / "config.toml"
+    ).read_text()
+    grpo, _, _ = config.parse_args(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--lora-rank",
+            "4",
+            "--template",
+            "answer",
+            "--init-adapter",
+            str(run_dir / "adapter"),
+        ]
+    )
+    config.check_init_adapter(grpo)
+    started, _, _, _ = train.build(grpo, grpo.init_adapter)
+    saved = lora.load(weights.from_pretrained(str(tiny_model_dir)), run_dir / latest_name(run_dir) / "adapter")
+    for a, b in zip(lora.parameters(started), lora.parameters(saved)):
+        assert torch.equal(a, b), "the adapter so far is the checkpoint's"
+
+
+def latest_name(run_dir: Path) -> str:
+    return (run_dir / "latest").read_text().strip()
+
+
+def test_a_finished_run_resumed_without_more_training_is_refused(tiny_model_dir, tmp_path):
+    run_sft(tiny_args(tiny_model_dir, tmp_path, "done", "--max-steps", "1"))
+    with pytest.raises(ValueError, match="the run is finished; give more --epochs or --max-steps"):
+        run_sft(["--resume", str(tmp_path / "done")])
