@@ -5,7 +5,8 @@ the best adapter.
 
     runs/NAME/.lock              held (flock) by the one process writing the run; it names that process
     runs/NAME/config.json        the run's settings, rewritten when a resume changes them
-    runs/NAME/config.toml        the settings of its latest start or resume, as `train.py --config` reads them
+    runs/NAME/config.toml        the settings of its latest start or resume, as `--config` reads them: each
+                                 value's origin, the derived ones as comments (config.to_toml)
     runs/NAME/metrics.jsonl      one JSON line per step; a resume that changes settings adds an event line
     runs/NAME/checkpoint-STEP/   adapter (PEFT format) + trainer.pt (optimizer, state, RNG); the two newest
                                  (a full run: shards/ + trainer.pt, see below)
