@@ -994,18 +994,19 @@ def resumed_config(cfg: Config | SFTConfig, given: set[str]) -> Config | SFTConf
         resumed = resolve(layers, make)
     except ValueError as error:
         raise ValueError(f"--resume {run_dir}: {error}") from None
-    check_finished(run_dir, resumed, saved)
     if not sft:  # the new flags among those that do nothing with the run's rule
         check_given(resumed, {name for name in typed(cfg) if current[name] != saved.get(name, current[name])})
     return resumed
 
 
-def check_finished(run_dir: Path, cfg: Config | SFTConfig, saved: dict) -> None:
+def check_finished(cfg: Config | SFTConfig) -> None:
     """A resume of a finished run must ask for more steps (train.py) or epochs or steps (sft.py): else it
-    would only print the old summary again."""
+    would only print the old summary again. (--plan and --print-config of a finished run are not refused.)"""
+    run_dir = Path(cfg.resume)
     summary = run_dir / "summary.json"
     if not summary.is_file():
         return
+    saved = saved_config(run_dir, (SFT_FIELDS if isinstance(cfg, SFTConfig) else FIELDS).keys())
     if isinstance(cfg, SFTConfig):
         if cfg.epochs == saved.get("epochs") and cfg.max_steps == saved.get("max_steps"):
             raise ValueError(

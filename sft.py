@@ -373,6 +373,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg, given = config.parse_sft_args(argv, description=__doc__)
         if cfg.resume:
             cfg = config.resumed_config(cfg, given)
+            config.check_finished(cfg)
         state = run(cfg)
     except train.USER_ERRORS as error:
         if train._inside_training(error, ("sft_step", "measure")):

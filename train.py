@@ -786,6 +786,8 @@ def main(argv: list[str] | None = None) -> None:
         cfg, given, show_plan = config.parse_args(argv, description=__doc__)
         if cfg.resume:
             cfg = config.resumed_config(cfg, given)
+            if not show_plan:
+                config.check_finished(cfg)
         if show_plan:
             sys.exit(0 if sizes.plan(cfg) else 1)
         with distributed.joined(config.resolve_device(cfg)[0], cfg.dist_timeout, group=not cfg.lora_rank) as world:
@@ -831,7 +833,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _sample(result: dict, other: dict | None = None) -> str:
-    """ " (n=N, k=K)" for an evaluation measured on another sample than `other` (or always without one), else ""."""
+    """The sample an evaluation measured, as " (n=N, k=K)", where it differs from `other`'s (always without
+    `other`); "" where it is the same."""
     if other is not None and (result["problems"], result["k"], result.get("sets", {}).keys()) == (
         other["problems"],
         other["k"],

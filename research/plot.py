@@ -189,7 +189,8 @@ def draw_panel(ax, panel: Panel, runs: Sequence[Run], colors, smooth: int) -> No
 
 
 def setting_note(name: str | None, runs: Sequence[Run]) -> str:
-    """ " (--max-new-tokens 16)" for a setting the runs logged, each run's value where they differ; "" without."""
+    """A title's note of a setting the runs logged, as "(--max-new-tokens 16)" on a line of its own, each run's
+    value where they differ; "" where none logged it."""
     values = {  # a GPPO cell's rule is a pair in config.json: kl-atomic
         run.name: "-".join(map(str, value)) if isinstance(value, list) else value
         for run in runs

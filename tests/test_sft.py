@@ -256,7 +256,12 @@ def latest_name(run_dir: Path) -> str:
     return (run_dir / "latest").read_text().strip()
 
 
-def test_a_finished_run_resumed_without_more_training_is_refused(tiny_model_dir, tmp_path):
+def test_a_finished_run_resumed_without_more_training_is_refused(tiny_model_dir, tmp_path, capsys):
     run_sft(tiny_args(tiny_model_dir, tmp_path, "done", "--max-steps", "1"))
-    with pytest.raises(ValueError, match="the run is finished; give more --epochs or --max-steps"):
-        run_sft(["--resume", str(tmp_path / "done")])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        sft.main(["--resume", str(tmp_path / "done")])
+    assert exit_info.value.code == 2 and capsys.readouterr().err == (
+        f"sft.py: --resume {tmp_path / 'done'}: the run is finished; give more --epochs or --max-steps to train it "
+        "further\n"
+    )
