@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import json
 import math
+import re
 import tomllib
 import warnings
 from dataclasses import dataclass, field
@@ -69,7 +70,7 @@ class Config:
         "the reward grades only what follows the last </think>",
         ("on", "off"),
     )
-    # rollout
+    # sampling
     prompts_per_step: int = opt(8, "distinct prompts sampled per step")
     group_size: int = opt(8, "completions per prompt (G)")
     max_new_tokens: int = opt(16, "completion length cap")
@@ -89,7 +90,6 @@ class Config:
     cuda_graphs: str = opt(
         "auto", "replay the decode step from CUDA graphs (auto: on, eager if capture fails)", ("auto", "on", "off")
     )
-    format_weight: float = opt(0.0, "reward in [0, 1) for an answer in the template's format, added to correctness")
     dynamic_sampling: int = opt(
         0,
         "DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476; verl's filter_groups): up to N sampler calls "
@@ -103,6 +103,7 @@ class Config:
         "the last L tokens before Lmax = --max-new-tokens; off",
     )
     # reward
+    format_weight: float = opt(0.0, "reward in [0, 1) for an answer in the template's format, added to correctness")
     reward_fn: tuple[str, ...] = opt(
         ("reward:math_reward",),
         "a reward function module:function with TRL's "
@@ -178,25 +179,29 @@ class Config:
     gpu_memory: float | None = opt(
         None, "GPU memory budget in GB for --plan and the automatic batch sizes; empty = the GPU's (80 without one)"
     )
-    world_size: int = opt(
-        0,
-        "processes the run is meant for: --plan plans each rank's memory for this many; 0 = "
-        "torchrun's (1 without it). A run trains on the processes torchrun starts",
-    )
     resume: str | None = opt(None, "run directory to continue from its last checkpoint")
-    dist_timeout: float = opt(
-        1800.0,
-        "under torchrun, seconds a process waits for the others (say, while rank 0 "
-        "writes a checkpoint) before it fails: a process died or hangs",
-    )
     export: str | None = opt(
         None,
         "after training, write merged HF weights to this new or empty directory; "
         "with --resume RUN --steps 0, export that run's last checkpoint and nothing else",
     )
+    preset: str | None = opt(None, "a named setup, a file configs/NAME.toml; --config and explicit flags override it")
+    # trackers
     log: str = opt("", "experiment trackers besides metrics.jsonl, comma-separated: tensorboard, wandb, trackio")
     log_project: str = opt("grpo", "the W&B and trackio project the run is logged under")
-    preset: str | None = opt(None, "a named setup, a file configs/NAME.toml; --config and explicit flags override it")
+    # distributed
+    world_size: int = opt(
+        0,
+        "processes the run is meant for: --plan plans each rank's memory for this many; 0 = "
+        "torchrun's (1 without it). A run trains on the processes torchrun starts",
+    )
+    dist_timeout: float = opt(
+        1800.0,
+        "under torchrun, seconds a process waits for the others (say, while rank 0 "
+        "writes a checkpoint) before it fails: a process died or hangs",
+    )
+    # not a flag: where each setting came from (resolve), for the run's record and for errors naming a file's key
+    origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
 
 def shared(name: str):
@@ -257,7 +262,10 @@ class SFTConfig:
     checkpoint_every: int = opt(50, "checkpoint every N optimizer steps (and at the end and on Ctrl-C)")
     resume: str | None = shared("resume")
     export: str | None = opt(None, "after training, write merged HF weights to this new or empty directory")
-    preset: str | None = opt(None, "a named setup, a file configs/sft/NAME.toml; explicit flags override it")
+    preset: str | None = opt(
+        None, "a named setup, a file configs/sft/NAME.toml; --config and explicit flags override it"
+    )
+    origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)  # not a flag, as Config's
 
 
 # The papers' runs are files, configs/NAME.toml, one per preset (a fork adds a recipe by copying one), and
@@ -341,6 +349,15 @@ def validate_sft(cfg: SFTConfig, need_device: bool = True) -> None:
         ),
         (cfg.eval_temperature >= 0, f"--eval-temperature {cfg.eval_temperature}: must be >= 0 (0 = greedy)"),
         (cfg.checkpoint_every >= 1, f"--checkpoint-every {cfg.checkpoint_every}: must be >= 1"),
+        (
+            not cfg.eval_dataset or all(name.strip() for name in cfg.eval_dataset.split(",")),
+            f"--eval-dataset {cfg.eval_dataset!r}: an empty name between commas; give names separated by commas "
+            '(or "" for none)',
+        ),
+        (
+            cfg.template in TEMPLATES or "{problem}" in cfg.template,
+            f"--template {cfg.template!r}: expected one of {', '.join(TEMPLATES)}, or a string containing '{{problem}}'",
+        ),
     ):
         if not ok:
             raise ValueError(message)
@@ -360,6 +377,27 @@ def check_init_adapter(cfg) -> None:
     ]
     if differ:
         raise ValueError(f"--init-adapter {cfg.init_adapter}: its shape differs from this run's: {'; '.join(differ)}")
+    # an adapter of a run (RUN/adapter, RUN/best, RUN/checkpoint-N/adapter) learned the prompts of that run's settings
+    adapter = Path(cfg.init_adapter).resolve()
+    run_settings = next(
+        (p / "config.json" for p in (adapter.parent, adapter.parent.parent) if (p / "config.json").is_file()), None
+    )
+    if run_settings is None:
+        return
+    try:
+        trained = json.loads(run_settings.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return  # not a run's settings file: nothing to compare with
+    prompts = [
+        f"{_flag(name)} {trained[name]!r} (this run: {getattr(cfg, name)!r})"
+        for name in ("template", "system_prompt", "thinking")
+        if isinstance(trained, dict) and name in trained and trained[name] != getattr(cfg, name)
+    ]
+    if prompts:
+        raise ValueError(
+            f"--init-adapter {cfg.init_adapter}: its run ({run_settings}) posed the prompts with {'; '.join(prompts)}; "
+            "give the same prompt flags, so the adapter continues with the prompts it learned"
+        )
 
 
 def _text(values) -> str:
@@ -477,6 +515,14 @@ def _checks(cfg: Config, need_device: bool):
         f"--format-weight needs a template that asks for a format ({', '.join(reward.ANSWER_FORMATS)}), "
         f"not {cfg.template!r}",
     )
+    yield (
+        all(name.strip() for name in cfg.eval_dataset.split(",")),
+        f"--eval-dataset {cfg.eval_dataset!r}: an empty name between commas; give names separated by commas",
+    )
+    yield (
+        not cfg.log or all(name.strip() for name in cfg.log.split(",")),
+        f"--log {cfg.log!r}: an empty name between commas; give tracker names separated by commas",
+    )
     yield cfg.code_timeout > 0, f"--code-timeout {cfg.code_timeout}: must be a positive number of seconds"
     yield len(cfg.reward_fn) >= 1, "--reward-fn: give at least one reward function (module:function)"
     yield (
@@ -534,19 +580,30 @@ def check_model(cfg: Config, model_cfg) -> None:
 BUILT_IN_REWARDS = {"reward:math_reward": "math", "sandbox:code_reward": "code"}  # a built-in -> what it grades
 
 
-def check_reward_functions(cfg: Config, problems: list[dict]) -> None:
-    """Each kind of training problem graded: with built-in reward functions only, a kind none of them grades
-    (code problems under the default reward:math_reward) would earn nothing, so it fails here. A function of
-    your own may grade any row, and is trusted to."""
+def check_reward_functions(cfg: Config, problems: list[dict], eval_sets: dict[str, list[dict]] | None = None) -> None:
+    """Each kind of problem graded, in training and in the held-out sets: with built-in reward functions only,
+    a kind none of them grades (code problems under the default reward:math_reward) would earn nothing, or
+    measure a run on a task it never trained for, so it fails here. A function of your own may grade any row,
+    and is trusted to."""
     if not set(cfg.reward_fn) <= BUILT_IN_REWARDS.keys():
         return
-    kinds = {"code" if p.get("task") == "code" else "math" for p in problems}
-    for kind in sorted(kinds - {BUILT_IN_REWARDS[spec] for spec in cfg.reward_fn}):
-        spec = next(spec for spec, graded in BUILT_IN_REWARDS.items() if graded == kind)
-        raise ValueError(
-            f"--dataset {cfg.dataset} holds {kind} problems, which no --reward-fn grades "
-            f"({', '.join(cfg.reward_fn)}): add --reward-fn {spec}"
-        )
+    graded = {BUILT_IN_REWARDS[spec] for spec in cfg.reward_fn}
+    sets = [
+        ("--dataset", cfg.dataset, problems),
+        *(("--eval-dataset", name, p) for name, p in (eval_sets or {}).items()),
+    ]
+    for flag, name, rows in sets:
+        kinds = {"code" if p.get("task") == "code" else "math" for p in rows}
+        for kind in sorted(kinds - graded):
+            spec = next(spec for spec, grades in BUILT_IN_REWARDS.items() if grades == kind)
+            raise ValueError(
+                f"{flag} {name} holds {kind} problems, which no --reward-fn grades ({', '.join(cfg.reward_fn)}): "
+                + (
+                    f"add --reward-fn {spec}"
+                    if flag == "--dataset"
+                    else f"evaluate on a set of {', '.join(graded)} problems, or train with --reward-fn {spec}"
+                )
+            )
 
 
 def check_prompts(cfg: Config, problems: list[dict], tokenizer, context: int, dataset: str) -> None:
@@ -608,84 +665,240 @@ def check_given(cfg: Config, given: set[str]) -> None:
 
 
 LOSS_FIELDS = {f.name: f for f in dataclasses.fields(loss.LossConfig)}
-TRAIN_FIELDS = {f.name: f for f in dataclasses.fields(Config) if f.name != "loss"}
-SFT_FIELDS = {f.name: f for f in dataclasses.fields(SFTConfig)}
+NOT_FLAGS = ("loss", "origins")  # the loss's fields are flags of their own; origins says where the others came from
+TRAIN_FIELDS = {f.name: f for f in dataclasses.fields(Config) if f.name not in NOT_FLAGS}
+SFT_FIELDS = {f.name: f for f in dataclasses.fields(SFTConfig) if f.name not in NOT_FLAGS}
+FIELDS = {**TRAIN_FIELDS, **LOSS_FIELDS}
 assert not LOSS_FIELDS.keys() & TRAIN_FIELDS.keys(), "a flag name would mean two settings"
+
+# --help's groups, each from its first field to the next group's, in the dataclasses' order (the loss's last)
+TRAIN_GROUPS = {
+    "model": "model",
+    "data": "dataset",
+    "sampling": "prompts_per_step",
+    "reward": "format_weight",
+    "optimisation": "steps",
+    "loss": "rule",
+    "evaluation": "eval_every",
+    "run": "run_name",
+    "trackers": "log",
+    "distributed": "world_size",
+}
+SFT_GROUPS = {
+    "model": "model",
+    "data": "dataset",
+    "optimisation": "epochs",
+    "evaluation": "eval_problems",
+    "run": "run_name",
+}
+
+# Where a value came from (Config.origins): the command line, "preset NAME", or a settings file's path. A value no
+# source gives is the default, or derived from the others; a derived one is written as a comment (to_toml).
+FLAG = "given"
+DERIVED = "derived"
+# A derived value follows the settings it derives from: one that a preset, a file or the resumed run gave is set
+# aside when a later source changes one of those, so that `--rule grpo` over ATR's preset clips with grpo's size,
+# not ATR's. A rule's own defaults are the LossConfig fields that loss.Rule declares.
+RULE_OWNED = tuple(f.name for f in dataclasses.fields(loss.Rule) if f.name in LOSS_FIELDS)
+FOLLOWS = {**{name: ("rule",) for name in RULE_OWNED}, "delta_high": ("rule", "delta"), "norm_len": ("max_new_tokens",)}
+PLANNED = ("rollout_batch", "kv_blocks", "grad_accum", "eval_batch")  # 0: chosen by the memory plan (engine/sizes.py)
 
 
 def parse_args(argv: list[str] | None = None, description: str | None = None) -> tuple[Config, set[str], bool]:
     """Every Config and LossConfig field is a flag. The settings come, each overriding the one before, from the
-    defaults, the preset, the --config file and the flags given.
+    defaults, the preset, the --config file and the flags given; what none of them gives is derived (resolve).
 
     Returns the config, the names of the fields given explicitly (by flag or file: they win over a resumed
-    run's) and whether --plan was asked. --print-config prints the resolved settings as TOML and exits.
+    run's) and whether --plan was asked. --print-config prints the settings as TOML, each line saying where
+    its value came from, and exits; --help-rules lists the rules.
     """
-    parser = OneLineErrors(
-        prog="train.py",
-        description=description,
-        allow_abbrev=False,  # --step is not --steps
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = _parser("train.py", description, FIELDS, TRAIN_GROUPS)
     parser.add_argument(
         "--plan",
         action="store_true",
         help="print the GPU memory of each phase and exit (0: fits, 1: does not); loads no weights",
     )
+    parser.add_argument("--help-rules", action=RulesHelp, help="list the clip rules, one line each, and exit")
+    cfg, given, extra = _parse(parser, argv, PRESETS, CONFIGS, make_config)
+    if cfg.resume is None:  # a resume checks them against the run's own settings (resumed_config)
+        check_given(cfg, typed(cfg))  # the flags typed, not a settings file's every value
+    if extra["print_config"]:
+        print(to_toml(resumed_config(cfg, given) if cfg.resume else cfg), end="")
+        parser.exit(0)
+    return cfg, given, extra["plan"]
+
+
+def parse_sft_args(argv: list[str] | None = None, description: str | None = None) -> tuple[SFTConfig, set[str]]:
+    """sft.py's flags, one per SFTConfig field, read as train.py reads its own: a preset (configs/sft/NAME.toml),
+    a --config file and the flags, each overriding the one before; --print-config. Returns the config and the
+    names of the fields given explicitly."""
+    parser = _parser("sft.py", description, SFT_FIELDS, SFT_GROUPS)
+    cfg, given, extra = _parse(parser, argv, SFT_PRESETS, CONFIGS / "sft", make_sft_config)
+    if extra["print_config"]:
+        print(to_toml(resumed_config(cfg, given) if cfg.resume else cfg), end="")
+        parser.exit(0)
+    return cfg, given
+
+
+def _parser(prog: str, description: str | None, fields: dict, groups: dict[str, str]) -> argparse.ArgumentParser:
+    """The command line of a trainer: one flag per field in its group, --config and --print-config."""
+    parser = OneLineErrors(
+        prog=prog,
+        usage=f"{prog} [-h] [--config FILE.toml] [--print-config] [--FLAG VALUE ...]",
+        description=description,
+        allow_abbrev=False,  # --step is not --steps
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "--config",
         metavar="FILE.toml",
-        help="settings from a TOML file (keys are the flags' "
-        "names, such as lora_rank; a run's config.toml works as is); flags given override it",
+        help="settings from a TOML file (keys are the flags' names, such as lora_rank; a run's config.toml works "
+        "as is); flags given override it",
     )
     parser.add_argument(
         "--print-config",
         action="store_true",
-        help="print the resolved settings as TOML, the file --config reads, and exit",
+        help="print the settings as TOML, the file --config reads, each value marked as given, from the preset or "
+        "file, default or derived, and exit",
     )
-    add_flags(parser, [*TRAIN_FIELDS.values(), *LOSS_FIELDS.values()])
-    given = vars(parser.parse_args(argv))  # only the flags on the command line
-    show_plan, print_config, config_file = given.pop("plan"), given.pop("print_config"), given.pop("config", None)
-    from_file = read_toml(config_file, "--config") if config_file else {}
-    preset = given.get("preset", from_file.get("preset"))
-    if preset is not None and preset not in PRESETS:
-        parser.error(f"--preset {preset!r} is unknown; known presets: {', '.join(PRESETS)} (files in {CONFIGS})")
-    cfg = make_config({**PRESETS.get(preset, {}), **from_file, **given})
-    if "resume" not in given:  # a resume checks them against the run's own settings (resumed_config)
-        check_given(cfg, set(given))  # the flags typed, not a settings file's every value
-    given = set(from_file) | set(given)
-    if print_config:
-        print(to_toml(resumed_config(cfg, given) if cfg.resume else cfg), end="")
-        parser.exit(0)
-    return cfg, given, show_plan
+    sections = {first: parser.add_argument_group(title) for title, first in groups.items()}  # shown in this order
+    group = parser
+    for name, f in fields.items():
+        group = sections.get(name, group)
+        add_flag(group, f)
+    return parser
 
 
-def parse_sft_args(argv: list[str] | None = None, description: str | None = None) -> tuple[SFTConfig, set[str]]:
-    """sft.py's flags, one per SFTConfig field; a preset (configs/sft/NAME.toml) fills defaults that flags
-    override. Returns the config and the names of the fields given explicitly."""
-    parser = OneLineErrors(prog="sft.py", description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_flags(parser, SFT_FIELDS.values())
-    given = vars(parser.parse_args(argv))
-    preset = given.get("preset")
-    if preset is not None and preset not in SFT_PRESETS:
-        parser.error(
-            f"--preset {preset!r} is unknown; known presets: {', '.join(SFT_PRESETS)} (files in {CONFIGS / 'sft'})"
+def _parse(parser, argv, presets: dict, folder: Path, make) -> tuple[Config | SFTConfig, set[str], dict]:
+    """The config of a command line, the names it gives (by file or flag), and its other arguments."""
+    args = vars(parser.parse_args(argv))  # a field's flag is present only when given
+    extra = {name: args.pop(name) for name in list(args) if name not in FIELDS and name not in SFT_FIELDS}
+    file = extra.pop("config")
+    from_file = read_toml(file, "--config", SFT_FIELDS if make is make_sft_config else FIELDS) if file else {}
+    preset = args.get("preset", from_file.get("preset"))
+    if preset is not None and preset not in presets:
+        parser.error(f"--preset {preset!r} is unknown; known presets: {', '.join(presets)} (files in {folder})")
+    cfg = resolve([(f"preset {preset}", presets.get(preset, {})), (file, from_file), (FLAG, args)], make)
+    return cfg, {name for name, origin in cfg.origins.items() if origin in (file, FLAG)}, extra
+
+
+def resolve(layers: list[tuple[str | None, dict]], make) -> Config | SFTConfig:
+    """The config of layers of settings, each (where from, {name: value}) overriding the ones before it (a
+    preset, a file, the flags); make builds it (make_config, make_sft_config), deriving what none gives.
+
+    A value that follows others (FOLLOWS) and was given under other values of them is set aside, to be
+    derived again; its origin says so. An invalid value is a ValueError naming where it came from: its flag,
+    or the file (or preset) and key."""
+    merged, origins, given_with = {}, {}, {}
+    for source, values in layers:
+        merged.update(values)
+        origins.update(dict.fromkeys(values, source))
+        for name in values.keys() & FOLLOWS.keys():
+            given_with[name] = {parent: _same(merged.get(parent, FIELDS[parent].default)) for parent in FOLLOWS[name]}
+    for name in FOLLOWS:  # in order: delta before delta_high, which follows it
+        moved = [
+            (parent, then)
+            for parent, then in given_with.get(name, {}).items()
+            if _same(merged.get(parent, FIELDS[parent].default)) != then
+        ]
+        if moved:
+            parent, then = moved[0]
+            origins[name] = f"{DERIVED}: {origins[name]} set {_toml_text(merged.pop(name))} for {_flag(parent)} {then}"
+    try:
+        cfg = make(merged)
+    except ValueError as error:
+        raise blamed(error, origins) from None
+    return dataclasses.replace(cfg, origins=origins)
+
+
+def _same(value) -> str:
+    """A value as text, the same for every spelling of it (a GPPO cell as "kl-atomic" or a pair)."""
+    return (
+        "-".join(value) if isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value) else str(value)
+    )
+
+
+def blamed(error: ValueError, origins: dict[str, str]) -> ValueError:
+    """An error about a flag ("--steps -1: ...") whose value came from a file or preset, naming that file and key
+    instead ("mine.toml: steps -1: ..."): the user typed no such flag."""
+    match = re.match(r"--([a-z0-9-]+)", str(error))
+    source = match and origins.get(match[1].replace("-", "_"))
+    if not source or source == FLAG or source.startswith(DERIVED):
+        return error
+    return ValueError(f"{source}: {match[1].replace('-', '_')}{str(error)[match.end() :]}")
+
+
+def typed(cfg: Config | SFTConfig) -> set[str]:
+    """The settings given as flags on the command line."""
+    return {name for name, origin in cfg.origins.items() if origin == FLAG}
+
+
+def is_derived(cfg: Config | SFTConfig, name: str) -> bool:
+    """Whether a setting's value was derived from the others (no source gave it, and it is not the default)."""
+    origin = cfg.origins.get(name)
+    if (
+        isinstance(cfg, SFTConfig)
+        or name not in (*FOLLOWS, *PLANNED)
+        or (origin is not None and not origin.startswith(DERIVED))
+    ):
+        return False
+    return json.dumps(flat_config(cfg)[name]) != json.dumps(FIELDS[name].default)
+
+
+def derivation(cfg: Config, name: str) -> str:
+    """Why a derived setting has its value, for --print-config and the run's config.toml."""
+    rule, shown = loss.get_rule(cfg.loss.rule), _same(cfg.loss.rule)
+    if name in PLANNED:
+        why = "chosen by the memory plan for this machine (engine/sizes.py); 0 asks for it again"
+    elif name == "norm_len":
+        why = f"from --max-new-tokens {cfg.max_new_tokens}"
+    elif name == "delta":
+        why = f"rule {shown}'s default"
+    elif name == "delta_high":
+        why = f"from --delta {cfg.loss.delta:g}" + (
+            f" x rule {shown}'s ratio {rule.delta_high / rule.delta:g}" if rule.delta_high else ""
         )
-    return make_sft_config({**SFT_PRESETS.get(preset, {}), **given}), set(given)
+    else:
+        why = f"rule {shown}'s own" if getattr(rule, name) else f"the default of a rule without its own {name}"
+    origin = cfg.origins.get(name, "")
+    return f"{DERIVED}: {why}" + (f"; {origin.partition(': ')[2]}" if origin.startswith(DERIVED) else "")
 
 
-def add_flags(parser: argparse.ArgumentParser, fields) -> None:
-    """One flag per dataclass field, its help the field's; unset flags stay out of the parsed namespace."""
-    for f in fields:
-        help_text = f"{f.metadata.get('help', '')} (default: {_default_text(f)})"
-        flag = "--" + f.name.replace("_", "-")
-        if _type_text(f) == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
-        elif _type_text(f) == "tuple[str, ...]":  # repeatable: --reward-fn a:f --reward-fn b:g
-            parser.add_argument(flag, action="append", default=argparse.SUPPRESS, help=help_text)
-        else:
-            parser.add_argument(
-                flag, type=_parser_of(f), choices=f.metadata.get("choices"), default=argparse.SUPPRESS, help=help_text
-            )
+class RulesHelp(argparse.Action):
+    """--help-rules: every rule of loss.py's registry in one line: its interval at mu = 0.5, its default sizes
+    and aggregation, the settings it reads."""
+
+    def __init__(self, option_strings, dest, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        lines = [f"rules (--rule NAME; {len(loss.RULES)} in loss.py's registry):"]
+        for name, rule in loss.RULES.items():
+            cfg = loss.LossConfig(rule=name)
+            region = "soft, no interval"
+            if rule.bounds is not None:
+                lo, hi = (float(bound) for bound in loss.ratio_bounds(name, None, 0.5))
+                region = f"w in [{lo:.4g}, {hi:.4g}] at mu 0.5"
+            sizes = f"delta {cfg.delta:.4g}" if cfg.delta is not None else "no size"
+            if "delta_high" in rule.settings:
+                sizes += f", delta_high {cfg.delta_high:.4g}"
+            lines.append(f"  {name:<17} {region}; {sizes}; {cfg.aggregation}; reads {', '.join(rule.settings)}")
+        print("\n".join(lines))  # on stdout, as --help
+        parser.exit(0)
+
+
+def add_flag(parser, f: dataclasses.Field) -> None:
+    """The flag of a dataclass field, its help the field's; an unset flag stays out of the parsed namespace."""
+    help_text = f"{f.metadata.get('help', '')} (default: {_default_text(f)})"
+    flag = _flag(f.name)
+    if _type_text(f) == "bool":
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+    elif _type_text(f) == "tuple[str, ...]":  # repeatable: --reward-fn a:f --reward-fn b:g
+        parser.add_argument(flag, action="append", default=argparse.SUPPRESS, help=help_text)
+    else:
+        parser.add_argument(
+            flag, type=_parser_of(f), choices=f.metadata.get("choices"), default=argparse.SUPPRESS, help=help_text
+        )
 
 
 class OneLineErrors(argparse.ArgumentParser):
@@ -720,7 +933,7 @@ def make_config(values: dict) -> Config:
 def flat_config(cfg: Config | SFTConfig) -> dict:
     """The settings as one flat dict, as the command line names them (the inverse of make_config)."""
     if isinstance(cfg, SFTConfig):
-        return dataclasses.asdict(cfg)
+        return {name: getattr(cfg, name) for name in SFT_FIELDS}
     values = {name: getattr(cfg, name) for name in TRAIN_FIELDS}
     return {**values, **dataclasses.asdict(cfg.loss)}
 
@@ -740,8 +953,17 @@ def _type_text(f: dataclasses.Field) -> str:
 
 
 def _default_text(f: dataclasses.Field) -> str:
+    """A field's default as a user types it: a list comma-separated, a switch as its flag, nothing as empty."""
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-    return "empty" if default is None else str(default)
+    if default is None or default == "":
+        return "empty"
+    if isinstance(default, bool):
+        return _flag(f.name) if default else "--no-" + _flag(f.name)[2:]
+    if isinstance(default, (tuple, list)):
+        return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in default)
+    if isinstance(default, str) and " " in default:
+        return json.dumps(default)  # quoted, as a shell takes it
+    return f"{default:g}" if isinstance(default, float) else str(default)
 
 
 def _parser_of(f: dataclasses.Field):
@@ -768,13 +990,17 @@ FIXED_ON_RESUME = ("model", "lora_rank", "lora_alpha", "lora_targets")
 
 
 def resumed_config(cfg: Config | SFTConfig, given: set[str]) -> Config | SFTConfig:
-    """The saved run's config, with the flags given on this command line on top (e.g. more --steps); sft.py's
-    runs too.
+    """The resumed run's settings, resolved again: its preset, what its config.toml records as given, then the
+    settings given on this command line (e.g. more --steps); sft.py's runs too. What none of them gives is
+    derived again, so `--rule dapo` clips with dapo's delta_high.
 
     Flags that would name another run, or that the run's adapters cannot follow, are refused when they
-    differ from the run's own. What the resumed run changes is recorded in the run by rundir.open_run."""
+    differ from the run's own, as is a resume of a finished run that asks for no more steps. What the resumed
+    run changes, derived values included, is recorded in the run by rundir.open_run."""
     run_dir = Path(cfg.resume)
-    saved = saved_config(run_dir, SFT_FIELDS.keys() if isinstance(cfg, SFTConfig) else None)
+    sft = isinstance(cfg, SFTConfig)
+    fields, presets, make = (SFT_FIELDS, SFT_PRESETS, make_sft_config) if sft else (FIELDS, PRESETS, make_config)
+    saved = saved_config(run_dir, fields.keys())
     current = json.loads(json.dumps(flat_config(cfg)))  # tuples as JSON lists, as the saved values are
     # the run's own config.toml given with --config names the run as it is: only a change is refused
     refused = [name for name in NAMES_THE_RUN if name in given and current[name] != saved.get(name)] + [
@@ -783,32 +1009,61 @@ def resumed_config(cfg: Config | SFTConfig, given: set[str]) -> Config | SFTConf
     if refused:
         flags = ", ".join(_flag(name) for name in refused)
         raise ValueError(f"--resume {run_dir} continues that run with its own settings; {flags} cannot change them")
-    if isinstance(cfg, SFTConfig):
-        return make_sft_config(
-            {
-                **saved,
-                **{name: current[name] for name in given},
-                "run_name": run_dir.name,
-                "out_dir": str(run_dir.parent),
-                "resume": str(run_dir),
-            }
-        )
-    if "steps" in given and cfg.steps == 0 and not cfg.export:
+    if not sft and "steps" in given and cfg.steps == 0 and not cfg.export:
         raise ValueError(
             f"--resume {run_dir} --steps 0 trains and evaluates nothing; add --export DIR to export "
             "the run's last checkpoint"
         )
-    merged = {**saved, **{name: current[name] for name in given}}
-    merged.update(run_name=run_dir.name, out_dir=str(run_dir.parent), resume=str(run_dir))
+    record = run_dir / "config.toml"  # what the run was given, its derived values as comments
+    base = read_toml(record, "--resume", fields) if record.is_file() else saved
+    flat = flat_config(cfg)
+    from_file = {name: flat[name] for name in given if cfg.origins.get(name) != FLAG}  # a --config file's
+    layers = [
+        (f"preset {base.get('preset')}", presets.get(base.get("preset"), {})),
+        (str(record), {name: value for name, value in base.items() if name not in NOT_WRITTEN}),
+        (next((cfg.origins[name] for name in from_file), None), from_file),
+        (FLAG, {name: flat[name] for name in given if cfg.origins.get(name) == FLAG}),
+        (f"--resume {run_dir}", {"run_name": run_dir.name, "out_dir": str(run_dir.parent), "resume": str(run_dir)}),
+    ]
     try:
-        resumed = make_config(merged)
+        resumed = resolve(layers, make)
     except ValueError as error:
         raise ValueError(f"--resume {run_dir}: {error}") from None
-    check_given(resumed, {name for name in given if current[name] != saved.get(name, current[name])})  # new ones
+    if not sft:  # the new flags among those that do nothing with the run's rule
+        check_given(resumed, {name for name in typed(cfg) if current[name] != saved.get(name, current[name])})
     return resumed
 
 
-def saved_config(run_dir: Path, known: set[str] | None = None) -> dict:
+def check_finished(cfg: Config | SFTConfig) -> None:
+    """A resume of a finished run must ask for more steps (train.py) or epochs or steps (sft.py): else it
+    would only print the old summary again. (--plan and --print-config of a finished run are not refused.)"""
+    run_dir = Path(cfg.resume)
+    summary = run_dir / "summary.json"
+    if not summary.is_file():
+        return
+    saved = saved_config(run_dir, (SFT_FIELDS if isinstance(cfg, SFTConfig) else FIELDS).keys())
+    if isinstance(cfg, SFTConfig):
+        if cfg.epochs == saved.get("epochs") and cfg.max_steps == saved.get("max_steps"):
+            raise ValueError(
+                f"--resume {run_dir}: the run is finished; give more --epochs or --max-steps to train it further"
+            )
+        return
+    finished = json.loads(summary.read_text()).get("step", _latest_step(run_dir))
+    if finished is not None and cfg.steps <= finished and not (cfg.steps == 0 and cfg.export):
+        raise ValueError(
+            f"--resume {run_dir}: the run finished its {finished} steps; give --steps N with N above {finished} "
+            "to train it further (or --steps 0 --export DIR to export it)"
+        )
+
+
+def _latest_step(run_dir: Path) -> int | None:
+    """The step of the checkpoint a run's `latest` names (checkpoint-000020: 20)."""
+    latest = run_dir / "latest"
+    name = latest.read_text().strip() if latest.is_file() else ""
+    return int(name.rpartition("-")[2]) if name.rpartition("-")[2].isdigit() else None
+
+
+def saved_config(run_dir: Path, known=None) -> dict:
     """A run's config.json, checked: valid JSON holding only known settings (the file is named if not);
     known: the settings of its command (train.py's by default, sft.py's for an SFT run)."""
     saved_file = run_dir / "config.json"
@@ -820,14 +1075,15 @@ def saved_config(run_dir: Path, known: set[str] | None = None) -> dict:
         raise ValueError(f"{saved_file}: not valid JSON ({error}); it holds the run's settings: restore it") from None
     if not isinstance(saved, dict):
         raise ValueError(f"{saved_file}: expected a JSON object of settings, got {type(saved).__name__}")
-    unknown = sorted(saved.keys() - (known or TRAIN_FIELDS.keys() | LOSS_FIELDS.keys()))
+    unknown = sorted(saved.keys() - (known or FIELDS.keys()))
     if unknown:
         raise ValueError(f"{saved_file}: unknown settings {', '.join(unknown)}")
     return saved
 
 
-def changed_settings(saved: dict, cfg: Config) -> dict[str, list]:
-    """{name: [saved value, new value]} for every setting of cfg that differs from the saved run's."""
+def changed_settings(saved: dict, cfg: Config | SFTConfig) -> dict[str, list]:
+    """{name: [saved value, new value]} for every setting of cfg that differs from the saved run's, derived
+    ones included (a new rule's delta_high, the sizes the plan chose for another machine)."""
     current = json.loads(json.dumps(flat_config(cfg)))
     return {
         name: [saved.get(name), value]
@@ -838,7 +1094,6 @@ def changed_settings(saved: dict, cfg: Config) -> dict[str, list]:
 
 # ----------------------------------------------------------------------------- settings files
 
-FIELDS = {**TRAIN_FIELDS, **LOSS_FIELDS}
 NOT_WRITTEN = ("resume",)  # what to do, not how: a written config.toml starts a run, it does not continue one
 
 
@@ -894,20 +1149,32 @@ def _expected(kinds: list[str]) -> str:
     return " or ".join(words.get(kind, "a list" if kind.startswith("tuple") else kind) for kind in kinds)
 
 
-def to_toml(cfg: Config) -> str:
-    """The settings as the TOML file read_toml reads back into the same Config (resume left out)."""
+def to_toml(cfg: Config | SFTConfig) -> str:
+    """The settings as the TOML file read_toml reads back into the same config (resume left out). Each line
+    says where its value came from (Config.origins): given, the preset or file, or the default; a derived
+    value is a comment saying why, so that the file given with other flags derives it again from them."""
+    sft = isinstance(cfg, SFTConfig)
+    program = "sft.py" if sft else "train.py"
     lines = [
-        "# train.py settings: `python train.py --config THIS_FILE` runs them (flags given with it override).",
-        '# Keys are the flags\' names; "" is an empty setting, as on the command line.',
+        f"# {program} settings: `python {program} --config THIS_FILE` runs them (flags given with it override).",
+        '# Keys are the flags\' names; "" is an empty setting, as on the command line. A derived value is a comment:',
+        "# given with other flags, this file derives it again from them.",
         "",
     ]
     values = flat_config(cfg)
-    for name in FIELDS:
+    for name in SFT_FIELDS if sft else FIELDS:
         if name == next(iter(LOSS_FIELDS)):
             lines += ["", "# the loss (loss.LossConfig)"]
-        if name not in NOT_WRITTEN:
-            value = "-".join(values[name]) if name == "rule" and isinstance(values[name], tuple) else values[name]
-            lines.append(f"{name} = {_toml_text(value)}")
+        if name in NOT_WRITTEN:
+            continue
+        value = "-".join(values[name]) if name == "rule" and isinstance(values[name], tuple) else values[name]
+        line = f"{name} = {_toml_text(value)}"
+        if not cfg.origins:  # a config built in code: every value as it is
+            lines.append(line)
+        elif is_derived(cfg, name):
+            lines.append(f"# {line}  ({derivation(cfg, name)})")
+        else:
+            lines.append(f"{line}  # {cfg.origins.get(name, 'default')}")
     return "\n".join(lines) + "\n"
 
 

@@ -24,6 +24,7 @@ during and after training, so a run and this command measure the same way.
 """
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -704,8 +705,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--run",
         default=None,
         metavar="RUN",
-        help="a train.py run directory: its model, template, "
-        "system prompt, sampling, held-out sets, k and last adapter (--checkpoint), unless flags say otherwise",
+        help="a train.py or sft.py run directory: its model, template, system prompt, sampling, held-out sets, k "
+        "and last adapter (--checkpoint), unless flags say otherwise",
     )
     parser.add_argument(
         "--checkpoint",
@@ -846,17 +847,19 @@ def take_run_settings(args: argparse.Namespace) -> list[str]:
     0 = all) leave eval.py's own defaults."""
     saved_file = Path(args.run) / "config.json"
     if not saved_file.is_file():
-        raise FileNotFoundError(f"--run {args.run}: not a run directory of train.py (no config.json)")
+        raise FileNotFoundError(f"--run {args.run}: not a run directory of train.py or sft.py (no config.json)")
     try:
         saved = json.loads(saved_file.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"--run {args.run}: {saved_file} is not valid JSON ({error})") from None
+    if "batch_tokens" in saved:  # an sft.py run: it samples its held-out sets with evaluate's own top_p
+        saved = {**saved, "top_p": inspect.signature(evaluate).parameters["top_p"].default}
     filled = []
     for flag, key in RUN_SETTINGS.items():
         value = saved.get(key)
         if not hasattr(args, flag) or getattr(args, flag) is not None or key not in saved:
             continue  # given on the command line, or a setting this run or this eval.py does not have
-        if (flag, value) in (("dtype", "auto"), ("limit", 0)):
+        if (flag, value) in (("dtype", "auto"), ("limit", 0), ("bench", "")):  # automatic, or no set of its own
             continue
         setattr(args, flag, value)
         filled.append(flag)
@@ -879,9 +882,9 @@ def take_run_settings(args: argparse.Namespace) -> list[str]:
 
 def resolve_adapter(path: str, checkpoint: str = "last") -> tuple[Path, str]:
     """(adapter directory, what it is): a PEFT adapter directory as given, or a run directory's last adapter
-    (its newest checkpoint's) or, with checkpoint "best", the adapter best on its validation split. The
-    default is the last: a best chosen during training is a selection, and the run chose it on its
-    validation split, never on the held-out sets. A ValueError naming --adapter when it is neither."""
+    (an sft.py run's adapter, else its newest checkpoint's) or, with checkpoint "best", the adapter best on its
+    validation split. The default is the last: a best chosen during training is a selection, and the run chose
+    it on its validation split, never on the held-out sets. A ValueError naming --adapter when it is neither."""
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"--adapter: directory {path} does not exist")
@@ -898,6 +901,8 @@ def resolve_adapter(path: str, checkpoint: str = "last") -> tuple[Path, str]:
             else "the run's best on its validation split so far"
         )
         return folder / "best", what
+    if (folder / "adapter" / "adapter_config.json").is_file():  # an sft.py run's: at its end, or when it stopped
+        return folder / "adapter", "the supervised run's adapter"
     latest = folder / "latest"
     if latest.is_file() and (folder / latest.read_text().strip() / "adapter" / "adapter_config.json").is_file():
         name = latest.read_text().strip()

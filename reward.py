@@ -25,6 +25,7 @@ grades a step that mixes the two, each row by its task.
 
 import json
 import math
+import os
 import re
 import sys
 import warnings
@@ -983,12 +984,25 @@ def main(argv: list[str]) -> int:
     parser.add_argument("prediction", metavar="PRED", help="a completion or a bare answer")
     parser.add_argument("gold", metavar="GOLD", help="the reference answer")
     parser.add_argument("--problem", help="the question answered: an answer restating its arithmetic is wrong")
+    from data.templates import TEMPLATES  # the command line's alone: the checker itself needs no prompts
+
     parser.add_argument(
         "--template",
+        choices=list(TEMPLATES),
         help="the prompt template of data/templates.py that posed it (equation: the "
         "answer is what follows the last '=')",
     )
     args = parser.parse_args(argv)
+    try:
+        report(args)
+        sys.stdout.flush()  # inside the try: a pipe's reader may be gone already
+    except BrokenPipeError:  # `reward.py ... | head -1`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout
+    return 0
+
+
+def report(args) -> None:
+    """The verdict, then each side as extracted and as normalized."""
     verdict = grade(args.prediction, args.gold, problem=args.problem, template=args.template)
     print(f"verdict: {'correct' if verdict else 'wrong'}")
     answer = split_thinking(args.prediction).answer
@@ -1000,7 +1014,6 @@ def main(argv: list[str]) -> int:
         print(f"{side}:\n  extracted:  {extracted!r}\n  normalized: {normalized[side]!r}")
     if args.problem is not None and normalized["prediction"] and restates_problem(*normalized.values(), args.problem):
         print("restates the problem: an unevaluated expression over the problem's own numbers is not an answer")
-    return 0
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ system prompt, the thinking switch) followed by its worked solution, ending in t
 template asks for (data.render_solution), then the end-of-turn token. The loss is the mean
 cross-entropy over those reply tokens; prompt tokens carry none. The model, LoRA, weights and the
 run directory are train.py's (model.py, lora.py, infra/weights.py, infra/rundir.py): checkpoints are atomic,
-metrics.jsonl has a line per optimizer step, Ctrl-C checkpoints, --resume continues exactly.
+metrics.jsonl has a line per optimizer step, config.toml records the settings as `--config` reads them,
+Ctrl-C checkpoints and writes the adapter so far (exit status 130), --resume continues exactly and
+records what it changes.
 
 Batches are cut by length: examples are sorted by tokens and a micro-batch takes as many as fit in
 --batch-tokens padded tokens (rows x the longest), so short examples are not padded to long ones.
@@ -197,9 +199,13 @@ def run(cfg: SFTConfig) -> dict:
                 warnings.warn(note)
             state = open_run(cfg, run_dir, model, optimizer)
         except BaseException:
-            lock.discard()  # nothing to resume yet: a retry finds no folder in its way
+            lock.discard()  # a new run that never stepped: a retry finds no folder in its way
             raise
-        return train_loop(cfg, run_dir, model, tokenizer, optimizer, state, examples, too_long, eval_sets)
+        try:
+            return train_loop(cfg, run_dir, model, tokenizer, optimizer, state, examples, too_long, eval_sets)
+        except KeyboardInterrupt:  # a second Ctrl-C, or one during an evaluation: the last checkpoint stands
+            adapter_of_checkpoint(run_dir)
+            raise stopping.Interrupted(run_dir) from None
 
 
 def train_loop(
@@ -244,9 +250,10 @@ def train_loop(
                 )
             if step % cfg.checkpoint_every == 0 or stop.requested:
                 rundir.save_checkpoint(run_dir, model, optimizer, state)
-            if stop.requested:
-                print(f"stopped at step {step}; continue with: python sft.py --resume {run_dir}", file=sys.stderr)
-                return state
+            if stop.requested:  # the adapter so far, for `train.py --init-adapter`, and a checkpoint to resume
+                save_adapter(model, run_dir / "adapter", cfg.model)
+                bar.close()
+                raise stopping.Stopped(run_dir, step)
         with stop.immediate():
             state["after"] = measure(model, tokenizer, eval_sets, cfg, "eval after") if eval_sets else {}
     rundir.save_checkpoint(run_dir, model, optimizer, state)
@@ -317,16 +324,14 @@ def sft_step(
 
 
 def open_run(cfg: SFTConfig, run_dir: Path, model, optimizer) -> dict:
-    """A resumed run's checkpoint, or step 0 of a new run (checkpointed at once, so it can resume)."""
+    """A resumed run's checkpoint, with what the resume changes recorded as train.py records it, or step 0 of a
+    new run (its config.json and config.toml written, checkpointed at once, so it can resume)."""
     if cfg.resume:
         state = rundir.load_checkpoint(run_dir, model, optimizer)
-        rundir.truncate_metrics(run_dir / "metrics.jsonl", state["step"])
-        print(f"resumed {run_dir} at step {state['step']}", file=sys.stderr)
+        rundir.note_resume(cfg, run_dir, state["step"])
         return state
     state = {"step": 0, "before": None}
-    rundir.write_json(run_dir / "config.json", config.flat_config(cfg))
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    print(f"run directory: {run_dir}", file=sys.stderr)
+    rundir.write_settings(cfg, run_dir)
     rundir.save_checkpoint(run_dir, model, optimizer, state)
     return state
 
@@ -335,29 +340,61 @@ def save_adapter(model, path: Path, base: str | None) -> None:
     """The adapter in PEFT format, written under a temporary name and renamed into place."""
     tmp = path.with_name(f".{path.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    lora.save(model, tmp, base_model_name_or_path=base)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
+    with rundir.writing(path, tmp):
+        lora.save(model, tmp, base_model_name_or_path=base)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+
+
+def adapter_of_checkpoint(run_dir: Path) -> None:
+    """RUN/adapter from the run's last checkpoint, copied under a temporary name and renamed into place: an
+    interrupt that could not wait for a step leaves the adapter of the last complete one."""
+    latest = run_dir / "latest"
+    if not latest.is_file():
+        return
+    tmp, path = run_dir / ".adapter.tmp", run_dir / "adapter"
+    shutil.rmtree(tmp, ignore_errors=True)
+    with rundir.writing(path, tmp):
+        shutil.copytree(run_dir / latest.read_text().strip() / "adapter", tmp)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- command line
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Settings, data and paths are checked before anything loads: a mistake prints one line, exit status 2."""
+    """Settings, data and paths are checked before anything loads: a mistake prints one line, exit status 2.
+    A Ctrl-C exits with 130, as train.py's: after the step in progress, its checkpoint and the adapter so far."""
     warnings.formatwarning = lambda message, category, *_, **__: f"warning: {message}\n"
     try:
         cfg, given = config.parse_sft_args(argv, description=__doc__)
         if cfg.resume:
             cfg = config.resumed_config(cfg, given)
+            config.check_finished(cfg)
         state = run(cfg)
     except errors.USER_ERRORS as error:
         if errors.inside_training(error, ("sft_step", "measure")):
             raise
         print(f"sft.py: {error}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print("\ninterrupted; the last checkpoint is kept (python sft.py --resume RUN continues it)", file=sys.stderr)
+    except stopping.Stopped as stop:  # as train.py: exit 130 with a checkpoint of the step, and here the adapter
+        print(
+            f"stopped at step {stop.step}; the adapter so far is {stop.run_dir / 'adapter'}; continue with: "
+            f"python sft.py --resume {stop.run_dir}",
+            file=sys.stderr,
+        )
+        stopping.exit_interrupted()
+    except KeyboardInterrupt as interrupt:
+        if isinstance(interrupt, stopping.Interrupted):
+            run_dir = interrupt.run_dir
+            print(
+                f"\ninterrupted; the last checkpoint is kept, its adapter in {run_dir / 'adapter'}: continue with "
+                f"python sft.py --resume {run_dir}",
+                file=sys.stderr,
+            )
+        else:
+            print("\ninterrupted before the run started: nothing was written", file=sys.stderr)
         stopping.exit_interrupted()
     if "after" in state and state["after"]:
         before, after = state["before"], state["after"]

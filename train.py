@@ -630,8 +630,8 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
     """Run (or resume) training; returns the final state with the before/after evaluations.
 
     Every check that can run before the weights load does (settings, reward functions, data, the model's
-    context and shape, paths); then the run directory's lock is taken, and a start that fails before the
-    first checkpoint removes the folder it created. With several processes every rank runs this loop in
+    context and shape, paths); then the run directory's lock is taken, and a new run whose start fails
+    (its trackers included) before its first step removes the folder it created. With several processes every rank runs this loop in
     step; rank 0 alone holds the lock and writes files (metrics, checkpoints, exports), and the other
     ranks wait for it at a barrier before they go on. Raises Stopped after a checkpoint on Ctrl-C.
     """
@@ -663,11 +663,12 @@ def train(cfg: Config, world: distributed.World | None = None) -> dict:
                 rundir.save_checkpoint(run_dir, model, optimizer, state, world)
 
             state = rundir.open_run(cfg, run_dir, model, optimizer, world, save)
+            trackers = rundir.open_trackers(cfg, run_dir, state, list(start["eval_sets"]), writer)
         except BaseException:
-            lock.discard()  # nothing to resume yet: a retry finds no folder in its way
+            lock.discard()  # a new run that never stepped: a retry finds no folder in its way
             raise
         try:
-            return run(cfg, world, run_dir, model, tokenizer, optimizer, reference, state, start, save, pool)
+            return run(cfg, world, run_dir, model, tokenizer, optimizer, reference, state, start, save, pool, trackers)
         except (rundir.WriteError, scoring.RewardFunctionError) as error:  # the run has a checkpoint to continue from
             error.run_dir = run_dir
             raise
@@ -684,7 +685,7 @@ def check_start(cfg: Config) -> dict:
     config.check_init_adapter(cfg)
     scoring.functions(cfg.reward_fn, cfg.reward_weights, cfg.reward_timeout)  # imports them: a typo fails now
     train_set, eval_sets = load_problems(cfg.dataset), evaluation.load_eval_sets(cfg)
-    config.check_reward_functions(cfg, train_set)
+    config.check_reward_functions(cfg, train_set, eval_sets)
     if cfg.export:
         weights.check_export_dir(cfg.export)  # before training, not after it
     model_dir = weights.resolve_checkpoint(cfg.model)  # the default converts once; a hub id downloads once
@@ -693,7 +694,27 @@ def check_start(cfg: Config) -> dict:
     tokenizer = weights.load_tokenizer(str(model_dir))
     for name, problems in [(cfg.dataset, train_set), *eval_sets.items()]:
         config.check_prompts(cfg, problems, tokenizer, model_cfg.max_position_embeddings, name)
+    try_reward_functions(cfg, train_set[0])
     return {"train_set": train_set, "eval_sets": eval_sets, "model_dir": model_dir}
+
+
+def try_reward_functions(cfg: Config, problem: dict) -> None:
+    """Call each reward function of your own once, on the first training problem and an empty completion, as a
+    step calls it: a wrong signature or a crash fails now, in one line, not after the model loads and the
+    held-out evaluation runs. The built-in functions are the trainer's and are not called."""
+    functions = scoring.functions(cfg.reward_fn, cfg.reward_weights, cfg.reward_timeout)
+    built_in = {reward.math_reward: [None], sandbox.code_reward: [None]}
+    columns = {
+        "prompts": [user_message(problem["problem"], cfg.template)],
+        "completion_ids": [[]],
+        "template": [cfg.template],
+        **scoring.columns_of([problem]),
+        "open_thought": [False],
+    }
+    try:
+        functions([""], columns, where="a trial call before training", given=built_in)
+    except scoring.RewardFunctionError as error:
+        raise ValueError(f"--reward-fn: {error}; fix the function, then start again") from None
 
 
 def run(
@@ -708,6 +729,7 @@ def run(
     start: dict,
     save,
     pool: rollout.Pool,
+    trackers,
 ) -> dict:
     """The loop of a started run: the evaluation before, the steps, the evaluation after, the summary."""
     writer = world.rank == 0
@@ -728,10 +750,7 @@ def run(
         rundir.keep_best(run_dir, model, state, result, writer, tokenizer)
         return result
 
-    with (
-        StopRequest() as stop,
-        contextlib.closing(rundir.open_trackers(cfg, run_dir, state, list(eval_sets), writer)) as trackers,
-    ):
+    with StopRequest() as stop, contextlib.closing(trackers):
         if state["before"] is None:
             with stop.immediate():
                 state["before"] = evaluation.held_out(model, tokenizer, eval_sets, cfg, "eval before", world, pool)
@@ -788,7 +807,9 @@ def run(
         trackers.log_eval(state["after"], state["step"], "after")
     save(state)
     if writer:
-        rundir.write_json(run_dir / "summary.json", {k: state[k] for k in ("before", "after", "best")})
+        rundir.write_json(
+            run_dir / "summary.json", {"step": state["step"], **{k: state[k] for k in ("before", "after", "best")}}
+        )
     if cfg.export:
         with fsdp.whole(model) as whole_model:  # a sharded model is gathered on every rank, for rank 0 to write
             if writer:
@@ -843,6 +864,8 @@ def main(argv: list[str] | None = None) -> None:
         cfg, given, show_plan = config.parse_args(argv, description=__doc__)
         if cfg.resume:
             cfg = config.resumed_config(cfg, given)
+            if not show_plan:
+                config.check_finished(cfg)
         if show_plan:
             sys.exit(0 if sizes.plan(cfg) else 1)
         with distributed.joined(config.resolve_device(cfg)[0], cfg.dist_timeout, group=not cfg.lora_rank) as world:
@@ -854,7 +877,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except scoring.RewardFunctionError as error:  # the user's function, not the trainer: no traceback
         print(
-            f"train.py: {error}; the last checkpoint is kept: continue with python train.py --resume {error.run_dir}",
+            f"train.py: {error}; the last checkpoint is kept: fix the function, then continue with "
+            f"python train.py --resume {error.run_dir} (which imports it again)",
             file=sys.stderr,
         )
         sys.exit(1)
@@ -878,10 +902,29 @@ def main(argv: list[str] | None = None) -> None:
                 f"best validation accuracy {100 * best['accuracy']:.1f}% at step {best['step']} "
                 f"({best['problems']} training problems held out of training, in validation.json; the adapter in best/)"
             )
-        print(
-            f"held-out accuracy of the last policy: before {100 * before['accuracy']:.1f}% -> after "
-            f"{100 * after['accuracy']:.1f}% (n={after['problems']}, k={after['k']}, se {100 * (after['se'] or 0):.1f})"
-        )
+        if _sample(before, after):  # a resume changed the held-out set: each figure says what it measured
+            print(
+                f"held-out accuracy: before {100 * before['accuracy']:.1f}%{_sample(before)} -> after "
+                f"{100 * after['accuracy']:.1f}%{_sample(after)}: not comparable, the held-out set changed on resume"
+            )
+        else:
+            print(
+                f"held-out accuracy of the last policy: before {100 * before['accuracy']:.1f}% -> after "
+                f"{100 * after['accuracy']:.1f}% (n={after['problems']}, k={after['k']}, "
+                f"se {100 * (after['se'] or 0):.1f})"
+            )
+
+
+def _sample(result: dict, other: dict | None = None) -> str:
+    """The sample an evaluation measured, as " (n=N, k=K)", where it differs from `other`'s (always without
+    `other`); "" where it is the same."""
+    if other is not None and (result["problems"], result["k"], result.get("sets", {}).keys()) == (
+        other["problems"],
+        other["k"],
+        other.get("sets", {}).keys(),
+    ):
+        return ""
+    return f" (n={result['problems']}, k={result['k']})"
 
 
 def _one_line(error: BaseException) -> str:

@@ -1246,11 +1246,22 @@ def close() -> None:
 # ----------------------------------------------------------------------------- command line
 
 
+def _read_argument(name: str, path: str) -> str:
+    """A file named on the command line as text; an OSError or a bad encoding is a ValueError naming the argument
+    and the file."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        raise ValueError(f"{name} {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{name} {path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+
+
 def _read_problem(args) -> tuple[dict, str, Limits]:
     """The command line's problem, program source and limits; a ValueError or OSError says what is wrong."""
-    source = Path(args.program).read_text()
+    source, text = (_read_argument(name, path) for name, path in (("PROGRAM", args.program), ("--tests", args.tests)))
     try:
-        problem = json.loads(Path(args.tests).read_text())
+        problem = json.loads(text)
     except RecursionError:
         raise ValueError(f"--tests {args.tests}: nested too deeply to read") from None
     except ValueError as error:

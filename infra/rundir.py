@@ -5,7 +5,8 @@ the validation split and the adapter best on it.
 
     runs/NAME/.lock              held (flock) by the one process writing the run; it names that process
     runs/NAME/config.json        the run's settings, rewritten when a resume changes them
-    runs/NAME/config.toml        the settings of its latest start or resume, as `train.py --config` reads them
+    runs/NAME/config.toml        the settings of its latest start or resume, as `--config` reads them: each
+                                 value's origin, the derived ones as comments (config.to_toml)
     runs/NAME/metrics.jsonl      one JSON line per step; a resume that changes settings adds an event line
     runs/NAME/checkpoint-STEP/   adapter (PEFT format) + trainer.pt (optimizer, state, RNG); the two newest
                                  (a full run: shards/ + trainer.pt, see below)
@@ -113,8 +114,9 @@ class RunLock:
     kernel when the process ends, however it ends, so a lock left by a crash is never in the way; the
     file keeps the holder's pid for the message another process prints.
 
-    A new run creates its folder here; if it fails before its first checkpoint, discard() removes the
-    folder again, so the failed start leaves nothing behind that would block a retry.
+    A new run creates its folder here; if its start fails before the first step (a tracker that cannot log
+    in, say), discard() removes the folder again, so the failed start leaves nothing behind that would block a
+    retry.
     """
 
     def __init__(self, run_dir: Path, resume: bool, active: bool = True):
@@ -173,8 +175,9 @@ class RunLock:
         return fd
 
     def discard(self) -> None:
-        """Remove the folder this lock created, while still holding the lock: a start that failed."""
-        if self.active and self.created and not has_checkpoint(self.run_dir):
+        """Remove the folder this lock created, while still holding the lock: a start that failed before the
+        run's first step (its step-0 checkpoint holds nothing a retry would not write again)."""
+        if self.active and self.created:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def __exit__(self, *exc) -> None:
@@ -195,27 +198,38 @@ def open_run(cfg: Config, run_dir: Path, model, optimizer, world: distributed.Wo
         state = load_checkpoint(run_dir, model, optimizer)
         world.barrier("loading the checkpoint")  # before rank 0 may write the next one
         if writer:
-            truncate_metrics(run_dir / "metrics.jsonl", state["step"])
-            write_text(run_dir / "config.toml", config.to_toml(cfg))  # the settings it now runs with
-            saved = config.saved_config(run_dir)
-            changed = config.changed_settings(saved, cfg)
-            if changed:
-                record_resume(
-                    run_dir, state["step"], changed, {**config.flat_config(cfg), "resume": saved.get("resume")}
-                )
-            shown = ", ".join(f"--{name.replace('_', '-')} {old} -> {new}" for name, (old, new) in changed.items())
-            print(
-                f"resumed {run_dir} at step {state['step']}" + (f"; changed: {shown}" if shown else ""), file=sys.stderr
-            )
+            note_resume(cfg, run_dir, state["step"])
         return state
     state = {"step": 0, "data_position": 0, "before": None, "best": None}
     if writer:
-        write_json(run_dir / "config.json", config.flat_config(cfg))
-        write_text(run_dir / "config.toml", config.to_toml(cfg))
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-        print(f"run directory: {run_dir}", file=sys.stderr)
+        write_settings(cfg, run_dir)
     save(state)
     return state
+
+
+def write_settings(cfg: Config | config.SFTConfig, run_dir: Path) -> None:
+    """A new run's settings: config.json (every value it runs with) and config.toml (each value's origin, the
+    derived ones as comments: the file `--config` reads to start the run again); no metrics yet."""
+    write_json(run_dir / "config.json", config.flat_config(cfg))
+    write_text(run_dir / "config.toml", config.to_toml(cfg))
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    print(f"run directory: {run_dir}", file=sys.stderr)
+
+
+def note_resume(cfg: Config | config.SFTConfig, run_dir: Path, step: int) -> None:
+    """A resume's record, train.py's and sft.py's: the metrics after its checkpoint dropped, config.toml with the
+    settings it now runs with, and what changed, derived values included, in config.json and metrics.jsonl
+    (record_resume) and on stderr."""
+    truncate_metrics(run_dir / "metrics.jsonl", step)
+    write_text(run_dir / "config.toml", config.to_toml(cfg))
+    saved = config.saved_config(
+        run_dir, (config.SFT_FIELDS if isinstance(cfg, config.SFTConfig) else config.FIELDS).keys()
+    )
+    changed = config.changed_settings(saved, cfg)
+    if changed:
+        record_resume(run_dir, step, changed, {**config.flat_config(cfg), "resume": saved.get("resume")})
+    shown = ", ".join(f"--{name.replace('_', '-')} {old} -> {new}" for name, (old, new) in changed.items())
+    print(f"resumed {run_dir} at step {step}" + (f"; changed: {shown}" if shown else ""), file=sys.stderr)
 
 
 def open_trackers(cfg: Config, run_dir: Path, state: dict, eval_sets: list[str], writer: bool) -> loggers.Loggers:

@@ -5,12 +5,15 @@ gradient norm and speed, fit for a report.
     python -m research.plot runs/A [runs/B ...] [--out DIR] [--smooth N]
     python -m research.plot --counterfactual runs/counterfactual [--out DIR]
 
-Reads each run directory that train.py wrote (metrics.jsonl: one JSON object a step; summary.json: the held-out
-accuracy before and after training) and writes one PNG per figure, printing each path. Several runs are drawn on
-the same axes, one colour per run, named by their directories: that is how two rules are compared. A metric that no
-run logged is left out, and a figure with nothing to show is not written. Every panel's axis says what it
-counts and in which unit; shares of completions or tokens are drawn from 0; a figure of one run is titled by
-its name; the clip table prints its percentages in cells large enough to read on paper. With --counterfactual
+Reads each run directory that train.py or sft.py wrote (metrics.jsonl: one JSON object a step; summary.json: the
+held-out accuracy before and after training; config.json: its settings) and writes one PNG per figure, printing
+each path. Several runs are drawn on the same axes, one colour per run, named by their directories (told apart by
+their paths, or by a number, when two share a name): that is how two rules are compared. A metric that no run
+logged is left out, and a figure with nothing to show is not written. Every panel's axis says what it counts and
+in which unit, and starts at 0 (an axis that must go below it, for negative values, includes 0); a figure of one
+run is titled by its name; a panel whose metric depends on a setting (the length cap, k) names it; the clip table
+prints its percentages and the tokens each is over in cells large enough to read on paper. An sft.py run draws its
+loss. With --counterfactual
 it draws the table of counterfactual.py instead (its results.json): every arm's paired gap to grpo per
 measure, and the clip rate by old probability.
 """
@@ -39,12 +42,14 @@ class Panel:
     title: str
     keys: tuple[str, ...]  # metrics.jsonl keys drawn on this axis, one line style each; "rewards/*": every such key
     ylabel: str  # what the axis counts, with its unit
-    fraction: bool = False  # a share in [0, 1]: the axis starts at 0
+    fraction: bool = False  # a share in [0, 1]: the axis runs from 0 to at most 1
+    setting: str | None = None  # a config.json setting the metric depends on, named in the title
 
 
 TOKENS = "fraction of completion tokens"
 # file name -> panels; a panel shows up when any run logged one of its keys
 FIGURES = {
+    "loss": [Panel("supervised loss (sft.py)", ("loss",), "cross-entropy, nats per reply token")],
     "reward": [
         Panel("training reward", ("reward",), "reward per completion (mean)"),
         Panel(
@@ -54,8 +59,10 @@ FIGURES = {
     ],
     "entropy": [Panel("policy entropy", ("entropy",), "nats per completion token")],
     "length": [
-        Panel("completion length", ("completion_length",), "tokens per completion (mean)"),
-        Panel("truncated at max_new_tokens", ("truncated",), "fraction of completions", fraction=True),
+        Panel("completion length", ("completion_length",), "tokens per completion (mean)", setting="max_new_tokens"),
+        Panel(
+            "truncated at the cap", ("truncated",), "fraction of completions", fraction=True, setting="max_new_tokens"
+        ),
     ],
     "clipping": [
         Panel(
@@ -89,6 +96,7 @@ class Run:
     name: str
     records: list[dict]  # one per step, in step order
     summary: dict  # summary.json; {} when the run has none yet
+    settings: dict  # config.json; {} when the run has none
 
     def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
         """(steps, values) over the steps that logged `key` as a number or null (NaN: a gap in the line)."""
@@ -107,7 +115,7 @@ def load_run(path: Path, name: str) -> Run:
     if not path.is_dir():
         raise ValueError(f"{path}: no such run directory")
     if not metrics.is_file():
-        raise ValueError(f"{path}: no metrics.jsonl in it; expected a run directory written by train.py")
+        raise ValueError(f"{path}: no metrics.jsonl in it; expected a run directory written by train.py or sft.py")
     by_step = {}
     for number, line in enumerate(metrics.read_text(encoding="utf-8").split("\n"), start=1):
         if not line.strip():
@@ -120,12 +128,17 @@ def load_run(path: Path, name: str) -> Run:
             raise ValueError(f'{metrics}:{number}: expected a JSON object with an integer "step"')
         if "event" not in record:  # a resume's note of changed settings, not a step
             by_step[record["step"]] = record
-    summary_file = path / "summary.json"
+    summary, settings = (read_object(path / name) for name in ("summary.json", "config.json"))
+    return Run(name, [by_step[step] for step in sorted(by_step)], summary, settings)
+
+
+def read_object(path: Path) -> dict:
+    """A run's JSON object file; {} when it is absent (a run still going has no summary yet)."""
     try:
-        summary = json.loads(summary_file.read_text(encoding="utf-8")) if summary_file.is_file() else {}
+        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except json.JSONDecodeError as error:
-        raise ValueError(f"{summary_file}: invalid JSON ({error.msg})") from None
-    return Run(name, [by_step[step] for step in sorted(by_step)], summary if isinstance(summary, dict) else {})
+        raise ValueError(f"{path}: invalid JSON ({error.msg})") from None
+    return data if isinstance(data, dict) else {}
 
 
 def trailing_mean(values: np.ndarray, window: int) -> np.ndarray:
@@ -171,16 +184,41 @@ def draw_panel(ax, panel: Panel, runs: Sequence[Run], colors, smooth: int) -> No
             steps, values = run.series(key)
             if len(steps):
                 draw_line(ax, steps, values, color, style, _label(run, key, runs, keys), smooth)
-    ax.set(title=panel.title, xlabel="step", ylabel=panel.ylabel)
-    if panel.fraction:
-        from_zero(ax)
+    ax.set(title=panel.title + setting_note(panel.setting, runs), xlabel="step", ylabel=panel.ylabel)
+    from_zero(ax, fraction=panel.fraction)
 
 
-def from_zero(ax) -> None:
-    """A share's axis from 0 (all-zero data would otherwise be centred on it, showing negative shares), up to
-    just above the largest value and never far past 1."""
-    top = ax.get_ylim()[1]
-    ax.set_ylim(0.0, min(max(top, 0.01), 1.05))
+def setting_note(name: str | None, runs: Sequence[Run]) -> str:
+    """A title's note of a setting the runs logged, as "(--max-new-tokens 16)" on a line of its own, each run's
+    value where they differ; "" where none logged it."""
+    values = {  # a GPPO cell's rule is a pair in config.json: kl-atomic
+        run.name: "-".join(map(str, value)) if isinstance(value, list) else value
+        for run in runs
+        if name and (value := run.settings.get(name)) is not None
+    }
+    if not values:
+        return ""
+    shown = (
+        str(next(iter(values.values())))
+        if len(set(map(str, values.values()))) == 1
+        else ", ".join(f"{value} ({run})" for run, value in values.items())
+    )
+    return f"\n(--{name.replace('_', '-')} {shown})"
+
+
+def from_zero(ax, fraction: bool = True) -> None:
+    """The axis from 0, so that a small change does not look like a large one: a share's (all-zero data would
+    otherwise be centred on it, showing negative shares) up to just above the largest value and never far
+    past 1; another axis up to its data, and down past 0 only for negative values, 0 then still shown."""
+    bottom, top = ax.get_ylim()
+    data = [line.get_ydata() for line in ax.lines] + [
+        c.get_offsets()[:, 1] for c in ax.collections if len(c.get_offsets())
+    ]
+    lowest = min((float(np.nanmin(d)) for d in data if np.isfinite(np.asarray(d, dtype=float)).any()), default=0.0)
+    if fraction:
+        ax.set_ylim(0.0, min(max(top, 0.01), 1.05))
+    else:
+        ax.set_ylim(0.0 if lowest >= 0 else min(bottom, 0.0), max(top, 1e-9))
     for artist in [*ax.lines, *ax.collections]:
         artist.set_clip_on(False)  # a point at 0 shows whole, on the axis
 
@@ -251,6 +289,12 @@ def bucket_labels(runs: Sequence[Run]) -> list[str]:
     return list(labels)
 
 
+def bucket_tokens(record: dict, label: str) -> float:
+    """The tokens a step's clipped fraction in one bucket is over (bucket_clipped); NaN where not logged."""
+    count = record.get(f"mu[{label}]/clip_rate_tokens")
+    return float(count) if isinstance(count, (int, float)) and f"mu[{label}]/clip_rate" in record else np.nan
+
+
 def bucket_clipped(record: dict, label: str) -> float:
     """A step's clipped fraction in one old-probability bucket, region and limits together; NaN if not logged,
     or if the bucket held no token that step (nothing to clip is not "none clipped"). Where the step logged its
@@ -275,16 +319,17 @@ def draw_bucket_table(runs: Sequence[Run]):
     for run in runs:
         steps = np.array([r["step"] for r in run.records], dtype=float)
         table = np.array([[bucket_clipped(r, label) for r in run.records] for label in labels])  # [buckets, steps]
+        counts = np.array([[bucket_tokens(r, label) for r in run.records] for label in labels])  # [buckets, steps]
         if labels and len(steps) and not np.isnan(table).all():
-            tables.append((run, steps, table))
+            tables.append((run, steps, table, counts))
     if not tables:
         return None
-    top = 100 * max(float(np.nanmax(table)) for _, _, table in tables) or 1.0  # percent; all zero: still a scale
-    most = max(len(steps) for _, steps, _ in tables)
+    top = 100 * max(float(np.nanmax(table)) for _, _, table, _ in tables) or 1.0  # percent; all zero: a scale
+    most = max(len(steps) for _, steps, _, _ in tables)
     numbers = most <= 12  # few steps: each cell prints its percentage, large enough to read on paper
     width = min(16.0, max(9.0, 0.8 * most + 3)) if numbers else 10.0
     fig, axes = plt.subplots(len(tables), 1, figsize=(width, 0.55 * len(labels) + 2.4 * len(tables)), squeeze=False)
-    for ax, (run, steps, table) in zip(axes[:, 0], tables):
+    for ax, (run, steps, table, counts) in zip(axes[:, 0], tables):
         percent = 100 * table
         middle = (steps[:-1] + steps[1:]) / 2
         edges = np.concatenate([[steps[0] - 0.5], middle, [steps[-1] + 0.5]])  # a cell per step, gaps allowed
@@ -296,9 +341,10 @@ def draw_bucket_table(runs: Sequence[Run]):
         ax.tick_params(axis="x", labelsize=11)
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         honest = any(f"mu[{labels[0]}]/clip_rate" in r for r in run.records)
+        rule = " ".join(setting_note(name, [run]).strip() for name in ("rule", "delta") if name in run.settings)
         ax.set_title(
-            f"{run.name}: clipped by the region or the limits, per old probability (grey: no token)"
-            + ("\nof the tokens with A != 0 after a rollout's first update" if honest else ""),
+            f"{run.name}{' ' * bool(rule)}{rule}: clipped by the region or the limits, per old probability (grey: no token)"
+            + ("\nof the tokens with A != 0 after a rollout's first update (n: how many)" if honest else ""),
             fontsize=12,
         )
         ax.set_xlabel("step", fontsize=11)
@@ -311,7 +357,8 @@ def draw_bucket_table(runs: Sequence[Run]):
                     ax.text(
                         (edges[column] + edges[column + 1]) / 2,
                         row + 0.5,
-                        f"{percent[row, column]:.1f}",
+                        f"{percent[row, column]:.1f}"
+                        + (f"\nn={counts[row, column]:.0f}" if np.isfinite(counts[row, column]) else ""),
                         ha="center",
                         va="center",
                         fontsize=11,
@@ -356,9 +403,11 @@ def plot_runs(runs: Sequence[Run], out: Path, smooth: int = 1) -> list[Path]:
 
 
 def run_names(paths: Sequence[Path]) -> list[str]:
-    """Directory names, or the paths as given where two runs share a name."""
+    """Directory names, or the paths as given where two runs share a name, numbered where those are the same
+    too (one run given twice): every legend entry names one line."""
     names = [path.name or str(path) for path in paths]
-    return [name if names.count(name) == 1 else str(path) for name, path in zip(names, paths)]
+    names = [name if names.count(name) == 1 else str(path) for name, path in zip(names, paths)]
+    return [name if names.count(name) == 1 else f"{name} #{names[:i].count(name) + 1}" for i, name in enumerate(names)]
 
 
 def default_out(paths: Sequence[Path], names: Sequence[str]) -> Path:
@@ -461,8 +510,8 @@ def load_counterfactual(path: Path) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> list[Path]:
-    parser = _Parser(description=__doc__.strip().splitlines()[0], allow_abbrev=False)
-    parser.add_argument("runs", nargs="*", type=Path, help="run directories written by train.py (runs/NAME)")
+    parser = _Parser(description=" ".join(__doc__.strip().split("\n\n")[0].split()), allow_abbrev=False)
+    parser.add_argument("runs", nargs="*", type=Path, help="run directories written by train.py or sft.py (runs/NAME)")
     parser.add_argument(
         "--counterfactual",
         type=Path,

@@ -1,6 +1,7 @@
 """The settings: the presets hold the papers' stated values, every setting is a flag, flags reach the config."""
 
 import math
+import os
 import re
 import subprocess
 import sys
@@ -375,3 +376,174 @@ def test_a_bad_config_file_fails_in_one_line_naming_the_file_and_key(tmp_path, c
     with pytest.raises(SystemExit):
         train.main(["--config", str(tmp_path / "missing.toml")])
     assert "missing.toml: no such file" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- given versus derived
+
+
+def train_py(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(  # a wide terminal: the help's lines unwrapped
+        [sys.executable, "train.py", *argv],
+        cwd=Path(config.__file__).parent,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "400"},
+    )
+
+
+def test_a_rule_given_over_a_preset_takes_its_own_sizes_and_print_config_says_why():
+    out = train_py("--preset", "atr-grpo-qwen3-1.7b", "--rule", "grpo", "--print-config")
+    assert out.returncode == 0, out.stderr
+    lines = {line.lstrip("# ").split(" = ")[0]: line for line in out.stdout.splitlines() if " = " in line}
+    assert lines["rule"] == 'rule = "grpo"  # given'
+    assert lines["delta"].startswith("# delta = 0.2  (derived: rule grpo's default; ")
+    assert "preset atr-grpo-qwen3-1.7b set 0.07 for --rule atr" in lines["delta"]
+    assert lines["lr"] == "lr = 5e-06  # preset atr-grpo-qwen3-1.7b" and lines["top_k"].endswith(
+        "# preset atr-grpo-qwen3-1.7b"
+    )
+    assert lines["kl_cov_coef"] == "kl_cov_coef = 1.0  # default"
+    cfg, given, _ = config.parse_args(["--preset", "atr-grpo-qwen3-1.7b", "--rule", "grpo"])
+    assert loss.ratio_bounds("grpo", cfg.loss.delta, 0.5) == (0.8, 1.2) and cfg.loss.delta_high == 0.2
+    assert "delta" not in given, "the preset's delta was ATR's, not given for grpo"
+    # a sequence-level rule over the preset is not refused for the preset's token-mean
+    gspo, _, _ = config.parse_args(["--preset", "atr-grpo-qwen3-1.7b", "--rule", "gspo"])
+    assert gspo.loss.aggregation == "seq-mean-token-mean" and gspo.loss.delta == 3e-4
+    # given together, a rule and its size are kept
+    both, _, _ = config.parse_args(["--preset", "atr-grpo-qwen3-1.7b", "--rule", "dapo", "--delta", "0.1"])
+    assert (both.loss.delta, both.loss.delta_high) == (0.1, pytest.approx(0.14))
+
+
+def written_run_config(tmp_path: Path, *argv: str, **planned) -> Path:
+    """The config.toml a run of these flags writes: its settings once the plan has chosen the sizes left at 0."""
+    cfg, _, _ = config.parse_args(list(argv))
+    path = tmp_path / "config.toml"
+    path.write_text(config.to_toml(__import__("dataclasses").replace(cfg, **planned)))
+    return path
+
+
+def test_a_runs_config_file_derives_again_what_it_did_not_give(tmp_path):
+    path = written_run_config(
+        tmp_path, "--prompts-per-step", "8", rollout_batch=8, kv_blocks=300, grad_accum=2, eval_batch=16
+    )
+    text = path.read_text()
+    assert "# delta_high = 0.2  (derived: from --delta 0.2)" in text and "# rollout_batch = 8  (derived: " in text
+    assert "prompts_per_step = 8  # given" in text
+    same, _, _ = config.parse_args(["--config", str(path)])
+    assert same.loss.delta_high == 0.2 and same.rollout_batch == 0, "derived again, to the same values"
+    wider, _, _ = config.parse_args(["--config", str(path), "--delta", "0.3"])
+    assert wider.loss.delta_high == 0.3, "follows the new delta, as without --config"
+    smaller, _, _ = config.parse_args(
+        ["--config", str(path), "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "32"]
+    )
+    assert (smaller.rollout_batch, smaller.kv_blocks, smaller.grad_accum, smaller.loss.norm_len) == (0, 0, 0, 32)
+    gspo, _, _ = config.parse_args(["--config", str(path), "--rule", "gspo"])  # not refused for token-mean
+    assert gspo.loss.aggregation == "seq-mean-token-mean"
+
+
+def test_a_settings_file_written_before_derived_values_were_marked_still_follows_a_new_rule(tmp_path):
+    path = tmp_path / "old.toml"
+    path.write_text('rule = "grpo"\ndelta = 0.2\ndelta_high = 0.2\naggregation = "token-mean"\nnorm_len = 16\n')
+    dapo, _, _ = config.parse_args(["--config", str(path), "--rule", "dapo"])
+    assert (dapo.loss.delta, dapo.loss.delta_high) == (0.2, 0.28)
+    longer, _, _ = config.parse_args(["--config", str(path), "--max-new-tokens", "64"])
+    assert longer.loss.norm_len == 64
+    gspo, _, _ = config.parse_args(["--config", str(path), "--rule", "gspo"])
+    assert gspo.loss.aggregation == "seq-mean-token-mean"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("steps = -1\n", "bad.toml: steps -1: must be >= 0"),
+        ("delta = -0.5\n", "bad.toml: delta -0.5: must be >= 0"),
+        (
+            'rule = "gspo"\naggregation = "token-mean"\n',
+            "bad.toml: aggregation token-mean: rule gspo is sequence-level",
+        ),
+    ],
+)
+def test_an_invalid_value_in_a_settings_file_names_the_file_and_key_not_a_flag(tmp_path, capsys, text, message):
+    import train
+
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--config", str(path), "--out-dir", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err == f"train.py: {tmp_path}/{message}" + err.split(message, 1)[1], err
+    assert err.count("\n") == 1
+    with pytest.raises(SystemExit):  # the same value typed as a flag is blamed on the flag
+        train.main(["--steps", "-1", "--out-dir", str(tmp_path / "runs")])
+    assert capsys.readouterr().err.startswith("train.py: --steps -1: must be >= 0")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--eval-dataset", "arithmetic_test,"], "--eval-dataset 'arithmetic_test,': an empty name between commas"),
+        (["--eval-dataset", ",arithmetic_test"], "--eval-dataset ',arithmetic_test': an empty name between commas"),
+        (["--log", "tensorboard,"], "--log 'tensorboard,': an empty name between commas"),
+    ],
+)
+def test_an_empty_item_of_a_list_is_refused(argv, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        config.parse_args(argv)
+    if argv[0] == "--eval-dataset":
+        with pytest.raises(ValueError, match=re.escape(message)):
+            config.parse_sft_args(argv)
+
+
+def test_help_is_grouped_with_defaults_as_typed_and_lists_the_rules():
+    out = train_py("--help")
+    assert out.returncode == 0
+    headings = [line[:-1] for line in out.stdout.splitlines() if re.fullmatch(r"[a-z]+:", line)]
+    assert headings == [
+        "options",
+        "model",
+        "data",
+        "sampling",
+        "reward",
+        "optimisation",
+        "loss",
+        "evaluation",
+        "run",
+        "trackers",
+        "distributed",
+    ]
+    flat = " ".join(out.stdout.split())
+    assert "(default: )" not in flat and "('" not in flat and "(1.0, 5.0)" not in flat
+    assert "(default: reward:math_reward)" in flat and "(default: 1,5)" in flat and "(default: 0.0003)" in flat
+    assert "(default: --kl-two-sided)" in flat and "(default: --no-leave-one-out)" in flat
+    rules = train_py("--help-rules")
+    assert rules.returncode == 0 and rules.stderr == ""
+    lines = rules.stdout.splitlines()[1:]
+    registry = subprocess.run(  # a fresh process's registry: other tests register rules of their own in this one
+        [sys.executable, "-c", "import loss; print(' '.join(loss.RULES))"],
+        cwd=Path(config.__file__).parent,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    assert [line.split()[0] for line in lines] == registry and "dapo" in registry
+    assert (
+        next(line for line in lines if line.split()[0] == "dapo")
+        .split(None, 1)[1]
+        .startswith("w in [0.8, 1.28] at mu 0.5; delta 0.2, delta_high 0.28; token-mean")
+    )
+
+
+def test_sft_reads_its_command_line_as_train_py_does(tmp_path):
+    sft = lambda *argv: subprocess.run(  # noqa: E731
+        [sys.executable, "sft.py", *argv], cwd=Path(config.__file__).parent, capture_output=True, text=True
+    )
+    prefix = sft("--epoch", "2", "--print-config")
+    assert prefix.returncode == 2 and "unrecognized arguments: --epoch" in prefix.stderr
+    printed = sft("--preset", "atr-sft-qwen3-1.7b", "--epochs", "2", "--print-config")
+    assert printed.returncode == 0, printed.stderr
+    assert "epochs = 2  # given" in printed.stdout and "# preset atr-sft-qwen3-1.7b" in printed.stdout
+    path = tmp_path / "sft.toml"
+    path.write_text(printed.stdout)
+    cfg, given = config.parse_sft_args(["--config", str(path), "--lr", "1e-5"])
+    assert cfg.epochs == 2 and cfg.lr == 1e-5 and {"epochs", "lr"} <= given
+    assert cfg.model == config.SFT_PRESETS["atr-sft-qwen3-1.7b"]["model"]
+    groups = [line[:-1] for line in sft("--help").stdout.splitlines() if re.fullmatch(r"[a-z]+:", line)]
+    assert groups == ["options", "model", "data", "optimisation", "evaluation", "run"]

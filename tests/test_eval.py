@@ -711,7 +711,7 @@ def test_no_held_out_figure_comes_from_a_checkpoint_chosen_on_its_problems(tiny_
 
 def test_run_and_out_mistakes_fail_before_the_model_loads(tmp_path, capsys, no_model):
     err = user_error(["--run", str(tmp_path)], capsys)
-    assert f"--run {tmp_path}: not a run directory of train.py (no config.json)" in err
+    assert f"--run {tmp_path}: not a run directory of train.py or sft.py (no config.json)" in err
     (tmp_path / "empty").mkdir()
     assert "neither an adapter (no adapter_config.json) nor a run directory" in user_error(
         ["--adapter", str(tmp_path / "empty")], capsys
@@ -720,3 +720,26 @@ def test_run_and_out_mistakes_fail_before_the_model_loads(tmp_path, capsys, no_m
     (run / "eval.json").write_text("mine")
     err = user_error(["--run", str(run), "--out", str(run / "eval.json")], capsys)
     assert "already exists; pass --force to overwrite it" in err and (run / "eval.json").read_text() == "mine"
+
+
+def test_an_sft_run_is_evaluated_with_its_own_settings_and_adapter(tmp_path):
+    import config
+
+    run = tmp_path / "runs" / "sft"
+    (run / "adapter").mkdir(parents=True)
+    (run / "adapter" / "adapter_config.json").write_text("{}")
+    settings = config.SFTConfig(template="answer", eval_problems=64, eval_k=2, max_new_tokens=32, eval_temperature=0.8)
+    (run / "config.json").write_text(json.dumps(config.flat_config(settings)))
+    args = ev.parse_args(["--run", str(run)])
+    assert (args.template, args.k, args.limit, args.max_new_tokens, args.temperature, args.bench) == (
+        "answer",
+        2,
+        64,
+        32,
+        0.8,
+        "arithmetic_test",
+    )
+    assert args.top_p == 1.0 and "top_p" in args.from_run, "sft.py samples its held-out sets without nucleus"
+    assert ev.resolve_adapter(args.adapter) == (run / "adapter", "the supervised run's adapter")
+    (run / "config.json").write_text(json.dumps(config.flat_config(config.SFTConfig(eval_dataset=""))))
+    assert ev.parse_args(["--run", str(run)]).bench == ev.DEFAULTS["bench"], "a run with no held-out set of its own"

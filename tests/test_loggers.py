@@ -232,3 +232,24 @@ log_project = "test-logged"
     assert exit_info.value.code == 2 and "already exists; pass --force" in capsys.readouterr().err
     evaluation.main(["--run", str(run_dir), "--out", str(out), "--k", "1", "--force"])
     assert json.loads(out.read_text())["config"]["k"] == 1
+
+
+def test_a_tracker_that_cannot_start_leaves_no_run_directory_in_the_way(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    import wandb
+
+    import train
+    from conftest import tiny_args
+
+    def no_login(**_):
+        raise RuntimeError("api_key not configured (no-tty)")
+
+    monkeypatch.setattr(wandb, "init", no_login)
+    args = tiny_args(tiny_model_dir, tmp_path, "tracked", "--steps", "1")
+    with pytest.raises(SystemExit) as exit_info:
+        train.main([*args, "--log", "wandb"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "train.py: --log wandb: W&B could not start a run" in err, err
+    assert not (tmp_path / "tracked").exists(), "the retry the message suggests must not be refused"
+    monkeypatch.undo()
+    train.main([*args, "--log", "tensorboard"])  # the retry
+    assert (tmp_path / "tracked" / "summary.json").is_file()

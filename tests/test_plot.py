@@ -268,3 +268,84 @@ def test_every_figure_is_fit_for_a_report(tmp_path):
             assert len(cells) == 5 * 12 and all(t.get_fontsize() >= 11 for t in cells)
             assert all(0 <= float(t.get_text()) <= 100 for t in cells), "percent, as the colour bar says"
         plot.plt.close(fig)
+
+
+def test_every_axis_starts_at_zero_and_one_below_it_still_shows_zero(tmp_path):
+    run_dir = write_run(tmp_path / "flat")
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (run_dir / "metrics.jsonl").write_text(  # long completions that barely move, a slow step, a negative reward
+        "".join(
+            json.dumps({**line, "completion_length": 100 + line["step"] / 10, "step_seconds": 5.0, "reward": -0.5})
+            + "\n"
+            for line in lines
+        )
+    )
+    figures = plot.figures([plot.load_run(run_dir, "flat")])
+    for name in ("length", "speed", "entropy", "grad_norm", "kl"):
+        for ax in figures[name].axes:
+            assert ax.get_ylim()[0] == 0.0, (name, ax.get_title(), ax.get_ylim())
+    reward = figures["reward"].axes[0]
+    assert reward.get_ylim()[0] < 0.0 <= reward.get_ylim()[1] and reward.get_ylim()[0] >= -0.6
+    for fig in figures.values():
+        plot.plt.close(fig)
+
+
+def test_the_bucket_cells_show_how_many_tokens_each_rate_is_over(tmp_path):
+    run_dir = tmp_path / "rates"
+    run_dir.mkdir()
+    records = [
+        {
+            "step": step,
+            **{f"mu[{b}]/clip_frac": 0.0 for b in BUCKETS},  # over every token, as train.py logs it too
+            **{f"mu[{b}]/clip_rate": 1.0 if b == ">0.9" else 0.25 for b in BUCKETS},
+            **{f"mu[{b}]/clip_rate_tokens": 1 if b == ">0.9" else 1000 for b in BUCKETS},
+        }
+        for step in (1, 2)
+    ]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    table = plot.draw_bucket_table([plot.load_run(run_dir, "rates")])
+    cells = [t.get_text() for t in table.axes[0].texts]
+    assert "100.0\nn=1" in cells and "25.0\nn=1000" in cells, cells
+    plot.plt.close(table)
+
+
+def test_two_runs_of_one_name_get_two_legend_entries(tmp_path):
+    first, second = write_run(tmp_path / "a" / "run", seed=0), write_run(tmp_path / "b" / "run", seed=1)
+    assert plot.run_names([first, second]) == [str(first), str(second)]
+    assert plot.run_names([first, first]) == [f"{first} #1", f"{first} #2"]
+    names = plot.run_names([first, Path(str(first) + "/")])  # one directory, spelled twice
+    runs = [plot.load_run(first, name) for name in names]
+    figures = plot.figures(runs)
+    legend = figures["entropy"].axes[0].get_legend()
+    assert len({t.get_text() for t in legend.get_texts()}) == 2
+    for fig in figures.values():
+        plot.plt.close(fig)
+
+
+def test_an_sft_run_draws_its_loss_and_the_figures_name_the_cap(tmp_path):
+    run_dir = write_run(tmp_path / "sft", keys=("loss", "lr", "grad_norm", "step_seconds", "tokens_per_s"))
+    (run_dir / "config.json").write_text(json.dumps({"max_new_tokens": 32, "batch_tokens": 4096}))
+    figures = plot.figures([plot.load_run(run_dir, "sft")])
+    assert "loss" in figures
+    (ax,) = figures["loss"].axes
+    assert ax.get_title() == "supervised loss (sft.py)" and "nats per reply token" in ax.get_ylabel()
+    for fig in figures.values():
+        plot.plt.close(fig)
+    short, long = write_run(tmp_path / "short"), write_run(tmp_path / "long")
+    (short / "config.json").write_text(json.dumps({"max_new_tokens": 16}))
+    (long / "config.json").write_text(json.dumps({"max_new_tokens": 64}))
+    figures = plot.figures([plot.load_run(short, "short"), plot.load_run(long, "long")])
+    titles = [ax.get_title() for ax in figures["length"].axes]
+    assert titles == [
+        "completion length\n(--max-new-tokens 16 (short), 64 (long))",
+        "truncated at the cap\n(--max-new-tokens 16 (short), 64 (long))",
+    ]
+    for fig in figures.values():
+        plot.plt.close(fig)
+
+
+def test_the_help_describes_the_figures_in_whole_sentences(capsys):
+    with pytest.raises(SystemExit):
+        plot.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "clipping, KL, gradient norm and speed, fit for a report." in out

@@ -7,6 +7,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -348,3 +350,71 @@ def test_saved_files_follow_the_umask(tiny_model_dir, tmp_path):
         *(tmp_path / "shared").glob("checkpoint-*/adapter/*"),
     ]:
         assert path.stat().st_mode & 0o777 == (0o755 if path.is_dir() else 0o644), path
+
+
+# ----------------------------------------------------------------------------- settings given and derived
+
+
+def test_a_resume_with_another_rule_takes_its_sizes_and_records_them(tiny_model_dir, tmp_path, capsys):
+    run_training(tiny_args(tiny_model_dir, tmp_path, "rule", "--steps", "1", "--updates-per-rollout", "2"))
+    run_dir = tmp_path / "rule"
+    written = (run_dir / "config.toml").read_text()
+    assert "# delta_high = 0.2  (derived: from --delta 0.2)" in written and "# rollout_batch = 2  (derived: " in written
+    # a flag on top of the run's config.toml derives again what the run did not give
+    wider, _, _ = train.config.parse_args(["--config", str(run_dir / "config.toml"), "--delta", "0.3"])
+    assert wider.loss.delta_high == 0.3
+    other, _, _ = train.config.parse_args(
+        [
+            "--config",
+            str(run_dir / "config.toml"),
+            "--prompts-per-step",
+            "4",
+            "--group-size",
+            "4",
+            "--max-new-tokens",
+            "32",
+        ]
+    )
+    assert (other.rollout_batch, other.kv_blocks, other.loss.norm_len) == (0, 0, 32)
+    gspo, _, _ = train.config.parse_args(["--config", str(run_dir / "config.toml"), "--rule", "gspo"])
+    assert gspo.loss.aggregation == "seq-mean-token-mean"
+    capsys.readouterr()
+    run_training(["--resume", str(run_dir), "--rule", "dapo", "--steps", "2"])
+    assert "changed: --steps 1 -> 2, --rule grpo -> dapo, --delta-high 0.2 -> 0.28" in capsys.readouterr().err
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert (saved["rule"], saved["delta"], saved["delta_high"]) == ("dapo", 0.2, 0.28)
+    assert event_lines(run_dir)[-1] == {
+        "step": 1,
+        "event": "resume",
+        "changed": {"steps": [1, 2], "rule": ["grpo", "dapo"], "delta_high": [0.2, 0.28]},
+    }
+    printed = subprocess.run(
+        [sys.executable, "train.py", "--resume", str(run_dir), "--steps", "3", "--print-config"],
+        cwd=Path(train.__file__).parent,
+        capture_output=True,
+        text=True,
+    )
+    assert (
+        'rule = "dapo"  # ' in printed.stdout
+        and "# delta_high = 0.28  (derived: from --delta 0.2 x rule dapo's" in printed.stdout
+    )
+
+
+def test_a_resume_reports_each_evaluation_on_its_own_set_and_a_finished_run_asks_for_more_steps(
+    tiny_model_dir, tmp_path, capsys
+):
+    train.main(tiny_args(tiny_model_dir, tmp_path, "sets", "--steps", "1"))
+    capsys.readouterr()
+    train.main(["--resume", str(tmp_path / "sets"), "--steps", "2", "--eval-problems", "2"])
+    out = capsys.readouterr().out
+    assert re.search(
+        r"held-out accuracy: before [\d.]+% \(n=3, k=2\) -> after [\d.]+% \(n=2, k=2\): not comparable, the held-out "
+        r"set changed on resume",
+        out,
+    ), out
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--resume", str(tmp_path / "sets")])
+    assert exit_info.value.code == 2 and capsys.readouterr().err == (
+        f"train.py: --resume {tmp_path / 'sets'}: the run finished its 2 steps; give --steps N with N above 2 to "
+        "train it further (or --steps 0 --export DIR to export it)\n"
+    )

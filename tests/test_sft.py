@@ -2,6 +2,10 @@
 checkpoints and resumes exactly, and its adapter is one train.py starts from."""
 
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -53,8 +57,9 @@ def run_sft(argv: list[str]) -> dict:
 
 
 def metric_lines(run_dir: Path) -> list[dict]:
+    """The steps' lines, without their timings (a resume's event lines are not steps)."""
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in line.items() if k not in TIMING_KEYS} for line in lines]
+    return [{k: v for k, v in line.items() if k not in TIMING_KEYS} for line in lines if "event" not in line]
 
 
 def test_the_loss_is_the_mean_negative_log_likelihood_of_the_reply_tokens(tiny_model_dir):
@@ -115,6 +120,8 @@ def test_a_run_trains_checkpoints_resumes_exactly_and_hands_train_py_its_adapter
     (tmp_path / "cut" / "adapter").rename(tmp_path / "cut-adapter-at-2")
     run_sft(["--resume", str(tmp_path / "cut"), "--max-steps", "3"])
     assert metric_lines(tmp_path / "cut") == lines
+    events = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert [e for e in events if "event" in e] == [{"step": 2, "event": "resume", "changed": {"max_steps": [2, 3]}}]
     resumed = lora.load(weights.from_pretrained(str(tiny_model_dir)), tmp_path / "cut" / "adapter")
     whole = lora.load(weights.from_pretrained(str(tiny_model_dir)), run_dir / "adapter")
     for a, b in zip(lora.parameters(resumed), lora.parameters(whole)):
@@ -133,6 +140,12 @@ def test_a_run_trains_checkpoints_resumes_exactly_and_hands_train_py_its_adapter
         ]
     )
     config.check_init_adapter(grpo)
+    # the adapter learned the answer template's prompts: another template is refused before the model loads
+    other, _, _ = config.parse_args(
+        ["--model", str(tiny_model_dir), "--lora-rank", "4", "--init-adapter", str(run_dir / "adapter")]
+    )
+    with pytest.raises(ValueError, match=r"posed the prompts with --template 'answer' \(this run: 'equation'\)"):
+        config.check_init_adapter(other)
     started, _, _, _ = train.build(grpo, grpo.init_adapter)
     for a, b in zip(lora.parameters(started), lora.parameters(whole)):
         assert torch.equal(a, b)
@@ -194,3 +207,61 @@ def test_the_presets_hold_the_grpo_stages_adapter_shape_and_prompt():
         )
     ]
     assert not missing, f"the SFT preset leaves {missing} to the defaults"
+
+
+def test_ctrl_c_exits_130_with_a_checkpoint_and_the_adapter_so_far(tiny_model_dir, tmp_path):
+    """As train.py: one Ctrl-C stops after the step in progress, checkpoints it and exits 130; sft.py also writes
+    the adapter so far, which train.py --init-adapter loads, and names the run it stopped, not a placeholder."""
+    run_dir = tmp_path / "stopped"
+    args = tiny_args(tiny_model_dir, tmp_path, "stopped", "--max-steps", "100000", "--checkpoint-every", "100000")
+    log = tmp_path / "sft.log"
+    with log.open("w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "sft.py", *args], cwd=Path(sft.__file__).parent, stdout=subprocess.DEVNULL, stderr=stderr
+        )
+    deadline = time.monotonic() + 300
+    while not ((run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").read_text().strip()):
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=300) == 130, log.read_text()
+    step = int((run_dir / "latest").read_text().rpartition("-")[2])
+    assert log.read_text().splitlines()[-1] == (
+        f"stopped at step {step}; the adapter so far is {run_dir / 'adapter'}; continue with: "
+        f"python sft.py --resume {run_dir}"
+    )
+    assert (run_dir / "config.toml").is_file() and "batch_tokens = 2048  # given" in (
+        run_dir / "config.toml"
+    ).read_text()
+    grpo, _, _ = config.parse_args(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--lora-rank",
+            "4",
+            "--template",
+            "answer",
+            "--init-adapter",
+            str(run_dir / "adapter"),
+        ]
+    )
+    config.check_init_adapter(grpo)
+    started, _, _, _ = train.build(grpo, grpo.init_adapter)
+    saved = lora.load(weights.from_pretrained(str(tiny_model_dir)), run_dir / latest_name(run_dir) / "adapter")
+    for a, b in zip(lora.parameters(started), lora.parameters(saved)):
+        assert torch.equal(a, b), "the adapter so far is the checkpoint's"
+
+
+def latest_name(run_dir: Path) -> str:
+    return (run_dir / "latest").read_text().strip()
+
+
+def test_a_finished_run_resumed_without_more_training_is_refused(tiny_model_dir, tmp_path, capsys):
+    run_sft(tiny_args(tiny_model_dir, tmp_path, "done", "--max-steps", "1"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        sft.main(["--resume", str(tmp_path / "done")])
+    assert exit_info.value.code == 2 and capsys.readouterr().err == (
+        f"sft.py: --resume {tmp_path / 'done'}: the run is finished; give more --epochs or --max-steps to train it "
+        "further\n"
+    )

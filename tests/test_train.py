@@ -129,7 +129,9 @@ def trained_on(dataset: str, eval_dataset: str, seed: int = 0) -> list[dict]:
 
 def test_a_failing_reward_function_stops_the_step_in_one_line(tiny_model_dir, tmp_path, capsys):
     module = tmp_path / "broken.py"
-    module.write_text("def on_step_one(completions, **columns):\n    return [1 / 0 for _ in completions]\n")
+    module.write_text(  # the trial call before training passes an empty completion: this fails on the step's
+        "def on_step_one(completions, **columns):\n    return [1 / 0 if text else 0.0 for text in completions]\n"
+    )
     with pytest.raises(SystemExit) as exit_info:
         train.main(
             tiny_args(tiny_model_dir, tmp_path, "broken", "--steps", "2", "--reward-fn", f"{module}:on_step_one")
@@ -138,8 +140,8 @@ def test_a_failing_reward_function_stops_the_step_in_one_line(tiny_model_dir, tm
     assert exit_info.value.code == 1 and lines[-1] == (
         f"train.py: reward function {module}:on_step_one raised on row 0 of step 1 (prompt 0, completion 0: "
         f"{train.batch_of(trained_on('arithmetic', 'arithmetic_test'), 0, 2, 0)[0]['problem']!r}): ZeroDivisionError: "
-        "division by zero; the last checkpoint is kept: continue with python train.py --resume "
-        f"{tmp_path / 'broken'}"
+        "division by zero; the last checkpoint is kept: fix the function, then continue with python train.py "
+        f"--resume {tmp_path / 'broken'} (which imports it again)"
     ), lines
     assert (tmp_path / "broken" / "latest").is_file()
 
@@ -961,3 +963,24 @@ def test_the_field_options_fail_in_one_line_before_the_model_loads(tmp_path, cap
         train.main(["--model", str(tmp_path / "no-model"), "--out-dir", str(tmp_path), *flags])
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(lines) == 1 and message in lines[0], lines
+
+
+def test_a_reward_function_with_the_wrong_signature_fails_before_the_model_loads(tmp_path, capsys, no_weights):
+    module = tmp_path / "mine.py"
+    module.write_text("def score(completions):\n    return [0.0 for _ in completions]\n")
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--out-dir", str(tmp_path), "--run-name", "sig", "--reward-fn", f"{module}:score"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"train.py: --reward-fn: reward function {module}:score raised on row 0 of a trial call")
+    assert "unexpected keyword argument" in err and err.endswith("; fix the function, then start again\n")
+    assert not (tmp_path / "sig").exists()
+
+
+def test_a_held_out_set_no_reward_function_grades_is_refused_before_the_model_loads(tmp_path, capsys, no_weights):
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--out-dir", str(tmp_path), "--eval-dataset", "code_test"])
+    assert exit_info.value.code == 2 and capsys.readouterr().err == (
+        "train.py: --eval-dataset code_test holds code problems, which no --reward-fn grades (reward:math_reward): "
+        "evaluate on a set of math problems, or train with --reward-fn sandbox:code_reward\n"
+    )
