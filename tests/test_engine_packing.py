@@ -57,5 +57,5 @@ def test_packed_micro_batches_give_the_update_of_one_row_each(tiny_model_dir, tm
     for got, expected in zip(packed["grads"], per_row["grads"]):
         assert_equal_to(got, expected)
     for key, expected in per_row["metrics"].items():
-        if key not in ("tokens",):
+        if key != "tokens" and not key.startswith("mismatch/"):  # mismatch/*: a diagnostic, not the update
             assert packed["metrics"][key] == pytest.approx(expected, rel=1e-9, abs=1e-12), key

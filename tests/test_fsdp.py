@@ -176,7 +176,10 @@ def test_two_sharded_ranks_take_the_step_of_one_unsharded_process(
         assert relative_error(ranks["weights"][name], expected) < 1e-12, name
     assert ranks["record"].keys() == single["record"].keys()
     for key, expected in single["record"].items():
-        assert ranks["record"][key] == pytest.approx(expected, rel=1e-8, abs=1e-12), key
+        if not key.startswith(
+            "mismatch/"
+        ):  # mismatch/*: a diagnostic over a sample of each rank's rows, not part of the update
+            assert ranks["record"][key] == pytest.approx(expected, rel=1e-8, abs=1e-12), key
     assert single["record"]["ratio_max"] > 1 + 1e-6, "the second update saw moved weights"
     if case == "shared prompts":  # rank 0's micro-batches of one prompt's 2 rows, against rows run whole
         assert two_ranks["shared_passes"][case] and set(two_ranks["shared_passes"][case]) == {2} and not shared
@@ -310,7 +313,10 @@ def test_a_sharded_checkpoint_of_two_ranks_resumes_on_one(two_ranks, straight, m
     for got, expected in zip(resumed, straight):
         assert got.keys() == expected.keys()
         for key, value in expected.items():
-            assert got[key] == pytest.approx(value, rel=1e-8, abs=1e-12), (got["step"], key)
+            if not key.startswith(
+                "mismatch/"
+            ):  # mismatch/*: a diagnostic over a sample of each rank's rows, not part of the update
+                assert got[key] == pytest.approx(value, rel=1e-8, abs=1e-12), (got["step"], key)
 
 
 def test_a_checkpoint_killed_mid_write_is_ignored(tiny_model_dir, straight, tmp_path, monkeypatch):
@@ -338,7 +344,10 @@ def test_a_checkpoint_killed_mid_write_is_ignored(tiny_model_dir, straight, tmp_
     assert [line["step"] for line in resumed] == [1, 2, 3]
     for got, expected in zip(resumed, straight):
         for key, value in expected.items():
-            assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-14), (got["step"], key)
+            if not key.startswith(
+                "mismatch/"
+            ):  # mismatch/*: a diagnostic over a sample of each rank's rows, not part of the update
+                assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-14), (got["step"], key)
 
 
 def test_the_export_of_a_full_run_loads_in_transformers_with_the_trained_logits(tiny_model_dir, tmp_path, monkeypatch):
