@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
-from typing import NamedTuple
 
+from data.templates import TEMPLATES, THINK_CLOSE, split_thinking  # the thought is the template's
 from grading import latex, pool
 
 TIMEOUT_S = 2.0  # per symbolic comparison; a worker that takes longer is killed and the answer is wrong
@@ -46,38 +46,6 @@ MAX_NUMBER_DIGITS = 30_000  # longer numbers (about latex.MAX_POWER_BITS) compar
 WORKER_MEMORY_BYTES = 2 << 30  # a runaway expression hits MemoryError in its worker, not the machine
 TAIL_CHARS = 4000  # fallback extraction (last number / math segment) only looks at the end of a text
 ANSWER_FORMATS = ("boxed", "answer")  # the formats has_format checks, named as the templates that ask for them
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # Qwen3's and DeepSeek-R1's thought delimiters
-
-
-# ----------------------------------------------------------------------------- thinking
-
-
-class Thought(NamedTuple):
-    """A completion split at its thought: `thinking` without the tags, `answer` what follows the last
-    </think> (the whole text when there is no thought), None when a thought never closes."""
-
-    thinking: str
-    answer: str | None
-
-
-def split_thinking(text: str, open_at_start: bool = False) -> Thought:
-    """The thought and the gradable answer of a completion (or of an SFT target).
-
-    open_at_start: the prompt left a <think> open (a chat template that starts the thought itself, as
-    DeepSeek-R1's distilled models do), so the completion begins inside it; see data.opens_thought.
-    Every grader (math here, code in sandbox.py) reads only Thought.answer.
-    """
-    close = text.rfind(THINK_CLOSE)
-    if close >= 0:
-        thought, opened = text[:close], text.find(THINK_OPEN)
-        return Thought(
-            thought[opened + len(THINK_OPEN) :] if 0 <= opened < close else thought, text[close + len(THINK_CLOSE) :]
-        )
-    opened = text.find(THINK_OPEN)
-    if opened >= 0 or open_at_start:
-        return Thought(text[opened + len(THINK_OPEN) :] if opened >= 0 else text, None)
-    return Thought("", text)
-
 
 # ----------------------------------------------------------------------------- extraction
 
@@ -984,7 +952,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("prediction", metavar="PRED", help="a completion or a bare answer")
     parser.add_argument("gold", metavar="GOLD", help="the reference answer")
     parser.add_argument("--problem", help="the question answered: an answer restating its arithmetic is wrong")
-    from data.templates import TEMPLATES  # the command line's alone: the checker itself needs no prompts
 
     parser.add_argument(
         "--template",

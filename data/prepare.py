@@ -84,13 +84,9 @@ if __package__ in (None, ""):  # run as `python data/prepare.py`: import as the 
     __package__ = "data"
 
 from .code_layouts import CODE_LAYOUTS, STDIO_NOTE, Skip, check_code_problem  # noqa: E402
+from .templates import DAPO_PREFIX, DAPO_SUFFIX  # noqa: E402
 
 DATA_DIR = Path(__file__).resolve().parent
-DAPO_PREFIX = (
-    "Solve the following math problem step by step. The last line of your response should be of "
-    "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
-)
-DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 FORMATS = {".jsonl": "JSON lines", ".json": "JSON (one list, or JSON lines)", ".parquet": "parquet"}
 GSM8K_SOLUTION = re.compile(r"\n####\s*[^\n]+$")  # a worked solution whose last line is "#### 18"
 GSM8K_CALCULATOR = re.compile(r"<<[^<>]*>>")  # the annotations of GSM8K's calculator: "48/2 = <<48/2=24>>24"

@@ -24,18 +24,54 @@ the switch cannot act, and opens_thought whether a prompt leaves a thought open 
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if __package__ in (None, ""):  # run as a script: import as the data package's module (PEP 366)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "data"
 
-from reward import THINK_CLOSE, THINK_OPEN, split_thinking  # noqa: E402
-
-from .prepare import DAPO_PREFIX, DAPO_SUFFIX  # noqa: E402
 
 if TYPE_CHECKING:  # data/ stays importable without torch
     from model import ModelConfig
+
+DAPO_PREFIX = (
+    "Solve the following math problem step by step. The last line of your response should be of "
+    "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+)
+DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # Qwen3's and DeepSeek-R1's thought delimiters
+
+
+# ----------------------------------------------------------------------------- thinking
+
+
+class Thought(NamedTuple):
+    """A completion split at its thought: `thinking` without the tags, `answer` what follows the last
+    </think> (the whole text when there is no thought), None when a thought never closes."""
+
+    thinking: str
+    answer: str | None
+
+
+def split_thinking(text: str, open_at_start: bool = False) -> Thought:
+    """The thought and the gradable answer of a completion (or of an SFT target).
+
+    open_at_start: the prompt left a <think> open (a chat template that starts the thought itself, as
+    DeepSeek-R1's distilled models do), so the completion begins inside it; see data.opens_thought.
+    Every grader (math here, code in sandbox.py) reads only Thought.answer.
+    """
+    close = text.rfind(THINK_CLOSE)
+    if close >= 0:
+        thought, opened = text[:close], text.find(THINK_OPEN)
+        return Thought(
+            thought[opened + len(THINK_OPEN) :] if 0 <= opened < close else thought, text[close + len(THINK_CLOSE) :]
+        )
+    opened = text.find(THINK_OPEN)
+    if opened >= 0 or open_at_start:
+        return Thought(text[opened + len(THINK_OPEN) :] if opened >= 0 else text, None)
+    return Thought("", text)
+
 
 TEMPLATES = {
     "answer": DAPO_PREFIX + "{problem}" + DAPO_SUFFIX,  # DAPO-Math-17k's prompt, word for word

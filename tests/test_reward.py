@@ -1080,7 +1080,7 @@ def test_the_benchmark_finds_its_data_or_fails_saying_where_it_looked(tmp_path):
 
 
 def test_split_thinking_keeps_only_what_follows_the_last_closing_tag():
-    from reward import Thought, split_thinking
+    from data.templates import Thought, split_thinking
 
     assert split_thinking("Answer: 12") == Thought("", "Answer: 12")  # no thought: all of it is the answer
     assert split_thinking("<think>a</think>b</think>c") == Thought("a</think>b", "c")  # the last tag counts
