@@ -38,6 +38,7 @@ import argparse
 import ctypes
 import errno
 import functools
+import gc
 import glob
 import json
 import math
@@ -425,18 +426,28 @@ def cgroup_layout() -> tuple[int, dict[str, str]] | None:
 class _Cgroup:
     """One run's cgroup in each hierarchy: made before its job (empty, no limits), joined by the program's
     process while it waits for the job, given the run's limits once the job is known, read for CPU time and
-    whether memory reached its limit, removed once the run's processes are gone."""
+    whether memory reached its limit, removed once the run's processes are gone. The files it reads are
+    opened once and read with pread: a read costs a system call, not a file's opening."""
 
     def __init__(self, layout: tuple[int, dict[str, str]], name: str):
         self.version, folders = layout
         self.memory, self.pids, self.cpu = (f"{folders[c]}/{name}" for c in CGROUP_CONTROLLERS)
         self.folders = list(dict.fromkeys((self.memory, self.pids, self.cpu)))
+        self.files: list[int] = []
         try:
             for folder in self.folders:
                 os.mkdir(folder)
+            v1 = self.version == 1
+            self.usage = self._open(f"{self.cpu}/cpuacct.usage" if v1 else f"{self.cpu}/cpu.stat")
+            self.events = self._open(f"{self.memory}/memory.failcnt" if v1 else f"{self.memory}/memory.events")
+            self.ooms = self._open(f"{self.memory}/memory.oom_control") if v1 else self.events
         except OSError:
             self.remove()
             raise
+
+    def _open(self, path: str) -> int:
+        self.files.append(os.open(path, os.O_RDONLY))
+        return self.files[-1]
 
     def limit(self, limits: Limits) -> None:
         """Set the run's memory (no swap) and process limits."""
@@ -447,30 +458,40 @@ class _Cgroup:
             settings = [("memory.max", memory), ("memory.swap.max", "0")]
         for file, value in settings:  # memsw and swap.max exist only where swap is accounted
             if os.path.exists(f"{self.memory}/{file}"):
-                Path(self.memory, file).write_text(value)
-        Path(self.pids, "pids.max").write_text(str(int(limits.processes)))
+                _write_file(f"{self.memory}/{file}", value)
+        _write_file(f"{self.pids}/pids.max", str(int(limits.processes)))
 
     @property
     def procs(self) -> list[str]:
         return [f"{folder}/cgroup.procs" for folder in self.folders]
 
     def cpu_seconds(self) -> float:
-        if self.version == 1:
-            return int(Path(self.cpu, "cpuacct.usage").read_text()) / 1e9
-        return _field(Path(self.cpu, "cpu.stat").read_text(), "usage_usec") / 1e6
+        text = os.pread(self.usage, 4096, 0).decode()
+        return int(text) / 1e9 if self.version == 1 else _field(text, "usage_usec") / 1e6
 
     def at_limit(self) -> bool:
         """Whether the run's memory reached its limit (the kernel then reclaims, fails or OOM-kills): the run
         is killed and graded "memory" at once rather than left to thrash at the limit."""
+        events = os.pread(self.events, 4096, 0).decode()
         if self.version == 1:
-            hits = int(Path(self.memory, "memory.failcnt").read_text())
-            return hits > 0 or _field(Path(self.memory, "memory.oom_control").read_text(), "oom_kill") > 0
-        events = Path(self.memory, "memory.events").read_text()
+            return int(events) > 0 or _field(os.pread(self.ooms, 4096, 0).decode(), "oom_kill") > 0
         return _field(events, "max") > 0 or _field(events, "oom_kill") > 0
 
     def remove(self) -> None:
+        for fd in self.files:
+            os.close(fd)
+        self.files.clear()
         for folder in self.folders:
             _remove_cgroup(folder)
+
+
+def _write_file(path: str, text: str) -> None:
+    """Write a short value to a cgroup file (an error is the kernel's refusal of the value)."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        _write_all(fd, text.encode())
+    finally:
+        os.close(fd)
 
 
 def _field(text: str, name: str) -> int:
@@ -682,6 +703,7 @@ def _supervise(config: dict) -> None:
         pool.announce(f"cannot build the sandbox's view ({error})".encode())
         return
     config["cgroups"] = _probe_cgroups()
+    gc.freeze()  # what exists now lives as long as the supervisor: no collection walks it (and copies its pages)
     runs = _Runs(config)
 
     def grade_one(frame: bytes) -> bytes:
@@ -881,7 +903,8 @@ def _run_job(job: dict, tree: _Tree, config: dict) -> dict:
     if tree.cgroup:
         tree.cgroup.limit(limits)
     cpu = max(1, math.ceil(min(limits.timeout * len(tests), limits.total_timeout)))
-    settings = {"limits": job["limits"], "cpu": cpu, "style": job["style"], "fn_name": job.get("fn_name") or ""}
+    argv = [config["python"], "-I", "-S", "-B", "-c", _LAUNCHER, job["style"], PROGRAM, job.get("fn_name") or ""]
+    settings = {"argv": argv, "fds": 5 if call else 3, "rlimits": _rlimits(limits, cpu, config["privileged"])}
     try:
         _write_all(tree.start, json.dumps(settings).encode())
     except BrokenPipeError:  # the program's process failed before its settings came: the exec pipe says why
@@ -907,6 +930,23 @@ def _run_job(job: dict, tree: _Tree, config: dict) -> dict:
     return {"verdicts": verdicts, "detail": detail}
 
 
+def _rlimits(limits: Limits, cpu: int, privileged: bool) -> list[tuple[int, int]]:
+    """The program's resource limits, (resource, value) pairs."""
+    # privileged, a user of its own counts only the program's processes; unprivileged, the user's count in
+    # its namespace also holds the supervisor, this run's supervisor, and the next run's two processes
+    processes = limits.processes + (0 if privileged else 4)
+    return [
+        (resource.RLIMIT_CPU, cpu),
+        (resource.RLIMIT_AS, int(limits.memory_bytes)),
+        (resource.RLIMIT_FSIZE, int(limits.output_bytes)),
+        (resource.RLIMIT_NPROC, int(processes)),
+        (resource.RLIMIT_NOFILE, int(limits.open_files)),
+        (resource.RLIMIT_CORE, 0),
+        (resource.RLIMIT_MSGQUEUE, 0),
+        (resource.RLIMIT_MEMLOCK, 0),
+    ]
+
+
 def _memory_file(name: str, fd: int) -> None:
     """A memory file at a fixed descriptor: outside every file system the program can see."""
     temporary = os.memfd_create(name)
@@ -929,45 +969,31 @@ def _read_pipe(fd: int) -> bytes:
 
 
 def _exec_program(config: dict, cgroups: list[str], start_w: int) -> None:
-    """The program's process, pid 1 of its namespace: join the run's cgroup, wait for the run's settings,
-    enter the view, take the run's files as fds 0..2 (call style: 0..4), set the limits, drop to the run's
-    user with no capabilities, a fresh session keyring and the seccomp filter, exec. Anything failing after
-    is reported on the exec pipe."""
+    """The program's process, pid 1 of its namespace. Before its job: join the run's cgroup, enter the view,
+    drop every capability from the bounding set (none survives exec, whatever the user), wait for the run's
+    settings. Then: take the run's files as fds 0..2 (call style: 0..4), set the limits, drop to the run's
+    user with a fresh session keyring and the seccomp filter, exec. Anything failing is reported on the
+    exec pipe."""
     try:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # it waits for its job: never past the run's supervisor
         os.close(start_w)  # so that the start pipe reads EOF once the run's supervisor is gone
         for procs in cgroups:
-            Path(procs).write_text("0")
+            _write_file(procs, "0")
+        os.chroot(config["root"])
+        for capability in range(64):
+            if _libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0) != 0:
+                break
         settings = _read_pipe(START_FD)
         if not settings:  # no job for this run: its supervisor is gone
             os._exit(1)
         settings = json.loads(settings)
-        limits, cpu, call = Limits(**settings["limits"]), settings["cpu"], settings["style"] == "call"
-        argv = [config["python"], "-I", "-S", "-B", "-c", _LAUNCHER, settings["style"], PROGRAM, settings["fn_name"]]
-        fds = 5 if call else 3
-        os.chroot(config["root"])
-        os.chdir(WORK)
-        for target in range(fds):
+        os.chdir(WORK)  # the run's tmpfs, mounted since
+        for target in range(settings["fds"]):
             os.dup2(FD_BASE + target, target)
-        os.closerange(fds, EXEC_FD)
+        os.closerange(settings["fds"], EXEC_FD)
         os.closerange(LIFE_FD + 1, 1 << 16)
-        # privileged, a user of its own counts only the program's processes; unprivileged, the user's count
-        # in its namespace also holds the supervisor, this run's supervisor, and the next run's two processes
-        processes = limits.processes + (0 if config["privileged"] else 4)
-        for which, value in (
-            (resource.RLIMIT_CPU, cpu),
-            (resource.RLIMIT_AS, limits.memory_bytes),
-            (resource.RLIMIT_FSIZE, limits.output_bytes),
-            (resource.RLIMIT_NPROC, processes),
-            (resource.RLIMIT_NOFILE, limits.open_files),
-            (resource.RLIMIT_CORE, 0),
-            (resource.RLIMIT_MSGQUEUE, 0),
-            (resource.RLIMIT_MEMLOCK, 0),
-        ):
+        for which, value in settings["rlimits"]:
             resource.setrlimit(which, (value, value))  # soft = hard: at the CPU limit SIGKILL, not SIGXCPU
-        for capability in range(64):  # no capability survives exec, whatever the user
-            if _libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0) != 0:
-                break
         if config["privileged"]:
             os.setgroups([])
         os.setresgid(config["gid"], config["gid"], config["gid"])
@@ -981,7 +1007,7 @@ def _exec_program(config: dict, cgroups: list[str], start_w: int) -> None:
         _prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(program))
         if select.select([LIFE_FD], [], [], 0)[0]:  # the lifeline reads EOF: the run's supervisor died
             os._exit(1)
-        os.execve(argv[0], argv, ENV)
+        os.execve(settings["argv"][0], settings["argv"], ENV)
     except BaseException as error:
         try:
             os.write(EXEC_FD, f"{type(error).__name__}: {error}".encode())
