@@ -765,12 +765,16 @@ class _Runs:
 
     def __init__(self, config: dict):
         self.config = config
+        # without root or a cgroup, RLIMIT_NPROC alone bounds a program's processes, and it counts the
+        # supervisor's user: a run then waits until the next run's two processes exist, so that the count
+        # it allows for holds them for the whole run
+        self.wait_ready = not config["privileged"] and not config["cgroups"]
         self.ready: tuple[int, int, int] | None = None
         self.ready = self._make()
 
     def _make(self) -> tuple[int, int, int]:
-        """A run that waits for its job, once both its processes exist: (its supervisor's pid, the job pipe's
-        write end, the report pipe's read end)."""
+        """A run that waits for its job: (its supervisor's pid, the job pipe's write end, the report pipe's
+        read end). Its report starts with one byte once both its processes exist."""
         job_r, job_w = os.pipe()
         report_r, report_w = os.pipe()
         child = os.fork()
@@ -789,7 +793,7 @@ class _Runs:
                     os._exit(code)
         os.close(job_r)
         os.close(report_w)
-        first = os.read(report_r, 1)
+        first = os.read(report_r, 1) if self.wait_ready else b"."
         if first != b".":  # it failed before it forked the program's process: the rest of its report says why
             os.close(job_w)
             raise SandboxError(_report(child, report_r, first).get("error", "the run's supervisor failed"))
@@ -797,9 +801,8 @@ class _Runs:
 
     def run(self, job: dict, tests: list[dict], end: float) -> dict:
         """One run of the program on these tests, ending by `end` at the latest: {"verdicts": [reason or
-        None per test], "detail": stderr's end}. The next run's processes are forked first, so that the
-        user's process count that RLIMIT_NPROC allows for (without root) holds them for the whole run; the
-        next run joins its cgroup while this one goes on."""
+        None per test], "detail": stderr's end}. The next run is forked first, and joins its cgroup while this
+        one goes on."""
         child, job_w, report_r = self.ready
         self.ready = self._make()
         try:
@@ -814,8 +817,9 @@ class _Runs:
 
 
 def _report(child: int, report_r: int, head: bytes = b"") -> dict:
-    """A run supervisor's report (after `head`, what was read of it already), once it has exited."""
-    text = head + _read_pipe(report_r)
+    """A run supervisor's report (after `head`, what was read of it already), without the byte that said
+    its processes exist, once it has exited."""
+    text = (head + _read_pipe(report_r)).removeprefix(b".")
     os.close(report_r)
     os.waitpid(child, 0)
     return json.loads(text) if text else {"error": "the run's supervisor died without a report"}
