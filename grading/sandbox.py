@@ -38,6 +38,7 @@ import argparse
 import ctypes
 import errno
 import functools
+import gc
 import glob
 import json
 import math
@@ -55,7 +56,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 if not __package__:  # run as a file (python grading/sandbox.py): the repository is the folder above
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -423,50 +424,74 @@ def cgroup_layout() -> tuple[int, dict[str, str]] | None:
 
 
 class _Cgroup:
-    """One run's cgroup in each hierarchy: made with the run's limits, joined by the program before it
-    execs, read for CPU time and whether memory reached its limit, removed once the run's processes are gone."""
+    """One run's cgroup in each hierarchy: made before its job (empty, no limits), joined by the program's
+    process while it waits for the job, given the run's limits once the job is known, read for CPU time and
+    whether memory reached its limit, removed once the run's processes are gone. The files it reads are
+    opened once and read with pread: a read costs a system call, not a file's opening."""
 
-    def __init__(self, layout: tuple[int, dict[str, str]], name: str, limits: Limits):
+    def __init__(self, layout: tuple[int, dict[str, str]], name: str):
         self.version, folders = layout
         self.memory, self.pids, self.cpu = (f"{folders[c]}/{name}" for c in CGROUP_CONTROLLERS)
         self.folders = list(dict.fromkeys((self.memory, self.pids, self.cpu)))
-        for folder in self.folders:
-            os.mkdir(folder)
+        self.files: list[int] = []
         try:
-            memory = str(int(limits.memory_bytes))
-            if self.version == 1:
-                settings = [("memory.limit_in_bytes", memory), ("memory.memsw.limit_in_bytes", memory)]
-            else:
-                settings = [("memory.max", memory), ("memory.swap.max", "0")]
-            for file, value in settings:  # memsw and swap.max exist only where swap is accounted
-                if os.path.exists(f"{self.memory}/{file}"):
-                    Path(self.memory, file).write_text(value)
-            Path(self.pids, "pids.max").write_text(str(int(limits.processes)))
+            for folder in self.folders:
+                os.mkdir(folder)
+            v1 = self.version == 1
+            self.usage = self._open(f"{self.cpu}/cpuacct.usage" if v1 else f"{self.cpu}/cpu.stat")
+            self.events = self._open(f"{self.memory}/memory.failcnt" if v1 else f"{self.memory}/memory.events")
+            self.ooms = self._open(f"{self.memory}/memory.oom_control") if v1 else self.events
         except OSError:
             self.remove()
             raise
+
+    def _open(self, path: str) -> int:
+        self.files.append(os.open(path, os.O_RDONLY))
+        return self.files[-1]
+
+    def limit(self, limits: Limits) -> None:
+        """Set the run's memory (no swap) and process limits."""
+        memory = str(int(limits.memory_bytes))
+        if self.version == 1:
+            settings = [("memory.limit_in_bytes", memory), ("memory.memsw.limit_in_bytes", memory)]
+        else:
+            settings = [("memory.max", memory), ("memory.swap.max", "0")]
+        for file, value in settings:  # memsw and swap.max exist only where swap is accounted
+            if os.path.exists(f"{self.memory}/{file}"):
+                _write_file(f"{self.memory}/{file}", value)
+        _write_file(f"{self.pids}/pids.max", str(int(limits.processes)))
 
     @property
     def procs(self) -> list[str]:
         return [f"{folder}/cgroup.procs" for folder in self.folders]
 
     def cpu_seconds(self) -> float:
-        if self.version == 1:
-            return int(Path(self.cpu, "cpuacct.usage").read_text()) / 1e9
-        return _field(Path(self.cpu, "cpu.stat").read_text(), "usage_usec") / 1e6
+        text = os.pread(self.usage, 4096, 0).decode()
+        return int(text) / 1e9 if self.version == 1 else _field(text, "usage_usec") / 1e6
 
     def at_limit(self) -> bool:
         """Whether the run's memory reached its limit (the kernel then reclaims, fails or OOM-kills): the run
         is killed and graded "memory" at once rather than left to thrash at the limit."""
+        events = os.pread(self.events, 4096, 0).decode()
         if self.version == 1:
-            hits = int(Path(self.memory, "memory.failcnt").read_text())
-            return hits > 0 or _field(Path(self.memory, "memory.oom_control").read_text(), "oom_kill") > 0
-        events = Path(self.memory, "memory.events").read_text()
+            return int(events) > 0 or _field(os.pread(self.ooms, 4096, 0).decode(), "oom_kill") > 0
         return _field(events, "max") > 0 or _field(events, "oom_kill") > 0
 
     def remove(self) -> None:
+        for fd in self.files:
+            os.close(fd)
+        self.files.clear()
         for folder in self.folders:
             _remove_cgroup(folder)
+
+
+def _write_file(path: str, text: str) -> None:
+    """Write a short value to a cgroup file (an error is the kernel's refusal of the value)."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        _write_all(fd, text.encode())
+    finally:
+        os.close(fd)
 
 
 def _field(text: str, name: str) -> int:
@@ -544,7 +569,7 @@ PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 24, 
 SECCOMP_MODE_FILTER, KEYCTL_JOIN_SESSION_KEYRING = 2, 1
 DEVICES = ("null", "zero", "random", "urandom")
 FD_BASE = 100  # a run's memory files and pipes are moved here, clear of the 0-4 they become in the program
-EXEC_FD, LIFE_FD = FD_BASE + 5, FD_BASE + 6
+EXEC_FD, LIFE_FD, START_FD = FD_BASE + 5, FD_BASE + 6, FD_BASE + 7
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
@@ -678,11 +703,13 @@ def _supervise(config: dict) -> None:
         pool.announce(f"cannot build the sandbox's view ({error})".encode())
         return
     config["cgroups"] = _probe_cgroups()
+    gc.freeze()  # what exists now lives as long as the supervisor: no collection walks it (and copies its pages)
+    runs = _Runs(config)
 
     def grade_one(frame: bytes) -> bytes:
         started = time.monotonic()
         try:
-            result = _grade_job(json.loads(frame), config)
+            result = _grade_job(json.loads(frame), runs)
         except Exception as error:
             result = {"error": f"{type(error).__name__}: {error}"}
         return json.dumps({**result, "seconds": time.monotonic() - started}).encode()
@@ -696,13 +723,17 @@ def _probe_cgroups() -> tuple[int, dict[str, str]] | None:
     if layout is None:
         return None
     try:
-        _Cgroup(layout, f"sandbox-probe-{os.getpid()}", Limits()).remove()
+        probe = _Cgroup(layout, f"sandbox-probe-{os.getpid()}")
+        try:
+            probe.limit(Limits())
+        finally:
+            probe.remove()
     except OSError:
         return None
     return layout
 
 
-def _grade_job(job: dict, config: dict) -> dict:
+def _grade_job(job: dict, runs: "_Runs") -> dict:
     """Every test of one program, in order: stdio tests one run each, call tests one run for all. Runs stop
     after a timeout (a program too slow once is too slow again, and each costs the full limit) and when
     the program's total time is spent; the tests not run count as failed."""
@@ -713,49 +744,153 @@ def _grade_job(job: dict, config: dict) -> dict:
     except (SyntaxError, ValueError, MemoryError, RecursionError) as error:
         return {"verdicts": ["syntax_error"] * len(tests), "detail": f"{type(error).__name__}: {error}"[:500]}
     if job["style"] == "call":
-        return _run(job, tests, config, limits, end)
+        return runs.run(job, tests, end)
     verdicts, detail = [], ""
     for test in tests:
         if verdicts and verdicts[-1] == "timeout" or time.monotonic() >= end:
             verdicts.append("timeout")
             continue
-        run = _run(job, [test], config, limits, end)
+        run = runs.run(job, [test], end)
         verdicts += run["verdicts"]
         detail = detail or run["detail"]
     return {"verdicts": verdicts, "detail": detail}
 
 
-def _run(job: dict, tests: list[dict], config: dict, limits: Limits, end: float) -> dict:
-    """One run of the program in a fresh process tree, from a forked child (namespaces apply to a process
-    and its children); returns {"verdicts": [reason or None per test], "detail": stderr's end}."""
-    report_r, report_w = os.pipe()
-    child = os.fork()
-    if child == 0:
-        code = 1
-        try:
-            os.close(report_r)
-            result, code = _run_in_child(job, tests, config, limits, end), 0
-        except BaseException as error:
-            result = {"error": f"{type(error).__name__}: {error}"}
-        finally:  # never back into the supervisor's loop
+class _Runs:
+    """A supervisor's runs, one at a time, each made ready one run ahead. A run is a forked run supervisor
+    (namespaces apply to a process and its children) that enters fresh pid, mount and IPC namespaces and
+    forks the program's process, which joins the run's fresh cgroup; both then wait for the job. Joining a
+    cgroup waits for the kernel (an RCU grace period, several milliseconds), so it happens while the run
+    before goes on, and a job finds its process tree made."""
+
+    def __init__(self, config: dict):
+        self.config = config
+        # without root or a cgroup, RLIMIT_NPROC alone bounds a program's processes, and it counts the
+        # supervisor's user: a run then waits until the next run's two processes exist, so that the count
+        # it allows for holds them for the whole run
+        self.wait_ready = not config["privileged"] and not config["cgroups"]
+        self.ready: tuple[int, int, int] | None = None
+        self.ready = self._make()
+
+    def _make(self) -> tuple[int, int, int]:
+        """A run that waits for its job: (its supervisor's pid, the job pipe's write end, the report pipe's
+        read end). Its report starts with one byte once both its processes exist."""
+        job_r, job_w = os.pipe()
+        report_r, report_w = os.pipe()
+        child = os.fork()
+        if child == 0:
+            code = 1
             try:
-                with os.fdopen(report_w, "w") as report:
-                    report.write(json.dumps(result))
-            finally:
-                os._exit(code)
-    os.close(report_w)
-    with os.fdopen(report_r) as report:
-        text = report.read()
+                for fd in (job_w, report_r, *(self.ready[1:] if self.ready else ())):  # the run before's ends
+                    os.close(fd)
+                result, code = _run_in_child(job_r, report_w, self.config), 0
+            except BaseException as error:
+                result = {"error": f"{type(error).__name__}: {error}"}
+            finally:  # never back into the supervisor's loop
+                try:
+                    _write_all(report_w, json.dumps(result).encode())
+                finally:
+                    os._exit(code)
+        os.close(job_r)
+        os.close(report_w)
+        first = os.read(report_r, 1) if self.wait_ready else b"."
+        if first != b".":  # it failed before it forked the program's process: the rest of its report says why
+            os.close(job_w)
+            raise SandboxError(_report(child, report_r, first).get("error", "the run's supervisor failed"))
+        return child, job_w, report_r
+
+    def run(self, job: dict, tests: list[dict], end: float) -> dict:
+        """One run of the program on these tests, ending by `end` at the latest: {"verdicts": [reason or
+        None per test], "detail": stderr's end}. The next run is forked first, and joins its cgroup while this
+        one goes on."""
+        child, job_w, report_r = self.ready
+        self.ready = self._make()
+        try:
+            _write_all(job_w, json.dumps({**job, "tests": tests, "end": end}).encode())
+        except BrokenPipeError:  # the run's supervisor is gone: its report, below, is empty
+            pass
+        os.close(job_w)
+        result = _report(child, report_r)
+        if "error" in result:
+            raise SandboxError(result["error"])
+        return result
+
+
+def _report(child: int, report_r: int, head: bytes = b"") -> dict:
+    """A run supervisor's report (after `head`, what was read of it already), without the byte that said
+    its processes exist, once it has exited."""
+    text = (head + _read_pipe(report_r)).removeprefix(b".")
+    os.close(report_r)
     os.waitpid(child, 0)
-    result = json.loads(text) if text else {"error": "the run's supervisor died without a report"}
-    if "error" in result:
-        raise SandboxError(result["error"])
-    return result
+    return json.loads(text) if text else {"error": "the run's supervisor died without a report"}
 
 
-def _run_in_child(job: dict, tests: list[dict], config: dict, limits: Limits, end: float) -> dict:
+class _Tree(NamedTuple):
+    """A run's process tree before its job: the program's process and the run supervisor's ends of its
+    pipes and files (the memory files and the program's ends sit at FD_BASE and up)."""
+
+    pid: int  # the program's process: pid 1 of the run's pid namespace
+    pidfd: int
+    cgroup: "_Cgroup | None"
+    start: int  # write end: the run's settings, which start the program's process
+    exec_report: int  # read end: closes at exec, or says why the program could not start
+    results: int  # read end of the program's fd 3 (call style)
+    go: int  # write end of the program's fd 4 (call style)
+
+
+def _run_in_child(job_pipe: int, report: int, config: dict) -> dict:
+    """A run's supervisor: make the run's process tree, say so (one byte on the report pipe), wait for the
+    job, run it. Whatever fails, the program's process is killed and the cgroup removed."""
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     _unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC)
+    tree = _make_tree(config)
+    try:
+        os.write(report, b".")
+        text = _read_pipe(job_pipe)
+        if not text:
+            raise SandboxError("no job came: the supervisor is gone")
+        return _run_job(json.loads(text), tree, config)
+    except BaseException:
+        try:
+            signal.pidfd_send_signal(tree.pidfd, signal.SIGKILL)
+            os.waitid(os.P_PIDFD, tree.pidfd, os.WEXITED)
+        except (ProcessLookupError, ChildProcessError):  # reaped already
+            pass
+        raise
+    finally:
+        if tree.cgroup:
+            tree.cgroup.remove()
+
+
+def _make_tree(config: dict) -> _Tree:
+    """The run's memory files (stdin, stdout, stderr) and pipes at fixed descriptors, its cgroup, and the
+    program's process, forked: it joins the cgroup and waits for the run's settings."""
+    for i, name in enumerate(("stdin", "stdout", "stderr")):
+        _memory_file(name, FD_BASE + i)
+    results_r, results_w = os.pipe2(os.O_CLOEXEC)  # call style: fd 3, the results, read as they come
+    go_r, go_w = os.pipe2(os.O_CLOEXEC)  # fd 4: the supervisor's go for each call
+    exec_r, exec_w = os.pipe()  # the program's side closes at exec (O_CLOEXEC) or reports why it could not
+    life_r, _ = os.pipe()  # the write end stays open while this process lives
+    start_r, start_w = os.pipe()
+    for fd, target in ((results_w, FD_BASE + 3), (go_r, FD_BASE + 4), (exec_w, EXEC_FD), (life_r, LIFE_FD)):
+        os.dup2(fd, target, inheritable=False)
+        os.close(fd)
+    os.dup2(start_r, START_FD, inheritable=False)
+    os.close(start_r)
+    name = f"{os.path.basename(config['root'])}-{os.getpid()}"  # the supervisor's cleanup finds it by its root
+    cgroup = _Cgroup(config["cgroups"], name) if config["cgroups"] else None
+    pid = os.fork()
+    if pid == 0:
+        _exec_program(config, cgroup.procs if cgroup else [], start_w)
+    for fd in (FD_BASE + 3, FD_BASE + 4, EXEC_FD, START_FD):
+        os.close(fd)
+    return _Tree(pid, os.pidfd_open(pid), cgroup, start_w, exec_r, results_r, go_w)
+
+
+def _run_job(job: dict, tree: _Tree, config: dict) -> dict:
+    """Fill the run's tmpfs and stdin, set its limits, start the program, wait for it, and grade what it
+    wrote."""
+    limits, tests, call = Limits(**job["limits"]), job["tests"], job["style"] == "call"
     root, uid, gid = config["root"], config["uid"], config["gid"]
     _mount(
         "tmpfs",
@@ -766,47 +901,28 @@ def _run_in_child(job: dict, tests: list[dict], config: dict, limits: Limits, en
     )
     with open(root + PROGRAM, "w") as f:
         f.write(job["source"])
-    call = job["style"] == "call"
     stdin = "".join(json.dumps(t["input"]) + "\n" for t in tests) if call else tests[0]["input"]
-    files = [_memory_file(name, FD_BASE + i) for i, name in enumerate(("stdin", "stdout", "stderr"))]
-    _write_all(files[0], stdin.encode())
-    os.lseek(files[0], 0, os.SEEK_SET)
-    results_r = go_w = None
-    if call:  # fd 3: the results, read as they come; fd 4: the supervisor's go for each call
-        results_r, results_w = os.pipe2(os.O_CLOEXEC)
-        go_r, go_w = os.pipe2(os.O_CLOEXEC)
-        for fd, target in ((results_w, FD_BASE + 3), (go_r, FD_BASE + 4)):
-            os.dup2(fd, target, inheritable=False)
-            os.close(fd)
-    exec_r, exec_w = os.pipe()  # the program's side closes at exec (O_CLOEXEC) or reports why it could not
-    life_r, life_w = os.pipe()  # open while this process lives
-    os.dup2(exec_w, EXEC_FD, inheritable=False)
-    os.dup2(life_r, LIFE_FD, inheritable=False)
-    cgroup = _Cgroup(config["cgroups"], f"sandbox-{uid}-{os.getpid()}", limits) if config["cgroups"] else None
+    _write_all(FD_BASE, stdin.encode())
+    os.lseek(FD_BASE, 0, os.SEEK_SET)
+    if tree.cgroup:
+        tree.cgroup.limit(limits)
     cpu = max(1, math.ceil(min(limits.timeout * len(tests), limits.total_timeout)))
     argv = [config["python"], "-I", "-S", "-B", "-c", _LAUNCHER, job["style"], PROGRAM, job.get("fn_name") or ""]
-    pid = os.fork()
-    if pid == 0:
-        _exec_program(config, limits, cpu, argv, 5 if call else 3, cgroup.procs if cgroup else [])
-    os.close(exec_w)
-    os.close(EXEC_FD)
-    for fd in (FD_BASE + 3, FD_BASE + 4) if call else ():
-        os.close(fd)
-    failure = os.read(exec_r, 4096)
+    settings = {"argv": argv, "fds": 5 if call else 3, "rlimits": _rlimits(limits, cpu, config["privileged"])}
+    try:
+        _write_all(tree.start, json.dumps(settings).encode())
+    except BrokenPipeError:  # the program's process failed before its settings came: the exec pipe says why
+        pass
+    os.close(tree.start)
+    failure = os.read(tree.exec_report, 4096)
     if failure:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        if cgroup:
-            cgroup.remove()
         raise SandboxError(f"the program could not start: {failure.decode(errors='replace')}")
-    calls = _Calls(tests, results_r, go_w, job, limits) if call else None
-    meter = cgroup or _Watch(pid)
-    status, usage, killed = _wait(pid, meter, limits, end, calls)
-    if killed is None and cgroup is not None and cgroup.at_limit():
+    calls = _Calls(tests, tree.results, tree.go, job, limits) if call else None
+    meter = tree.cgroup or _Watch(tree.pid)
+    status, usage, killed = _wait(tree.pid, tree.pidfd, meter, limits, job["end"], calls)
+    if killed is None and tree.cgroup is not None and tree.cgroup.at_limit():
         killed = "memory"  # it reached its limit between two reads, or the kernel killed one of its processes
-    if cgroup:
-        cgroup.remove()
-    stdout, stderr = _read(files[1], limits.output_bytes), _read(files[2], limits.output_bytes)
+    stdout, stderr = _read(FD_BASE + 1, limits.output_bytes), _read(FD_BASE + 2, limits.output_bytes)
     ended = _ended(status, usage, killed, cpu, stdout, stderr, limits)
     detail = stderr[-300:].decode(errors="replace")
     if not call:
@@ -818,12 +934,28 @@ def _run_in_child(job: dict, tests: list[dict], config: dict, limits: Limits, en
     return {"verdicts": verdicts, "detail": detail}
 
 
-def _memory_file(name: str, fd: int) -> int:
+def _rlimits(limits: Limits, cpu: int, privileged: bool) -> list[tuple[int, int]]:
+    """The program's resource limits, (resource, value) pairs."""
+    # privileged, a user of its own counts only the program's processes; unprivileged, the user's count in
+    # its namespace also holds the supervisor, this run's supervisor, and the next run's two processes
+    processes = limits.processes + (0 if privileged else 4)
+    return [
+        (resource.RLIMIT_CPU, cpu),
+        (resource.RLIMIT_AS, int(limits.memory_bytes)),
+        (resource.RLIMIT_FSIZE, int(limits.output_bytes)),
+        (resource.RLIMIT_NPROC, int(processes)),
+        (resource.RLIMIT_NOFILE, int(limits.open_files)),
+        (resource.RLIMIT_CORE, 0),
+        (resource.RLIMIT_MSGQUEUE, 0),
+        (resource.RLIMIT_MEMLOCK, 0),
+    ]
+
+
+def _memory_file(name: str, fd: int) -> None:
     """A memory file at a fixed descriptor: outside every file system the program can see."""
     temporary = os.memfd_create(name)
     os.dup2(temporary, fd, inheritable=False)
     os.close(temporary)
-    return fd
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -832,36 +964,40 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _exec_program(config: dict, limits: Limits, cpu: int, argv: list[str], fds: int, cgroups: list[str]) -> None:
-    """The program's process, pid 1 of its namespace: join the run's cgroup, enter the view, take the run's
-    files as fds 0..fds-1, set the limits, drop to the run's user with no capabilities, a fresh session
-    keyring and the seccomp filter, exec. Anything failing is reported on the exec pipe."""
+def _read_pipe(fd: int) -> bytes:
+    """Everything written to a pipe until every writer closed it."""
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _exec_program(config: dict, cgroups: list[str], start_w: int) -> None:
+    """The program's process, pid 1 of its namespace. Before its job: join the run's cgroup, enter the view,
+    drop every capability from the bounding set (none survives exec, whatever the user), wait for the run's
+    settings. Then: take the run's files as fds 0..2 (call style: 0..4), set the limits, drop to the run's
+    user with a fresh session keyring and the seccomp filter, exec. Anything failing is reported on the
+    exec pipe."""
     try:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # it waits for its job: never past the run's supervisor
+        os.close(start_w)  # so that the start pipe reads EOF once the run's supervisor is gone
         for procs in cgroups:
-            Path(procs).write_text("0")
+            _write_file(procs, "0")
         os.chroot(config["root"])
-        os.chdir(WORK)
-        for target in range(fds):
-            os.dup2(FD_BASE + target, target)
-        os.closerange(fds, EXEC_FD)
-        os.closerange(LIFE_FD + 1, 1 << 16)
-        # privileged, a user of its own counts only the program's processes; unprivileged, the user's count
-        # in its namespace also holds the supervisor and this run's supervisor
-        processes = limits.processes + (0 if config["privileged"] else 2)
-        for which, value in (
-            (resource.RLIMIT_CPU, cpu),
-            (resource.RLIMIT_AS, limits.memory_bytes),
-            (resource.RLIMIT_FSIZE, limits.output_bytes),
-            (resource.RLIMIT_NPROC, processes),
-            (resource.RLIMIT_NOFILE, limits.open_files),
-            (resource.RLIMIT_CORE, 0),
-            (resource.RLIMIT_MSGQUEUE, 0),
-            (resource.RLIMIT_MEMLOCK, 0),
-        ):
-            resource.setrlimit(which, (value, value))  # soft = hard: at the CPU limit SIGKILL, not SIGXCPU
-        for capability in range(64):  # no capability survives exec, whatever the user
+        for capability in range(64):
             if _libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0) != 0:
                 break
+        settings = _read_pipe(START_FD)
+        if not settings:  # no job for this run: its supervisor is gone
+            os._exit(1)
+        settings = json.loads(settings)
+        os.chdir(WORK)  # the run's tmpfs, mounted since
+        for target in range(settings["fds"]):
+            os.dup2(FD_BASE + target, target)
+        os.closerange(settings["fds"], EXEC_FD)
+        os.closerange(LIFE_FD + 1, 1 << 16)
+        for which, value in settings["rlimits"]:
+            resource.setrlimit(which, (value, value))  # soft = hard: at the CPU limit SIGKILL, not SIGXCPU
         if config["privileged"]:
             os.setgroups([])
         os.setresgid(config["gid"], config["gid"], config["gid"])
@@ -875,7 +1011,7 @@ def _exec_program(config: dict, limits: Limits, cpu: int, argv: list[str], fds: 
         _prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(program))
         if select.select([LIFE_FD], [], [], 0)[0]:  # the lifeline reads EOF: the run's supervisor died
             os._exit(1)
-        os.execve(argv[0], argv, ENV)
+        os.execve(settings["argv"][0], settings["argv"], ENV)
     except BaseException as error:
         try:
             os.write(EXEC_FD, f"{type(error).__name__}: {error}".encode())
@@ -919,12 +1055,11 @@ class _Calls:
 
 
 def _wait(
-    pid: int, meter, limits: Limits, end: float, calls: _Calls | None
+    pid: int, pidfd: int, meter, limits: Limits, end: float, calls: _Calls | None
 ) -> tuple[int, resource.struct_rusage, str | None]:
     """Wait for the program, killing it for "timeout" (a test's or a call's wall or CPU time, or the total),
     "memory" (the run's, where no cgroup enforces it) or "output_limit" (call results). Every TICK_S the
     supervisor reads the run's CPU time (and memory) itself."""
-    pidfd = os.pidfd_open(pid)
     poller = select.poll()
     poller.register(pidfd, select.POLLIN)
     started, cpu_start, killed = time.monotonic(), 0.0, None
@@ -954,7 +1089,6 @@ def _wait(
                 poller.unregister(calls.results)
         if pidfd in events:
             break
-    os.close(pidfd)
     _, status, usage = os.wait4(pid, 0)
     if calls is not None and killed is None:  # what it wrote before it exited: every writer is gone now
         while not calls.closed and killed is None:
@@ -1028,7 +1162,8 @@ def _launch() -> pool.Launch:
 
 def _cleanup(state: tuple[str, int, bool]) -> None:
     """After a supervisor is killed: kill what is left under its user (its runs die with it in any case,
-    through their parent-death signals), remove its runs' cgroups and its (empty) mount point."""
+    through their parent-death signals), remove its runs' cgroups (named after its mount point: the run
+    made ready for its next job always leaves one) and its (empty) mount point."""
     root, uid, privileged = state
     if privileged:  # kill(-1) as that user reaches every process it owns, in any pid namespace, and nothing else
         subprocess.run(
@@ -1041,11 +1176,11 @@ def _cleanup(state: tuple[str, int, bool]) -> None:
             stderr=subprocess.DEVNULL,
             check=False,
         )
-        layout = cgroup_layout()
-        for folder in set(layout[1].values()) if layout else ():
-            for leftover in glob.glob(f"{folder}/sandbox-{uid}-*"):
-                _remove_cgroup(leftover)
         _free_uids.append(uid)
+    layout = cgroup_layout()
+    for folder in set(layout[1].values()) if layout else ():
+        for leftover in glob.glob(f"{folder}/{os.path.basename(root)}-*"):
+            _remove_cgroup(leftover)
     try:
         os.rmdir(root)  # its mounts lived in its own namespace: here it is an empty folder
     except OSError as error:

@@ -730,6 +730,41 @@ def test_state_of_one_run_is_invisible_to_the_next_test_and_program(grade_as):
     assert not host_has_key(b"sandbox-state") and alive == []
 
 
+def test_a_run_at_its_memory_limit_leaves_the_next_run_its_whole_limit(grade_as):
+    """Each run is counted from zero: after a program killed at the memory limit, programs that each hold
+    most of it (a touched block and a file in their tmpfs), one after another on one supervisor, pass."""
+    bomb = "blocks = []\nwhile True:\n    blocks.append(b'x' * (1 << 24))"
+    fill = (
+        "block = b'x' * (96 << 20)\nwith open('/sandbox/file', 'wb') as f:\n    f.write(b'y' * (8 << 20))\nprint('ok')"
+    )
+    limits = Limits(timeout=10.0, memory_bytes=160 << 20, output_bytes=16 << 20, disk_bytes=12 << 20)
+    problems = [ESCAPED] + [{"tests": [{"input": "", "output": "ok"}] * 2}] * 2
+    grades, alive = grade_as([bomb, fill, fill], problems, limits=limits, workers=1)
+    assert [(g.passed, g.reason) for g in grades] == [(0, "memory"), (2, None), (2, None)], grades
+    assert alive == []
+
+
+def test_runs_made_ahead_leave_no_cgroup_behind(available, monkeypatch):
+    """Every supervisor keeps its next run ready, its cgroup made and joined; retiring the supervisor removes
+    that cgroup too."""
+    layout = sandbox.cgroup_layout()
+    if layout is None:
+        pytest.skip("this process may not make cgroups here: runs are watched instead")
+    pool = sandbox._new_pool()
+    monkeypatch.setattr(sandbox, "_POOL", pool)
+
+    def cgroups(names: list[str]) -> list[Path]:
+        return [path for folder in set(layout[1].values()) for name in names for path in Path(folder).glob(f"{name}-*")]
+
+    try:
+        sandbox.grade([ADD] * 2, [STDIO] * 2, workers=2)
+        names = [os.path.basename(worker.state[0]) for worker in pool.idle]  # each supervisor's mount point
+        assert len(names) == 2 and cgroups(names), "no run was made ahead"
+    finally:
+        pool.close()
+    assert cgroups(names) == []
+
+
 def test_a_call_kept_alive_by_writing_its_results_file_times_out(grade_as):
     """A call's time runs on the supervisor's clock, from its go to its result: a thread that writes fd 3
     (or truncates it) while the call sleeps gains nothing."""
