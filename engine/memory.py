@@ -75,7 +75,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lora
@@ -311,7 +310,7 @@ def _no_data(t: torch.Tensor) -> bool:
 def _tensors(x):
     """The tensors in an operator's arguments or results (nested tuples and lists, as foreach ops take); a
     DTensor is its local shard."""
-    if isinstance(x, DTensor):
+    if fsdp.is_dtensor(x):
         yield x.to_local()
     elif isinstance(x, torch.Tensor):
         yield x
