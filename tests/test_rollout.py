@@ -5,6 +5,7 @@ calls, host syncs and operator counts, top-k/top-p sets, per-row stopping, bad i
 run of bench/gpu_check.py."""
 
 import importlib.util
+import io
 import json
 import subprocess
 import sys
@@ -556,10 +557,12 @@ def test_gpu_check_budget_skips_what_cannot_end_in_time_on_a_fake_clock(tmp_path
     assert len(rows) == 5 and all("peak_reserved_bytes" in row for row in rows)
 
 
-def test_the_command_line_samples_a_prompt_and_grades_it(tiny_model_dir):
+def test_the_command_line_samples_a_prompt_and_grades_it(tiny_model_dir, monkeypatch, capsys):
+    """`python rollout.py` as typed; the same main() in this process reads the prompt from stdin and refuses a
+    missing adapter."""
+    import rollout
+
     args = [
-        sys.executable,
-        "rollout.py",
         "--model",
         str(tiny_model_dir),
         "--samples",
@@ -571,17 +574,20 @@ def test_the_command_line_samples_a_prompt_and_grades_it(tiny_model_dir):
         "--template",
         "plain",
     ]
-    proc = subprocess.run([*args, "What is 2 + 2?"], cwd=Path(__file__).parent.parent, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "rollout.py", *args, "What is 2 + 2?"],
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("--- sample") == 3 and proc.stdout.rstrip().endswith("of 3 correct")
-    piped = subprocess.run(
-        args, input="What is 2 + 2?\n", cwd=Path(__file__).parent.parent, capture_output=True, text=True
-    )
-    assert piped.stdout == proc.stdout, "stdin gives the same prompt"
-    bad = subprocess.run(
-        [*args, "--adapter", "nowhere", "x"], cwd=Path(__file__).parent.parent, capture_output=True, text=True
-    )
-    assert bad.returncode == 2 and "--adapter nowhere" in bad.stderr
+    monkeypatch.setattr(sys, "stdin", io.StringIO("What is 2 + 2?\n"))
+    rollout.main(args)
+    assert capsys.readouterr().out == proc.stdout, "stdin gives the same prompt"
+    with pytest.raises(SystemExit) as exit_info:
+        rollout.main([*args, "--adapter", "nowhere", "x"])
+    assert exit_info.value.code == 2 and "--adapter nowhere" in capsys.readouterr().err
 
 
 def test_the_command_line_fails_in_one_line_and_a_ctrl_c_exits_130(tiny_model_dir, tmp_path, monkeypatch, capsys):
