@@ -38,9 +38,11 @@ format: setup
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
-# The loss is the heart of the project: its tests run first (pyproject.toml's testpaths).
+# The suite runs in TEST_WORKERS processes (pytest-xdist), one more than the cores: many tests wait on the
+# processes they start. One thread each, so the workers do not oversubscribe the cores.
+TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
 test: setup
-	$(PY) -m pytest -q $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ARGS)
 
 bench: setup
 	$(PY) bench/model.py

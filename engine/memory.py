@@ -75,7 +75,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lora
@@ -279,7 +278,7 @@ class LiveBytes(TorchDispatchMode):
         inputs = list(_tensors((args, kwargs.values())))
         if func is torch.ops.aten.equal.default and _no_data(inputs[0]):
             return True
-        out = func(*args, **kwargs)
+        out = _meta_result(func, args, kwargs, inputs)
         seen = {id(t.untyped_storage()) for t in inputs}  # in-place ops and views return these
         for t in _tensors(out):
             storage = t.untyped_storage()
@@ -303,6 +302,57 @@ class LiveBytes(TorchDispatchMode):
         self.peak = self.live
 
 
+# On meta tensors most operators run torch's meta kernels written in Python (torch._refs), a few milliseconds
+# each; a planner runs thousands of them. A functional operator's outputs are new tensors whose shapes, strides
+# and dtypes depend only on its arguments' (no data exists), so on plain meta tensors each distinct call is run
+# once and later ones get fresh empty tensors of the same layout. Views, in-place operators, random or
+# data-dependent ones always run.
+_META_LAYOUTS: dict[tuple, tuple[tuple, ...]] = {}
+_ALWAYS_RUN = {torch.Tag.nondeterministic_seeded, torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
+
+
+def _meta_result(func, args, kwargs, inputs: list[torch.Tensor]):
+    key = _layout_key(func, args, kwargs, inputs)
+    if key is None:
+        return func(*args, **kwargs)
+    layouts = _META_LAYOUTS.get(key)
+    if layouts is None:
+        out = func(*args, **kwargs)
+        outputs = (out,) if isinstance(out, torch.Tensor) else out
+        _META_LAYOUTS[key] = tuple((t.shape, t.stride(), t.dtype) for t in outputs)
+        return out
+    outputs = tuple(torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in layouts)
+    return outputs[0] if isinstance(func._schema.returns[0].type, torch.TensorType) and len(outputs) == 1 else outputs
+
+
+def _layout_key(func, args, kwargs, inputs: list[torch.Tensor]) -> tuple | None:
+    """What a functional operator's output layouts depend on, or None where the memo does not apply."""
+    schema = func._schema
+    if (
+        not inputs
+        or schema.is_mutable
+        or not schema.returns
+        or any(r.alias_info is not None or not isinstance(r.type, torch.TensorType) for r in schema.returns)
+        or _ALWAYS_RUN.intersection(func.tags)
+        or any(type(t) not in (torch.Tensor, torch.nn.Parameter) or not t.is_meta for t in inputs)
+    ):
+        return None
+    try:
+        key = (func, _arg_key(args), _arg_key(tuple(sorted(kwargs.items()))))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _arg_key(x):
+    if isinstance(x, torch.Tensor):
+        return ("tensor", x.shape, x.stride(), x.storage_offset(), x.dtype)
+    if isinstance(x, (tuple, list)):
+        return tuple(_arg_key(item) for item in x)
+    return x
+
+
 def _no_data(t: torch.Tensor) -> bool:
     """Meta tensors, and FakeTensorMode's (meta storage under another device's name)."""
     return t.is_meta or isinstance(t, FakeTensor)
@@ -311,7 +361,7 @@ def _no_data(t: torch.Tensor) -> bool:
 def _tensors(x):
     """The tensors in an operator's arguments or results (nested tuples and lists, as foreach ops take); a
     DTensor is its local shard."""
-    if isinstance(x, DTensor):
+    if fsdp.is_dtensor(x):
         yield x.to_local()
     elif isinstance(x, torch.Tensor):
         yield x

@@ -20,7 +20,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+
+from infra import fsdp
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ def sum_gradients(params: list[torch.nn.Parameter], world: World, loss_sum: torc
     rank-32 adapters: 87M parameters, 350 MB in fp32), the loss reaches the model through model.hidden and the
     frozen passes rather than one forward(), and a rank may hold no rows of a mini-batch at all.
     """
-    params = [p for p in params if not isinstance(p, DTensor)]
+    params = [p for p in params if not fsdp.is_dtensor(p)]
     if world.size == 1:
         return loss_sum
     if not params:

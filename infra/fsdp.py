@@ -32,17 +32,35 @@ bitwise the ones the training pass computes with.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
 
 from model import Transformer
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+
+# torch.distributed.fsdp and .tensor (DTensor) are imported by shard, the one place that makes sharded modules:
+# their import costs a core about 1.7 s, which every command (train.py --help included) would pay at startup.
+# Until they are imported no FSDP module or DTensor exists, so the checks below need not import them.
+
+
+def is_dtensor(x) -> bool:
+    """Whether x is a DTensor (a sharded parameter, gradient or norm)."""
+    tensor = sys.modules.get("torch.distributed.tensor")
+    return tensor is not None and isinstance(x, tensor.DTensor)
+
+
+def _is_fsdp_module(module: nn.Module) -> bool:
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
 def master_dtype(compute: torch.dtype) -> torch.dtype:
@@ -54,6 +72,8 @@ def master_dtype(compute: torch.dtype) -> torch.dtype:
 def shard(model: Transformer, compute: torch.dtype, mesh: DeviceMesh | None = None) -> Transformer:
     """Wrap each block, then the root, in fully_shard over `mesh` (default: the default process group, of any
     size); in place. Parameters in master_dtype(compute) run in `compute`; gradients reduce in the master dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
     if mesh is None:
         if not dist.is_initialized():
             raise RuntimeError("fsdp.shard needs a process group (distributed.joined(..., group=True) opens one)")
@@ -72,12 +92,12 @@ def shard(model: Transformer, compute: torch.dtype, mesh: DeviceMesh | None = No
 
 
 def is_sharded(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    return _is_fsdp_module(model)
 
 
 def groups(model: nn.Module) -> list[FSDPModule]:
     """The model's FSDP groups: the blocks, then the root."""
-    inner = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    inner = [m for m in model.modules() if _is_fsdp_module(m) and m is not model]
     return [*inner, model] if is_sharded(model) else inner
 
 
@@ -138,7 +158,7 @@ def copy_whole(model: Transformer, into: Transformer) -> None:
     for group in groups(model):
         group.unshard()
         for name, param in model.named_parameters():
-            if not isinstance(param, DTensor) and name in targets:  # this group's, now gathered
+            if not is_dtensor(param) and name in targets:  # this group's, now gathered
                 targets.pop(name).copy_(param)
         group.reshard()
     if targets:
@@ -148,4 +168,4 @@ def copy_whole(model: Transformer, into: Transformer) -> None:
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """torch's clip_grad_norm_, whose norm over sharded gradients is a DTensor; returned as a plain tensor."""
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return norm.full_tensor() if is_dtensor(norm) else norm

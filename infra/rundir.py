@@ -45,13 +45,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 
 import config
 import lora
@@ -387,6 +380,9 @@ def _save_shards(model, optimizer, path: Path) -> bool:
     """Every rank writes its shards of the weights and, once AdamW has stepped, of its moments; returns whether
     the moments were written. Before the first step there are none: asking torch for the optimizer's state
     dict would create them with one empty step, and AdamW's bias correction would then count one step too many."""
+    import torch.distributed.checkpoint as dcp  # a sharded run's only (its import pulls in DTensor: fsdp.py)
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
     fsdp.reshard(model)  # the shards are the weights; a gathered root is a copy of them
     has_moments = bool(optimizer.state)
     if has_moments:
@@ -400,6 +396,14 @@ def _save_shards(model, optimizer, path: Path) -> bool:
 def _load_shards(model, optimizer, path: Path, has_moments: bool) -> None:
     """Read this rank's slices of the saved weights (and moments) into the model and optimizer, whatever the
     number of ranks that wrote them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
     fsdp.reshard(model)
     if has_moments:  # the optimizer's state dict, moments created empty, is the layout to read into
         model_state, optimizer_state = get_state_dict(model, optimizer)

