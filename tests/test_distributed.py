@@ -1,11 +1,17 @@
 """Data parallel training on CPU processes (gloo): two ranks with half the batch each take exactly the step
 of one process with the whole batch, a run moves between world sizes, and mistakes fail clearly.
 
-Each test starts its ranks as fresh processes; they meet through a local TCP port, as under torchrun.
+Each test starts its ranks as fresh processes that meet through a local TCP port, as under torchrun. The step
+comparison starts them with torchrun itself, as two nodes of one rank each (run_nodes); the others spawn them
+(run_ranks), which costs two agents less.
 """
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,18 +26,21 @@ from engine import sizes
 from infra import distributed
 
 TIMING_KEYS = {"step_seconds", "rollout_tokens_per_s", "reward_seconds", "train_tokens_per_s"}
+RANK_ENTRY = Path(__file__).with_name("rank_entry.py")
 
 
 def run_ranks(worker, size: int, *args) -> list[int]:
-    """worker(rank, size, port, *args) in `size` spawned processes; their exit codes. Each is joined on its
-    own, so one rank failing does not kill the others before they report.
+    """worker(rank, *args) in `size` spawned processes; their exit codes. Each is joined on its own, so one
+    rank failing does not kill the others before they report.
 
     The ranks meet at a TCP store this process holds, as torchrun's agent holds it: its port is bound here
     before any rank starts and stays open until every rank has ended. (Picking a free port for rank 0 to
     bind later leaves the port to whoever takes it first on a busy machine, and a store hosted by rank 0
     goes away when rank 0 exits, while rank 1 may still be shutting down.)"""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    context = mp.start_processes(worker, args=(size, store.port, *args), nprocs=size, join=False, start_method="spawn")
+    context = mp.start_processes(
+        spawned, args=(size, store.port, worker, args), nprocs=size, join=False, start_method="spawn"
+    )
     for process in context.processes:
         process.join(600)
     for process in context.processes:
@@ -41,8 +50,8 @@ def run_ranks(worker, size: int, *args) -> list[int]:
     return [process.exitcode for process in context.processes]
 
 
-def join_as(rank: int, size: int, port: int) -> None:
-    """The environment torchrun gives each process, the store held by the launcher (run_ranks)."""
+def spawned(rank: int, size: int, port: int, worker, args: tuple) -> None:
+    """One rank of run_ranks: the environment torchrun gives each process, the store held by the launcher."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -52,6 +61,76 @@ def join_as(rank: int, size: int, port: int) -> None:
         TORCHELASTIC_USE_AGENT_STORE="True",
     )
     torch.set_num_threads(1)
+    worker(rank, *args)
+
+
+def run_nodes(worker, log_dir: Path, *args, timeout: float = 600) -> None:
+    """worker(rank, *args) as the one rank of each of two nodes: two torchrun agents started together, as the
+    same command starts on each node of a cluster, meeting at a c10d rendezvous on this machine, each
+    running rank_entry.py. Fails with both agents' output (kept in log_dir) unless both end with 0 and each
+    rank was the one rank of its node.
+
+    The rendezvous store is this process's: bound here at a port of the system's choosing before the agents
+    start, open until both have ended, and both agents are told not to host it (is_host=false). Left to
+    guess, each agent of an endpoint on this machine tries to host the store itself, at a port that would
+    have to be picked here and left free for anyone to take first. The agent that becomes node 0 then opens
+    the ranks' own store at a port of its choosing, as on a cluster, and hands it to the ranks as
+    MASTER_ADDR (--local-addr: loopback rather than this machine's FQDN) and MASTER_PORT. c10d numbers the
+    nodes in the order of the agents' addresses and process ids, so no --node-rank is given (c10d ignores it)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"),
+        *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-id", f"nodes-{store.port}"),
+        *("--rdzv-conf", "is_host=false", "--local-addr", "127.0.0.1"),
+        *(str(RANK_ENTRY), f"{worker.__module__}.{worker.__name__}", *map(str, args)),
+    ]
+    logs = [log_dir / f"agent-{node}.log" for node in range(2)]
+    env = {**os.environ, "NODE_LOG_DIR": str(log_dir)}  # where rank_entry.py writes each rank's placement
+    agents = []
+    try:
+        for log in logs:
+            with open(log, "wb") as out:
+                agents.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env))
+        wait_for(agents, timeout)
+    finally:
+        stopped = [agent.poll() is None for agent in agents]  # still running: hung, or its peer failed
+        for agent in agents:
+            stop(agent)
+        del store  # only now: the agents are gone
+    codes = [agent.returncode for agent in agents]
+    outputs = "\n".join(
+        f"--- agent {node} (exit {code}{', stopped while still running' if halted else ''}):\n{log.read_text()}"
+        for node, (code, halted, log) in enumerate(zip(codes, stopped, logs))
+    )
+    assert codes == [0, 0], f"the two torchrun agents ended with {codes}\n{outputs}"
+    placements = [json.loads((log_dir / f"node-rank-{rank}.json").read_text()) for rank in range(2)]
+    assert placements == [
+        dict(RANK=rank, WORLD_SIZE=2, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1, GROUP_RANK=rank, GROUP_WORLD_SIZE=2)
+        for rank in range(2)
+    ], f"{placements}\n{outputs}"
+
+
+def wait_for(agents: list[subprocess.Popen], timeout: float) -> None:
+    """Until every agent has ended, or `timeout` seconds. Once one fails, the others get 30 s to fail in turn
+    (their rank meets the dead one at its next collective) and report it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(agent.poll() is None for agent in agents):
+        if any(agent.returncode not in (None, 0) for agent in agents):
+            deadline = min(deadline, time.monotonic() + 30)
+        time.sleep(0.2)
+
+
+def stop(agent: subprocess.Popen) -> None:
+    """End an agent still running: SIGTERM first, on which torchrun stops its worker (a session of its own,
+    which killing the agent alone would leave running), then SIGKILL."""
+    if agent.poll() is not None:
+        return
+    agent.send_signal(signal.SIGTERM)
+    try:
+        agent.wait(60)
+    except subprocess.TimeoutExpired:
+        agent.kill()
+        agent.wait()
 
 
 def patch(setattr) -> None:
@@ -114,8 +193,7 @@ def whole_rows(setattr) -> None:
     setattr(train, "policy_states", lambda model, out, rows, group_size: policy_states(model, out, rows, 1))
 
 
-def step_worker(rank, size, port, model_dir, out_dir, result_file):
-    join_as(rank, size, port)
+def step_worker(rank, model_dir, out_dir, result_file):
     patch(setattr)
     cfg, _, _ = config.parse_args(tiny_args(model_dir, out_dir, "step"))
     with distributed.joined(config.resolve_device(cfg)[0], cfg.dist_timeout) as world:
@@ -130,9 +208,10 @@ def step_worker(rank, size, port, model_dir, out_dir, result_file):
 
 @pytest.fixture(scope="module")
 def two_rank_steps(tiny_model_dir, tmp_path_factory) -> dict:
-    result_file = tmp_path_factory.mktemp("two-ranks") / "steps.pt"
-    assert run_ranks(step_worker, 2, tiny_model_dir, result_file.parent, result_file) == [0, 0]
-    return torch.load(result_file)
+    """The steps of two simulated nodes of one rank each, started by torchrun."""
+    out_dir = tmp_path_factory.mktemp("two-nodes")
+    run_nodes(step_worker, out_dir, tiny_model_dir, out_dir, out_dir / "steps.pt")
+    return torch.load(out_dir / "steps.pt")
 
 
 @pytest.mark.parametrize("case", STEP_CASES)
@@ -165,8 +244,7 @@ def test_two_ranks_sharing_prompts_take_the_step_of_whole_rows(two_rank_steps, c
         assert shared["record"][key] == pytest.approx(expected, rel=1e-12, abs=1e-15), key
 
 
-def run_worker(rank, size, port, argv):
-    join_as(rank, size, port)
+def run_worker(rank, argv):
     patch(setattr)
     train.main(argv)
 
@@ -214,8 +292,7 @@ def test_a_batch_that_does_not_split_into_whole_prompts_fails_before_loading(
     assert "\n" not in message and "--prompts-per-step 3 does not split over 2 processes" in message
 
 
-def mismatch_worker(rank, size, port, model_dir, out_dir):
-    join_as(rank, size, port)
+def mismatch_worker(rank, model_dir, out_dir):
     cfg, _, _ = config.parse_args(tiny_args(model_dir, out_dir, "mismatch", "--lr", str(0.001 * (rank + 1))))
     with distributed.joined(config.resolve_device(cfg)[0], cfg.dist_timeout) as world:
         try:
@@ -232,8 +309,7 @@ def test_ranks_with_different_settings_name_the_difference(tiny_model_dir, tmp_p
     assert (tmp_path / "rank1.txt").read_text().startswith("rank 0 runs other settings than rank 1: lr=0.001")
 
 
-def dying_worker(rank, size, port, model_dir, out_dir):
-    join_as(rank, size, port)
+def dying_worker(rank, model_dir, out_dir):
     cfg, _, _ = config.parse_args(tiny_args(model_dir, out_dir, "dies", "--dist-timeout", "10"))
     with distributed.joined(config.resolve_device(cfg)[0], cfg.dist_timeout) as world:
         world.barrier("starting")

@@ -3,7 +3,8 @@ the step of one unsharded process, one step equals the loss, autograd and AdamW 
 checkpoints move between world sizes and survive a kill mid-write, the export loads in transformers, and the
 per-rank memory plan counts what a real sharded step allocates.
 
-The two-rank runs share one spawn (about 10 s): the steps, a run that checkpoints, and a counted micro-batch.
+The two-rank runs share one launch, two simulated nodes of one rank each started by torchrun (run_nodes): the
+steps, a run that checkpoints, and a counted micro-batch.
 """
 
 import dataclasses
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from test_distributed import TIMING_KEYS, join_as, metric_lines, patch, run_ranks, tiny_args
+from test_distributed import TIMING_KEYS, metric_lines, patch, run_nodes, tiny_args
 from torch.distributed.tensor import DTensor
 
 import config
@@ -103,8 +104,7 @@ def counted_micro_batch(mesh=None) -> int:
     )
 
 
-def ranks_worker(rank, size, port, second_port, model_dir, out_dir, result_file):
-    join_as(rank, size, port)
+def ranks_worker(rank, second_port, model_dir, out_dir, result_file):
     patch(setattr)
     shared_passes, hidden_shared = [], train.hidden_shared
 
@@ -131,7 +131,7 @@ def two_ranks(tiny_model_dir, tmp_path_factory) -> dict:
     out_dir = tmp_path_factory.mktemp("fsdp-ranks")
     result_file = out_dir / "results.pt"
     second = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the run's
-    assert run_ranks(ranks_worker, 2, second.port, tiny_model_dir, out_dir, result_file) == [0, 0]
+    run_nodes(ranks_worker, out_dir, second.port, tiny_model_dir, out_dir, result_file)
     del second  # only now: the ranks are gone
     return {**torch.load(result_file), "split": out_dir / "split"}
 
@@ -402,7 +402,7 @@ def planned_micro_batch(world_size: int) -> int:
 
 
 def test_the_plan_of_a_sharded_micro_batch_is_what_a_real_one_allocates(two_ranks):
-    """One process (a world of one) counted here, rank 0 of two counted in the two-rank spawn."""
+    """One process (a world of one) counted here, rank 0 of two counted in the two-rank launch."""
     with distributed.joined(torch.device("cpu"), 60, group=True):
         real_one = counted_micro_batch()
         planned_one = planned_micro_batch(1)
