@@ -189,10 +189,10 @@ def cost_table(table: dict) -> str:
     return "\n".join(lines)
 
 
-def mismatch(steps: int, prompts: int) -> dict:
+def mismatch(steps: int, prompts: int, base: dict | None = None) -> dict:
     """The mismatch of an fp32 and of a bf16 sampler against the fp32 training pass, over `steps` rollouts of
     `prompts` prompts each."""
-    cfg, model, tokenizer, problems = demo({"recompute_old_logp": "off", "prompts_per_step": prompts})
+    cfg, model, tokenizer, problems = demo((base or {}) | {"recompute_old_logp": "off", "prompts_per_step": prompts})
     samplers = {"float32": model, "bfloat16": copy.deepcopy(model).to(torch.bfloat16)}
     correction = loss.LossConfig(rollout_correction="tis-token", rollout_correction_cap=2.0)
     table = {}
