@@ -82,6 +82,7 @@ def demo(base: dict):
 
 
 def fresh_run(settings: dict, base: dict, model, tokenizer, problems, adapters: list[torch.Tensor]) -> Run:
+    """A run of the demo with `settings` over `base`, from copies of `adapters`, with its own AdamW."""
     cfg = sizes.resolve_automatic(config.make_config(base | settings), model, tokenizer, problems)
     optimizer = torch.optim.AdamW(train.trainable(model), lr=cfg.lr, weight_decay=cfg.weight_decay)
     return Run(cfg, [a.clone() for a in adapters], optimizer)
