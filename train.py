@@ -358,6 +358,10 @@ def policy_update(
     model.train()
     per_update, grad_norms = [], []
     for update, (micro_batches, totals) in enumerate(micro_batch_plan(out, cfg, step, world, fsdp.is_sharded(model))):
+        if cfg.overlong == "mask" and not totals["num_tokens"]:  # the mini-batch's rows all truncated, every rank's
+            grad_norms.append(None)  # nothing to train on: a skipped update, and AdamW's moments do not move it
+            per_update.append([])
+            continue
         losses, metrics = [], []
         for rows, idle in micro_batches:
             hint = f"raise --grad-accum (now {cfg.grad_accum})"

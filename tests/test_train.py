@@ -910,6 +910,20 @@ def test_overlong_mask_takes_truncated_rows_out_of_the_loss(tiny_model_dir, tmp_
     assert all(torch.equal(a, b) for a, b in zip(*updated))
 
 
+def test_a_mini_batch_of_truncated_rows_alone_is_a_skipped_update_without_a_nan(tiny_model_dir, tmp_path, monkeypatch):
+    """Under --overlong mask a mini-batch whose every row is truncated has no token in its normaliser: the update
+    is skipped as such (no non-finite loss warned of), and AdamW's moments do not move the adapters."""
+    cfg, out, advantages = sampled_step(tiny_model_dir, tmp_path, monkeypatch, "--overlong", "mask")
+    out.truncated = torch.ones_like(out.truncated)
+    model, _, optimizer, _ = train.build(cfg)
+    before = [p.detach().clone() for p in lora.parameters(model)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        summary, _ = train.policy_update(model, optimizer, out, advantages, cfg, step=1)
+    assert summary["skipped_updates"] == 1 and summary["grad_norm"] is None
+    assert all(torch.equal(a, p) for a, p in zip(before, lora.parameters(model)))
+
+
 def test_the_mismatch_is_measured_every_step_and_near_zero_in_float32(tiny_model_dir, tmp_path):
     run_training(tiny_args(tiny_model_dir, tmp_path, "sampled", "--steps", "1"))
     run_training(tiny_args(tiny_model_dir, tmp_path, "all", "--steps", "1", "--recompute-old-logp", "on"))
