@@ -129,6 +129,12 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        """The same norm as F.rms_norm, the sampler's decode step's: one fused kernel on CUDA from torch 2.8,
+        its decomposition elsewhere. It scales by the weight before casting back, so in bf16 it rounds once
+        where forward rounds twice; in fp32 and float64 it computes forward's products."""
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
 
 def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
     """fp32 for bf16 and fp32, float64 for float64: the precision of norms and log-probs. A float64 model
@@ -146,6 +152,15 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
     angles = positions.float()[..., None] * inv_freq  # [B, T, head_dim/2]
     cos, sin = angles.cos(), angles.sin()
     return torch.cat([cos, cos], dim=-1)[:, None].to(dtype), torch.cat([-sin, sin], dim=-1)[:, None].to(dtype)
+
+
+def rope_rotation(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> torch.Tensor:
+    """RoPE at integer positions [N] as one 2x2 rotation per frequency, [N, 2, 2, head_dim/2]: out_i = sum_j
+    rotation[i, j] * x_j with x_0, x_1 the halves of a head, the values of rope_cos_sin. Applied as one product
+    and one sum over j (engine/kv_cache.py), it rounds as apply_rope's x * cos + rotate_half(x) * sin does."""
+    cos, signed_sin = (t.view(len(positions), 2, -1) for t in rope_cos_sin(positions[:, None], head_dim, theta, dtype))
+    # [[cos, -sin], [sin, cos]]: signed_sin holds -sin in its first half and sin in its second
+    return torch.stack([cos[:, 0], signed_sin[:, 0], signed_sin[:, 1], cos[:, 1]], 1).view(len(positions), 2, 2, -1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

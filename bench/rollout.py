@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -179,14 +180,18 @@ def ours_generate(
 
 
 def compare(runs: dict, tokens: int, device: torch.device, repeats: int) -> None:
-    """Time each run `repeats` times, interleaved so load changes hit all alike; print best tokens/s and what
-    our sampler did (rollout.SamplerStats)."""
+    """Time each run `repeats` times, interleaved so load changes hit all alike; print each round's ratio of
+    transformers' time to ours with the load average it began at (a shared machine's rounds differ), then
+    the best tokens/s and what our sampler did (rollout.SamplerStats)."""
     best, stats = {name: float("inf") for name in runs}, None
-    for _ in range(repeats):
+    for round_ in range(repeats):
+        load, seconds_of = os.getloadavg(), {}
         for name, fn in runs.items():
-            seconds, out = timed(fn, device)
-            best[name] = min(best[name], seconds)
+            seconds_of[name], out = timed(fn, device)
+            best[name] = min(best[name], seconds_of[name])
             stats = out.stats if isinstance(out, rollout.Rollout) else stats
+        ratio = seconds_of["transformers generate"] / seconds_of["rollout.generate"]
+        print(f"round {round_ + 1}: ours is {ratio:.2f}x transformers generate (load average {load[0]:.1f})")
     ours = tokens / best["rollout.generate"]
     print(f"{'sampler':<34} {'seconds':>8} {'tokens/s':>10} {'ours is':>8}")
     for name, seconds in best.items():

@@ -5,7 +5,7 @@ through its block table (PagedRows). `prefill` runs prompts through the model, s
 values in the rows' blocks; `decode_step` runs one token per row, storing its key and value and
 attending over the row's slots. Both run model.py's blocks: prefill through Transformer.run_blocks with
 PrefillWrite as its attention, decode_step on [rows, features] activations with the projections of
-DecodeWeights.
+DecodeWeights, in few operators a layer (each one kernel launch on a GPU, docs/engine.md).
 """
 
 from __future__ import annotations
@@ -17,14 +17,16 @@ import torch
 import torch.nn.functional as F
 
 from engine.decode_weights import DecodeWeights, decode_linear
-from model import ModelConfig, Transformer, apply_rope, leading_pads, rope_cos_sin
+from model import ModelConfig, Transformer, leading_pads, rope_rotation
 
 ATTENTION_KINDS = ("flash", "flex", "gather")
 
 
 class KVPool:
     """The sampler's keys and values: every layer's in blocks of block_size token slots, k and v each
-    [layers, blocks, block_size, kv_heads, head_dim], shared by all rows through their block tables.
+    [layers, blocks, block_size, kv_heads, head_dim], shared by all rows through their block tables. Both
+    are views of one tensor kv [layers, 2, blocks, ...], so a step stores a token's key and value with
+    one operator; each layer's k and v are contiguous, as the paged kernels read them.
 
     A row's t-th token sits at slot t of its sequence: block table[t // block_size], offset t % block_size,
     and its RoPE position is t too (rows hold no padding). A row holds blocks only for the tokens it has,
@@ -53,14 +55,14 @@ class KVPool:
             raise ValueError(f"KVPool: blocks={blocks}; block 0 is reserved, so at least 2 are needed")
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"KVPool: attention must be one of {', '.join(ATTENTION_KINDS)}, got {attention!r}")
-        shape = (cfg.num_layers, blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (cfg.num_layers, 2, blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = self.kv[:, 0], self.kv[:, 1]
         self.block_size, self.attention = block_size, attention
 
     @property
     def blocks(self) -> int:
-        return self.k.shape[1]
+        return self.kv.shape[2]
 
     @staticmethod
     def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -70,8 +72,7 @@ class KVPool:
     def copy_blocks(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """Copy blocks source [n] into blocks target [n] in every layer (a prompt's partly filled last
         block, given to each of its samples)."""
-        for pool in (self.k, self.v):
-            pool.index_copy_(1, target, pool.index_select(1, source))
+        self.kv.index_copy_(2, target, self.kv.index_select(2, source))
 
 
 def flash_paged_attention_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -166,10 +167,9 @@ class PagedRows:
         bs = self.pool.block_size
         return self.table.long().gather(1, positions // bs) * bs + positions % bs
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store keys and values [n, kv_heads, head_dim] at flat slots [n]."""
-        for pool, new in ((self.pool.k, k), (self.pool.v, v)):
-            pool[layer].view(-1, *new.shape[1:]).index_copy_(0, slots, new)
+    def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Store keys and values kv [n, 2, kv_heads, head_dim] (key, then value) at flat slots [n]."""
+        self.pool.kv[layer].view(2, -1, *kv.shape[2:]).index_copy_(1, slots, kv.transpose(0, 1))
 
 
 class PrefillWrite:
@@ -182,7 +182,7 @@ class PrefillWrite:
 
     def attend(self, layer: int, q, k, v) -> torch.Tensor:
         """q [B, heads, T, D], k and v [B, kv_heads, T, D] -> attention output [B, T, heads, D]."""
-        self.rows.write(layer, self.slots, k.transpose(1, 2).flatten(0, 1), v.transpose(1, 2).flatten(0, 1))
+        self.rows.write(layer, self.slots, torch.stack((k.transpose(1, 2), v.transpose(1, 2)), 2).flatten(0, 1))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
 
 
@@ -212,12 +212,12 @@ class DecodeAttention:
             positions = torch.arange(span, device=rows.length.device)
             self.mask = (positions <= rows.length[:, None])[:, None, None]  # [R, 1, 1, span]
 
-    def __call__(self, layer: int, q, k, v) -> torch.Tensor:
-        """q [R, heads, D], k and v [R, kv_heads, D] -> attention output [R, heads * D]."""
+    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """q [R, heads, D] and the new keys and values kv [R, 2, kv_heads, D] -> attention output [R, heads * D]."""
         rows, pool = self.rows, self.rows.pool
-        rows.write(layer, self.write_slots, k, v)
+        rows.write(layer, self.write_slots, kv)
         R, H, D = q.shape
-        kv_heads = k.shape[1]
+        kv_heads = kv.shape[2]
         if pool.attention == "flash":
             from torch.nn.attention.varlen import varlen_attn
 
@@ -237,14 +237,9 @@ class DecodeAttention:
         if pool.attention == "flex":
             keys, values = (pool_[layer].view(1, -1, kv_heads, D).transpose(1, 2) for pool_ in (pool.k, pool.v))
             return paged_flex_attention(q[:, :, None], keys, values, self.block_mask).reshape(R, H * D)
-        keys, values = (
-            pool_[layer]
-            .view(pool.blocks, -1)
-            .index_select(0, self.gather)
-            .view(R, self.span, kv_heads, D)
-            .transpose(1, 2)
-            for pool_ in (pool.k, pool.v)
-        )
+        # one copy for keys and values: [2, R * blocks, block slots] -> each [R, kv_heads, span, D]
+        gathered = pool.kv[layer].view(2, pool.blocks, -1).index_select(1, self.gather)
+        keys, values = gathered.view(2, R, self.span, kv_heads, D).transpose(2, 3).unbind(0)
         # the query heads sharing a kv head are one query axis of length H / kv_heads: no copy per head
         out = F.scaled_dot_product_attention(q.view(R, kv_heads, H // kv_heads, D), keys, values, attn_mask=self.mask)
         return out.reshape(R, H * D)
@@ -274,25 +269,37 @@ def decode_step(
     Attention reads each row's first `span` slots (a multiple of the block size covering every row's
     length + 1; the rest are masked or skipped), and nothing here reads a Python number that changes
     between steps, so one CUDA graph per (rows, span) serves every step of that shape. The activations
-    are [rows, features] throughout and the projections come from `weights` (DecodeWeights, built here
-    when not given): one operator per projection, plus one per adapted one. The sampler runs in eval
-    mode, so LoRA dropout does not apply here.
+    are [rows, features] throughout, and a layer runs few operators (each a kernel launch on a GPU):
+    F.rms_norm for each norm; q, k and v written side by side into one [rows, heads + 2 kv_heads, D]
+    output and the adapters' terms of the three added with one product (DecodeWeights.project), likewise
+    gate and up; Qwen3's q_norm and k_norm as one norm over all heads (v's too, which is dropped) and one
+    product; RoPE as one product and one sum for queries and keys together, written back in place so the
+    keys sit beside the values for one cache write; and the residuals as the GEMMs' accumulators. The
+    rotation is computed once per step for all layers. The sampler runs in eval mode, so LoRA dropout
+    does not apply here.
     """
     cfg, R = model.config, len(tokens)
+    H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     weights = weights if weights is not None else DecodeWeights(model)
     attend = DecodeAttention(rows, span)
     x = model.model.embed_tokens(tokens)  # [R, hidden]
-    cos, sin = (t.view(R, 1, -1) for t in rope_cos_sin(rows.length[:, None], cfg.head_dim, cfg.rope_theta, x.dtype))
+    rotation = rope_rotation(rows.length, D, cfg.rope_theta, x.dtype)[:, None]  # [R, 1, 2, 2, D/2]
     for i, block in enumerate(model.model.layers):
-        q, k, v = weights.project(4 * i, block.input_layernorm(x))
-        q = q.view(R, cfg.num_heads, cfg.head_dim)
-        k, v = k.view(R, cfg.num_kv_heads, cfg.head_dim), v.view(R, cfg.num_kv_heads, cfg.head_dim)
+        qkv = weights.project(4 * i, block.input_layernorm.fused(x)).view(R, H + 2 * KV, D)
+        qk = qkv[:, : H + KV]
         if cfg.qk_norm:
-            q, k = block.self_attn.q_norm(q), block.self_attn.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        (out,) = weights.project(4 * i + 1, attend(i, q, k, v))
-        x = x + out
-        gate, up = weights.project(4 * i + 2, block.post_attention_layernorm(x))
-        (down,) = weights.project(4 * i + 3, F.silu(gate) * up)
-        x = x + down
-    return decode_linear(model.model.norm(x), model.lm_head.weight)
+            qk = F.rms_norm(qkv, (D,), eps=cfg.rms_norm_eps)[:, : H + KV] * weights.qk_norms[i]
+        rotate(qk, rotation, out=qkv[:, : H + KV])
+        out = attend(i, qkv[:, :H], qkv[:, H:].view(R, 2, KV, D))
+        x = weights.project(4 * i + 1, out, residual=x)
+        gate, up = weights.project(4 * i + 2, block.post_attention_layernorm.fused(x)).chunk(2, dim=1)
+        x = weights.project(4 * i + 3, F.silu(gate) * up, residual=x)
+    return decode_linear(model.model.norm.fused(x), model.lm_head.weight)
+
+
+def rotate(x: torch.Tensor, rotation: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """RoPE of heads x [R, n, D] by rotation [R, 1, 2, 2, D/2] (model.rope_rotation), written into out [R, n, D]
+    (which may be x itself): the halves' 2x2 rotation as one product and one sum."""
+    R, n, D = x.shape
+    product = x.view(R, n, 1, 2, D // 2) * rotation  # [R, n, 2, 2, D/2]: rotation[i, j] * x_j
+    return torch.sum(product, dim=3, out=out.view(R, n, 2, D // 2))

@@ -196,7 +196,7 @@ def _paged_agrees(device: torch.device, dtype: torch.dtype, kind: str) -> bool:
         for name in (kind, "gather"):
             kv.attention = name
             paged = PagedRows(kv, table, length)
-            out[name] = DecodeAttention(paged, width * kv.block_size)(0, q, k, k).float()
+            out[name] = DecodeAttention(paged, width * kv.block_size)(0, q, torch.stack((k, k), 1)).float()
         error = (out[kind] - out["gather"]).abs().max().item()
         agrees = error < 0.05
         if not agrees:
