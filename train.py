@@ -520,13 +520,17 @@ def frozen_inputs(model, out: rollout.Rollout, cfg: Config, reference=None) -> d
 def sampler_mismatch(model, out: rollout.Rollout, frozen: dict[str, torch.Tensor], cfg: Config) -> dict[str, float]:
     """loss.mismatch of the sampler's old log-probs against the training pass's, of the same tokens, before the
     policy moves. With the old log-probs recomputed it reads them (free); otherwise it runs the training pass,
-    without gradient and in eval mode, on the first micro-batch's worth of rows (1 / (updates_per_rollout x
-    grad_accum) of the step's rows, whole prompt groups first): a forward of that share of the rows.
-    mismatch/rows says how many rows it is over."""
+    without gradient and in eval mode, on the first prompt group of the first micro-batch's worth of rows (at
+    most 1 / (updates_per_rollout x grad_accum) of the step's rows): a monitor, not an estimate over the step,
+    which costs the forward of one group rather than a share of every step's time. mismatch/rows says how many
+    rows it is over."""
     N = len(out.completion_mask)
     if frozen["old_logp"] is not out.old_logp:
         return loss.mismatch(out.old_logp, frozen["old_logp"], out.completion_mask) | {"mismatch/rows": N}
-    rows = torch.arange(N, device=out.completion_mask.device).chunk(cfg.updates_per_rollout * max(1, cfg.grad_accum))[0]
+    first = torch.arange(N, device=out.completion_mask.device).chunk(cfg.updates_per_rollout * max(1, cfg.grad_accum))[
+        0
+    ]
+    rows = first[: cfg.group_size]  # [<= G]: the rows are prompt-major, so one whole group
     model.eval()
     with torch.no_grad():
         h, ids, start, c = policy_states(model, out, rows, cfg.group_size)

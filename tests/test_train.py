@@ -928,18 +928,16 @@ def test_the_mismatch_is_measured_every_step_and_near_zero_in_float32(tiny_model
     run_training(tiny_args(tiny_model_dir, tmp_path, "sampled", "--steps", "1"))
     run_training(tiny_args(tiny_model_dir, tmp_path, "all", "--steps", "1", "--recompute-old-logp", "on"))
     (sampled,), (every,) = metric_lines(tmp_path / "sampled"), metric_lines(tmp_path / "all")
-    assert sampled["mismatch/rows"] == 4 // 1 and every["mismatch/rows"] == 4  # 1 update x 1 micro-batch: all rows
+    assert sampled["mismatch/rows"] == 2 and every["mismatch/rows"] == 4  # one group of 2; recomputed: all rows
     for line in (sampled, every):
         assert 0 <= line["mismatch/k3"] < 1e-6 and line["mismatch/abs_max"] < 1e-3 and line["mismatch/out_frac"] == 0
 
 
-def test_the_mismatch_sample_is_the_first_micro_batch_and_matches_a_recomputation(
-    tiny_model_dir, tmp_path, monkeypatch
-):
+def test_the_mismatch_sample_is_the_first_group_and_matches_a_recomputation(tiny_model_dir, tmp_path, monkeypatch):
     cfg, out, _ = sampled_step(tiny_model_dir, tmp_path, monkeypatch, "--grad-accum", "2")
     model, _, _, _ = train.build(cfg)
     sampled = train.sampler_mismatch(model, out, {"old_logp": out.old_logp}, cfg)
-    assert sampled["mismatch/rows"] == len(out.completions) // 2
+    assert sampled["mismatch/rows"] == cfg.group_size < len(out.completions) // 2  # a group of the first micro-batch
     shifted = out.old_logp - 0.1 * out.completion_mask  # a trainer 0.1 nats above the sampler on every token
     full = train.sampler_mismatch(model, out, {"old_logp": shifted}, cfg)
     assert full["mismatch/rows"] == len(out.completions)
