@@ -493,7 +493,7 @@ def bench_gpu_check():
     return gpu_check
 
 
-def test_gpu_check_dry_run(tmp_path):
+def test_gpu_check_dry_run(tmp_path, capsys):
     """bench/gpu_check.py end to end on a tiny Qwen3 on the CPU, so the script is not what breaks on a GPU: the
     branches the GPU run takes (graphs, through their stand-in; the anchor's compile warm-up; LoRA adapters),
     the JSON written after every row, and, in a second run, the budget cut."""
@@ -530,8 +530,9 @@ def test_gpu_check_dry_run(tmp_path):
     )
     report = json.loads((tmp_path / "cut" / "gpu_check.json").read_text())
     statuses = [row["status"] for row in report["rows"]]
-    # the first row runs when it starts within 0.01 s of the check; every later one is skipped, and still listed
-    assert all(s.startswith("skipped: budget") for s in statuses[1:]) and len(statuses) > 5, statuses
+    # whether the first row (the build) starts within 0.01 s depends on the machine; what follows never fits
+    assert statuses[-1].startswith("skipped: budget") and "runs skipped for the budget" in capsys.readouterr().out
+    assert all(s.startswith("skipped: budget") for s in statuses[1:]), statuses
 
 
 def test_gpu_check_budget_skips_what_cannot_end_in_time_on_a_fake_clock(tmp_path, monkeypatch):
