@@ -48,7 +48,8 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
 
 # torch.distributed.fsdp and .tensor (DTensor) are imported by shard, the one place that makes sharded modules:
-# their import costs a core about 1.7 s, which every command (train.py --help included) would pay at startup.
+# importing them costs about half as much again as importing torch, which every command (train.py --help
+# included) would pay at startup.
 # Until they are imported no FSDP module or DTensor exists, so the checks below need not import them.
 
 
