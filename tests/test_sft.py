@@ -62,6 +62,12 @@ def metric_lines(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in line.items() if k not in TIMING_KEYS} for line in lines if "event" not in line]
 
 
+def grpo_config(model_dir, adapter):
+    """The GRPO settings that start from an SFT run's adapter (answer template, rank 4)."""
+    argv = ["--model", str(model_dir), "--lora-rank", "4", "--template", "answer", "--init-adapter", str(adapter)]
+    return config.parse_args(argv)[0]
+
+
 def test_the_loss_is_the_mean_negative_log_likelihood_of_the_reply_tokens(tiny_model_dir):
     model, tokenizer = weights.from_pretrained(tiny_model_dir), weights.load_tokenizer(str(tiny_model_dir))
     problems = [
@@ -127,18 +133,7 @@ def test_a_run_trains_checkpoints_resumes_exactly_and_hands_train_py_its_adapter
     for a, b in zip(lora.parameters(resumed), lora.parameters(whole)):
         assert torch.equal(a, b)
     # GRPO starts from it: same shape, same weights
-    grpo, _, _ = config.parse_args(
-        [
-            "--model",
-            str(tiny_model_dir),
-            "--lora-rank",
-            "4",
-            "--template",
-            "answer",
-            "--init-adapter",
-            str(run_dir / "adapter"),
-        ]
-    )
+    grpo = grpo_config(tiny_model_dir, run_dir / "adapter")
     config.check_init_adapter(grpo)
     # the adapter learned the answer template's prompts: another template is refused before the model loads
     other, _, _ = config.parse_args(
@@ -233,18 +228,7 @@ def test_ctrl_c_exits_130_with_a_checkpoint_and_the_adapter_so_far(tiny_model_di
     assert (run_dir / "config.toml").is_file() and "batch_tokens = 2048  # given" in (
         run_dir / "config.toml"
     ).read_text()
-    grpo, _, _ = config.parse_args(
-        [
-            "--model",
-            str(tiny_model_dir),
-            "--lora-rank",
-            "4",
-            "--template",
-            "answer",
-            "--init-adapter",
-            str(run_dir / "adapter"),
-        ]
-    )
+    grpo = grpo_config(tiny_model_dir, run_dir / "adapter")
     config.check_init_adapter(grpo)
     started, _, _, _ = train.build(grpo, grpo.init_adapter)
     saved = lora.load(weights.from_pretrained(str(tiny_model_dir)), run_dir / latest_name(run_dir) / "adapter")
