@@ -101,7 +101,11 @@ class Scheduler:
         return -(-min(slots, prompt_len + self.new_tokens - 1) // self.block_size)
 
     def _take(self, n: int) -> list[int]:
-        taken, self.free = self.free[len(self.free) - n :], self.free[: len(self.free) - n]
+        """The last n free blocks, newest first (in place: a pool holds thousands of free blocks)."""
+        if n <= 0:
+            return []
+        taken = self.free[-n:]
+        del self.free[-n:]
         return taken[::-1]
 
     def finish(self, rows: list[Row]) -> None:
@@ -132,11 +136,9 @@ class Scheduler:
         admitted). An admitted group's rows start at length = prompt, position 1 (the prefill draws one)."""
         preempted = []
         while True:
-            needs = [
-                (row, self._blocks(row.group.prompt_len, row.length + self.chunk) - len(row.blocks))
-                for row in self.running
-            ]
-            if sum(n for _, n in needs) <= len(self.free):
+            running = self.running
+            needs = [self._blocks(row.group.prompt_len, row.length + self.chunk) - len(row.blocks) for row in running]
+            if sum(needs) <= len(self.free):
                 break
             if len(self.admitted) == 1:
                 raise RuntimeError(
@@ -144,19 +146,20 @@ class Scheduler:
                 )
             preempted.append(self.admitted[-1])
             self._preempt(self.admitted[-1])
-        for row, n in needs:
-            row.blocks += self._take(n)
+        for row, n in zip(running, needs):
+            if n:
+                row.blocks += self._take(n)
         admitted = []
         while self.waiting and not preempted:
             group = self.waiting[0]
             p, m = group.prompt_len, len(group.members)
             shared = p // self.block_size
             own = self._blocks(p, p + self.chunk) - shared
-            if len(self.running) + m > self.max_rows:
+            if len(running) + m > self.max_rows:
                 break
             # a group whose rows can all run to full length beside the others' needs no reserve
-            full = group_blocks(p, m, self.new_tokens, self.block_size) + self._to_full_length(self.running)
-            reserve = self._next_growth(self.running) + m * self._growth(p, p) + int(ADMIT_WATERMARK * self.blocks)
+            full = group_blocks(p, m, self.new_tokens, self.block_size) + self._to_full_length(running)
+            reserve = self._next_growth(running) + m * self._growth(p, p) + int(ADMIT_WATERMARK * self.blocks)
             if full > len(self.free) and shared + m * own + reserve > len(self.free):
                 break
             self.waiting.popleft()
@@ -164,6 +167,7 @@ class Scheduler:
             group.rows = [Row(group, member, p, 1, group.shared + self._take(own)) for member in group.members]
             self.admitted.append(group)
             admitted.append(group)
+            running = running + group.rows
         return preempted, admitted
 
     def _growth(self, prompt_len: int, length: int) -> int:
