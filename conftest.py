@@ -5,12 +5,14 @@ Every test that needs a model builds one here with transformers' own classes and
 """
 
 import atexit
+import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -130,6 +132,26 @@ def make_tiny_checkpoint(
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random Llama-family checkpoint with tokenizer, shared by the whole session (read-only)."""
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def workers_root(tmp_path_factory) -> Path:
+    """The folder every worker process of the suite (pytest-xdist) shares: the parent of their own."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], object]):
+    """build(folder)'s result, built by the first worker that asks and read by every other (under a lock), so a
+    module fixture that launches ranks runs once per suite, whichever workers its tests land on."""
+    root = workers_root(tmp_path_factory)
+    folder, result = root / name, root / f"{name}.pt"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a build that failed in another worker
+            folder.mkdir()
+            torch.save(build(folder), result)
+    return torch.load(result, weights_only=False)
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 import config
 import train
-from conftest import RecordingSGD, assert_equal_to
+from conftest import RecordingSGD, assert_equal_to, built_once
 from engine import sizes
 from infra import distributed
 
@@ -209,9 +209,12 @@ def step_worker(rank, model_dir, out_dir, result_file):
 @pytest.fixture(scope="module")
 def two_rank_steps(tiny_model_dir, tmp_path_factory) -> dict:
     """The steps of two simulated nodes of one rank each, started by torchrun."""
-    out_dir = tmp_path_factory.mktemp("two-nodes")
-    run_nodes(step_worker, out_dir, tiny_model_dir, out_dir, out_dir / "steps.pt")
-    return torch.load(out_dir / "steps.pt")
+
+    def build(out_dir: Path) -> dict:
+        run_nodes(step_worker, out_dir, tiny_model_dir, out_dir, out_dir / "steps.pt")
+        return torch.load(out_dir / "steps.pt")
+
+    return built_once(tmp_path_factory, "two-nodes", build)
 
 
 @pytest.mark.parametrize("case", STEP_CASES)

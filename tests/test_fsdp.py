@@ -24,6 +24,7 @@ import config
 import eval as evaluation
 import lora
 import train
+from conftest import built_once
 from engine import memory, sizes
 from engine.graphs import EagerGraph
 from infra import distributed, fsdp, rundir, weights
@@ -128,22 +129,27 @@ def ranks_worker(rank, second_port, model_dir, out_dir, result_file):
 
 @pytest.fixture(scope="module")
 def two_ranks(tiny_model_dir, tmp_path_factory) -> dict:
-    out_dir = tmp_path_factory.mktemp("fsdp-ranks")
-    result_file = out_dir / "results.pt"
-    second = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the run's
-    run_nodes(ranks_worker, out_dir, second.port, tiny_model_dir, out_dir, result_file)
-    del second  # only now: the ranks are gone
-    return {**torch.load(result_file), "split": out_dir / "split"}
+    def build(out_dir: Path) -> dict:
+        result_file = out_dir / "results.pt"
+        second = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the run's
+        run_nodes(ranks_worker, out_dir, second.port, tiny_model_dir, out_dir, result_file)
+        del second  # only now: the ranks are gone
+        return {**torch.load(result_file), "split": out_dir / "split"}
+
+    return built_once(tmp_path_factory, "fsdp-ranks", build)
 
 
 @pytest.fixture(scope="module")
 def straight(tiny_model_dir, tmp_path_factory) -> list[dict]:
     """One process's run of 3 steps (a world of one), the metrics the two-rank and resumed runs must log."""
-    out_dir = tmp_path_factory.mktemp("fsdp-straight")
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        patch(monkeypatch.setattr)
-        train.main(tiny_args(tiny_model_dir, out_dir, "straight", *RUN_FLAGS, "--steps", "3"))
-    return metric_lines(out_dir / "straight")
+
+    def build(out_dir: Path) -> list[dict]:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            patch(monkeypatch.setattr)
+            train.main(tiny_args(tiny_model_dir, out_dir, "straight", *RUN_FLAGS, "--steps", "3"))
+        return metric_lines(out_dir / "straight")
+
+    return built_once(tmp_path_factory, "fsdp-straight", build)
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:

