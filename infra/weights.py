@@ -68,10 +68,18 @@ def from_pretrained(path_or_id: str | None = None, dtype: torch.dtype = torch.fl
 
 
 def load_tokenizer(path_or_id: str | None = None):
-    """The Hugging Face tokenizer (with its chat template) that belongs to from_pretrained(path_or_id)."""
-    from transformers import AutoTokenizer
+    """The Hugging Face tokenizer (with its chat template) that belongs to from_pretrained(path_or_id).
 
-    return AutoTokenizer.from_pretrained(str(resolve_checkpoint(path_or_id)))
+    AutoTokenizer picks the tokenizer class from the checkpoint's model type, read from config.json. Left to
+    itself it builds the model family's own config class, whose module imports much of transformers' modeling
+    code (seconds of CPU in every process that loads a tokenizer); the plain config read from the same file
+    carries the model type and the names the choice reads, so it is passed instead."""
+    from transformers import AutoTokenizer, PreTrainedConfig
+
+    path = str(resolve_checkpoint(path_or_id))
+    config = PreTrainedConfig.from_dict(PreTrainedConfig.get_config_dict(path)[0])
+    config.name_or_path = path
+    return AutoTokenizer.from_pretrained(path, config=config)
 
 
 def resolve_checkpoint(path_or_id: str | None) -> Path:

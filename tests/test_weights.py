@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from conftest import hf_model, workers_root
 from infra import weights
@@ -156,6 +157,28 @@ def test_default_tokenizer_keeps_chat_template_and_eos(smollm2_dir):
         [{"role": "user", "content": "2+2?"}], tokenize=False, add_generation_prompt=True
     )
     assert text.endswith("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def assert_same_tokenizer(ours, reference) -> None:
+    text = "Solve $x^2 = 4$. <|im_end|> ünïcode  spaces\n\tand tabs"
+    chat = [{"role": "user", "content": text}]
+    assert type(ours) is type(reference) and ours.get_vocab() == reference.get_vocab()
+    assert ours(text)["input_ids"] == reference(text)["input_ids"]
+    assert ours.all_special_tokens == reference.all_special_tokens and ours.eos_token_id == reference.eos_token_id
+    assert ours.apply_chat_template(chat, add_generation_prompt=True) == reference.apply_chat_template(
+        chat, add_generation_prompt=True
+    )
+
+
+def test_the_tokenizer_is_the_one_autotokenizer_picks(checkpoint):
+    """load_tokenizer passes AutoTokenizer a plain config (the family's own config class is slow to import):
+    every family gives the tokenizer AutoTokenizer gives on its own."""
+    assert_same_tokenizer(weights.load_tokenizer(checkpoint), transformers.AutoTokenizer.from_pretrained(checkpoint))
+
+
+@needs_smollm2
+def test_the_default_tokenizer_is_the_one_autotokenizer_picks(smollm2_dir):
+    assert_same_tokenizer(weights.load_tokenizer(), transformers.AutoTokenizer.from_pretrained(smollm2_dir))
 
 
 @needs_smollm2
