@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import importlib.util
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,9 +28,10 @@ from model import Transformer
 ROOT = Path(__file__).parent.parent
 
 
-def load_bench_rollout(monkeypatch):
+def load_bench(monkeypatch, name: str):
+    """bench/NAME.py as a module, with bench/ on the path as when it runs as a script."""
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_rollout", ROOT / "bench" / "rollout.py")
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     return bench
@@ -150,7 +150,7 @@ def test_the_operand_order_is_the_one_the_benchmark_measured_faster(monkeypatch)
     """Per model and row count of the benchmark's table: where the weight on the left was faster at every
     thread count (by more than 10%), each of the model's products takes it; where it gained nothing, none
     does. In bf16 and on meta, as on CUDA, decode_linear is F.linear."""
-    shapes = load_bench_rollout(monkeypatch).PRODUCT_SHAPES
+    shapes = load_bench(monkeypatch, "rollout").PRODUCT_SHAPES
     speedups = measured_speedups()
     assert set(speedups) == set(shapes) and all(set(rows) == set(range(1, 6)) for rows in speedups.values())
     for model, by_rows in speedups.items():
@@ -166,7 +166,7 @@ def test_the_operand_order_is_the_one_the_benchmark_measured_faster(monkeypatch)
 def test_the_products_benchmark_prints_both_sides_per_shape_and_row_count(monkeypatch, capsys):
     """bench/rollout.py --products on two small shapes: per row count, each shape's F.linear / decode_linear
     times and their ratio, and the step's total."""
-    bench = load_bench_rollout(monkeypatch)
+    bench = load_bench(monkeypatch, "rollout")
     monkeypatch.setattr(bench, "PRODUCT_SHAPES", {"tiny": {(24, 16): 3, (16, 24): 2}})
     bench.bench_products(repeats=1)
     lines = capsys.readouterr().out.splitlines()
@@ -246,19 +246,15 @@ def test_shared_prompts_give_the_states_and_gradients_of_whole_rows(checkpoint, 
         assert_equal_to(got, expected)
 
 
-def test_the_demo_pass_with_shared_prompts_does_under_half_the_work_in_half_the_memory():
+def test_the_demo_pass_with_shared_prompts_does_under_half_the_work_in_half_the_memory(monkeypatch, capsys):
     """bench/model.py counts the demo's training pass on the meta device (FLOPs, and tensor bytes as the
     memory plan counts them): each prompt run once against every row run whole."""
-    run = subprocess.run(
-        [sys.executable, "bench/model.py", "--device", "meta", "--bench", "grpo"],
-        cwd=Path(__file__).parent.parent,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr
-    flops, memory = (float(x.rstrip("x")) for x in run.stdout.splitlines()[-1].split()[-2:])
-    assert flops < 0.4 and memory <= 0.5, run.stdout
+    bench = load_bench(monkeypatch, "model")
+    monkeypatch.setattr(sys, "argv", ["bench/model.py", "--device", "meta", "--bench", "grpo"])
+    bench.main()
+    out = capsys.readouterr().out
+    flops, memory = (float(x.rstrip("x")) for x in out.splitlines()[-1].split()[-2:])
+    assert flops < 0.4 and memory <= 0.5, out
 
 
 def test_cuda_graph_capture_neither_synchronizes_nor_empties_the_cache(monkeypatch):
