@@ -480,15 +480,12 @@ def test_device_cuda_without_a_gpu_says_so_in_one_line(tmp_path, capsys):
     )
 
 
-def test_a_plan_that_does_not_fit_says_which_phase_and_exits_1():
-    proc = subprocess.run(
-        [sys.executable, "train.py", "--plan", "--gpu-memory", "1.5"],
-        cwd=Path(train.__file__).parent,
-        capture_output=True,
-        text=True,
-    )
-    last = proc.stdout.strip().splitlines()[-1]
-    assert proc.returncode == 1 and last.startswith("plan: peak") and "of 1.5 GB (does not fit: " in last, proc.stdout
+def test_a_plan_that_does_not_fit_says_which_phase_and_exits_1(capsys):
+    with pytest.raises(SystemExit) as exit:
+        train.main(["--plan", "--gpu-memory", "1.5"])
+    out = capsys.readouterr().out
+    last = out.strip().splitlines()[-1]
+    assert exit.value.code == 1 and last.startswith("plan: peak") and "of 1.5 GB (does not fit: " in last, out
     assert "--grad-accum" in last or "--lora-rank" in last
 
 
@@ -504,21 +501,18 @@ def test_one_kv_pool_serves_every_rollout_and_evaluation(tiny_model_dir, tmp_pat
 
 
 def test_train_py_asks_for_expandable_segments_before_cuda_starts():
-    """Imported without an allocator setting, train.py sets one (before torch can start CUDA); a user's stays."""
-    code = "import os, train; print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))"
+    """Imported without an allocator setting, train.py sets one (before torch can start CUDA); a user's stays
+    (the module run again in the same process, with the user's setting)."""
+    code = (
+        "import importlib, os, train; print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF')); "
+        "os.environ['PYTORCH_CUDA_ALLOC_CONF'] = 'max_split_size_mb:64'; importlib.reload(train); "
+        "print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
     run = subprocess.run(
         [sys.executable, "-c", code], cwd=Path(__file__).parent.parent, env=env, capture_output=True, text=True
     )
-    assert run.stdout.strip() == "expandable_segments:True", run.stderr
-    kept = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=Path(__file__).parent.parent,
-        env={**env, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"},
-        capture_output=True,
-        text=True,
-    )
-    assert kept.stdout.strip() == "max_split_size_mb:64", kept.stderr
+    assert run.stdout.split() == ["expandable_segments:True", "max_split_size_mb:64"], run.stderr
 
 
 # ----------------------------------------------------------------------------- epochs, schedules, the start
