@@ -20,7 +20,7 @@ import loss
 ROOT = Path(config.__file__).parent
 PRESET_TABLE = ROOT / "docs" / "presets.md"
 PLACE = re.compile(
-    r"\b(?:sections?|tables?|theorems?|equations?|eq\.|appendix|figures?)\b", re.I
+    r"\b(?:abstract|sections?|tables?|theorems?|equations?|eq\.|appendix|figures?)\b", re.I
 )  # where a paper states it
 
 
