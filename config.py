@@ -149,7 +149,16 @@ class Config:
     grad_accum: int = opt(
         0,
         "micro-batches per optimizer step (per process, on average, under torchrun); 0 = from "
-        "the memory plan on a GPU, 1 on the CPU",
+        "the memory plan on a GPU, 1 on the CPU. With --micro-batch-tokens it sizes only the passes "
+        "without gradient (old and reference log-probs)",
+    )
+    micro_batch_tokens: int = opt(
+        0,
+        "training micro-batches of rows packed by length: each process's share of a mini-batch, longest rows "
+        "first, in micro-batches of at most N tokens counted as the pass pads them (rows x the longest prompt "
+        "+ completion; a longer row runs alone); the update is the same, but for clip_cov, kl_cov and "
+        "--top-entropy-quantile, which select among a micro-batch's tokens. 0 = from the memory plan where it "
+        "chooses --grad-accum (0, on a GPU): the tokens of its micro-batch at full length; else by rows",
     )
     recompute_old_logp: str = opt(
         "auto",
@@ -475,6 +484,10 @@ def _checks(cfg: Config, need_device: bool):
         f"--grad-accum {cfg.grad_accum}: must be between 0 (automatic) and the {rows // cfg.updates_per_rollout} "
         "rows of a mini-batch",
     )
+    yield (
+        cfg.micro_batch_tokens >= 0,
+        f"--micro-batch-tokens {cfg.micro_batch_tokens}: must be >= 0 (0 = from the memory plan, or by rows)",
+    )
     yield cfg.rollout_batch >= 0, f"--rollout-batch {cfg.rollout_batch}: must be >= 0 (0 = automatic)"
     yield cfg.eval_batch >= 0, f"--eval-batch {cfg.eval_batch}: must be >= 0 (0 = automatic)"
     yield cfg.kv_blocks >= 0, f"--kv-blocks {cfg.kv_blocks}: must be >= 0 (0 = automatic)"
@@ -701,7 +714,8 @@ DERIVED = "derived"
 # not ATR's. A rule's own defaults are the LossConfig fields that loss.Rule declares.
 RULE_OWNED = tuple(f.name for f in dataclasses.fields(loss.Rule) if f.name in LOSS_FIELDS)
 FOLLOWS = {**{name: ("rule",) for name in RULE_OWNED}, "delta_high": ("rule", "delta"), "norm_len": ("max_new_tokens",)}
-PLANNED = ("rollout_batch", "kv_blocks", "grad_accum", "eval_batch")  # 0: chosen by the memory plan (engine/sizes.py)
+# 0: chosen by the memory plan (engine/sizes.py)
+PLANNED = ("rollout_batch", "kv_blocks", "grad_accum", "micro_batch_tokens", "eval_batch")
 
 
 def parse_args(argv: list[str] | None = None, description: str | None = None) -> tuple[Config, set[str], bool]:

@@ -48,6 +48,7 @@ import rollout
 from config import Config
 from data import load_problems, opens_thought, render_prompt, stop_ids, thinking_note, user_message
 from engine import memory, sizes
+from engine.packing import token_budget_micro_batches
 from engine.pool import sampling_policy
 from engine.shared_prompts import hidden_shared
 from grading import sandbox, scoring
@@ -344,11 +345,12 @@ def policy_update(
     keep_records: bool = False,
 ) -> tuple[dict, list]:
     """epochs passes over the rollout's rows, each shuffled afresh into updates_per_rollout mini-batches (--shuffle:
-    rows one by one, or whole prompt groups); one optimizer step per mini-batch, the sum of grad_accum
-    micro-batches. Returns the update's metrics and, with keep_records, every rank's per-token records.
+    rows one by one, or whole prompt groups); one optimizer step per mini-batch, the sum of its micro-batches
+    (micro_batch_plan). Returns the update's metrics and, with keep_records, every rank's per-token records.
     Metrics: token-weighted means over micro-batches; *_min / *_max are extremes; start_ratio_min / _max are
     the first mini-batch's, before this step's first update (the numerical floor); with several epochs,
-    epoch[E]/* are each pass's clip rates.
+    epoch[E]/* are each pass's clip rates; micro_batches is the training passes per optimizer step of the
+    rank that runs the most, idle ones included.
     """
     world = world or distributed.SOLO
     frozen = frozen_inputs(model, out, cfg, reference)  # what the loss needs of the policy before it moves
@@ -356,15 +358,21 @@ def policy_update(
     advantages = advantages.to(out.old_logp.device)
     records = [] if keep_records else None
     model.train()
-    per_update, grad_norms = [], []
+    per_update, grad_norms, passes = [], [], []
+    hint = (
+        f"lower --micro-batch-tokens (now {cfg.micro_batch_tokens})"
+        if cfg.micro_batch_tokens
+        else f"raise --grad-accum (now {cfg.grad_accum})"
+    )
     for update, (micro_batches, totals) in enumerate(micro_batch_plan(out, cfg, step, world, fsdp.is_sharded(model))):
         if cfg.overlong == "mask" and not totals["num_tokens"]:  # the mini-batch's rows all truncated, every rank's
             grad_norms.append(None)  # nothing to train on: a skipped update, and AdamW's moments do not move it
             per_update.append([])
+            passes.append(0)
             continue
         losses, metrics = [], []
+        passes.append(len(micro_batches))
         for rows, idle in micro_batches:
-            hint = f"raise --grad-accum (now {cfg.grad_accum})"
             with oom_hint(f"a training micro-batch of {len(rows)} rows", hint):
                 logp, mask, inputs, entropy = policy_inputs(model, out, frozen, rows, cfg)
                 if cfg.overlong == "mask" and not mask.any():  # every row truncated: a pass at weight 0, as idle
@@ -386,9 +394,10 @@ def policy_update(
         total_loss = distributed.sum_gradients(trainable(model), world, local_loss)
         grad_norms.append(optimizer_step(model, optimizer, total_loss, cfg, step))
         per_update.append(metrics)
-    # every rank's micro-batches, update by update
-    per_update = [sum(updates, []) for updates in zip(*world.gather(per_update))]
-    summary = update_metrics(per_update, grad_norms, cfg) | mismatch
+    ranks = world.gather((per_update, passes))
+    per_update = [sum(updates, []) for updates in zip(*(metrics for metrics, _ in ranks))]  # update by update
+    most_passes = np.max([counts for _, counts in ranks], axis=0)  # [updates]: the busiest rank's
+    summary = update_metrics(per_update, grad_norms, cfg) | mismatch | {"micro_batches": float(most_passes.mean())}
     return summary, [] if records is None else sum(world.gather(records), [])
 
 
@@ -401,9 +410,11 @@ def micro_batch_plan(
     With several processes, `out` holds this rank's rows of the step, which are rows world.rank * N ..
     of the step's. The shuffle is of the whole step's rows, the same on every rank, and each rank trains
     on its own rows of each mini-batch: the mini-batches are one process's, and with the normalizers
-    summed over the ranks and the gradients too, so is every update. Every rank runs as many micro-batches
-    as the largest share of a mini-batch needs: a sharded model's passes are collectives, so a rank with
-    no rows left runs one row at weight 0 (idle; its gradient is exactly 0) to meet the others.
+    summed over the ranks and the gradients too, so is every update. A rank's share of a mini-batch is cut
+    into micro-batches of the rows one rank's average share needs for grad_accum of them, or, with
+    --micro-batch-tokens, packed by length (packed_micro_batches). A sharded model's passes are
+    collectives, so every rank runs as many micro-batches as the busiest: a rank with fewer runs one row at
+    weight 0 for each one it lacks (idle; its gradient is exactly 0).
     """
     N, device = len(out.completion_mask), out.completion_mask.device
     first = world.rank * N
@@ -411,19 +422,38 @@ def micro_batch_plan(
     mine = [(m[(m >= first) & (m < first + N)] - first).to(device) for m in minibatches]
     tokens = loss_mask(out, cfg)  # [N, C]
     num_tokens = world.sum(torch.stack([tokens[rows].sum() for rows in mine]))
+    if cfg.micro_batch_tokens:
+        shares = [packed_micro_batches(out, rows, cfg.micro_batch_tokens) for rows in mine]
+        # how this rank's rows pack says nothing of the others': where the counts must agree, one collective,
+        # a max over the ranks of every mini-batch's count at once
+        counts = [len(share) for share in shares]
+        if sharded:
+            counts = world.max(torch.tensor(counts, device="cpu")).tolist()
+    else:
+        shares, counts = [], []
+        for minibatch, step_rows in zip(mine, minibatches):
+            # micro-batches of the size one rank's average share needs: the largest share takes more of them
+            micro_rows = math.ceil(len(step_rows) / world.size / cfg.grad_accum)
+            largest_share = int(torch.bincount(step_rows // N, minlength=world.size).max())
+            counts.append(math.ceil(largest_share / micro_rows))  # every rank knows every share: no collective
+            shares.append([rows for rows in minibatch.tensor_split(counts[-1]) if len(rows)])
     plan = []
-    for minibatch, step_rows, step_tokens in zip(mine, minibatches, num_tokens):
-        # micro-batches of the size one rank's average share needs: the largest share takes more of them
-        micro_rows = math.ceil(len(step_rows) / world.size / cfg.grad_accum)
-        largest_share = int(torch.bincount(step_rows // N, minlength=world.size).max())
-        micro_batches = []
-        for rows in minibatch.tensor_split(math.ceil(largest_share / micro_rows)):
-            if len(rows):
-                micro_batches.append((rows, False))
-            elif sharded:
-                micro_batches.append((torch.zeros(1, dtype=torch.long, device=device), True))
-        plan.append((micro_batches, {"num_tokens": step_tokens, "num_seqs": len(step_rows)}))
+    for share, count, step_tokens, step_rows in zip(shares, counts, num_tokens, minibatches):
+        idle = [(torch.zeros(1, dtype=torch.long, device=device), True)] * (count - len(share)) if sharded else []
+        plan.append(([(rows, False) for rows in share] + idle, {"num_tokens": step_tokens, "num_seqs": len(step_rows)}))
     return plan
+
+
+def packed_micro_batches(out: rollout.Rollout, rows: torch.Tensor, budget: int) -> list[torch.Tensor]:
+    """Some rows of the rollout in micro-batches of at most `budget` tokens as the training pass runs them
+    (engine.packing.token_budget_micro_batches, longest first). The pass pads its rows to their longest
+    prompt (left) and longest completion (right), so a row counts the longest prompt among `rows` plus its
+    own completion: rows x the longest such length bounds every micro-batch's padded tokens."""
+    if not len(rows):
+        return []
+    P = out.prompt_len
+    prompts, completions = out.pad_mask[rows, :P].sum(1), out.pad_mask[rows, P:].sum(1)  # [rows] each
+    return token_budget_micro_batches(rows, prompts.max() + completions, budget)
 
 
 def policy_inputs(

@@ -16,7 +16,8 @@ Phases, each peak = what is resident when it runs + the phase's own peak:
 - pool: the sampler's KV pool, allocated once after them and resident throughout (blocks x block bytes);
 - train: one micro-batch's forward and backward (model.hidden or shared_prompts.hidden_shared, hidden_logprobs, a
   loss), beside the step data, at the largest of the layouts it can take (prompts_per_pass: rows run
-  whole, or with each of their prompts run once);
+  whole, or with each of their prompts run once); a micro-batch of rows packed by length up to a token
+  budget, at both ends of the budget (packed_shapes);
 - frozen: the no-grad passes that recompute old log-probs, the reference policy's or old_hidden, one
   micro-batch, beside the step data, in the same layouts;
 - rollout: one sampler call on CUDA's fixed-shape path (sampling_phase): its outputs and results, a
@@ -25,9 +26,10 @@ Phases, each peak = what is resident when it runs + the phase's own peak:
 Step data are the rollout results kept for training ([N, P + C] ids and masks, [N, C] log-probs, and
 [N, C, hidden] old_hidden for a rule that needs it).
 
-fit sizes the free ones (micro-batch rows, prompts in flight, the pool) and estimates the sampler's
-rows in flight and decode passes for a stated length model (long_tail_lengths) by running the
-sampler's own scheduler on the host (simulate_rollout; test_rollout checks it against real calls).
+fit sizes the free ones (micro-batch rows and a packed micro-batch's tokens, prompts in flight, the pool) and
+estimates the sampler's rows in flight and decode passes for a stated length model (long_tail_lengths) by
+running the sampler's own scheduler on the host (simulate_rollout; test_rollout checks it against real
+calls), and the training micro-batches for the same lengths (training_passes).
 
 A full-parameter run (lora_rank 0) is planned per rank of world_size, by running fsdp.shard's real code:
 fully_shard over torch's "fake" process group of that many ranks (it communicates nothing), on
@@ -69,6 +71,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -82,6 +85,7 @@ import sampling
 from engine import kv_cache, sampler
 from engine.graphs import Batch
 from engine.kv_cache import ATTENTION_KINDS, KVPool
+from engine.packing import token_budget_micro_batches
 from engine.pool import Pool
 from engine.scheduler import Group, Row, SamplerStats, Scheduler, group_blocks
 from engine.shared_prompts import hidden_shared
@@ -196,6 +200,9 @@ class Workload:
     shuffle: str = "rows"  # mini-batches of random rows, or of whole prompt groups ("groups")
     rollout_prompts: int = 8  # prompts in flight in the sampler (their rows bound its batch)
     micro_batch_rows: int = 64  # rows per training micro-batch (and per frozen pass)
+    # 0: training micro-batches of micro_batch_rows rows; else rows packed by length up to this many tokens, counted
+    # as train.py's packing counts them (rows x the longest row's prompt + completion); the frozen passes keep rows
+    micro_batch_tokens: int = 0
     pool_blocks: int = 0  # blocks of the sampler's KV pool (block 0 included); 0 = none chosen yet
     temperature: float = 1.0
     top_p: float = 1.0
@@ -228,6 +235,8 @@ class Workload:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"Workload.{name} must be >= 1, got {getattr(self, name)}")
+        if self.micro_batch_tokens < 0:
+            raise ValueError(f"Workload.micro_batch_tokens must be >= 0 (0: by rows), got {self.micro_batch_tokens}")
         if self.shuffle not in ("rows", "groups"):
             raise ValueError(f"Workload.shuffle must be 'rows' or 'groups', got {self.shuffle!r}")
         if self.lora_rank < 0:
@@ -505,9 +514,10 @@ def prompts_per_pass(work: Workload, rows: int, phase: str) -> list[int]:
     many prompts as rows); otherwise each prompt runs once (shared_prompts.hidden_shared), and the most prompts
     are the most tokens. Frozen passes and --shuffle groups take consecutive rows of the prompt-major
     rollout, from a group's first row: rows in whole groups span rows / G of them, other counts at
-    most one more. --shuffle rows draws rows at random: up to one prompt per row."""
+    most one more. --shuffle rows draws rows at random, and packed micro-batches take rows by length from
+    any prompts: up to one prompt per row."""
     G, prompts = work.group_size, work.prompts_per_step
-    if phase == "train" and work.shuffle == "rows":
+    if phase == "train" and (work.shuffle == "rows" or work.micro_batch_tokens):
         most = min(rows, prompts)
     else:
         most = min(prompts, rows // G if rows % G == 0 else 1 + -(-(rows - 1) // G))
@@ -525,9 +535,30 @@ def pass_tokens(work: Workload, rows: int) -> int:
     return rows * (P + C) if prompts == rows else prompts * P + rows * C
 
 
-def _policy_states(model: Transformer, rows: int, prompts: int, work: Workload):
-    """train.py's policy_states for rows of full prompts and completions: (h, ids, start)."""
-    device, P, C = model.device, work.prompt_len, work.max_new_tokens
+def packed_shapes(work: Workload, budget: int) -> list[tuple[int, int]]:
+    """The (rows, completion tokens) a packed training micro-batch of `budget` tokens is planned at: the fewest
+    rows, at full length (one when a full row is over the budget: it runs alone), and the most, of one
+    completion token each (at most a rank's share of a mini-batch: of its step's rows, or of a mini-batch of
+    every rank's). Under the budget a pass's memory has terms that stay (those of its tokens), that grow with
+    its completion length (a shared prompt's attention mask) and that grow with its rows; each is largest at
+    one of the two ends, and so is their sum (test_memory checks the shapes between them)."""
+    P, C = work.prompt_len, work.max_new_tokens
+    most = min(work.step_rows, work.world_size * work.minibatch_rows, budget // (P + 1))
+    return [(max(1, budget // (P + C)), C), (max(1, most), 1)]
+
+
+def train_layouts(work: Workload, size: int) -> list[tuple[int, int, int]]:
+    """The (rows, completion tokens, distinct prompts) of each training pass the plan measures at `size`: rows
+    per micro-batch, or a packed workload's token budget (packed_shapes), each at every layout that can be
+    largest (prompts_per_pass)."""
+    shapes = packed_shapes(work, size) if work.micro_batch_tokens else [(size, work.max_new_tokens)]
+    return [(rows, c, prompts) for rows, c in shapes for prompts in prompts_per_pass(work, rows, "train")]
+
+
+def _policy_states(model: Transformer, rows: int, prompts: int, work: Workload, completion: int | None = None):
+    """train.py's policy_states for rows of full prompts and completions of `completion` tokens (default:
+    max_new_tokens): (h, ids, start)."""
+    device, P, C = model.device, work.prompt_len, completion or work.max_new_tokens
     if prompts == rows:
         ids = torch.zeros(rows, P + C, dtype=torch.long, device=device)
         return model.hidden(ids, torch.ones(rows, P + C, dtype=torch.bool, device=device)), ids, P
@@ -543,11 +574,19 @@ def _policy_states(model: Transformer, rows: int, prompts: int, work: Workload):
     return h, torch.zeros(rows, 1 + C, dtype=torch.long, device=device), 1
 
 
-def train_phase(model: Transformer, rows: int, work: Workload, resizable=(), prompts: int | None = None) -> int:
-    """One training micro-batch of `rows` rows of `prompts` distinct prompts (default: all distinct): forward,
-    loss and backward into existing gradients (the adapters', or every weight's shards). resizable: a sharded
-    model's gathered weights (LiveBytes)."""
-    device, C = model.device, work.max_new_tokens
+def train_phase(
+    model: Transformer,
+    rows: int,
+    work: Workload,
+    resizable=(),
+    prompts: int | None = None,
+    completion: int | None = None,
+) -> int:
+    """One training micro-batch of `rows` rows of `prompts` distinct prompts (default: all distinct) and
+    completions of `completion` tokens (default: max_new_tokens): forward, loss and backward into existing
+    gradients (the adapters', or every weight's shards). resizable: a sharded model's gathered weights
+    (LiveBytes)."""
+    device, C = model.device, completion or work.max_new_tokens
     for p in model.parameters() if work.full else lora.parameters(model):
         if p.grad is None:  # accumulation adds into the gradients a previous micro-batch left
             p.grad = torch.zeros_like(p)
@@ -556,7 +595,7 @@ def train_phase(model: Transformer, rows: int, work: Workload, resizable=(), pro
         old_logp = torch.zeros(rows, C, device=device)
         mask = torch.ones(rows, C, dtype=torch.bool, device=device)
         advantages = torch.ones(rows, device=device)
-        h, ids, start = _policy_states(model, rows, prompts or rows, work)
+        h, ids, start = _policy_states(model, rows, prompts or rows, work, C)
         logp, entropy = model.hidden_logprobs(
             h,
             ids,
@@ -701,12 +740,13 @@ def measure(model_cfg: ModelConfig, work: Workload) -> dict[str, int]:
 
 
 def phase_sizes(work: Workload) -> dict[str, int]:
-    """The size each phase runs at: rows per micro-batch, or prompts in flight in the sampler."""
+    """The size each phase runs at: rows per micro-batch (a packed training micro-batch: its token budget), or
+    prompts in flight in the sampler."""
     return {
         "weights": 0,
         state_phase(work): 0,
         "pool": 0,
-        "train": work.micro_batch_rows,
+        "train": work.micro_batch_tokens or work.micro_batch_rows,
         "frozen": work.micro_batch_rows,
         "rollout": work.rollout_prompts,
         "eval": work.eval_prompts,
@@ -776,9 +816,9 @@ class Planner:
     @classmethod
     def of(cls, model_cfg: ModelConfig, work: Workload) -> Planner:
         """The planner of a recent call with the same model and workload (sizes aside), or a new one."""
-        key = repr(
-            (model_cfg, dataclasses.replace(work, micro_batch_rows=1, rollout_prompts=1, eval_prompts=1, pool_blocks=0))
-        )
+        sizes_aside = dict(micro_batch_rows=1, rollout_prompts=1, eval_prompts=1, pool_blocks=0)
+        packed = int(work.micro_batch_tokens > 0)  # whether training packs is the workload's; its budget a size
+        key = repr((model_cfg, dataclasses.replace(work, **sizes_aside, micro_batch_tokens=packed)))
         if key not in cls._recent:
             if len(cls._recent) >= 4:
                 cls._recent.clear()
@@ -868,7 +908,8 @@ class _MetaRun:
                 return self.weights, self.lora_peak
             if name == "train":
                 return resident + self.step_data(w.step_rows), max(
-                    train_phase(model, size, w, prompts=prompts) for prompts in prompts_per_pass(w, size, name)
+                    train_phase(model, rows, w, prompts=prompts, completion=c)
+                    for rows, c, prompts in train_layouts(w, size)
                 )
             if name == "frozen":
                 if not (w.recompute_old_logp or w.ref_logp or w.old_hidden):
@@ -946,15 +987,17 @@ class _ShardedRun:
             resident, own = whole.measure(name, size)
             return held + resident, own
         with self.mode, flash_attention_on_meta():
-            layouts = prompts_per_pass(w, size, name) if name in ("train", "frozen") else []
             if name == "train":
-                own = max(train_phase(self.model, size, w, self.resizable, prompts) for prompts in layouts)
+                own = max(
+                    train_phase(self.model, rows, w, self.resizable, prompts, c)
+                    for rows, c, prompts in train_layouts(w, size)
+                )
                 return held + self.grads + whole.step_data(w.step_rows), own
             if name == "frozen":
                 if not (w.recompute_old_logp or w.ref_logp or w.old_hidden):
                     return 0, 0
                 own = 0
-                for prompts in layouts:
+                for prompts in prompts_per_pass(w, size, name):
                     own = max(own, frozen_phase(self.model, size, w, self.reference, self.resizable, prompts))
                     for model in (self.model, self.reference or self.model):
                         fsdp.reshard(model)  # a root stays gathered after a pass without backward
@@ -967,7 +1010,7 @@ def usable_bytes(budget_bytes: int) -> int:
     return int(budget_bytes * (1 - SLACK)) - RESERVED
 
 
-FREE_SIZES = ("micro_batch_rows", "rollout_prompts", "eval_prompts")
+FREE_SIZES = ("micro_batch_rows", "micro_batch_tokens", "rollout_prompts", "eval_prompts")
 
 
 def fit(
@@ -983,6 +1026,9 @@ def fit(
       row): products of that many tokens keep a GPU's matrix units busy, so training speed hardly grows
       past it, while the sampler's grows with every row its pool holds. With --shuffle groups a row's
       prompt is shared by its group, so more rows make those tokens;
+    - micro_batch_tokens, of a packed workload (micro_batch_tokens > 0): the tokens micro_batch_rows rows run
+      at full length (rows x (P + C)), so packed micro-batches never hold more than the planned one, and
+      shorter rows share a pass;
     - rollout_prompts (prompts in flight): of the powers of two up to the step's prompts (and the step's
       own count), the fewest whose pool samples the step within PASSES_TOLERANCE of the fewest decode
       passes for the length model (simulate_rollout): more rows in flight than that only add preemptions
@@ -1020,7 +1066,11 @@ def _fit(planner: Planner, work: Workload, budget_bytes: int, free: tuple[str, .
             if "eval_prompts" in free:
                 eval_prompts = max(1, prompts * work.group_size // work.eval_k)
             trial = dataclasses.replace(
-                work, micro_batch_rows=micro, rollout_prompts=prompts, eval_prompts=eval_prompts
+                work,
+                micro_batch_rows=micro,
+                micro_batch_tokens=_budget(work, micro, free),
+                rollout_prompts=prompts,
+                eval_prompts=eval_prompts,
             )
             # the pool is kept through every phase, the optimizer step (the trained state's peak) included
             largest = max(
@@ -1036,7 +1086,12 @@ def _fit(planner: Planner, work: Workload, budget_bytes: int, free: tuple[str, .
             if "micro_batch_rows" in free and micro > 1:
                 micro = max(1, micro // 2)
                 continue
-            trial = dataclasses.replace(work, micro_batch_rows=micro, rollout_prompts=candidates[0])
+            trial = dataclasses.replace(
+                work,
+                micro_batch_rows=micro,
+                micro_batch_tokens=_budget(work, micro, free),
+                rollout_prompts=candidates[0],
+            )
             need = planner.peak(largest, phase_sizes(trial)[largest]) + floor * planner.block_bytes
             raise ValueError(
                 _no_fit(
@@ -1045,11 +1100,19 @@ def _fit(planner: Planner, work: Workload, budget_bytes: int, free: tuple[str, .
                     need,
                     usable,
                     budget_bytes,
-                    f"{PHASE_FLOOR_FLAGS[largest]}, or lower --max-new-tokens",
+                    f"{_what_lowers(largest, work, floor=True)}, or lower --max-new-tokens",
                 )
             )
     fewest = min(passes for passes, _ in trials)
     return next(trial for passes, trial in trials if passes <= (1 + PASSES_TOLERANCE) * fewest)
+
+
+def _budget(work: Workload, micro: int, free: tuple[str, ...]) -> int:
+    """A packed workload's token budget beside micro-batches of `micro` rows: their tokens at full length when
+    the budget is free, else the workload's own (0 for a workload that does not pack)."""
+    if work.micro_batch_tokens and "micro_batch_tokens" in free:
+        return micro * (work.prompt_len + work.max_new_tokens)
+    return work.micro_batch_tokens
 
 
 def rollout_estimate(planner: Planner, work: Workload) -> SamplerStats:
@@ -1065,6 +1128,64 @@ def rollout_estimate(planner: Planner, work: Workload) -> SamplerStats:
         planner.block_size,
         work.rollout_prompts * work.group_size,
         work.max_new_tokens,
+    )
+
+
+class TrainingPasses(NamedTuple):
+    """A step's training micro-batches on the rank that runs the most, by rows and packed, and the padded
+    tokens (rows x the longest) of one of them, on average over every rank's."""
+
+    by_rows: int
+    packed: int
+    row_pass_tokens: float
+    packed_pass_tokens: float
+
+
+def training_passes(work: Workload, budget: int, seed: int = 0) -> TrainingPasses:
+    """The training micro-batches of one step by rows (micro_batch_rows each) and packed up to `budget` tokens,
+    for rows of the longest prompt and completions of long_tail_lengths: the step's rows of every rank shuffled
+    into updates_per_rollout mini-batches (by row, or by whole group with --shuffle groups), each rank's share
+    of one split as train.micro_batch_plan splits it."""
+    unit = work.group_size if work.shuffle == "groups" else 1
+    ranks, rows = work.world_size, work.step_rows
+    lengths = work.prompt_len + torch.tensor(long_tail_lengths(ranks * rows, work.max_new_tokens, seed))  # [R x N]
+    units = torch.randperm(ranks * rows // unit, generator=torch.Generator().manual_seed(seed))
+    by_rows, packed = [0, 0, 0], [0, 0, 0]  # the busiest rank's micro-batches, every rank's, their padded tokens
+    for part in units.tensor_split(work.updates_per_rollout):
+        minibatch = (part[:, None] * unit + torch.arange(unit)).flatten()
+        shares = [minibatch[minibatch // rows == rank] for rank in range(ranks)]
+        count = -(-max(map(len, shares)) // work.micro_batch_rows)
+        sliced = [[b for b in share.tensor_split(count) if len(b)] for share in shares]
+        by_rows = [a + b for a, b in zip(by_rows, _tally(sliced, lengths))]
+        packed_shares = [token_budget_micro_batches(share, lengths[share], budget) for share in shares]
+        packed = [a + b for a, b in zip(packed, _tally(packed_shares, lengths))]
+    return TrainingPasses(by_rows[0], packed[0], by_rows[2] / by_rows[1], packed[2] / packed[1])
+
+
+def _tally(splits: list[list[torch.Tensor]], lengths: torch.Tensor) -> tuple[int, int, int]:
+    """Of each rank's micro-batches of one mini-batch: the most any rank runs, how many all run, and their padded
+    tokens (rows x the longest of lengths)."""
+    batches = sum(splits, [])
+    return max(map(len, splits)), len(batches), sum(len(b) * int(lengths[b].max()) for b in batches)
+
+
+def _training_estimate(w: Workload) -> str:
+    """The report's line of training_passes: the micro-batches a step runs by rows and packed, with the
+    padded tokens of a pass."""
+    budget = w.micro_batch_tokens or w.micro_batch_rows * (w.prompt_len + w.max_new_tokens)
+    step = training_passes(w, budget)
+    rows = f"{w.micro_batch_rows} row{'s' * (w.micro_batch_rows > 1)} each"
+    head = "training estimate, the same lengths:"
+    if w.micro_batch_tokens:
+        return (
+            f"{head} {step.packed:,} micro-batch{'es' * (step.packed > 1)} a step packed up to {budget:,} tokens, "
+            f"{step.packed_pass_tokens:,.0f} tokens a pass (by rows {step.by_rows:,} of {rows}, "
+            f"{step.row_pass_tokens:,.0f} tokens a pass)"
+        )
+    return (
+        f"{head} {step.by_rows:,} micro-batch{'es' * (step.by_rows > 1)} a step of {rows}, "
+        f"{step.row_pass_tokens:,.0f} tokens a pass "
+        f"(--micro-batch-tokens {budget}: {step.packed:,}, {step.packed_pass_tokens:,.0f} tokens a pass)"
     )
 
 
@@ -1105,7 +1226,7 @@ def report(
         "weights": f"{model_cfg.num_layers} layers x {model_cfg.hidden_size} in {dtype}",
         "lora": f"r{w.lora_rank} on {len(w.lora_targets)} targets: fp32 adapters, gradients, AdamW moments",
         "pool": f"KV cache: {w.pool_blocks - 1:,} blocks of {planner.block_size} slots ({slots:,} tokens), kept",
-        "train": f"{_layouts_text(w, 'train')}, checkpointing {'on' if w.gradient_checkpointing else 'off'}, "
+        "train": f"{_train_text(w)}, checkpointing {'on' if w.gradient_checkpointing else 'off'}, "
         f"step data{' with old_hidden' * w.old_hidden}",
         "frozen": "no-grad log-prob passes" if measured["frozen"][1] else "none needed",
         "rollout": f"up to {w.rollout_prompts} prompts x {w.group_size} samples in flight, {w.prompt_len}-token "
@@ -1135,6 +1256,7 @@ def report(
         f"mean {estimate.rows_mean:.0f}; {estimate.decode_steps:,} decode passes, {estimate.prefills} "
         f"prefill passes, {estimate.preempted} groups preempted"
     )
+    lines.append(_training_estimate(w))
     lines.append(
         f"usable: {usable / GB:.1f} GB of {budget_bytes / GB:.1f} GB, after {SLACK:.0%} allocator slack and "
         f"{RESERVED / GB:.0f} GB for the CUDA context (planned in {time.perf_counter() - start:.1f} s)"
@@ -1147,23 +1269,30 @@ def report(
     return "\n".join(lines), fits
 
 
-def _what_lowers(phase: str, work: Workload) -> str:
-    """PHASE_FLAGS' advice, without --dtype bfloat16 for weights that are already 16-bit."""
+def _what_lowers(phase: str, work: Workload, floor: bool = False) -> str:
+    """PHASE_FLAGS' advice (PHASE_FLOOR_FLAGS' with floor), without --dtype bfloat16 for weights that are already
+    16-bit, and naming the token budget for packed training micro-batches."""
     if phase == "weights" and work.dtype.itemsize <= 2:
         return "use a smaller model"
-    return PHASE_FLAGS[phase]
+    if phase == "train" and work.micro_batch_tokens:
+        return "lower --micro-batch-tokens (fewer tokens per micro-batch)" + (
+            " or turn --gradient-checkpointing on" if floor else ""
+        )
+    return (PHASE_FLOOR_FLAGS if floor else PHASE_FLAGS)[phase]
 
 
-def _layouts_text(w: Workload, phase: str) -> str:
-    """The layouts a pass is planned for, e.g. "16 rows x 4,608 tokens, or 16 rows of 15 prompts: ..."."""
-    rows, P, C = w.micro_batch_rows, w.prompt_len, w.max_new_tokens
-    some_rows = f"{rows} row{'s' * (rows > 1)}"
-    return ", or ".join(
-        f"{some_rows} x {P + C:,} tokens"
-        if prompts == rows
-        else f"{some_rows} of {prompts} prompt{'s' * (prompts > 1)}: {prompts} x {P:,} + {rows} x {C:,} tokens"
-        for prompts in prompts_per_pass(w, rows, phase)
-    )
+def _train_text(w: Workload) -> str:
+    """The training passes planned, e.g. "16 rows x 4,608 tokens, or 16 rows of 15 prompts: ...", after
+    "packed up to N tokens: " for a packed workload."""
+    P, passes = w.prompt_len, []
+    for rows, c, prompts in train_layouts(w, phase_sizes(w)["train"]):
+        some_rows = f"{rows} row{'s' * (rows > 1)}"
+        passes.append(
+            f"{some_rows} x {P + c:,} tokens"
+            if prompts == rows
+            else f"{some_rows} of {prompts} prompt{'s' * (prompts > 1)}: {prompts} x {P:,} + {rows} x {c:,} tokens"
+        )
+    return f"packed up to {w.micro_batch_tokens:,} tokens: " * bool(w.micro_batch_tokens) + ", or ".join(passes)
 
 
 def gpu_memory_bytes(device: str | None, given_gb: float | None) -> int:

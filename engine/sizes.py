@@ -1,13 +1,14 @@
 """The run's sizes: what the memory plan (memory.py) chooses where the settings leave a size at 0, and the
 sampler's KV pool those sizes give.
 
-Four sizes decide a step's memory: prompts in flight in the sampler (--rollout-batch), rows per
-training micro-batch (--grad-accum), prompts per evaluation call (--eval-batch) and the KV pool's
-blocks (--kv-blocks). On a GPU, fit measures the real step on the meta device and chooses them within
-the budget; on the CPU every row of a step fits in one call and one micro-batch. Under torchrun each
-rank plans its share, and the most cautious rank's sizes are everyone's. `python train.py --plan`
-prints the plan without loading any weight. The pool is allocated once per run and kept: every
-rollout and evaluation samples over it.
+Five sizes decide a step's memory: prompts in flight in the sampler (--rollout-batch), rows per training
+micro-batch (--grad-accum) or its tokens when rows are packed by length (--micro-batch-tokens), prompts per
+evaluation call (--eval-batch) and the KV pool's blocks (--kv-blocks). On a GPU, fit measures the real step on
+the meta device and chooses them within the budget, the training micro-batches packed up to the tokens of the
+rows it chooses; on the CPU every row of a step fits in one call and one micro-batch. Under torchrun each rank
+plans its share, and the most cautious rank's sizes are everyone's. `python train.py --plan` prints the plan
+without loading any weight. The pool is allocated once per run and kept: every rollout and evaluation samples
+over it.
 """
 
 from __future__ import annotations
@@ -40,9 +41,11 @@ def resolve_sizes(
     sizes come from the memory plan, the most cautious rank's (GPUs may differ in memory)."""
     share = dataclasses.replace(cfg, prompts_per_step=cfg.prompts_per_step // world.size, world_size=world.size)
     share = resolve_automatic(share, model, tokenizer, train_set, eval_sets)
-    sizes = [share.rollout_batch, share.eval_batch, share.kv_blocks, -share.grad_accum]
-    # the fewest rows in flight, the smallest pool, the most micro-batches
-    rollout_batch, eval_batch, kv_blocks, negated_accum = world.min(torch.tensor(sizes, device="cpu")).tolist()
+    sizes = [share.rollout_batch, share.eval_batch, share.kv_blocks, -share.grad_accum, share.micro_batch_tokens]
+    # the fewest rows in flight, the smallest pool, the most micro-batches, the fewest tokens in one
+    rollout_batch, eval_batch, kv_blocks, negated_accum, micro_batch_tokens = world.min(
+        torch.tensor(sizes, device="cpu")
+    ).tolist()
     return dataclasses.replace(
         share,
         prompts_per_step=cfg.prompts_per_step,
@@ -51,6 +54,7 @@ def resolve_sizes(
         eval_batch=eval_batch,
         kv_blocks=kv_blocks,
         grad_accum=-negated_accum,
+        micro_batch_tokens=micro_batch_tokens,
     )
 
 
@@ -112,11 +116,14 @@ def planned_config(
     attention: str = "auto",
 ) -> Config:
     """cfg with rollout_batch, grad_accum, eval_batch and kv_blocks chosen by the memory plan where they are 0,
-    for a sampler whose attention is `attention` (engine.pool.pool_attention)."""
+    for a sampler whose attention is `attention` (engine.pool.pool_attention); where it chooses grad_accum and
+    micro_batch_tokens is 0, the training micro-batches pack rows up to the tokens of its chosen rows (the
+    frozen passes keep them)."""
     free = tuple(
         size
         for size, flag in (
             ("micro_batch_rows", cfg.grad_accum),
+            ("micro_batch_tokens", cfg.micro_batch_tokens),
             ("rollout_prompts", cfg.rollout_batch),
             ("eval_prompts", cfg.eval_batch),
         )
@@ -127,6 +134,7 @@ def planned_config(
         cfg,
         rollout_batch=cfg.rollout_batch or work.rollout_prompts,
         grad_accum=cfg.grad_accum or math.ceil(work.minibatch_rows / work.micro_batch_rows),
+        micro_batch_tokens=cfg.micro_batch_tokens or work.micro_batch_tokens,
         eval_batch=cfg.eval_batch or work.eval_prompts,
         kv_blocks=cfg.kv_blocks or work.pool_blocks,
     )
@@ -136,9 +144,12 @@ def workload(
     cfg: Config, prompt_len: int = memory.Workload.prompt_len, eval_prompt_len: int = 0, attention: str = "auto"
 ) -> memory.Workload:
     """What one step of this config asks of one GPU, its prompts_per_step being that rank's share; sizes left
-    at 0 start at their largest, for fit to choose; the sampler's attention is `attention`."""
+    at 0 start at their largest, for fit to choose (with --grad-accum 0, training packs rows by length, its
+    budget a mini-batch at full length); the sampler's attention is `attention`."""
     _, dtype = config.resolve_device(cfg)
     minibatch_rows = math.ceil(cfg.prompts_per_step * cfg.group_size / cfg.updates_per_rollout)
+    full_length = minibatch_rows * (prompt_len + cfg.max_new_tokens)
+    micro_batch_tokens = cfg.micro_batch_tokens or (0 if cfg.grad_accum else full_length)
     needs = loss.required_inputs(cfg.loss)
     return memory.Workload(
         dtype=dtype,
@@ -155,6 +166,7 @@ def workload(
         shuffle=cfg.shuffle,
         rollout_prompts=cfg.rollout_batch or cfg.prompts_per_step,
         micro_batch_rows=math.ceil(minibatch_rows / cfg.grad_accum) if cfg.grad_accum else minibatch_rows,
+        micro_batch_tokens=micro_batch_tokens,
         pool_blocks=cfg.kv_blocks,
         temperature=cfg.temperature,
         top_p=cfg.top_p,
@@ -191,8 +203,9 @@ def plan(cfg: Config) -> bool:
             print(error)
             chosen = cfg
         else:
+            packing = f" --micro-batch-tokens {chosen.micro_batch_tokens}" * bool(chosen.micro_batch_tokens)
             print(
-                f"chosen: --rollout-batch {chosen.rollout_batch} --grad-accum {chosen.grad_accum} "
+                f"chosen: --rollout-batch {chosen.rollout_batch} --grad-accum {chosen.grad_accum}{packing} "
                 f"--eval-batch {chosen.eval_batch} --kv-blocks {chosen.kv_blocks}"
             )
         text, fits = memory.report(model_cfg, workload(chosen), budget, planner)

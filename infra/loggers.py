@@ -43,6 +43,7 @@ NAMES = {
     "ref_kl": "kl/reference",
     "grad_norm": "optim/grad_norm",
     "skipped_updates": "optim/skipped_updates",
+    "micro_batches": "perf/micro_batches",
     "step_seconds": "perf/step_seconds",
     "reward_seconds": "perf/reward_seconds",
     "rollout_tokens_per_s": "perf/rollout_tokens_per_s",

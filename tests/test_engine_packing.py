@@ -1,5 +1,5 @@
-"""Token-budget micro-batches (engine/packing.py): the packing's bounds, and in float64 the update of packed
-micro-batches against one row per micro-batch, through train.py's own update."""
+"""Token-budget micro-batches (engine/packing.py, train.py --micro-batch-tokens): the packing's bounds, and in
+float64 the update of packed micro-batches against one row per micro-batch, through train.py's own update."""
 
 import dataclasses
 
@@ -26,36 +26,43 @@ def test_each_micro_batch_fits_the_budget_and_every_row_runs_once():
         token_budget_micro_batches(rows, lengths, 0)
 
 
-def packed_plan(budget: int):
-    """train.micro_batch_plan with each mini-batch's rows packed by token budget (one process)."""
-    plan = train.micro_batch_plan
-
-    def micro_batch_plan(out, cfg, step, world, sharded):
-        whole = plan(out, dataclasses.replace(cfg, grad_accum=1), step, world, sharded)
-        lengths = out.pad_mask.sum(1)
-        return [
-            ([(rows, False) for rows in token_budget_micro_batches(mb[0][0], lengths[mb[0][0]], budget)], totals)
-            for mb, totals in whole
-        ]
-
-    return micro_batch_plan
+def padded_tokens(out, rows: torch.Tensor) -> int:
+    """The tokens a training pass over `rows` runs, every row whole: rows x (the longest prompt + the longest
+    completion among them), read off the rollout's pad mask."""
+    P = out.prompt_len
+    return len(rows) * int(out.pad_mask[rows, :P].sum(1).max() + out.pad_mask[rows, P:].sum(1).max())
 
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
-def test_packed_micro_batches_give_the_update_of_one_row_each(tiny_model_dir, tmp_path, monkeypatch, aggregation):
-    """In float64: two updates of 8 rows of different lengths, packed into fewer micro-batches by a token budget,
-    give the gradients and metrics of 8 micro-batches of one row."""
-    cfg, out, advantages = sampled_step(
-        tiny_model_dir, tmp_path, monkeypatch, "--updates-per-rollout", "2", "--aggregation", aggregation
-    )
-    per_row = recorded_update(dataclasses.replace(cfg, grad_accum=len(out.pad_mask)), out, advantages, monkeypatch)
-    budget = 3 * int(out.pad_mask.sum(1).max())
-    monkeypatch.setattr(train, "micro_batch_plan", packed_plan(budget))
-    packed = recorded_update(cfg, out, advantages, monkeypatch)
-    assert len(packed["losses"]) < len(per_row["losses"])
+def test_packed_micro_batches_give_the_update_of_one_row_each(
+    tiny_model_dir, tmp_path, monkeypatch, varied_rewards, aggregation
+):
+    """In float64: two updates of 8 rows of different lengths, packed by --micro-batch-tokens into fewer
+    micro-batches, each within the budget as the pass pads it, give the gradients, the weights after the
+    updates and the metrics of 8 micro-batches of one row."""
+    flags = ("--group-size", "4", "--max-new-tokens", "12", "--updates-per-rollout", "2", "--aggregation", aggregation)
+    cfg, out, advantages = sampled_step(tiny_model_dir, tmp_path, monkeypatch, *flags)
+    rows = len(out.pad_mask)
+    per_row = recorded_update(dataclasses.replace(cfg, grad_accum=rows // 2), out, advantages, monkeypatch)
+    budget = 3 * padded_tokens(out, torch.arange(rows))  # three rows of the longest prompt and completion
+    passes, policy_inputs = [], train.policy_inputs
+
+    def recorded(model, out, frozen, rows, cfg):
+        passes.append(rows)
+        return policy_inputs(model, out, frozen, rows, cfg)
+
+    monkeypatch.setattr(train, "policy_inputs", recorded)
+    packed = recorded_update(dataclasses.replace(cfg, micro_batch_tokens=budget), out, advantages, monkeypatch)
+    assert sorted(torch.cat(passes).tolist()) == list(range(rows))  # every row once
+    assert all(padded_tokens(out, rows) <= budget for rows in passes)
+    assert len(passes) <= 2 * 3 < rows and len(packed["losses"]) == len(passes)
+    assert per_row["metrics"]["micro_batches"] == rows // 2 and packed["metrics"]["micro_batches"] == len(passes) / 2
     assert len(packed["grads"]) == len(per_row["grads"]) == 2
     for got, expected in zip(packed["grads"], per_row["grads"]):
+        assert expected.abs().max() > 1e-6  # a real gradient
         assert_equal_to(got, expected)
+    for name, expected in per_row["weights"].items():
+        assert_equal_to(packed["weights"][name], expected)
     for key, expected in per_row["metrics"].items():
-        if key != "tokens" and not key.startswith("mismatch/"):  # mismatch/*: a diagnostic, not the update
+        if key != "micro_batches" and not key.startswith("mismatch/"):  # mismatch/*: a diagnostic, not the update
             assert packed["metrics"][key] == pytest.approx(expected, rel=1e-9, abs=1e-12), key

@@ -36,6 +36,9 @@ STEP_CASES = {  # token-mean in one-row micro-batches: the rank with fewer rows 
     "seq-mean-token-mean": ("--aggregation", "seq-mean-token-mean", "--adv-std", "batch"),
     # micro-batches of 2 rows of one prompt (hidden_shared on the sharded model), idle passes between
     "shared prompts": ("--shuffle", "groups"),
+    # rows of 74-79 tokens packed in pairs: a rank's 5 rows of a mini-batch take 3 passes, the other's 3 rows 2 and
+    # an idle one (the count agreed by a max over the ranks)
+    "packed": ("--aggregation", "token-mean", "--micro-batch-tokens", "160"),
 }
 STEP_FLAGS = (*FULL, "--updates-per-rollout", "2", "--grad-accum", "2")
 RUN_FLAGS = (*FULL, "--checkpoint-every", "1", "--updates-per-rollout", "2")
@@ -113,13 +116,21 @@ def ranks_worker(rank, second_port, model_dir, out_dir, result_file):
         shared_passes.append(len(args[2]))
         return hidden_shared(model, *args)
 
-    train.hidden_shared = counted
+    plans, micro_batch_plan = [], train.micro_batch_plan
+
+    def recorded_plan(*args):  # per update, each micro-batch's rows (None for an idle one)
+        plan = micro_batch_plan(*args)
+        plans.append([[None if idle else len(rows) for rows, idle in micro_batches] for micro_batches, _ in plan])
+        return plan
+
+    train.hidden_shared, train.micro_batch_plan = counted, recorded_plan
     with distributed.joined(torch.device("cpu"), 60, group=True) as world:
-        results = {"steps": {}, "shared_passes": {}}
+        results = {"steps": {}, "shared_passes": {}, "plans": {}}
         for name, flags in STEP_CASES.items():
             before = len(shared_passes)
             results["steps"][name] = one_full_step(model_dir, out_dir, flags, world, sharded=True)
             results["shared_passes"][name] = shared_passes[before:]
+            results["plans"][name] = world.gather(plans.pop())
         results["counted"] = counted_micro_batch()
     if rank == 0:
         torch.save(results, result_file)
@@ -182,13 +193,17 @@ def test_two_sharded_ranks_take_the_step_of_one_unsharded_process(
         assert relative_error(ranks["weights"][name], expected) < 1e-12, name
     assert ranks["record"].keys() == single["record"].keys()
     for key, expected in single["record"].items():
-        if not key.startswith(
-            "mismatch/"
-        ):  # mismatch/*: a diagnostic over a sample of each rank's rows, not part of the update
+        # mismatch/*: a diagnostic over a sample of each rank's rows; micro_batches: how the rows were split
+        if not key.startswith("mismatch/") and key != "micro_batches":
             assert ranks["record"][key] == pytest.approx(expected, rel=1e-8, abs=1e-12), key
     assert single["record"]["ratio_max"] > 1 + 1e-6, "the second update saw moved weights"
     if case == "shared prompts":  # rank 0's micro-batches of one prompt's 2 rows, against rows run whole
         assert two_ranks["shared_passes"][case] and set(two_ranks["shared_passes"][case]) == {2} and not shared
+    if case == "packed":  # per update the ranks ran as many passes, of 2 rows at most, one rank some idle
+        plans = two_ranks["plans"][case]
+        assert [len(update) for update in plans[0]] == [len(update) for update in plans[1]] == [3, 3]
+        assert None in sum(plans[0] + plans[1], []) and max(r for r in sum(plans[0] + plans[1], []) if r) == 2
+        assert ranks["record"]["micro_batches"] == 3 < single["record"]["micro_batches"] == 4
     if case == "token-mean":  # the shuffle of step 1 gives the ranks 5 and 3 rows of each mini-batch
         order = torch.randperm(16, generator=torch.Generator().manual_seed(0 + 1))
         assert [torch.bincount(m // 8, minlength=2).tolist() for m in order.chunk(2)] == [[5, 3], [3, 5]]
@@ -319,9 +334,8 @@ def test_a_sharded_checkpoint_of_two_ranks_resumes_on_one(two_ranks, straight, m
     for got, expected in zip(resumed, straight):
         assert got.keys() == expected.keys()
         for key, value in expected.items():
-            if not key.startswith(
-                "mismatch/"
-            ):  # mismatch/*: a diagnostic over a sample of each rank's rows, not part of the update
+            # mismatch/*: a diagnostic over a sample of each rank's rows; micro_batches: how the rows were split
+            if not key.startswith("mismatch/") and key != "micro_batches":
                 assert got[key] == pytest.approx(value, rel=1e-8, abs=1e-12), (got["step"], key)
 
 

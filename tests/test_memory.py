@@ -265,12 +265,26 @@ def long_tail_passes_before(work: memory.Workload, prompts_per_call: int) -> int
 @pytest.mark.parametrize(
     "preset, gpu_gb, chosen, before_calls, rows_at_least, fewer_passes",
     [
-        # the whole step in flight at once, in a pool of 948 blocks (28 GB) beside 2-row micro-batches; its
-        # passes are the longest row's (4,095), against 4 calls of 5 prompts before
-        ("atr-grpo-qwen3-1.7b", 40, dict(rollout_batch=16, grad_accum=16, eval_batch=16, kv_blocks=949), 5, 128, 3),
-        # up to 32 prompts x 8 in flight over 1,276 blocks (48 GB) beside 1-row micro-batches, against 43 calls
-        # of 3 prompts before
-        ("gppo-qwen3-8b", 80, dict(rollout_batch=32, grad_accum=128, eval_batch=32, kv_blocks=1277), 3, 150, 5),
+        # the whole step in flight at once, in a pool of 948 blocks (28 GB) beside micro-batches packed up to 2
+        # rows at full length; its passes are the longest row's (4,095), against 4 calls of 5 prompts before
+        (
+            "atr-grpo-qwen3-1.7b",
+            40,
+            dict(rollout_batch=16, grad_accum=16, micro_batch_tokens=9216, eval_batch=16, kv_blocks=949),
+            5,
+            128,
+            3,
+        ),
+        # up to 32 prompts x 8 in flight over 1,276 blocks (48 GB) beside micro-batches packed up to 1 row at full
+        # length, against 43 calls of 3 prompts before
+        (
+            "gppo-qwen3-8b",
+            80,
+            dict(rollout_batch=32, grad_accum=128, micro_batch_tokens=8704, eval_batch=32, kv_blocks=1277),
+            3,
+            150,
+            5,
+        ),
     ],
 )
 def test_preset_plans_fit(preset, gpu_gb, chosen, before_calls, rows_at_least, fewer_passes, capsys):
@@ -287,6 +301,12 @@ def test_preset_plans_fit(preset, gpu_gb, chosen, before_calls, rows_at_least, f
     rows_max, passes = int(estimate[1]), int(estimate[3].replace(",", ""))
     before = long_tail_passes_before(sizes.workload(cfg), before_calls)  # the calls the plan chose before
     assert rows_max >= rows_at_least and passes <= before / fewer_passes, (rows_max, passes, before)
+    # packed micro-batches: fewer than half the passes of the plan's rows for the same lengths
+    training = re.fullmatch(
+        r"training estimate, .*: ([\d,]+) micro-batch(?:es)? .* \(by rows ([\d,]+) of .*", lines[10]
+    )
+    packed, by_rows = (int(training[i].replace(",", "")) for i in (1, 2))
+    assert by_rows == cfg.updates_per_rollout * chosen["grad_accum"] and packed < by_rows / 2, (packed, by_rows)
 
 
 def test_the_plan_counts_old_hidden_and_the_evaluation_prompts():
@@ -456,3 +476,30 @@ def test_the_plan_counts_the_rollouts_dynamic_sampling_holds():
     assert sizes.workload(dapo).sampler_calls == 3
     entropy_only = config.parse_args(["--preset", "atr-grpo-qwen3-1.7b", "--top-entropy-quantile", "0.2"])[0]
     assert sizes.workload(entropy_only).with_entropy and not sizes.workload(entropy_only).entropy_grad
+
+
+def test_a_packed_plan_holds_every_micro_batch_its_budget_admits():
+    """fit packs training micro-batches up to the tokens of the rows it chooses, at full length: 64 rows x 128
+    tokens, 8,192. Under that budget a pass runs anything from those 64 rows to 248 rows of one new token each;
+    the plan measures the two ends, and every shape between them, at each layout, needs no more than the train
+    phase it reports, which fits the budget."""
+    model_cfg = dataclasses.replace(SMALL, num_layers=2)  # planned at its own depth: a pass counts as the plan's
+    work = dataclasses.replace(
+        SMALL_WORK, prompts_per_step=64, rollout_prompts=64, micro_batch_rows=256, micro_batch_tokens=256 * (P + C)
+    )
+    budget = 2 * 10**9
+    planner = memory.Planner(model_cfg, work)
+    chosen = memory.fit(model_cfg, work, budget, planner=planner)
+    assert (chosen.micro_batch_rows, chosen.micro_batch_tokens) == (64, memory.TRAIN_TOKENS)
+    assert memory.packed_shapes(chosen, chosen.micro_batch_tokens) == [(64, C), (248, 1)]
+    text, fits = memory.report(model_cfg, chosen, budget, planner)
+    assert fits and "packed up to 8,192 tokens: 64 rows x 128 tokens" in text, text
+    planned = planner.measure("train", chosen.micro_batch_tokens)[1]
+    by_rows = memory.Planner(model_cfg, dataclasses.replace(chosen, micro_batch_tokens=0)).measure("train", 64)[1]
+    assert planned >= by_rows  # the full-length end is the micro-batch of rows
+    for rows in (64, 65, 80, 100, 128, 180, 248):
+        completion = memory.TRAIN_TOKENS // rows - P
+        for prompts in memory.prompts_per_pass(chosen, rows, "train"):
+            with memory.flash_attention_on_meta():
+                own = memory.train_phase(planner.runs[0].model, rows, chosen, prompts=prompts, completion=completion)
+            assert own <= planned, (rows, completion, prompts, own, planned)

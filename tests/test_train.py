@@ -381,6 +381,10 @@ def test_the_clip_rate_counts_acting_tokens_after_the_first_update(tiny_model_di
         (["--shuffle", "groups", "--updates-per-rollout", "9"], "--updates-per-rollout 9: with --shuffle groups"),
         (["--kv-blocks", "1"], "--kv-blocks"),
         (["--kv-blocks", "-2"], "--kv-blocks"),
+        (
+            ["--micro-batch-tokens", "-5"],
+            r"^train.py: --micro-batch-tokens -5: must be >= 0 \(0 = from the memory plan",
+        ),
         (["--updates-per-rollout", "0"], "^train.py: --updates-per-rollout 0: must be between 1 and the 64 rows"),
         (["--template", "foo"], "^train.py: --template 'foo': expected one of answer, boxed, plain, equation"),
         (["--seed", "-1"], r"^train.py: --seed -1: must be in \[0, 2\^32\)$"),
@@ -486,7 +490,7 @@ def test_a_plan_that_does_not_fit_says_which_phase_and_exits_1(capsys):
     out = capsys.readouterr().out
     last = out.strip().splitlines()[-1]
     assert exit.value.code == 1 and last.startswith("plan: peak") and "of 1.5 GB (does not fit: " in last, out
-    assert "--grad-accum" in last or "--lora-rank" in last
+    assert "--micro-batch-tokens" in last or "--lora-rank" in last  # the default packs its micro-batches
 
 
 def test_one_kv_pool_serves_every_rollout_and_evaluation(tiny_model_dir, tmp_path, monkeypatch):
@@ -722,7 +726,8 @@ def whole_rows(monkeypatch) -> None:
 
 
 def recorded_update(cfg, out, advantages, monkeypatch) -> dict:
-    """policy_update of a fresh float64 model: its metrics, micro-batch losses, gradients and shared passes."""
+    """policy_update of a fresh float64 model: its metrics, micro-batch losses, gradients, shared passes and
+    trained weights after the update."""
     model, _, _, _ = train.build(cfg)
     model.to(torch.float64)
     optimizer, losses, shared_passes = RecordingSGD(lora.parameters(model)), [], []
@@ -740,7 +745,14 @@ def recorded_update(cfg, out, advantages, monkeypatch) -> dict:
     monkeypatch.setattr(train.loss, "policy_loss", recorded_loss)
     monkeypatch.setattr(train, "hidden_shared", counted)
     metrics, _ = train.policy_update(model, optimizer, out, advantages, cfg, step=1)
-    return {"metrics": metrics, "losses": torch.stack(losses), "grads": optimizer.grads, "shared": shared_passes}
+    trained = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    return {
+        "metrics": metrics,
+        "losses": torch.stack(losses),
+        "grads": optimizer.grads,
+        "shared": shared_passes,
+        "weights": trained,
+    }
 
 
 @pytest.mark.parametrize("shuffle", ["rows", "groups"])
