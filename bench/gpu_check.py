@@ -608,13 +608,14 @@ def step_data(work: memory.Workload, hidden: int, device: torch.device) -> list[
 
 def allocator_share(budget_bytes: int) -> tuple[float, int]:
     """(the share of the GPU's memory the caching allocator may reserve for a process to stay within
-    budget_bytes, the bytes this process holds outside the allocator: the CUDA context), measured with the
-    allocator's cache emptied. A process started like this one holds as much outside it."""
+    budget_bytes, all of it for a budget past the GPU's; the bytes this process holds outside the allocator:
+    the CUDA context), measured with the allocator's cache emptied. A process started like this one holds as
+    much outside it."""
     gc.collect()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     outside = total - free - torch.cuda.memory_reserved()
-    return max(0.0, (budget_bytes - outside) / total), outside
+    return min(1.0, max(0.0, (budget_bytes - outside) / total)), outside
 
 
 @contextmanager
