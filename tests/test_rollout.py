@@ -2,8 +2,9 @@
 old_logp against a fresh forward pass, seeding and per-row random streams, the fixed-shape (CUDA)
 loop against the eager one, small pools that preempt, split calls, graphs (a stand-in) reused across
 calls, host syncs and operator counts, top-k/top-p sets, per-row stopping, bad input, and a CPU dry
-run of bench/gpu_check.py."""
+run of bench/gpu_check.py with its bytes model and budget."""
 
+import dataclasses
 import importlib.util
 import io
 import json
@@ -17,6 +18,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import lora
 import rollout
 import sampling
 from conftest import make_tiny_checkpoint
@@ -495,8 +497,9 @@ def bench_gpu_check():
 
 def test_gpu_check_dry_run(tmp_path, capsys):
     """bench/gpu_check.py end to end on a tiny Qwen3 on the CPU, so the script is not what breaks on a GPU: the
-    branches the GPU run takes (graphs, through their stand-in; the anchor's compile warm-up; LoRA adapters),
-    the JSON written after every row, and, in a second run, the budget cut."""
+    branches the GPU run takes (graphs, through their stand-in; the anchor's compile warm-up; LoRA adapters; the
+    presets' plans run at their sizes; train.py as a subprocess), the JSON written after every row, and, in a
+    second run, the budget cut."""
     script = [sys.executable, "bench/gpu_check.py", "--device", "cpu", "--tiny"]
     run = subprocess.run(
         [*script, "--out", str(tmp_path / "full")],
@@ -524,15 +527,89 @@ def test_gpu_check_dry_run(tmp_path, capsys):
     assert {side for side, phase in timed if phase.startswith("train")} == {"ours", "transformers + peft"}
     assert "peak GiB" in run.stdout and "ok (0 runs skipped" in run.stdout
 
-    # the budget cut through the same main() in this process
+    # the roofline: the CPU has no datasheet figure, so the copy's bandwidth stands in
     assert (
-        bench_gpu_check().main(["--device", "cpu", "--tiny", "--out", str(tmp_path / "cut"), "--budget-s", "0.01"]) == 0
+        report["bandwidth"]["copy_gbps"] > 0
+        and report["bandwidth"]["roofline_gbps"] == report["bandwidth"]["copy_gbps"]
     )
+    rows = {row["phase"]: row for row in report["rows"]}
+    roofline = [rows["decode 1 rows x 32 context"], rows["decode 4 rows x 64 context"]]
+    roofline += [row for row in report["rows"] if "forced" in row["phase"] and row["phase"].startswith("rollout")]
+    for row in roofline:
+        assert row["roofline_ms"] == pytest.approx(row["step_bytes"] / (report["bandwidth"]["roofline_gbps"] * 1e6))
+        assert row["of_roofline"] == pytest.approx(row["roofline_ms"] / row["ms_per_step"])
+    # every LoRA preset planned; those with a plan of their own ran it phase by phase, against the plan
+    presets = report["presets"]
+    assert presets["gppo-qwen3-8b-full"] == {"left_out": "full-parameter, planned per rank of 8 (bench/full_step.py)"}
+    ran = {preset for preset, result in presets.items() if "outside_allocator_bytes" in result}
+    planned = {preset for preset, result in presets.items() if "planned_peak_bytes" in result}
+    gpu_check = bench_gpu_check()
+    assert planned == set(gpu_check.presets_to_check()[0]) and ran
+    assert all(presets[p].get("same_plan_as") in ran for p in planned - ran)
+    for preset in ran:
+        runs = [row for row in report["rows"] if row["phase"].startswith(f"{preset}: ")]
+        assert [row.get("plan_phase") for row in runs] == [
+            None,  # the plan
+            "weights",
+            "lora",
+            "pool",
+            "train",
+            "rollout",
+            "eval",
+        ], "fp32 recomputes no old log-probs: no frozen passes"
+        assert all(row["planned_peak_bytes"] > 0 and row["budget_bytes"] == 1.125e9 for row in runs[1:])
+    assert report["train_run"]["exit_status"] == 0 and report["train_run"]["steps"] == 2
+    assert (tmp_path / "full" / "train_run.log").read_text().count("step 2/2") == 1
+
+    # the budget cut through the same main() in this process
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(tmp_path / "cut"), "--budget-s", "0.01"]) == 0
     report = json.loads((tmp_path / "cut" / "gpu_check.json").read_text())
     statuses = [row["status"] for row in report["rows"]]
-    # whether the first row (the build) starts within 0.01 s depends on the machine; what follows never fits
+    # whether the first row (the bandwidth) starts within 0.01 s depends on the machine; what follows never fits
     assert statuses[-1].startswith("skipped: budget") and "runs skipped for the budget" in capsys.readouterr().out
     assert all(s.startswith("skipped: budget") for s in statuses[1:]), statuses
+
+
+def test_gpu_check_decode_bytes_against_a_hand_count_and_the_tensors_a_step_reads():
+    """decode_step_bytes, part by part, against a count by hand for the tiny Qwen3 and against the tensors a
+    decode step reads, on meta: the model's weights (lm_head once, the embedding's rows), the decode weights'
+    q/k norms and adapters (B over all of its group's outputs), the pool's slots, tied and untied."""
+    from engine.decode_weights import DecodeWeights
+    from engine.kv_cache import KVPool
+    from model import ModelConfig, Transformer
+
+    gpu_check = bench_gpu_check()
+    cfg = ModelConfig.from_hf({**gpu_check.QWEN3_COMMON, **gpu_check.QWEN3_TINY["Qwen3-tiny"]})
+    got = gpu_check.decode_step_bytes(cfg, rows=3, context=32, dtype=torch.bfloat16, lora_rank=2)
+    # hidden 64, intermediate 128, 2 layers, 4 heads and 2 kv heads of 16, vocabulary 512; 2 bytes an element
+    layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 2 * 64 * 128 + 128 * 64  # q; k, v; o; gate, up; down
+    layer += 2 * 64 + (4 + 2) * 16  # the two RMSNorms; q_norm per query head and k_norm per kv head
+    assert got["weights"] == 2 * (2 * layer + 64 + 512 * 64 + 3 * 64)  # final norm, lm_head, 3 rows' embeddings
+    # A [in, r per adapter] and B [r per adapter, the group's outputs]: qkv, o, gate + up, down
+    adapters = (64 * 6 + 6 * 128) + (64 * 2 + 2 * 64) + (64 * 4 + 4 * 256) + (128 * 2 + 2 * 64)
+    assert got["adapters"] == 2 * 2 * adapters
+    token = 2 * 2 * 2 * 16  # a token's keys and values: layers x (k, v) x kv heads x head_dim
+    assert got["kv_read"] == 2 * 3 * 32 * token and got["kv_write"] == 2 * 3 * token
+    assert got["logits"] == 2 * 3 * 512
+
+    for tied, targets in ((True, lora.DEFAULT_TARGETS), (False, ("q_proj", "v_proj"))):
+        shape = dataclasses.replace(cfg, tie_word_embeddings=tied)
+        with torch.device("meta"):
+            model = Transformer(shape).to(torch.bfloat16)
+        lora.inject(model, 2, 4.0, targets)
+        weights = DecodeWeights(model)
+        base = [
+            p
+            for name, p in model.named_parameters()
+            if ".lora_" not in name and not name.endswith(("q_norm.weight", "k_norm.weight"))
+        ]
+        read = sum(p.nbytes for p in base) + sum(t.nbytes for t in weights.qk_norms) + 3 * 64 * 2
+        read -= 0 if tied else model.model.embed_tokens.weight.nbytes  # untied: only the rows' embeddings
+        got = gpu_check.decode_step_bytes(shape, 3, 32, torch.bfloat16, 2, targets)
+        assert got["weights"] == read, tied
+        assert got["adapters"] == sum(g.A.nbytes + g.B.nbytes for g in weights.groups if g.A is not None), targets
+        slot = KVPool.block_bytes(shape, 16, torch.bfloat16) // 16
+        assert (got["kv_read"], got["kv_write"], got["logits"]) == (3 * 32 * slot, 3 * slot, 3 * 512 * 2)
 
 
 def test_gpu_check_budget_skips_what_cannot_end_in_time_on_a_fake_clock(tmp_path, monkeypatch):
@@ -561,6 +638,74 @@ def test_gpu_check_budget_skips_what_cannot_end_in_time_on_a_fake_clock(tmp_path
     assert now[0] == 61 and not check.failed
     rows = json.loads((tmp_path / "check.json").read_text())["rows"]
     assert len(rows) == 5 and all("peak_reserved_bytes" in row for row in rows)
+
+
+def test_gpu_check_budget_of_the_new_kinds_on_a_fake_clock(tmp_path, monkeypatch):
+    """The new kinds within the check's budget, on a clock that stands still unless a run moves it: a plan and the
+    train.py run need their first estimates (PLAN_S, TRAIN_RUN_S) left, or they never start; a preset whose phase is
+    skipped runs none after it; decode steps are estimated by the bytes they move, so after a first shape's rate a
+    larger one may be skipped where a smaller one still runs."""
+    gpu_check = bench_gpu_check()
+    now = [0.0]
+    check = gpu_check.Check(torch.device("cpu"), {}, tmp_path / "check.json", budget_s=100, clock=lambda: now[0])
+
+    def never(*args, **kwargs):
+        raise AssertionError("started without the budget for it")
+
+    monkeypatch.setattr(gpu_check, "plan_preset", never)
+    monkeypatch.setattr(gpu_check, "train_run", never)
+    now[0] = 101 - gpu_check.PLAN_S  # a second short of a first plan's estimate
+    assert gpu_check.check_presets(check, {"atr-grpo-qwen3-1.7b": "Qwen3-1.7B"}, tiny=True) == {}
+    assert gpu_check.check_train_run(check, tmp_path, tiny=True) is None and gpu_check.TRAIN_RUN_S > 100
+    assert [row["status"].split(":")[0] for row in check.rows] == ["skipped", "skipped"]
+
+    # the weights phase takes all the budget left: the phases after it are not started
+    hf, ours = gpu_check.bench_rollout.build_qwen3("Qwen3-tiny", "cpu")
+    work = gpu_check.memory.Workload(dtype=torch.float32, lora_rank=2, max_new_tokens=8, prompt_len=8, pool_blocks=4)
+    plan = gpu_check.PresetPlan(work, dict.fromkeys(gpu_check.memory.phase_sizes(work), 1), 10**9)
+
+    def slow_model(*args):
+        now[0] = 100.5
+        return ours
+
+    monkeypatch.setattr(gpu_check, "random_model", slow_model)
+    check.rows.clear()
+    now[0] = 0.0
+    gpu_check.check_preset(check, "Qwen3-tiny", "p", ours.config, plan)
+    assert [(row.get("plan_phase"), row["status"].split(":")[0]) for row in check.rows] == [
+        ("weights", "ok"),
+        (None, "skipped"),
+    ]
+
+    # decode: a first timed shape sets the rate; the budget left holds the smaller shape's bytes, not the larger's
+    gpu_check.with_adapters(ours)
+    small, large = (
+        sum(gpu_check.decode_step_bytes(ours.config, rows, context, ours.dtype, gpu_check.bench_model.RANK).values())
+        for rows, context in gpu_check.DECODE_SHAPES_TINY
+    )
+    assert large > small
+
+    def ticking() -> float:  # a microsecond a reading, so that real runs take some time
+        now[0] += 1e-6
+        return now[0]
+
+    now[0] = 0.0
+    check = gpu_check.Check(torch.device("cpu"), {}, tmp_path / "decode.json", budget_s=100, clock=ticking)
+
+    def one_second():
+        now[0] += 1.0
+
+    check.run("Qwen3-tiny", "a first decode", "ours", one_second, work=small * 3, kind="Qwen3-tiny decode")
+    now[0] = 100 - (1 + large / small) / 2  # more than the small shape's second, less than the large one's
+    gpu_check.check_decode(check, "Qwen3-tiny", ours, tiny=True)
+    statuses = {row["phase"]: row["status"].split(":")[0] for row in check.rows[1:]}
+    assert statuses == {
+        "decode: pool of 17 blocks": "ok",
+        "decode 1 rows x 32 context: capture": "ok",
+        "decode 1 rows x 32 context": "ok",
+        "decode 4 rows x 64 context: capture": "ok",
+        "decode 4 rows x 64 context": "skipped",
+    }
 
 
 def test_the_command_line_samples_a_prompt_and_grades_it(tiny_model_dir, monkeypatch, capsys):
