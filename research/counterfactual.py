@@ -604,12 +604,10 @@ def main(argv: list[str] | None = None) -> None:
         "seconds": time.time() - started,
     }
     (args.out / "results.json").write_text(json.dumps(strict_json(_plain(results)), indent=1, allow_nan=False) + "\n")
-    subprocess.run(
-        [sys.executable, "-m", "research.plot", "--counterfactual", str(args.out), "--out", str(args.out / "figures")],
-        check=True,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-    )
+    from research import plot  # matplotlib loads only when the figures are drawn
+
+    (args.out / "figures").mkdir(exist_ok=True)
+    plot.plot_counterfactual(plot.load_counterfactual(args.out), args.out / "figures")
     print(table + f"\n{args.out}: table.md, results.json, figures/, rollouts/, pilot/ ({time.time() - started:.0f} s)")
 
 

@@ -764,14 +764,13 @@ def run_grid(args: argparse.Namespace) -> tuple[dict[str, dict[int, dict]], dict
 
 def plot(out: Path, arms: list[str], seeds: int) -> None:
     """plot.py's figures, one folder per seed, the arms overlaid (the same prompts for each)."""
+    from research import plot as plots  # matplotlib loads only when the figures are drawn
+
     for seed in range(seeds):
-        runs = [str(out / "runs" / f"{arm}-s{seed}") for arm in arms]
-        subprocess.run(
-            [sys.executable, "-m", "research.plot", *runs, "--out", str(out / "figures" / f"seed-{seed}")],
-            check=True,
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-        )
+        paths = [out / "runs" / f"{arm}-s{seed}" for arm in arms]
+        runs = [plots.load_run(path, name) for path, name in zip(paths, plots.run_names(paths))]
+        (out / "figures" / f"seed-{seed}").mkdir(parents=True, exist_ok=True)
+        plots.plot_runs(runs, out / "figures" / f"seed-{seed}", smooth=1)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
