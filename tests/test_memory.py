@@ -452,6 +452,15 @@ def test_the_plan_counts_the_rollouts_dynamic_sampling_holds():
     per_rollout = ATR.step_rows * ((ATR.prompt_len + ATR.max_new_tokens) * 9 + ATR.max_new_tokens * (8 + 4 + 1))
     assert grown >= 2 * per_rollout
     assert oversampled.peak("train", 4) == planner.peak("train", 4)  # the step trains on prompts_per_step groups
+    # dealing the kept groups out to the ranks after the last call holds 3 rollouts (the last call's, the copy one
+    # call sends and what arrived, or what arrived and the step joined from it): more than the sampler's own
+    # peak when 256 prompts are sampled one at a time
+    many = dataclasses.replace(ATR, prompts_per_step=256)
+    rollout = many.step_rows * ((many.prompt_len + many.max_new_tokens) * 9 + many.max_new_tokens * (8 + 4 + 1))
+    sampled, dealt = (
+        memory.Planner(cfg, dataclasses.replace(many, sampler_calls=calls)).measure("rollout", 1)[1] for calls in (1, 3)
+    )
+    assert dealt >= 3 * rollout > sampled
     dapo = config.parse_args(["--preset", "atr-grpo-qwen3-1.7b", "--dynamic-sampling", "3"])[0]
     assert sizes.workload(dapo).sampler_calls == 3
     entropy_only = config.parse_args(["--preset", "atr-grpo-qwen3-1.7b", "--top-entropy-quantile", "0.2"])[0]
