@@ -419,7 +419,7 @@ def policy_update(
     """
     world = world or distributed.SOLO
     frozen = frozen_inputs(model, out, cfg, reference)  # what the loss needs of the policy before it moves
-    mismatch = sampler_mismatch(model, out, frozen, cfg)
+    mismatch = sampler_mismatch(model, out, frozen, cfg, world)
     advantages = advantages.to(out.old_logp.device)
     records = [] if keep_records else None
     model.train()
@@ -584,16 +584,19 @@ def frozen_inputs(model, out: rollout.Rollout, cfg: Config, reference=None) -> d
     return {"old_logp": out.old_logp, **results, **sampler}
 
 
-def sampler_mismatch(model, out: rollout.Rollout, frozen: dict[str, torch.Tensor], cfg: Config) -> dict[str, float]:
+def sampler_mismatch(
+    model, out: rollout.Rollout, frozen: dict[str, torch.Tensor], cfg: Config, world: distributed.World | None = None
+) -> dict[str, float]:
     """loss.mismatch of the sampler's old log-probs against the training pass's, of the same tokens, before the
     policy moves. With the old log-probs recomputed it reads them (free); otherwise it runs the training pass,
     without gradient and in eval mode, on the first prompt group of the first micro-batch's worth of rows (at
     most 1 / (updates_per_rollout x grad_accum) of the step's rows): a monitor, not an estimate over the step,
-    which costs the forward of one group rather than a share of every step's time. mismatch/rows says how many
-    rows it is over."""
-    N = len(out.completion_mask)
+    which costs the forward of one group rather than a share of every step's time. With several processes each
+    rank measures its own rows so, and the figures are those of every rank's tokens (ranks_mismatch);
+    mismatch/rows says how many rows they are over."""
     if frozen["old_logp"] is not out.old_logp:
-        return loss.mismatch(out.old_logp, frozen["old_logp"], out.completion_mask) | {"mismatch/rows": N}
+        return ranks_mismatch(out.old_logp, frozen["old_logp"], out.completion_mask, world)
+    N = len(out.completion_mask)
     first = torch.arange(N, device=out.completion_mask.device).chunk(cfg.updates_per_rollout * max(1, cfg.grad_accum))[
         0
     ]
@@ -602,8 +605,26 @@ def sampler_mismatch(model, out: rollout.Rollout, frozen: dict[str, torch.Tensor
     with torch.no_grad():
         h, ids, start, c = policy_states(model, out, rows, cfg.group_size)
         trainer_logp = model.hidden_logprobs(h, ids, start=start, temperature=cfg.temperature)[0]  # [rows, c]
-    stats = loss.mismatch(out.old_logp[rows, :c], trainer_logp, out.completion_mask[rows, :c])
-    return stats | {"mismatch/rows": len(rows)}
+    return ranks_mismatch(out.old_logp[rows, :c], trainer_logp, out.completion_mask[rows, :c], world)
+
+
+def ranks_mismatch(
+    sampler_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: torch.Tensor, world: distributed.World | None = None
+) -> dict[str, float]:
+    """loss.mismatch over the masked tokens [rows, c] of every rank's rows: the means (|d log p|, k3, the share
+    outside [0.5, 2]) weighted by each rank's tokens, the largest of the ranks' maxima, and mismatch/rows, the
+    rows of every rank."""
+    world = world or distributed.SOLO
+    stats = loss.mismatch(sampler_logp, trainer_logp, mask)
+    tokens = float(mask.sum())
+    means = [key for key in stats if key != "mismatch/abs_max"]
+    # [tokens, rows, tokens x each mean], summed over the ranks: one collective
+    sums = world.sum(torch.tensor([tokens, len(mask), *(tokens * stats[key] for key in means)], dtype=torch.float64))
+    largest = world.max(torch.tensor([stats["mismatch/abs_max"]], dtype=torch.float64))
+    weighted = dict(zip(means, (sums[2:] / sums[0]).tolist()))
+    return {key: float(largest[0]) if key == "mismatch/abs_max" else weighted[key] for key in stats} | {
+        "mismatch/rows": int(sums[1])
+    }
 
 
 def shuffled_minibatches(rows: int, cfg: Config, step: int) -> list[torch.Tensor]:

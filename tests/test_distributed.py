@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import config
+import loss
 import train
 from conftest import RecordingSGD, assert_equal_to
 from engine import sizes
@@ -225,11 +226,9 @@ def test_two_ranks_take_the_step_of_one_process(two_rank_steps, tiny_model_dir, 
         assert expected.abs().max() > 1e-3  # a real gradient
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-9)
     assert ranks["record"].keys() == single["record"].keys()
-    for key, expected in single["record"].items():
-        if not key.startswith(
-            "mismatch/"
-        ):  # mismatch/*: a diagnostic over a sample of each rank's rows, not part of the update
-            assert ranks["record"][key] == pytest.approx(expected, rel=1e-5, abs=1e-8), key
+    for key, expected in single["record"].items():  # mismatch/* too: float64 recomputes every row's old log-probs
+        assert ranks["record"][key] == pytest.approx(expected, rel=1e-5, abs=1e-8), key
+    assert single["record"]["mismatch/rows"] == 16, "the mismatch is over both ranks' rows"
     assert single["record"]["ratio_max"] > 1 + 1e-6, "the second update saw moved weights"
 
 
@@ -336,8 +335,43 @@ def test_dynamic_sampling_on_two_ranks_keeps_and_trains_the_groups_of_one_proces
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-9)
     assert ranks["record"].keys() == single["record"].keys()
     for key, expected in single["record"].items():
-        if not key.startswith("mismatch/"):  # mismatch/*: each rank's own rows, not part of the update
-            assert ranks["record"][key] == pytest.approx(expected, rel=1e-5, abs=1e-8), key
+        assert ranks["record"][key] == pytest.approx(expected, rel=1e-5, abs=1e-8), key
+
+
+# ----------------------------------------------------------------------------- the mismatch over two ranks
+
+
+def mismatch_inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A rank's sampler and trainer log-probs [rows, 6] and mask: 3 rows on rank 0, 5 on rank 1, some tokens
+    masked, some ratios outside [0.5, 2]."""
+    generator = torch.Generator().manual_seed(rank)
+    rows = 3 + 2 * rank
+    sampler = -3 * torch.rand(rows, 6, generator=generator, dtype=torch.float64)
+    trainer = sampler + (0.3 + 0.5 * rank) * torch.randn(rows, 6, generator=generator, dtype=torch.float64)
+    mask = torch.rand(rows, 6, generator=generator) < 0.7
+    mask[:, 0] = True
+    return sampler, trainer, mask
+
+
+def mismatch_stats_worker(rank, out_dir):
+    with distributed.joined(torch.device("cpu"), 60) as world:
+        stats = train.ranks_mismatch(*mismatch_inputs(rank), world)
+    torch.save(stats, Path(out_dir, f"rank{rank}.pt"))
+
+
+def test_the_mismatch_of_two_ranks_is_that_of_their_tokens_together(tmp_path):
+    """Each rank's figures, reduced across the ranks, are loss.mismatch over both ranks' tokens at once (their
+    token counts differ, so a plain mean of the two would not be), and the rows add up."""
+    assert run_ranks(mismatch_stats_worker, 2, tmp_path) == [0, 0]
+    parts = [mismatch_inputs(rank) for rank in range(2)]
+    together = loss.mismatch(*(torch.cat(tensors) for tensors in zip(*parts)))
+    own = [loss.mismatch(*part) for part in parts]
+    assert own[0]["mismatch/abs_mean"] != pytest.approx(own[1]["mismatch/abs_mean"], rel=0.1)
+    assert together["mismatch/out_frac"] > 0
+    for rank in range(2):
+        reduced = torch.load(tmp_path / f"rank{rank}.pt")
+        assert reduced == pytest.approx(together | {"mismatch/rows": 8}, rel=1e-12)
+        assert reduced["mismatch/abs_max"] == max(stats["mismatch/abs_max"] for stats in own)
 
 
 def run_worker(rank, argv):
