@@ -110,6 +110,19 @@ _QWEN3 = dict(
     bos_token_id=151643,
     eos_token_id=151645,
 )
+_QWEN25 = dict(
+    model_type="qwen2",
+    vocab_size=152064,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=1e6,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=131072,
+    tie_word_embeddings=False,
+    qkv_bias=True,
+    bos_token_id=151643,
+    eos_token_id=151643,
+)
 KNOWN_CONFIGS: dict[str, ModelConfig] = {
     "Qwen/Qwen3-1.7B": ModelConfig(
         **_QWEN3,
@@ -137,6 +150,16 @@ KNOWN_CONFIGS: dict[str, ModelConfig] = {
         num_heads=32,
         max_position_embeddings=32768,
         tie_word_embeddings=False,
+    ),
+    # DAPO's model and its smaller siblings (qwen2: biased q, k, v; no q/k norm): the dapo preset's plan
+    "Qwen/Qwen2.5-32B": ModelConfig(**_QWEN25, hidden_size=5120, intermediate_size=27648, num_layers=64, num_heads=40),
+    "Qwen/Qwen2.5-14B": ModelConfig(**_QWEN25, hidden_size=5120, intermediate_size=13824, num_layers=48, num_heads=40),
+    "Qwen/Qwen2.5-7B": ModelConfig(
+        **{**_QWEN25, "num_kv_heads": 4, "rms_norm_eps": 1e-6},
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_layers=28,
+        num_heads=28,
     ),
 }
 
