@@ -173,7 +173,7 @@ def dealt(
     split. Each call's kept groups go from the rank that sampled them to the rank that trains them (moved)."""
     n, G = cfg.prompts_per_step, cfg.group_size
     share = n // world.size
-    sampled_by, trained_by = kept % n // share, torch.arange(n) // share  # [n] each: a rank
+    sampled_by, trained_by = kept % n // share, torch.arange(n, device="cpu") // share  # [n] each: a rank
     arrivals, origin = [], {}  # per call, the groups sent here; a kept group's place here -> (call, its index)
     for call, (out, scores) in enumerate(calls):
         sent = (kept // n == call) & (sampled_by == world.rank)  # in step order: by the rank that trains them
@@ -185,7 +185,7 @@ def dealt(
         origin |= {place - world.rank * share: (call, index) for index, place in enumerate(here.tolist())}
     parts = []  # runs of consecutive groups of one call's arrivals, as their rows
     for call, index in (origin[place] for place in range(share)):
-        rows = torch.arange(index * G, (index + 1) * G)
+        rows = torch.arange(index * G, (index + 1) * G, device="cpu")
         if parts and parts[-1][0] == call:
             parts[-1] = (call, torch.cat([parts[-1][1], rows]))
         else:
@@ -221,7 +221,7 @@ def moved(
     sent here, receive[r] from rank r in rank order, padded to the widest prompt and completion of this call on
     any rank (the all-to-all moves rows of one width)."""
     G = cfg.group_size
-    rows = (groups[:, None] * G + torch.arange(G)).flatten().to(out.old_logp.device)  # [groups * G]
+    rows = (groups[:, None] * G + torch.arange(G, device="cpu")).flatten().to(out.old_logp.device)  # [groups * G]
     P, C = world.max(torch.tensor([out.prompt_len, out.completion_mask.shape[1]], device="cpu")).tolist()
     sent = rollout.joined([(out, rows)], (P, C))
 
@@ -619,8 +619,9 @@ def ranks_mismatch(
     tokens = float(mask.sum())
     means = [key for key in stats if key != "mismatch/abs_max"]
     # [tokens, rows, tokens x each mean], summed over the ranks: one collective
-    sums = world.sum(torch.tensor([tokens, len(mask), *(tokens * stats[key] for key in means)], dtype=torch.float64))
-    largest = world.max(torch.tensor([stats["mismatch/abs_max"]], dtype=torch.float64))
+    sums = torch.tensor([tokens, len(mask), *(tokens * stats[key] for key in means)], dtype=torch.float64, device="cpu")
+    sums = world.sum(sums)
+    largest = world.max(torch.tensor([stats["mismatch/abs_max"]], dtype=torch.float64, device="cpu"))
     weighted = dict(zip(means, (sums[2:] / sums[0]).tolist()))
     return {key: float(largest[0]) if key == "mismatch/abs_max" else weighted[key] for key in stats} | {
         "mismatch/rows": int(sums[1])
