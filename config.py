@@ -94,7 +94,7 @@ class Config:
         0,
         "DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476; verl's filter_groups): up to N sampler calls "
         "a step, each on --prompts-per-step new prompts, until the step holds --prompts-per-step groups whose "
-        "rewards differ (one process only); 0 = off, one call",
+        "rewards differ (under torchrun, the groups one process keeps); 0 = off, one call",
     )
     overlong: str = opt(
         "off",
@@ -438,10 +438,6 @@ def _checks(cfg: Config, need_device: bool):
     yield cfg.prompts_per_step >= 1, f"--prompts-per-step {cfg.prompts_per_step}: must be >= 1"
     yield cfg.max_new_tokens >= 1, f"--max-new-tokens {cfg.max_new_tokens}: must be >= 1"
     yield cfg.dynamic_sampling >= 0, f"--dynamic-sampling {cfg.dynamic_sampling}: must be >= 0 (0 = off)"
-    yield (
-        cfg.dynamic_sampling == 0 or processes == 1,
-        f"--dynamic-sampling {cfg.dynamic_sampling}: filters the groups of one process; run it without torchrun",
-    )
     yield (
         overlong_cache(cfg.overlong, cfg.max_new_tokens) is not None or cfg.overlong in ("off", "mask"),
         f"--overlong {cfg.overlong}: expected off, mask or penalty:L with 1 <= L <= --max-new-tokens "

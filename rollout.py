@@ -22,6 +22,7 @@ bf16 on a GPU) and in eval mode (no dropout). docs/engine.md describes it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -133,17 +134,26 @@ def generate(
         input_ids=torch.cat([prompt_ids.repeat_interleave(G, dim=0), completion_ids], dim=1),
         pad_mask=torch.cat([prompt_mask.repeat_interleave(G, dim=0), completion_mask], dim=1),
         prompt_len=P,
-        texts=tokenizer.batch_decode(completions, skip_special_tokens=True) if tokenizer is not None else None,
+        texts=decoded(tokenizer, completions),
         stats=stats,
     )
 
 
-def joined(parts: list[tuple[Rollout, torch.Tensor]]) -> Rollout:
+def decoded(tokenizer, completions: list[list[int]]) -> list[str] | None:
+    """The completions as text, special tokens skipped (None without a tokenizer)."""
+    return tokenizer.batch_decode(completions, skip_special_tokens=True) if tokenizer is not None else None
+
+
+ROW_TENSORS = ("old_logp", "completion_ids", "completion_mask", "finished", "truncated", "input_ids", "pad_mask")
+
+
+def joined(parts: list[tuple[Rollout, torch.Tensor]], widths: tuple[int, int] | None = None) -> Rollout:
     """Some rows of several rollouts as one: (rollout, row indices) pairs, the rows in that order. Prompts are
-    left-padded and completions right-padded to the widest part, so every row's tokens, masks and log-probs are
-    its own rollout's; the stats add up. Dynamic sampling keeps the groups of several sampler calls this way."""
-    P = max(out.prompt_len for out, _ in parts)
-    C = max(out.completion_mask.shape[1] for out, _ in parts)
+    left-padded and completions right-padded to the widest part (or to widths, (P, C), when wider), so every
+    row's tokens, masks and log-probs are its own rollout's; the stats of the rollouts add up. Dynamic sampling
+    keeps the groups of several sampler calls this way."""
+    P = max(widths[0] if widths else 0, *(out.prompt_len for out, _ in parts))
+    C = max(widths[1] if widths else 0, *(out.completion_mask.shape[1] for out, _ in parts))
 
     def padded(out: Rollout, rows: torch.Tensor, name: str, value) -> torch.Tensor:
         tensor = getattr(out, name)[rows]  # [n, C_part] or [n, P_part + C_part]
@@ -156,12 +166,6 @@ def joined(parts: list[tuple[Rollout, torch.Tensor]]) -> Rollout:
     def cat(name: str, value) -> torch.Tensor:
         return torch.cat([padded(out, rows, name, value) for out, rows in parts])
 
-    stats = SamplerStats()
-    for out, _ in parts:
-        for name, count in vars(out.stats).items():
-            setattr(
-                stats, name, max(getattr(stats, name), count) if name == "rows_max" else getattr(stats, name) + count
-            )
     picked = [(out, rows.tolist()) for out, rows in parts]
     return Rollout(
         completions=[out.completions[i] for out, rows in picked for i in rows],
@@ -174,8 +178,18 @@ def joined(parts: list[tuple[Rollout, torch.Tensor]]) -> Rollout:
         pad_mask=cat("pad_mask", False),
         prompt_len=P,
         texts=None if parts[0][0].texts is None else [out.texts[i] for out, rows in picked for i in rows],
-        stats=stats,
+        stats=sum({id(out): out.stats for out, _ in parts}.values(), SamplerStats()),  # each rollout's once
     )
+
+
+def rows_moved(out: Rollout, move: Callable[[torch.Tensor], torch.Tensor], tokenizer=None) -> Rollout:
+    """The rollout whose row tensors (ROW_TENSORS) are move(tensor) of out's, each [N, ...] to [M, ...]: rows
+    picked, reordered or sent between processes. Its completions are read back from the ids and mask, its texts
+    decoded again with tokenizer (generate's texts), and its stats are empty: no sampler call made these rows."""
+    tensors = {name: move(getattr(out, name)) for name in ROW_TENSORS}
+    lengths = tensors["completion_mask"].sum(1).tolist()  # a row's tokens are a prefix of its columns
+    completions = [row[:n] for row, n in zip(tensors["completion_ids"].tolist(), lengths)]
+    return Rollout(completions=completions, **tensors, prompt_len=out.prompt_len, texts=decoded(tokenizer, completions))
 
 
 def _check_args(

@@ -26,6 +26,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
@@ -50,6 +51,7 @@ from data import load_problems, opens_thought, render_prompt, stop_ids, thinking
 from engine import memory, sizes
 from engine.packing import token_budget_micro_batches
 from engine.pool import sampling_policy
+from engine.scheduler import SamplerStats
 from engine.shared_prompts import hidden_shared
 from grading import sandbox, scoring
 from infra import distributed, fsdp, rundir, weights
@@ -69,6 +71,11 @@ class Scores(NamedTuple):
     by_function: dict[str, torch.Tensor]  # {name: [N]} each reward function's values, when there are several
     code: torch.Tensor  # [N, 2 + reasons] is it a code problem, the share of its tests passed, why it failed
 
+    def mapped(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Scores:
+        """The grades with fn applied to each tensor, [N, ...] to [M, ...]: rows picked or sent between ranks."""
+        by_function = {name: fn(values) for name, values in self.by_function.items()}
+        return Scores(fn(self.reward), fn(self.correct), by_function, fn(self.code))
+
 
 def train_step(
     model,
@@ -86,17 +93,17 @@ def train_step(
     --log-tokens).
 
     With several processes (world), `problems` is the whole step's, the same on every rank; each rank samples
-    and trains on its slice of whole prompts, and the advantages and metrics are the whole step's.
+    and trains on its slice of whole prompts (under dynamic sampling, its slice of each call's prompts and its
+    share of the groups kept: dynamic_sample), and the advantages and metrics are the whole step's.
     reference is a full run's frozen reference policy (see build).
     """
     world = world or distributed.SOLO
     watch = Stopwatch()
     open_thought = opens_thought(tokenizer, cfg.thinking == "on")
-    if cfg.dynamic_sampling:  # one process (config.validate): every group is this rank's
-        out, scores, sampled = dynamic_sample(model, tokenizer, problems, cfg, step, open_thought, watch, pool)
-        mine = slice(0, cfg.prompts_per_step)
+    mine = world.prompts(cfg.prompts_per_step)  # this rank's groups of the step, whole prompts
+    if cfg.dynamic_sampling:
+        out, scores, sampled = dynamic_sample(model, tokenizer, problems, cfg, step, open_thought, watch, world, pool)
     else:
-        mine = world.prompts(len(problems))  # this rank's prompts, whole groups
         out = sample(model, tokenizer, problems[mine], cfg, step, first_prompt=mine.start, pool=pool)
         watch.lap("rollout")
         scores, sampled = score(out, problems[mine], cfg, step, open_thought), {}
@@ -118,51 +125,111 @@ def dynamic_sample(
     step: int,
     open_thought: bool,
     watch: Stopwatch,
+    world: distributed.World | None = None,
     pool: rollout.Pool | None = None,
 ) -> tuple[rollout.Rollout, Scores, dict]:
     """DAPO's dynamic sampling: sampler calls on successive slices of prompts_per_step problems (call k's
     prompts are the step's prompts k*n .., so each draws from its own random streams and a run repeats), until
-    n = prompts_per_step groups have rewards that differ or dynamic_sampling calls are spent. Returns the
-    step's n groups as one rollout, with their scores: the groups whose rewards differ in the order sampled,
-    then, when too few did, equal-reward groups of the first calls (zero advantage) to keep the step's size;
-    and the counts logged (dynamic/groups_sampled, dynamic/groups_kept, dynamic/calls)."""
+    n = prompts_per_step groups have rewards that differ or dynamic_sampling calls are spent. The step keeps n
+    groups: those whose rewards differ in the order sampled, then, when too few did, equal-reward groups of the
+    first calls (zero advantage) to keep the step's size. Returns this rank's share of them as one rollout, with
+    their scores, and the counts logged (dynamic/groups_sampled, dynamic/groups_kept, dynamic/calls).
+
+    With several processes each call's prompts are split as a plain step's are: rank r of W samples call k's
+    prompts k*n + r*n/W .. k*n + (r+1)*n/W - 1, so the call's groups in rank order are one process's in its
+    order. After each call the ranks gather every group's "rewards differ" flag, and each rank takes the same
+    decisions from the same flags: every rank makes the same calls and keeps the same groups in the same order,
+    those one process with the same seed keeps. The kept groups are then dealt out as a plain step's prompts
+    are (dealt), so the advantages, the mini-batches and the update are one process's too, and the counts are
+    the step's."""
+    world = world or distributed.SOLO
     n, G = cfg.prompts_per_step, cfg.group_size
-    varied, equal, calls = [], [], []  # (call, group) in sampling order; calls: (rollout, scores) per call
+    mine = world.prompts(n)  # this rank's prompts of each call
+    calls, differ = [], []  # this rank's (rollout, scores) per call; per call [n] bool over every rank's groups
     for call in range(cfg.dynamic_sampling):
-        batch = problems[call * n : (call + 1) * n]
-        out = sample(model, tokenizer, batch, cfg, step, first_prompt=call * n, pool=pool)
+        first = call * n + mine.start
+        batch = problems[first : call * n + mine.stop]
+        out = sample(model, tokenizer, batch, cfg, step, first_prompt=first, pool=pool)
         watch.lap("rollout")
         scores = score(out, batch, cfg, step, open_thought)
         watch.lap("reward")
         calls.append((out, scores))
-        groups = scores.reward.view(-1, G)  # [n, G]
-        differ = (groups.amax(1) != groups.amin(1)).tolist()
-        varied += [(call, g) for g in range(n) if differ[g]]
-        equal += [(call, g) for g in range(n) if not differ[g]]
-        if len(varied) >= n:
+        groups = scores.reward.view(-1, G)  # [n / W, G]
+        differ.append(world.cat(groups.amax(1) != groups.amin(1)).cpu())  # [n]: the call's groups in step order
+        if int(torch.cat(differ).sum()) >= n:
             break
-    chosen = (varied + equal)[:n]
-    parts = []  # runs of consecutive groups of one call, as that call's rows
-    for call, group in chosen:
-        rows = torch.arange(group * G, (group + 1) * G)
+    flags = torch.cat(differ)  # [calls * n]: group g of call k at k * n + g, the same on every rank
+    kept = torch.cat([flags.nonzero()[:, 0], (~flags).nonzero()[:, 0]])[:n]  # [n] the step's groups, in order
+    out, scores = dealt(calls, kept, cfg, world, tokenizer)
+    watch.lap("rollout")
+    counts = {"dynamic/groups_sampled": len(flags), "dynamic/groups_kept": min(n, int(flags.sum()))}
+    return out, scores, counts | {"dynamic/calls": len(calls)}
+
+
+def dealt(
+    calls: list[tuple[rollout.Rollout, Scores]], kept: torch.Tensor, cfg: Config, world: distributed.World, tokenizer
+) -> tuple[rollout.Rollout, Scores]:
+    """This rank's share of the step's kept groups, as one rollout and its scores. kept: [n] the groups in the
+    step's order, k * n + g for group g of call k; rank r of W trains kept[r*n/W : (r+1)*n/W], a plain step's
+    split. Each call's kept groups go from the rank that sampled them to the rank that trains them (moved)."""
+    n, G = cfg.prompts_per_step, cfg.group_size
+    share = n // world.size
+    sampled_by, trained_by = kept % n // share, torch.arange(n, device="cpu") // share  # [n] each: a rank
+    arrivals, origin = [], {}  # per call, the groups sent here; a kept group's place here -> (call, its index)
+    for call, (out, scores) in enumerate(calls):
+        sent = (kept // n == call) & (sampled_by == world.rank)  # in step order: by the rank that trains them
+        here = ((kept // n == call) & (trained_by == world.rank)).nonzero()[:, 0]
+        send = (torch.bincount(trained_by[sent], minlength=world.size) * G).tolist()
+        receive = (torch.bincount(sampled_by[here], minlength=world.size) * G).tolist()
+        arrivals.append(moved(out, scores, kept[sent] % n - world.rank * share, send, receive, cfg, world, tokenizer))
+        here = here[torch.sort(sampled_by[here], stable=True).indices]  # as they arrive: by sender, then in order
+        origin |= {place - world.rank * share: (call, index) for index, place in enumerate(here.tolist())}
+    parts = []  # runs of consecutive groups of one call's arrivals, as their rows
+    for call, index in (origin[place] for place in range(share)):
+        rows = torch.arange(index * G, (index + 1) * G, device="cpu")
         if parts and parts[-1][0] == call:
             parts[-1] = (call, torch.cat([parts[-1][1], rows]))
         else:
             parts.append((call, rows))
-    out = rollout.joined([(calls[call][0], rows) for call, rows in parts])
+    out = rollout.joined([(arrivals[call][0], rows) for call, rows in parts])
+    out.stats = sum((sampled.stats for sampled, _ in calls), SamplerStats())  # the sampler calls this rank made
 
     def rows_of(pick) -> torch.Tensor:
-        return torch.cat([pick(calls[call][1])[rows.to(calls[call][1].reward.device)] for call, rows in parts])
+        return torch.cat([pick(arrivals[call][1])[rows.to(out.old_logp.device)] for call, rows in parts])
 
-    first = calls[0][1]
+    first = arrivals[0][1]
     scores = Scores(
         rows_of(lambda s: s.reward),
         rows_of(lambda s: s.correct),
         {name: rows_of(lambda s, name=name: s.by_function[name]) for name in first.by_function},
         rows_of(lambda s: s.code),
     )
-    counts = {"dynamic/groups_sampled": n * len(calls), "dynamic/groups_kept": min(n, len(varied))}
-    return out, scores, counts | {"dynamic/calls": len(calls)}
+    return out, scores
+
+
+def moved(
+    out: rollout.Rollout,
+    scores: Scores,
+    groups: torch.Tensor,
+    send: list[int],
+    receive: list[int],
+    cfg: Config,
+    world: distributed.World,
+    tokenizer,
+) -> tuple[rollout.Rollout, Scores]:
+    """Prompt groups of this rank's rollout (groups: their indices in it), with their scores, sent to the ranks
+    that train them (World.exchange): send[r] of their rows, in order, to rank r. Returns the rows the ranks
+    sent here, receive[r] from rank r in rank order, padded to the widest prompt and completion of this call on
+    any rank (the all-to-all moves rows of one width)."""
+    G = cfg.group_size
+    rows = (groups[:, None] * G + torch.arange(G, device="cpu")).flatten().to(out.old_logp.device)  # [groups * G]
+    P, C = world.max(torch.tensor([out.prompt_len, out.completion_mask.shape[1]], device="cpu")).tolist()
+    sent = rollout.joined([(out, rows)], (P, C))
+
+    def exchange(tensor: torch.Tensor) -> torch.Tensor:
+        return world.exchange(tensor, send, receive)
+
+    return rollout.rows_moved(sent, exchange, tokenizer), scores.mapped(lambda values: exchange(values[rows]))
 
 
 def step_metrics(
@@ -354,7 +421,7 @@ def policy_update(
     """
     world = world or distributed.SOLO
     frozen = frozen_inputs(model, out, cfg, reference)  # what the loss needs of the policy before it moves
-    mismatch = sampler_mismatch(model, out, frozen, cfg)
+    mismatch = sampler_mismatch(model, out, frozen, cfg, world)
     advantages = advantages.to(out.old_logp.device)
     records = [] if keep_records else None
     model.train()
@@ -547,16 +614,19 @@ def frozen_inputs(model, out: rollout.Rollout, cfg: Config, reference=None) -> d
     return {"old_logp": out.old_logp, **results, **sampler}
 
 
-def sampler_mismatch(model, out: rollout.Rollout, frozen: dict[str, torch.Tensor], cfg: Config) -> dict[str, float]:
+def sampler_mismatch(
+    model, out: rollout.Rollout, frozen: dict[str, torch.Tensor], cfg: Config, world: distributed.World | None = None
+) -> dict[str, float]:
     """loss.mismatch of the sampler's old log-probs against the training pass's, of the same tokens, before the
     policy moves. With the old log-probs recomputed it reads them (free); otherwise it runs the training pass,
     without gradient and in eval mode, on the first prompt group of the first micro-batch's worth of rows (at
     most 1 / (updates_per_rollout x grad_accum) of the step's rows): a monitor, not an estimate over the step,
-    which costs the forward of one group rather than a share of every step's time. mismatch/rows says how many
-    rows it is over."""
-    N = len(out.completion_mask)
+    which costs the forward of one group rather than a share of every step's time. With several processes each
+    rank measures its own rows so, and the figures are those of every rank's tokens (ranks_mismatch);
+    mismatch/rows says how many rows they are over."""
     if frozen["old_logp"] is not out.old_logp:
-        return loss.mismatch(out.old_logp, frozen["old_logp"], out.completion_mask) | {"mismatch/rows": N}
+        return ranks_mismatch(out.old_logp, frozen["old_logp"], out.completion_mask, world)
+    N = len(out.completion_mask)
     first = torch.arange(N, device=out.completion_mask.device).chunk(cfg.updates_per_rollout * max(1, cfg.grad_accum))[
         0
     ]
@@ -565,8 +635,27 @@ def sampler_mismatch(model, out: rollout.Rollout, frozen: dict[str, torch.Tensor
     with torch.no_grad():
         h, ids, start, c = policy_states(model, out, rows, cfg.group_size)
         trainer_logp = model.hidden_logprobs(h, ids, start=start, temperature=cfg.temperature)[0]  # [rows, c]
-    stats = loss.mismatch(out.old_logp[rows, :c], trainer_logp, out.completion_mask[rows, :c])
-    return stats | {"mismatch/rows": len(rows)}
+    return ranks_mismatch(out.old_logp[rows, :c], trainer_logp, out.completion_mask[rows, :c], world)
+
+
+def ranks_mismatch(
+    sampler_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: torch.Tensor, world: distributed.World | None = None
+) -> dict[str, float]:
+    """loss.mismatch over the masked tokens [rows, c] of every rank's rows: the means (|d log p|, k3, the share
+    outside [0.5, 2]) weighted by each rank's tokens, the largest of the ranks' maxima, and mismatch/rows, the
+    rows of every rank."""
+    world = world or distributed.SOLO
+    stats = loss.mismatch(sampler_logp, trainer_logp, mask)
+    tokens = float(mask.sum())
+    means = [key for key in stats if key != "mismatch/abs_max"]
+    # [tokens, rows, tokens x each mean], summed over the ranks: one collective
+    sums = torch.tensor([tokens, len(mask), *(tokens * stats[key] for key in means)], dtype=torch.float64, device="cpu")
+    sums = world.sum(sums)
+    largest = world.max(torch.tensor([stats["mismatch/abs_max"]], dtype=torch.float64, device="cpu"))
+    weighted = dict(zip(means, (sums[2:] / sums[0]).tolist()))
+    return {key: float(largest[0]) if key == "mismatch/abs_max" else weighted[key] for key in stats} | {
+        "mismatch/rows": int(sums[1])
+    }
 
 
 def shuffled_minibatches(rows: int, cfg: Config, step: int) -> list[torch.Tensor]:

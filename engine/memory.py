@@ -21,7 +21,8 @@ Phases, each peak = what is resident when it runs + the phase's own peak:
 - frozen: the no-grad passes that recompute old log-probs, the reference policy's or old_hidden, one
   micro-batch, beside the step data, in the same layouts;
 - rollout: one sampler call on CUDA's fixed-shape path (sampling_phase): its outputs and results, a
-  prefill pass, the widest decode step and its draw, the graphs' static logits;
+  prefill pass, the widest decode step and its draw, the graphs' static logits; under dynamic sampling,
+  beside the earlier calls' rollouts, and no less than dealing the kept groups out to the ranks takes;
 - eval: the same for an evaluation call (its prompts x eval_k samples, the longest evaluation prompt).
 Step data are the rollout results kept for training ([N, P + C] ids and masks, [N, C] log-probs, and
 [N, C, hidden] old_hidden for a rule that needs it).
@@ -113,6 +114,19 @@ _QWEN3 = dict(
     bos_token_id=151643,
     eos_token_id=151645,
 )
+_QWEN25 = dict(
+    model_type="qwen2",
+    vocab_size=152064,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=1e6,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=131072,
+    tie_word_embeddings=False,
+    qkv_bias=True,
+    bos_token_id=151643,
+    eos_token_id=151643,
+)
 KNOWN_CONFIGS: dict[str, ModelConfig] = {
     "Qwen/Qwen3-1.7B": ModelConfig(
         **_QWEN3,
@@ -140,6 +154,16 @@ KNOWN_CONFIGS: dict[str, ModelConfig] = {
         num_heads=32,
         max_position_embeddings=32768,
         tie_word_embeddings=False,
+    ),
+    # DAPO's model and its smaller siblings (qwen2: biased q, k, v; no q/k norm): the dapo preset's plan
+    "Qwen/Qwen2.5-32B": ModelConfig(**_QWEN25, hidden_size=5120, intermediate_size=27648, num_layers=64, num_heads=40),
+    "Qwen/Qwen2.5-14B": ModelConfig(**_QWEN25, hidden_size=5120, intermediate_size=13824, num_layers=48, num_heads=40),
+    "Qwen/Qwen2.5-7B": ModelConfig(
+        **{**_QWEN25, "num_kv_heads": 4, "rms_norm_eps": 1e-6},
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_layers=28,
+        num_heads=28,
     ),
 }
 
@@ -497,6 +521,22 @@ def rollout_results(rows: int, prompt_len: int, new_tokens: int, device) -> list
     ]  # truncated
 
 
+def rollout_bytes(work: Workload, count: int) -> int:
+    """Bytes of `count` rollouts of the step's rows (rollout_results)."""
+    with LiveBytes() as tracker:
+        kept = rollout_results(count * work.step_rows, work.prompt_len, work.max_new_tokens, torch.device("meta"))
+    del kept
+    return tracker.peak
+
+
+def dealing(work: Workload) -> int:
+    """Under dynamic sampling, the kept groups dealt out to the ranks after the last call (train.dealt), beside
+    the earlier calls' rollouts: the last call's rollout, the padded copy of the rows one call sends and the rows
+    arrived so far, then the step's rollout joined from those: at most 3 rollouts of step_rows rows (a rank
+    sends at most its own rows of a call, and trains step_rows rows). 0 without dynamic sampling."""
+    return rollout_bytes(work, 3) if work.sampler_calls > 1 else 0
+
+
 def _surrogate_loss(logp, old_logp, advantages, mask):
     """loss.policy_loss's tensor work (grpo rule, token-mean) without its data-dependent checks and metrics."""
     log_ratio = torch.where(mask, logp - old_logp, 0).clamp(-20, 20)
@@ -826,13 +866,15 @@ class Planner:
         return cls._recent[key]
 
     def measure(self, name: str, size: int = 0) -> tuple[int, int]:
-        """(resident, own) bytes of phase `name` at `size`, the pool left out of resident."""
+        """(resident, own) bytes of phase `name` at `size`, the pool left out of resident. Under dynamic sampling
+        the rollout's own peak is at least dealing's (of no block: taken after the extension)."""
         if (name, size) not in self._memo:
             values = [run.measure(name, size) for run in self.runs]
             if len(values) > 1:
                 (r2, o2), (r3, o3) = values
                 values = [(r2 + (self.layers - 2) * (r3 - r2), o2 + (self.layers - 2) * (o3 - o2))]
-            self._memo[name, size] = values[0]
+            resident, own = values[0]
+            self._memo[name, size] = resident, max(own, dealing(self.work)) if name == "rollout" else own
         return self._memo[name, size]
 
     def held_and_own(self, name: str, size: int, pool_blocks: int) -> tuple[int, int]:
@@ -886,17 +928,8 @@ class _MetaRun:
 
     def earlier_rollouts(self) -> int:
         """Under dynamic sampling, what the last sampler call finds held: the step's earlier calls' rollouts
-        (sampler_calls - 1 of step_rows rows each); joining the kept groups then copies one step's worth, no
-        more than the train phase holds."""
-        w = self.work
-        if w.sampler_calls == 1:
-            return 0
-        with LiveBytes() as tracker:
-            kept = rollout_results(
-                (w.sampler_calls - 1) * w.step_rows, w.prompt_len, w.max_new_tokens, self.model.device
-            )
-        del kept
-        return tracker.peak
+        (sampler_calls - 1 of step_rows rows each)."""
+        return rollout_bytes(self.work, self.work.sampler_calls - 1)
 
     def measure(self, name: str, size: int) -> tuple[int, int]:
         """(resident, own) bytes of a phase, the pool left out: what is held when it starts, and its own peak."""

@@ -31,6 +31,11 @@ class SamplerStats:
     def rows_mean(self) -> float:
         return self.row_steps / max(1, self.decode_steps)
 
+    def __add__(self, other: SamplerStats) -> SamplerStats:
+        """Two calls' counts as one: the larger rows_max, the other counts summed."""
+        mine, theirs = vars(self), vars(other)
+        return SamplerStats(**{k: max(v, theirs[k]) if k == "rows_max" else v + theirs[k] for k, v in mine.items()})
+
 
 def group_blocks(prompt_len: int, G: int, new_tokens: int, block_size: int) -> int:
     """Blocks a prompt's G rows hold at full length: the blocks the prompt fills, shared, and each row's own

@@ -58,6 +58,17 @@ class World:
             dist.all_gather(parts, x.to(self.device))
         return torch.cat(parts).to(x.device)
 
+    def exchange(self, x: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
+        """Rows of x dealt out over the ranks (an all-to-all): its first send[0] rows to rank 0, the next send[1]
+        to rank 1, and so on; returns the rows the ranks sent here, receive[r] of them from rank r, in rank
+        order. Every rank's x has the same trailing shape and dtype."""
+        if self.size == 1:
+            return x
+        y = torch.empty(sum(receive), *x.shape[1:], dtype=x.dtype, device=self.device)
+        with self._waiting("exchanging rows"):
+            dist.all_to_all_single(y, x.to(self.device).contiguous(), receive, send)
+        return y.to(x.device)
+
     def gather(self, value) -> list:
         """Every rank's value (any picklable object), in rank order."""
         if self.size == 1:

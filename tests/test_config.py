@@ -72,7 +72,7 @@ def test_a_stated_value_names_where_its_paper_states_it():
     for row in table:
         where = f"docs/presets.md:{row['line']}"
         if row["status"] == "stated":
-            assert row["source"].startswith(("ATR-GRPO", "GPPO")), f"{where}: a stated value names its paper"
+            assert row["source"].startswith(("ATR-GRPO", "GPPO", "DAPO")), f"{where}: a stated value names its paper"
             assert PLACE.search(row["source"]), f"{where}: a stated value names its section, table or equation"
         else:
             assert len(row["source"]) > 10, f"{where}: a chosen value gives its reason"

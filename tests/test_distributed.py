@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import config
+import loss
 import train
 from conftest import RecordingSGD, assert_equal_to, built_once
 from engine import sizes
@@ -228,10 +229,10 @@ def test_two_ranks_take_the_step_of_one_process(two_rank_steps, tiny_model_dir, 
         assert expected.abs().max() > 1e-3  # a real gradient
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-9)
     assert ranks["record"].keys() == single["record"].keys()
-    for key, expected in single["record"].items():
-        # mismatch/*: a diagnostic over a sample of each rank's rows; micro_batches: how the rows were split
-        if not key.startswith("mismatch/") and key != "micro_batches":
+    for key, expected in single["record"].items():  # mismatch/* too: float64 recomputes every row's old log-probs
+        if key != "micro_batches":  # how the rows were split: each rank's passes against one process's
             assert ranks["record"][key] == pytest.approx(expected, rel=1e-5, abs=1e-8), key
+    assert single["record"]["mismatch/rows"] == 16, "the mismatch is over both ranks' rows"
     assert single["record"]["ratio_max"] > 1 + 1e-6, "the second update saw moved weights"
 
 
@@ -244,6 +245,137 @@ def test_two_ranks_sharing_prompts_take_the_step_of_whole_rows(two_rank_steps, c
     assert shared["record"].keys() == whole["record"].keys()
     for key, expected in whole["record"].items():
         assert shared["record"][key] == pytest.approx(expected, rel=1e-12, abs=1e-15), key
+
+
+# ----------------------------------------------------------------------------- dynamic sampling over two ranks
+
+# Of the 3 calls' 12 prompts (4 a call, 2 a rank), the ones whose rows all score 0; every other group's rows
+# score 0, 1, 0, 1. The step keeps the 4 groups whose rewards differ, in the order sampled, else equal ones of
+# the first calls; rank r trains the kept groups 2r, 2r + 1.
+DYNAMIC_CASES = {
+    # call 0 differs on rank 0's groups 0 and 1, call 1 on rank 0's groups 4 and 5: it stops after 2 calls, and
+    # rank 0 sends 4 and 5 to rank 1
+    "two calls, rank 0 sends": (2, 3, 6, 7),
+    # only groups 3 and 6 (both rank 1's) differ: 3 calls, then the equal groups 0 and 1 (rank 0's) fill the
+    # step, so each rank trains the other's groups
+    "three calls, either rank sends": (0, 1, 2, 4, 5, 7, 8, 9, 10, 11),
+    # only group 2 (rank 1's) differs: the step is 2, then call 0's equal 0, 1, 3; rank 0 trains 2 and 0, which
+    # reach it in rank order (0 from itself, 2 from rank 1), the other way round from the step's
+    "three calls, out of rank order": (0, 1, 3, 4, 5, 6, 7, 8, 9, 10, 11),
+}
+
+
+def rig_rewards(setattr, equal: list[str]) -> None:
+    """Rows of the problems in `equal` score 0, the others' by row parity (G even: 0, 1, 0, 1 in each group)."""
+    setattr(
+        train.reward,
+        "reward",
+        lambda texts, references, problems, **_: [0.0 if q in equal else float(i % 2) for i, q in enumerate(problems)],
+    )
+
+
+def dynamic_step(model_dir, out_dir, equal_at, world, setattr) -> dict:
+    """A fresh float64 model's first step under --dynamic-sampling 3 with rigged rewards: every rank's kept rows in
+    rank order (completion, reward, old log-probs), the step's metrics line and each optimizer step's gradient."""
+    cfg, _, _ = config.parse_args(tiny_args(model_dir, out_dir, "dynamic", *STEP_FLAGS, "--dynamic-sampling", "3"))
+    model, tokenizer, _, _ = train.build(cfg)
+    model.to(torch.float64)
+    cfg = sizes.resolve_sizes(cfg, model, tokenizer, [], world)
+    problems = train.batch_of(train.load_problems(cfg.dataset), 0, 3 * cfg.prompts_per_step, cfg.seed)
+    rig_rewards(setattr, [problems[i]["problem"] for i in equal_at])
+    out, scores, _ = train.dynamic_sample(model, tokenizer, problems, cfg, 1, False, train.Stopwatch(), world)
+    rows = list(
+        zip(
+            out.completions, scores.reward.tolist(), (row[mask] for row, mask in zip(out.old_logp, out.completion_mask))
+        )
+    )
+    optimizer = RecordingSGD(train.lora.parameters(model))
+    record, _ = train.train_step(model, optimizer, tokenizer, problems, cfg, 1, world)
+    return {
+        "rows": sum(world.gather(rows), []),
+        "record": {k: v for k, v in record.items() if k not in TIMING_KEYS},
+        "grads": optimizer.grads,
+    }
+
+
+def dynamic_worker(rank, model_dir, out_dir, result_file):
+    patch(setattr)
+    cfg, _, _ = config.parse_args(tiny_args(model_dir, out_dir, "dynamic"))
+    with distributed.joined(config.resolve_device(cfg)[0], cfg.dist_timeout) as world:
+        results = {name: dynamic_step(model_dir, out_dir, at, world, setattr) for name, at in DYNAMIC_CASES.items()}
+    if rank == 0:
+        torch.save(results, result_file)
+
+
+@pytest.fixture(scope="module")
+def two_rank_dynamic_steps(tiny_model_dir, tmp_path_factory) -> dict:
+    out_dir = tmp_path_factory.mktemp("two-rank-dynamic")
+    assert run_ranks(dynamic_worker, 2, tiny_model_dir, out_dir, out_dir / "steps.pt") == [0, 0]
+    return torch.load(out_dir / "steps.pt")
+
+
+@pytest.mark.parametrize("case", DYNAMIC_CASES)
+def test_dynamic_sampling_on_two_ranks_keeps_and_trains_the_groups_of_one_process(
+    two_rank_dynamic_steps, tiny_model_dir, tmp_path, monkeypatch, case
+):
+    """The same sampler calls and kept groups, in the same order (each rank's share, gathered), and the same
+    update: two mini-batches of two micro-batches, as the plain step's test."""
+    patch(monkeypatch.setattr)
+    single = dynamic_step(tiny_model_dir, tmp_path, DYNAMIC_CASES[case], distributed.SOLO, monkeypatch.setattr)
+    ranks = two_rank_dynamic_steps[case]
+    assert [(text, reward) for text, reward, _ in ranks["rows"]] == [
+        (text, reward) for text, reward, _ in single["rows"]
+    ]
+    for (_, _, got), (_, _, expected) in zip(ranks["rows"], single["rows"], strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)  # each token's old log-prob
+    expected_calls = 2 if case.startswith("two calls") else 3
+    assert (
+        single["record"]["dynamic/calls"] == expected_calls
+        and single["record"]["dynamic/groups_sampled"] == 4 * expected_calls
+    )
+    assert len(ranks["grads"]) == len(single["grads"]) == 2
+    for got, expected in zip(ranks["grads"], single["grads"]):
+        assert expected.abs().max() > 1e-3  # a real gradient
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-9)
+    assert ranks["record"].keys() == single["record"].keys()
+    for key, expected in single["record"].items():
+        assert ranks["record"][key] == pytest.approx(expected, rel=1e-5, abs=1e-8), key
+
+
+# ----------------------------------------------------------------------------- the mismatch over two ranks
+
+
+def mismatch_inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A rank's sampler and trainer log-probs [rows, 6] and mask: 3 rows on rank 0, 5 on rank 1, some tokens
+    masked, some ratios outside [0.5, 2]."""
+    generator = torch.Generator().manual_seed(rank)
+    rows = 3 + 2 * rank
+    sampler = -3 * torch.rand(rows, 6, generator=generator, dtype=torch.float64)
+    trainer = sampler + (0.3 + 0.5 * rank) * torch.randn(rows, 6, generator=generator, dtype=torch.float64)
+    mask = torch.rand(rows, 6, generator=generator) < 0.7
+    mask[:, 0] = True
+    return sampler, trainer, mask
+
+
+def mismatch_stats_worker(rank, out_dir):
+    with distributed.joined(torch.device("cpu"), 60) as world:
+        stats = train.ranks_mismatch(*mismatch_inputs(rank), world)
+    torch.save(stats, Path(out_dir, f"rank{rank}.pt"))
+
+
+def test_the_mismatch_of_two_ranks_is_that_of_their_tokens_together(tmp_path):
+    """Each rank's figures, reduced across the ranks, are loss.mismatch over both ranks' tokens at once (their
+    token counts differ, so a plain mean of the two would not be), and the rows add up."""
+    assert run_ranks(mismatch_stats_worker, 2, tmp_path) == [0, 0]
+    parts = [mismatch_inputs(rank) for rank in range(2)]
+    together = loss.mismatch(*(torch.cat(tensors) for tensors in zip(*parts)))
+    own = [loss.mismatch(*part) for part in parts]
+    assert own[0]["mismatch/abs_mean"] != pytest.approx(own[1]["mismatch/abs_mean"], rel=0.1)
+    assert together["mismatch/out_frac"] > 0
+    for rank in range(2):
+        reduced = torch.load(tmp_path / f"rank{rank}.pt")
+        assert reduced == pytest.approx(together | {"mismatch/rows": 8}, rel=1e-12)
+        assert reduced["mismatch/abs_max"] == max(stats["mismatch/abs_max"] for stats in own)
 
 
 def run_worker(rank, argv):

@@ -446,6 +446,42 @@ def test_the_full_parameter_preset_plans_each_of_8_ranks_on_80_gb(capsys):
     assert re.fullmatch(r"plan: peak \d+\.\d GB of 80\.0 GB \(fits\)", lines[-1])
 
 
+def test_the_dapo_preset_plans_each_of_8_ranks_on_80_gb(capsys):
+    """dapo-qwen2.5-7b: every weight of Qwen2.5-7B on 8 processes, each rank's 64 prompts x 16 at up to 20,480 new
+    tokens, dynamic sampling of up to 30 calls. The sizes are given, so fit measures little. The last call finds
+    the 29 earlier calls' rollouts of the rank's 1,024 rows held: the rollout phase holds them beside what the
+    evaluation call finds resident."""
+    sized = ("--rollout-batch", "16", "--grad-accum", "64", "--eval-batch", "16")
+    cfg, _, _ = config.parse_args(["--preset", "dapo-qwen2.5-7b", "--plan", "--gpu-memory", "80", *sized])
+    assert cfg.world_size == 8 and cfg.lora_rank == 0 and cfg.dynamic_sampling == 30
+    assert sizes.plan(cfg)
+    lines = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"chosen: --rollout-batch 16 --grad-accum 64 --eval-batch 16 --kv-blocks \d+", lines[0])
+    assert lines[1] == "per rank of 8 processes (FSDP2)"
+    table = {line.split()[0]: line.split() for line in lines[3:10]}
+    rows, prompt, new = 64 * 16, 512, 20480
+    earlier = 29 * rows * ((prompt + new) * 9 + new * (8 + 4 + 1)) / memory.GB
+    held = {name: float(table[name][2]) - float(table[name][1]) for name in ("rollout", "eval")}
+    assert held["rollout"] - held["eval"] == pytest.approx(earlier, rel=0.01)
+    assert re.fullmatch(r"plan: peak \d+\.\d GB of 80\.0 GB \(fits\)", lines[-1])
+
+
+def test_dapo_s_own_model_does_not_fit_one_node_of_8_x_80_gb():
+    """Qwen2.5-32B at the dapo preset's batch and lengths, one of 8 ranks: trained in full, the rank's fp32 shards
+    and optimizer state alone pass what the plan may fill of 80 GB; with LoRA, its bf16 weights and the smallest
+    pool that samples (one group of 16 rows at 512 + 20,480 tokens) do. So the preset trains Qwen2.5-7B."""
+    cfg = config.parse_args(["--preset", "dapo-qwen2.5-7b", "--model", "Qwen/Qwen2.5-32B"])[0]
+    usable, model_cfg = memory.usable_bytes(80 * memory.GB), memory.model_config(cfg.model)
+    for lora_rank in (0, 32):
+        rank_cfg = dataclasses.replace(cfg, prompts_per_step=64, dtype="bfloat16", lora_rank=lora_rank)
+        work = sizes.workload(rank_cfg)
+        with memory.planning(model_cfg, work) as planner:
+            if work.full:
+                assert planner.peak("optimizer") > usable
+            else:
+                assert planner.peak("pool", 0, planner.floor_blocks(work)) > usable
+
+
 def test_the_plan_counts_the_attention_path_the_sampler_takes():
     """Qwen3-1.7B, 64 rows at 256 + 4096 tokens: planned on the gather path (the fallback of a GPU whose paged
     kernels fail their self-check), the rollout phase holds each layer's gathered keys and values, which the
@@ -472,6 +508,15 @@ def test_the_plan_counts_the_rollouts_dynamic_sampling_holds():
     per_rollout = ATR.step_rows * ((ATR.prompt_len + ATR.max_new_tokens) * 9 + ATR.max_new_tokens * (8 + 4 + 1))
     assert grown >= 2 * per_rollout
     assert oversampled.peak("train", 4) == planner.peak("train", 4)  # the step trains on prompts_per_step groups
+    # dealing the kept groups out to the ranks after the last call holds 3 rollouts (the last call's, the copy one
+    # call sends and what arrived, or what arrived and the step joined from it): more than the sampler's own
+    # peak when 256 prompts are sampled one at a time
+    many = dataclasses.replace(ATR, prompts_per_step=256)
+    rollout = many.step_rows * ((many.prompt_len + many.max_new_tokens) * 9 + many.max_new_tokens * (8 + 4 + 1))
+    sampled, dealt = (
+        memory.Planner(cfg, dataclasses.replace(many, sampler_calls=calls)).measure("rollout", 1)[1] for calls in (1, 3)
+    )
+    assert dealt >= 3 * rollout > sampled
     dapo = config.parse_args(["--preset", "atr-grpo-qwen3-1.7b", "--dynamic-sampling", "3"])[0]
     assert sizes.workload(dapo).sampler_calls == 3
     entropy_only = config.parse_args(["--preset", "atr-grpo-qwen3-1.7b", "--top-entropy-quantile", "0.2"])[0]

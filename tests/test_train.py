@@ -238,15 +238,17 @@ def test_a_step_and_an_evaluation_create_every_tensor_on_the_model_device(tiny_m
     )  # every pass shares its prompt
     model, tokenizer, optimizer, _ = train.build(cfg)
     cfg = sizes.resolve_automatic(cfg, model, tokenizer, [])
-    problems = train.batch_of(train.load_problems(cfg.dataset), 0, cfg.prompts_per_step, cfg.seed)
+    problems = train.batch_of(train.load_problems(cfg.dataset), 0, 2 * cfg.prompts_per_step, cfg.seed)
     eval_sets = train.evaluation.load_eval_sets(cfg)
+    dynamic = dataclasses.replace(cfg, dynamic_sampling=2)  # its groups kept and dealt out
     torch.set_default_device("meta")
     try:
-        record, _ = train.train_step(model, optimizer, tokenizer, problems, cfg, step=1)
+        record, _ = train.train_step(model, optimizer, tokenizer, problems[: cfg.prompts_per_step], cfg, step=1)
+        sampled, _ = train.train_step(model, optimizer, tokenizer, problems, dynamic, step=2)
         result = train.evaluation.held_out(model, tokenizer, eval_sets, cfg, "eval")
     finally:
         torch.set_default_device(None)
-    assert record["skipped_updates"] == 0 and 0 <= result["accuracy"] <= 1
+    assert record["skipped_updates"] == 0 and sampled["dynamic/calls"] in (1, 2) and 0 <= result["accuracy"] <= 1
 
 
 def test_old_logp_are_recomputed_automatically_outside_float32(tiny_model_dir, tmp_path, monkeypatch):
