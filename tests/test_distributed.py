@@ -339,7 +339,8 @@ def test_dynamic_sampling_on_two_ranks_keeps_and_trains_the_groups_of_one_proces
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-9)
     assert ranks["record"].keys() == single["record"].keys()
     for key, expected in single["record"].items():
-        assert ranks["record"][key] == pytest.approx(expected, rel=1e-5, abs=1e-8), key
+        if key != "micro_batches":  # how the rows were split: each rank's passes against one process's
+            assert ranks["record"][key] == pytest.approx(expected, rel=1e-5, abs=1e-8), key
 
 
 # ----------------------------------------------------------------------------- the mismatch over two ranks
