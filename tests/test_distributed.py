@@ -31,16 +31,19 @@ RANK_ENTRY = Path(__file__).with_name("rank_entry.py")
 
 
 def run_ranks(worker, size: int, *args) -> list[int]:
-    """worker(rank, *args) in `size` spawned processes; their exit codes. Each is joined on its own, so one
-    rank failing does not kill the others before they report.
+    """worker(rank, *args) in `size` fresh processes; their exit codes. Each is joined on its own, so one
+    rank failing does not kill the others before they report. The ranks are forked from multiprocessing's
+    fork server, a single-threaded process that imported torch, the trainer and the worker's module once,
+    so a rank does not import them again (the test's own process holds threads and must not fork).
 
     The ranks meet at a TCP store this process holds, as torchrun's agent holds it: its port is bound here
     before any rank starts and stays open until every rank has ended. (Picking a free port for rank 0 to
     bind later leaves the port to whoever takes it first on a busy machine, and a store hosted by rank 0
     goes away when rank 0 exits, while rank 1 may still be shutting down.)"""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    mp.set_forkserver_preload([spawned.__module__, worker.__module__])
     context = mp.start_processes(
-        spawned, args=(size, store.port, worker, args), nprocs=size, join=False, start_method="spawn"
+        spawned, args=(size, store.port, worker, args), nprocs=size, join=False, start_method="forkserver"
     )
     for process in context.processes:
         process.join(600)
