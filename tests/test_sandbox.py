@@ -1,6 +1,7 @@
 """Tests for sandbox.py: extraction, comparison, both test styles, limits, the pool, the command line, and
 programs that try to get out or take the machine down."""
 
+import fcntl
 import functools
 import json
 import os
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import workers_root
 from grading import sandbox
 from grading.sandbox import Limits, extract_program, same_output, same_value
 
@@ -562,6 +564,7 @@ def sandbox_processes(pool) -> list[str]:
 USER_RUNNER = r"""
 import json, os, sys, time
 from pathlib import Path
+from conftest import workers_root
 from grading import sandbox
 job = json.load(sys.stdin)
 limits = sandbox.Limits(**job["limits"])
@@ -605,9 +608,10 @@ def as_user() -> list[str] | str:
 
 
 @pytest.fixture(params=["root", "user"])
-def grade_as(request, available, monkeypatch):
+def grade_as(request, available, monkeypatch, tmp_path_factory):
     """sandbox.grade as root (a fresh pool) or as an unprivileged user (supervisors in user namespaces):
-    (grades, processes of the sandbox still alive once the pool closed)."""
+    (grades, processes of the sandbox still alive once the pool closed). A user run counts every process of
+    its uid, which the suite's other workers' user runs share: they take turns, under a lock."""
     if request.param == "user" and isinstance(as_user(), str):
         pytest.skip(as_user())
 
@@ -615,14 +619,16 @@ def grade_as(request, available, monkeypatch):
         if request.param == "user":
             job = {"programs": programs, "problems": problems, "limits": asdict(limits), "workers": workers}
             command = [*as_user()[:-1], *(f"{k}={v}" for k, v in (env or {}).items()), as_user()[-1]]
-            done = subprocess.run(
-                [*command, "-c", USER_RUNNER],
-                input=json.dumps(job),
-                capture_output=True,
-                text=True,
-                cwd="/",
-                timeout=300,
-            )
+            with open(workers_root(tmp_path_factory) / "sandbox-user.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                done = subprocess.run(
+                    [*command, "-c", USER_RUNNER],
+                    input=json.dumps(job),
+                    capture_output=True,
+                    text=True,
+                    cwd="/",
+                    timeout=300,
+                )
             assert done.returncode == 0, done.stderr[-3000:]
             out = json.loads(done.stdout)
             return [sandbox.Grade(**g) for g in out["grades"]], out["alive"]
