@@ -17,7 +17,7 @@ rows), so pool size, max_rows, first_prompt splits and preemptions change no sam
 share the Scheduler and give the same samples:
 - eager (the CPU default): the host reads the finished flags after every step (free on a CPU), drops
   finished rows at once (no copy: a row is an entry of the block table) and attends over exactly the
-  slots filled;
+  slots filled, by prompt group (PromptGroups: each prompt's blocks copied once for its rows);
 - fixed shapes (always on CUDA; `fixed=True` runs it on any device, which is how the CPU tests check
   it): the host reads the finished flags once every SYNC_EVERY steps, the only host sync of the loop,
   and allocates blocks ahead for that many tokens. Rows come in power-of-two buckets (padded with dead
@@ -27,13 +27,14 @@ share the Scheduler and give the same samples:
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from typing import Callable
 
 import torch
 
 from engine.graphs import Batch, CudaGraph
-from engine.kv_cache import PagedRows, decode_step, prefill
+from engine.kv_cache import PagedRows, PromptGroups, decode_step, prefill
 from engine.pool import Pool
 from engine.scheduler import Group, Row, SamplerStats, Scheduler
 from model import Transformer
@@ -122,6 +123,8 @@ class Loop:
         self.graphs_required = cuda_graphs == "on"
         self.weights = pool.decode_weights()
         self.stats = SamplerStats()
+        # eager gather attention copies by prompt group (prompt_groups at every sync; None: row by row)
+        self.grouped, self.groups = not fixed and pool.attention == "gather", None
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Completion ids, old_logp and mask, each [N, C]."""
@@ -206,6 +209,8 @@ class Loop:
             )
         n = len(rows)
         padding = (bucket(n) if self.fixed else n) - n
+        if self.grouped:
+            self.groups = prompt_groups(rows, device)
         batch = Batch(
             tokens=torch.cat([tokens[select], tokens.new_zeros(padding)]),
             done=torch.cat([done[select], done.new_ones(padding)]),
@@ -238,7 +243,7 @@ class Loop:
                     raise
                 warnings.warn(f"CUDA graph capture failed, decoding without graphs: {err!r}", stacklevel=4)
                 self.graphs, self.pool.graphs.failed = False, True
-        rows = PagedRows(self.pool.kv, batch.table, batch.length)
+        rows = PagedRows(self.pool.kv, batch.table, batch.length, self.groups)
         return decode_step(self.model, batch.tokens, rows, span, self.weights)
 
     def _record(self, out_row, position, done, tokens, logp) -> None:
@@ -260,6 +265,19 @@ def prefill_batches(groups: list[Group]) -> list[list[Group]]:
         else:
             batches.append([group])
     return batches
+
+
+def prompt_groups(rows: list[Row], device: torch.device) -> PromptGroups | None:
+    """The running rows by prompt group (the Scheduler keeps a group's rows together), with each row's blocks: the
+    eager loop's, which cover its slots up to its next token's until the next sync, one step later. None where the
+    groups' key sequences, each padded to the longest, hold more blocks than the rows' one by one (a few groups
+    keeping many rows beside many keeping one): attention then copies the rows one by one."""
+    groups = [list(members) for _, members in itertools.groupby(rows, key=lambda row: id(row.group))]
+    shared = [len(g[0].group.shared) for g in groups]
+    longest = max(n + sum(len(row.blocks) - n for row in g) for n, g in zip(shared, groups))
+    if len(groups) * longest >= len(rows) * max(len(row.blocks) for row in rows):
+        return None
+    return PromptGroups.of([(n, [row.blocks for row in g]) for n, g in zip(shared, groups)], device)
 
 
 def _padded(blocks: list[int], width: int) -> list[int]:
