@@ -43,6 +43,7 @@ PAD_ID = 0  # fills left padding and finished rows; any id works because those s
 CUDA_GRAPHS = ("auto", "on", "off")
 SYNC_EVERY = 16  # fixed shapes: decode steps between two reads of the finished flags (the loop's one host sync)
 PREFILL_TOKENS = 8192  # prompt tokens (padding included) per prefill pass: bounds its activations
+PREFILL_PADDING = 1 / 8  # the largest share of a prefill pass's tokens that may be padding, pure waste
 
 
 # The token rule the loop samples with: sampling.draw bound to a call's keys and settings, called as
@@ -167,8 +168,8 @@ class Loop:
             self.ids.index_fill_(0, index, PAD_ID)
             self.logp.index_fill_(0, index, 0.0)
             self.mask.index_fill_(0, index, False)
-        logits = []
-        for part in prefill_batches(groups):
+        logits, passes = [], prefill_batches(groups)
+        for part in passes:
             T = max(g.prompt_len for g in part)
             prompts = [self.prompts[g.prompt] for g in part]
             ids = _to_device([[PAD_ID] * (T - len(p)) + p for p in prompts], torch.long, device)
@@ -186,7 +187,8 @@ class Loop:
             if tails:
                 source, target = (_to_device(list(side), torch.long, device) for side in zip(*tails))
                 kv.copy_blocks(source, target)
-        group_of_row = _to_device([i for i, g in enumerate(groups) for _ in g.rows], torch.long, device)
+        place = {id(g): i for i, g in enumerate(g for part in passes for g in part)}  # its row of the logits
+        group_of_row = _to_device([place[id(g)] for g in groups for _ in g.rows], torch.long, device)
         out_row = _to_device([row.out_row(self.G) for row in new_rows], torch.long, device)
         position = torch.zeros_like(out_row)
         tokens, logp = self.draw(torch.cat(logits)[group_of_row], rows=out_row, position=position)
@@ -255,12 +257,15 @@ class Loop:
 
 
 def prefill_batches(groups: list[Group]) -> list[list[Group]]:
-    """The admitted groups in prefill passes, in order: each as many as fit PREFILL_TOKENS once left-padded
-    to the pass's longest prompt (at least one)."""
+    """The admitted groups in prefill passes, longest prompt first: a pass, left-padded to its first prompt, takes
+    the next ones while it fits PREFILL_TOKENS and its padding stays within PREFILL_PADDING of its tokens (at
+    least one group a pass)."""
     batches = []
-    for group in groups:
+    for group in sorted(groups, key=lambda g: -g.prompt_len):
         last = batches[-1] if batches else []
-        if last and (len(last) + 1) * max(g.prompt_len for g in [*last, group]) <= PREFILL_TOKENS:
+        tokens = (len(last) + 1) * last[0].prompt_len if last else 0  # left-padded to the first, the longest
+        padding = tokens - group.prompt_len - sum(g.prompt_len for g in last)
+        if last and tokens <= PREFILL_TOKENS and padding <= PREFILL_PADDING * tokens:
             last.append(group)
         else:
             batches.append([group])

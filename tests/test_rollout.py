@@ -1,8 +1,9 @@
 """Tests for rollout.py on tiny random checkpoints: parity with transformers' greedy generate,
 old_logp against a fresh forward pass, seeding and per-row random streams, the fixed-shape (CUDA)
 loop against the eager one, small pools that preempt, split calls, the eager loop's copies by prompt
-group, graphs (a stand-in) reused across calls, host syncs and operator counts, top-k/top-p sets,
-per-row stopping, bad input, and a CPU dry run of bench/gpu_check.py with its bytes model and budget."""
+group, the prefill passes, graphs (a stand-in) reused across calls, host syncs and operator counts,
+top-k/top-p sets, per-row stopping, bad input, and a CPU dry run of bench/gpu_check.py with its bytes
+model and budget."""
 
 import dataclasses
 import importlib.util
@@ -199,6 +200,26 @@ def test_rows_of_lopsided_groups_are_copied_one_by_one():
     groups = sampler.prompt_groups(balanced, torch.device("cpu"))
     assert groups is not None and groups.blocks.shape == (2, 34)
     assert sampler.prompt_groups(lopsided, torch.device("cpu")) is None
+
+
+def test_prefill_passes_take_prompts_longest_first_and_pad_little():
+    """The bench's eight prompt lengths make three passes whose padding stays within an eighth of their tokens
+    (one pass would pad 225 of its 728 tokens); a pass holds at most PREFILL_TOKENS."""
+    passes = sampler.prefill_batches([Group(i, n, [0]) for i, n in enumerate([69, 64, 91, 56, 44, 55, 45, 79])])
+    assert [[g.prompt_len for g in part] for part in passes] == [[91, 79, 69], [64, 56, 55], [45, 44]]
+    long = sampler.prefill_batches([Group(i, sampler.PREFILL_TOKENS // 2 - i, [0]) for i in range(3)])
+    assert [[g.prompt for g in part] for part in long] == [[0, 1], [2]]
+
+
+def test_prefill_passes_change_no_sample(model, monkeypatch):
+    """PROMPTS (4, 9 and 1 tokens) prefill in three passes; with any padding allowed, in one: the same samples."""
+    kwargs = dict(samples_per_prompt=2, stop_ids=MANY_STOPS, seed=1)
+    split = sample(model, **kwargs)
+    monkeypatch.setattr(sampler, "PREFILL_PADDING", 1.0)
+    whole = sample(model, **kwargs)
+    assert (split.stats.prefills, whole.stats.prefills) == (3, 1)
+    assert split.completions == whole.completions
+    torch.testing.assert_close(split.old_logp, whole.old_logp, rtol=0, atol=1e-5)
 
 
 def test_seed_and_prompt_index_pick_the_stream(model):
