@@ -1,7 +1,8 @@
 """Tests for the engine's decode path on tiny random checkpoints: the paged KV cache's prefill and decode
 step against the full forward pass, gather attention by prompt group against the row by row one,
-decode_linear and its operand order against the benchmark's table, the decode weights following the
-adapters, the shared-prompt training pass against whole rows, and the CUDA graph capture's calls. The sampler end to end (scheduler, preemption, graphs): test_rollout.py."""
+decode_linear and its operand order against the benchmark's table, the benchmark's profile, the decode
+weights following the adapters, the shared-prompt training pass against whole rows, and the CUDA graph
+capture's calls. The sampler end to end (scheduler, preemption, graphs): test_rollout.py."""
 
 import contextlib
 import dataclasses
@@ -210,6 +211,21 @@ def test_the_products_benchmark_prints_both_sides_per_shape_and_row_count(monkey
     rows = [line.split() for line in lines[2:]]
     assert [int(cells[0]) for cells in rows] == list(range(1, 7))
     assert all(len(cells) == 1 + 3 * 4 and [c[-1] for c in cells[4::4]] == ["x"] * 3 for cells in rows)
+
+
+def test_the_profile_prints_each_operators_share_of_one_call(monkeypatch, capsys, tiny_model_dir):
+    """bench/rollout.py --profile's table for one rollout.generate call of the tiny model: every operator's share
+    of the call's self CPU time, largest first and adding up to the whole, with its calls; the draw's
+    log_softmax runs once per decode step and once for the first tokens."""
+    bench = load_bench_rollout(monkeypatch)
+    model, prompts = weights.from_pretrained(tiny_model_dir), [[5, 17, 42, 9], [100, 3, 77]]
+    out = bench.operator_shares(lambda: bench.ours_generate(model, prompts, 2, 6), top=10**4)
+    header, _, *lines = capsys.readouterr().out.splitlines()
+    assert re.match(r"self CPU time [0-9.]+ s \(load average [0-9.]+\), [0-9]+ minor page faults$", header)
+    shares = {name: (float(share[:-1]), int(calls)) for name, share, calls in (line.split() for line in lines)}
+    assert [share for share, _ in shares.values()] == sorted((share for share, _ in shares.values()), reverse=True)
+    assert abs(sum(share for share, _ in shares.values()) - 100) < 0.1 * len(shares)
+    assert out.stats.decode_steps == 5 and shares["aten::_log_softmax"][1] == 5 + 1
 
 
 def test_decode_weights_follow_the_adapters_in_place(tiny_model_dir):
