@@ -217,7 +217,7 @@ def test_the_profile_prints_each_operators_share_of_one_call(monkeypatch, capsys
     """bench/rollout.py --profile's table for one rollout.generate call of the tiny model: every operator's share
     of the call's self CPU time, largest first and adding up to the whole, with its calls; the draw's
     log_softmax runs once per decode step and once for the first tokens."""
-    bench = load_bench_rollout(monkeypatch)
+    bench = load_bench(monkeypatch, "rollout")
     model, prompts = weights.from_pretrained(tiny_model_dir), [[5, 17, 42, 9], [100, 3, 77]]
     out = bench.operator_shares(lambda: bench.ours_generate(model, prompts, 2, 6), top=10**4)
     header, _, *lines = capsys.readouterr().out.splitlines()
