@@ -70,7 +70,9 @@ def draw(
         tokens = logits.argmax(-1)
         return tokens, torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
     logp = torch.log_softmax(logits if temperature == 1 else logits / temperature, dim=-1)  # [R, V]
-    cdf = restrict(logp, top_p, top_k).exp().cumsum(-1)  # [R, V], unnormalized
+    # the cumulative sum in place: one fresh [R, V] tensor fewer a draw (a fresh one can cost the CPU a page
+    # fault per 4 KiB of it, docs/engine.md)
+    cdf = restrict(logp, top_p, top_k).exp().cumsum_(-1)  # [R, V], unnormalized
     # u in (0, 1]: the first index whose cdf reaches u * total always has a nonzero probability.
     u = uniform(keys[rows], position)
     tokens = torch.searchsorted(cdf, u * cdf[:, -1:])[:, 0]

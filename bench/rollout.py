@@ -15,9 +15,12 @@ Two length modes, the same on both sides, so both produce the same token count:
 --products times only the decode step's matrix products on the CPU: engine/decode_weights.py's decode_linear
 against F.linear for every projection shape of SmolLM2-135M and Qwen3-1.7B (random fp32 weights) at 1 to 6
 rows: the measurements its operand order (WEIGHT_LEFT_ROWS) follows; docs/engine.md keeps the table.
+--profile prints the self CPU time by operator of one CPU call of each sampler, as shares of the call's (usable
+on a shared machine, where seconds are not), and the minor page faults the call took.
 
     .venv/bin/python bench/rollout.py [--device cpu|cuda|meta] [--repeats 2] [--threads N] [--dtype bfloat16]
                                       [--models Qwen3-1.7B Qwen3-8B] [--long-tail] [--fixed-shapes] [--products]
+                                      [--profile]
 """
 
 from __future__ import annotations
@@ -204,18 +207,26 @@ def compare(runs: dict, tokens: int, device: torch.device, repeats: int) -> None
         )
 
 
-def bench_cpu(repeats: int, dtype: torch.dtype, long_tail: bool, fixed_shapes: bool) -> None:
-    from transformers import AutoModelForCausalLM
+CPU_PROMPTS, CPU_SAMPLES, CPU_NEW_TOKENS = 8, 4, 64
 
-    prompts_n, samples, new_tokens = 8, 4, 64
-    checkpoint = weights.resolve_checkpoint(None)
-    tokenizer = weights.load_tokenizer(None)
-    prompts = [
+
+def chat_prompts(tokenizer, prompts_n: int) -> list[list[int]]:
+    """The first prompts_n QUESTIONS as chat prompts of the tokenizer's template."""
+    return [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
         )
         for q in QUESTIONS[:prompts_n]
     ]
+
+
+def bench_cpu(repeats: int, dtype: torch.dtype, long_tail: bool, fixed_shapes: bool) -> None:
+    from transformers import AutoModelForCausalLM
+
+    prompts_n, samples, new_tokens = CPU_PROMPTS, CPU_SAMPLES, CPU_NEW_TOKENS
+    checkpoint = weights.resolve_checkpoint(None)
+    tokenizer = weights.load_tokenizer(None)
+    prompts = chat_prompts(tokenizer, prompts_n)
     ours = weights.from_pretrained(None, dtype=dtype)
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval()
     pad_id = tokenizer.pad_token_id or 0
@@ -238,6 +249,50 @@ def bench_cpu(repeats: int, dtype: torch.dtype, long_tail: bool, fixed_shapes: b
     if lengths is None:
         runs["decode matrix products alone"] = lambda: decode_matmuls(ours, prompts_n * samples, new_tokens - 1)
     compare(runs, prompts_n * samples * new_tokens if lengths is None else sum(lengths), device, repeats)
+
+
+def operator_shares(run, top: int = 16):
+    """run() under torch.profiler: its self CPU time and the minor page faults it took, then each operator's share
+    of that time, largest first, with its calls (top of them); returns what run returns. Shares hold on a shared
+    machine, where seconds do not."""
+    import resource
+
+    from torch.profiler import ProfilerActivity, profile
+
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = run()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in events)
+    print(f"self CPU time {total / 1e6:.2f} s (load average {os.getloadavg()[0]:.1f}), {faults} minor page faults")
+    print(f"{'operator':<52} {'self CPU':>8} {'calls':>7}")
+    for event in events[:top]:
+        print(f"{event.key:<52} {100 * event.self_cpu_time_total / total:>7.1f}% {event.count:>7}")
+    return out
+
+
+def profile_cpu(dtype: torch.dtype, long_tail: bool) -> None:
+    """operator_shares of one rollout.generate call and one transformers generate call in bench_cpu's setting
+    (SmolLM2-135M-Instruct, 8 chat prompts x 4 samples, 64 new tokens), each after a warm-up call."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = weights.load_tokenizer(None)
+    prompts, samples, new_tokens = chat_prompts(tokenizer, CPU_PROMPTS), CPU_SAMPLES, CPU_NEW_TOKENS
+    lengths = long_tail_lengths(CPU_PROMPTS * samples, new_tokens) if long_tail else None
+    ours = weights.from_pretrained(None, dtype=dtype)
+    hf = AutoModelForCausalLM.from_pretrained(weights.resolve_checkpoint(None), dtype=dtype).eval()
+    pad_id = tokenizer.pad_token_id or 0
+    print(
+        f"CPU, {torch.get_num_threads()} threads: SmolLM2-135M-Instruct {dtype}, {CPU_PROMPTS} prompts x "
+        f"{samples} samples, {new_tokens} new tokens, {'long tail' if long_tail else 'forced length'}"
+    )
+    ours_generate(ours, prompts, samples, 4)
+    hf_generate(hf, prompts, samples, 4, pad_id)
+    print("\nrollout.generate")
+    stats = operator_shares(lambda: ours_generate(ours, prompts, samples, new_tokens, lengths)).stats
+    print(f"({stats.decode_steps} decode steps, {stats.prefills} prefill passes)\n\ntransformers generate")
+    operator_shares(lambda: hf_generate(hf, prompts, samples, new_tokens, pad_id, lengths))
 
 
 @torch.inference_mode()
@@ -389,6 +444,11 @@ def main() -> None:
         action="store_true",
         help="CPU: time only the decode step's matrix products, decode_linear against F.linear",
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="CPU: self CPU time by operator of one call of each sampler, as shares, and its page faults",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -396,6 +456,8 @@ def main() -> None:
         bench_gpu(args.repeats, args.models, args.long_tail)
     elif args.products:
         bench_products(args.repeats)
+    elif args.profile:
+        profile_cpu(getattr(torch, args.dtype), args.long_tail)
     elif args.device == "meta":
         build_on_meta(args.models)
     else:

@@ -43,9 +43,12 @@ class KVPool:
       length; torch.compile makes it one kernel (eager, as on the CPU, it runs FlexAttention's math).
     - "gather" (any device and dtype): the rows' first `span` slots are copied into one [rows, kv_heads,
       span, head_dim] tensor per layer (index_select over whole blocks), and F.scaled_dot_product_attention
-      attends over them with the unfilled slots masked. On the CPU the copies cost less than the attention
-      they feed and less than advanced indexing (docs/engine.md); FlexAttention, the other in-place option,
-      runs its math fallback on the CPU and needs torch.compile to be fast on a GPU.
+      attends over them with the unfilled slots masked (on the CPU index_select copies faster than advanced
+      indexing, docs/engine.md). Given the rows' PromptGroups (the eager decode loop gives them), it copies
+      each prompt group's blocks once instead: the shared blocks, then every member's own, one key sequence
+      per group that all its members' queries attend over, each masked to the shared slots and its own, so
+      a prompt is read once for its G rows and no row is padded to the longest. FlexAttention, the other
+      in-place option, runs its math fallback on the CPU and needs torch.compile to be fast on a GPU.
     """
 
     def __init__(
@@ -154,13 +157,55 @@ def flex_block_mask(rows: PagedRows):
 
 
 @dataclass
+class PromptGroups:
+    """Which of a decode step's rows continue one prompt, so that gather attention copies each prompt's blocks
+    once (DecodeAttention). Group u's key sequence is blocks[u] [S]: the blocks its prompt fills (shared by its
+    rows), then each member's own blocks in turn, then block 0 as padding. owner [U, S] names the member (0..M-1)
+    whose own block each is, -1 for a shared block, -2 for padding; index [U, S] is the block's place in its
+    owner's table, so slot offset o of it holds position index * block_size + o. query [U, M] is the batch row of
+    group u's m-th member and member [U, M] its index; a group of fewer than M members repeats its first in the
+    columns past them (their outputs are dropped). place [R] is each batch row's column, u * M + m."""
+
+    blocks: torch.Tensor
+    owner: torch.Tensor
+    index: torch.Tensor
+    query: torch.Tensor
+    member: torch.Tensor
+    place: torch.Tensor
+
+    @classmethod
+    def of(cls, groups: list[tuple[int, list[list[int]]]], device) -> PromptGroups:
+        """From the batch's groups in batch order, each (how many leading blocks its members share, the members'
+        block lists, which cover each one's slots up to its next token's), a group's members being consecutive
+        batch rows."""
+        M = max(len(members) for _, members in groups)
+        sequences, query, member, place = [], [], [], []
+        first = 0  # the batch row of the group's first member
+        for u, (shared, members) in enumerate(groups):
+            # (block, owner, index) of each block of the group's key sequence
+            sequence = [(block, -1, j) for j, block in enumerate(members[0][:shared])]
+            sequence += [(own[j], m, j) for m, own in enumerate(members) for j in range(shared, len(own))]
+            sequences.append(sequence)
+            query.append([first + (m if m < len(members) else 0) for m in range(M)])
+            member.append([m if m < len(members) else 0 for m in range(M)])
+            place += [u * M + m for m in range(len(members))]
+            first += len(members)
+        S = max(map(len, sequences))
+        padded = torch.tensor([seq + [(0, -2, 0)] * (S - len(seq)) for seq in sequences], device=device)  # [U, S, 3]
+        blocks, owner, index = padded.unbind(-1)
+        return cls(blocks, owner, index, *(torch.tensor(t, device=device) for t in (query, member, place)))
+
+
+@dataclass
 class PagedRows:
     """Rows' view of a KVPool for one pass: table [rows, max_blocks] int32 block ids (0 past a row's
-    blocks) and length [rows] long, the slots each row has filled (its next token's slot and position)."""
+    blocks) and length [rows] long, the slots each row has filled (its next token's slot and position);
+    groups, when given, tells gather attention which rows share a prompt's blocks (PromptGroups)."""
 
     pool: KVPool
     table: torch.Tensor
     length: torch.Tensor
+    groups: PromptGroups | None = None
 
     def slots(self, positions: torch.Tensor) -> torch.Tensor:
         """Flat slot ids (block * block_size + offset) of the given slots [rows, T] of each row's sequence."""
@@ -207,6 +252,15 @@ class DecodeAttention:
             self.cu_k = F.pad(seen.cumsum(0, dtype=torch.int32), (1, 0))
         elif pool.attention == "flex":
             self.block_mask = flex_block_mask(rows)
+        elif rows.groups is not None:
+            groups = rows.groups
+            self.gather = groups.blocks.reshape(-1)  # [U * S]
+            U, S = groups.blocks.shape
+            position = groups.index[:, :, None] * bs + torch.arange(bs, device=groups.index.device)  # [U, S, bs]
+            owner = groups.owner[:, None, :, None]  # [U, 1, S, 1]
+            seen = (owner == -1) | (owner == groups.member[:, :, None, None])  # [U, M, S, 1]
+            seen = seen & (position[:, None] <= rows.length[groups.query][:, :, None, None])  # [U, M, S, bs]
+            self.mask = seen.view(U, -1, S * bs)  # [U, M, S * bs]
         else:
             self.gather = rows.table[:, : span // bs].reshape(-1).long()  # [R * blocks]
             positions = torch.arange(span, device=rows.length.device)
@@ -237,12 +291,23 @@ class DecodeAttention:
         if pool.attention == "flex":
             keys, values = (pool_[layer].view(1, -1, kv_heads, D).transpose(1, 2) for pool_ in (pool.k, pool.v))
             return paged_flex_attention(q[:, :, None], keys, values, self.block_mask).reshape(R, H * D)
-        # one copy for keys and values: [2, R * blocks, block slots] -> each [R, kv_heads, span, D]
+        # one copy for keys and values: [2, sequences * blocks, block slots] -> each [sequences, kv_heads, slots, D]
         gathered = pool.kv[layer].view(2, pool.blocks, -1).index_select(1, self.gather)
-        keys, values = gathered.view(2, R, self.span, kv_heads, D).transpose(2, 3).unbind(0)
-        # the query heads sharing a kv head are one query axis of length H / kv_heads: no copy per head
-        out = F.scaled_dot_product_attention(q.view(R, kv_heads, H // kv_heads, D), keys, values, attn_mask=self.mask)
-        return out.reshape(R, H * D)
+        if rows.groups is None:
+            keys, values = gathered.view(2, R, self.span, kv_heads, D).transpose(2, 3).unbind(0)
+            # the query heads sharing a kv head are one query axis of length H / kv_heads: no copy per head
+            out = F.scaled_dot_product_attention(
+                q.view(R, kv_heads, H // kv_heads, D), keys, values, attn_mask=self.mask
+            )
+            return out.reshape(R, H * D)
+        groups, (U, M), Hg = rows.groups, rows.groups.query.shape, H // kv_heads
+        keys, values = gathered.view(2, U, -1, kv_heads, D).transpose(2, 3).unbind(0)  # [U, kv_heads, slots, D]
+        # a group's members and the query heads sharing a kv head are one query axis of length M * Hg, member-major
+        queries = q.index_select(0, groups.query.view(-1)).view(U, M, kv_heads, Hg, D).transpose(1, 2).flatten(2, 3)
+        mask = self.mask[:, None, :, None].expand(-1, -1, -1, Hg, -1).flatten(2, 3)  # [U, 1, M * Hg, slots]
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)  # [U, kv_heads, M * Hg, D]
+        out = out.view(U, kv_heads, M, Hg, D).transpose(1, 2).reshape(U * M, H * D)
+        return out.index_select(0, groups.place)
 
 
 def prefill(model: Transformer, input_ids: torch.Tensor, pad_mask: torch.Tensor, rows: PagedRows) -> torch.Tensor:

@@ -17,7 +17,7 @@ rows), so pool size, max_rows, first_prompt splits and preemptions change no sam
 share the Scheduler and give the same samples:
 - eager (the CPU default): the host reads the finished flags after every step (free on a CPU), drops
   finished rows at once (no copy: a row is an entry of the block table) and attends over exactly the
-  slots filled;
+  slots filled, by prompt group (PromptGroups: each prompt's blocks copied once for its rows);
 - fixed shapes (always on CUDA; `fixed=True` runs it on any device, which is how the CPU tests check
   it): the host reads the finished flags once every SYNC_EVERY steps, the only host sync of the loop,
   and allocates blocks ahead for that many tokens. Rows come in power-of-two buckets (padded with dead
@@ -27,13 +27,14 @@ share the Scheduler and give the same samples:
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from typing import Callable
 
 import torch
 
 from engine.graphs import Batch, CudaGraph
-from engine.kv_cache import PagedRows, decode_step, prefill
+from engine.kv_cache import PagedRows, PromptGroups, decode_step, prefill
 from engine.pool import Pool
 from engine.scheduler import Group, Row, SamplerStats, Scheduler
 from model import Transformer
@@ -42,6 +43,7 @@ PAD_ID = 0  # fills left padding and finished rows; any id works because those s
 CUDA_GRAPHS = ("auto", "on", "off")
 SYNC_EVERY = 16  # fixed shapes: decode steps between two reads of the finished flags (the loop's one host sync)
 PREFILL_TOKENS = 8192  # prompt tokens (padding included) per prefill pass: bounds its activations
+PREFILL_PADDING = 1 / 8  # the largest share of a prefill pass's tokens that may be padding, pure waste
 
 
 # The token rule the loop samples with: sampling.draw bound to a call's keys and settings, called as
@@ -122,6 +124,8 @@ class Loop:
         self.graphs_required = cuda_graphs == "on"
         self.weights = pool.decode_weights()
         self.stats = SamplerStats()
+        # eager gather attention copies by prompt group (prompt_groups at every sync; None: row by row)
+        self.grouped, self.groups = not fixed and pool.attention == "gather", None
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Completion ids, old_logp and mask, each [N, C]."""
@@ -164,8 +168,8 @@ class Loop:
             self.ids.index_fill_(0, index, PAD_ID)
             self.logp.index_fill_(0, index, 0.0)
             self.mask.index_fill_(0, index, False)
-        logits = []
-        for part in prefill_batches(groups):
+        logits, passes = [], prefill_batches(groups)
+        for part in passes:
             T = max(g.prompt_len for g in part)
             prompts = [self.prompts[g.prompt] for g in part]
             ids = _to_device([[PAD_ID] * (T - len(p)) + p for p in prompts], torch.long, device)
@@ -183,7 +187,8 @@ class Loop:
             if tails:
                 source, target = (_to_device(list(side), torch.long, device) for side in zip(*tails))
                 kv.copy_blocks(source, target)
-        group_of_row = _to_device([i for i, g in enumerate(groups) for _ in g.rows], torch.long, device)
+        place = {id(g): i for i, g in enumerate(g for part in passes for g in part)}  # its row of the logits
+        group_of_row = _to_device([place[id(g)] for g in groups for _ in g.rows], torch.long, device)
         out_row = _to_device([row.out_row(self.G) for row in new_rows], torch.long, device)
         position = torch.zeros_like(out_row)
         tokens, logp = self.draw(torch.cat(logits)[group_of_row], rows=out_row, position=position)
@@ -206,6 +211,8 @@ class Loop:
             )
         n = len(rows)
         padding = (bucket(n) if self.fixed else n) - n
+        if self.grouped:
+            self.groups = prompt_groups(rows, device)
         batch = Batch(
             tokens=torch.cat([tokens[select], tokens.new_zeros(padding)]),
             done=torch.cat([done[select], done.new_ones(padding)]),
@@ -238,7 +245,7 @@ class Loop:
                     raise
                 warnings.warn(f"CUDA graph capture failed, decoding without graphs: {err!r}", stacklevel=4)
                 self.graphs, self.pool.graphs.failed = False, True
-        rows = PagedRows(self.pool.kv, batch.table, batch.length)
+        rows = PagedRows(self.pool.kv, batch.table, batch.length, self.groups)
         return decode_step(self.model, batch.tokens, rows, span, self.weights)
 
     def _record(self, out_row, position, done, tokens, logp) -> None:
@@ -250,16 +257,32 @@ class Loop:
 
 
 def prefill_batches(groups: list[Group]) -> list[list[Group]]:
-    """The admitted groups in prefill passes, in order: each as many as fit PREFILL_TOKENS once left-padded
-    to the pass's longest prompt (at least one)."""
+    """The admitted groups in prefill passes, longest prompt first: a pass, left-padded to its first prompt, takes
+    the next ones while it fits PREFILL_TOKENS and its padding stays within PREFILL_PADDING of its tokens (at
+    least one group a pass)."""
     batches = []
-    for group in groups:
+    for group in sorted(groups, key=lambda g: -g.prompt_len):
         last = batches[-1] if batches else []
-        if last and (len(last) + 1) * max(g.prompt_len for g in [*last, group]) <= PREFILL_TOKENS:
+        tokens = (len(last) + 1) * last[0].prompt_len if last else 0  # left-padded to the first, the longest
+        padding = tokens - group.prompt_len - sum(g.prompt_len for g in last)
+        if last and tokens <= PREFILL_TOKENS and padding <= PREFILL_PADDING * tokens:
             last.append(group)
         else:
             batches.append([group])
     return batches
+
+
+def prompt_groups(rows: list[Row], device: torch.device) -> PromptGroups | None:
+    """The running rows by prompt group (the Scheduler keeps a group's rows together), with each row's blocks: the
+    eager loop's, which cover its slots up to its next token's until the next sync, one step later. None where the
+    groups' key sequences, each padded to the longest, hold more blocks than the rows' one by one (a few groups
+    keeping many rows beside many keeping one): attention then copies the rows one by one."""
+    groups = [list(members) for _, members in itertools.groupby(rows, key=lambda row: id(row.group))]
+    shared = [len(g[0].group.shared) for g in groups]
+    longest = max(n + sum(len(row.blocks) - n for row in g) for n, g in zip(shared, groups))
+    if len(groups) * longest >= len(rows) * max(len(row.blocks) for row in rows):
+        return None
+    return PromptGroups.of([(n, [row.blocks for row in g]) for n, g in zip(shared, groups)], device)
 
 
 def _padded(blocks: list[int], width: int) -> list[int]:

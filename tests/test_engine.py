@@ -1,7 +1,8 @@
 """Tests for the engine's decode path on tiny random checkpoints: the paged KV cache's prefill and decode
-step against the full forward pass, decode_linear and its operand order against the benchmark's table,
-the decode weights following the adapters, the shared-prompt training pass against whole rows, and the
-CUDA graph capture's calls. The sampler end to end (scheduler, preemption, graphs): test_rollout.py."""
+step against the full forward pass, gather attention by prompt group against the row by row one,
+decode_linear and its operand order against the benchmark's table, the benchmark's profile, the decode
+weights following the adapters, the shared-prompt training pass against whole rows, and the CUDA graph
+capture's calls. The sampler end to end (scheduler, preemption, graphs): test_rollout.py."""
 
 import contextlib
 import dataclasses
@@ -20,10 +21,18 @@ from conftest import assert_equal_to
 from engine import memory
 from engine.decode_weights import DecodeWeights, decode_linear, weight_on_the_left
 from engine.graphs import CudaGraph
-from engine.kv_cache import KVPool, PagedRows, decode_step, flex_paged_attention_available, prefill
+from engine.kv_cache import (
+    DecodeAttention,
+    KVPool,
+    PagedRows,
+    PromptGroups,
+    decode_step,
+    flex_paged_attention_available,
+    prefill,
+)
 from engine.shared_prompts import hidden_shared
 from infra import weights
-from model import Transformer
+from model import ModelConfig, Transformer
 
 ROOT = Path(__file__).parent.parent
 
@@ -100,6 +109,34 @@ def test_a_decode_step_of_a_few_rows_equals_the_full_forward(tiny_model_dir, row
         assert (logits[r] - model(torch.tensor([prompt]))[0, -1]).abs().max() < 1e-4, r
 
 
+def test_grouped_gather_attention_reads_each_prompt_once_and_equals_the_row_by_row_one():
+    """Six rows in three prompt groups over random blocks of a float64 pool of 4-slot blocks: a prompt of 9 tokens
+    (two shared blocks) with three rows, one of 3 tokens (none shared) with one, one of 5 (one shared) with two,
+    each row filled to its own length. Attention over the groups' key sequences gives the outputs of the row by
+    row gather, and copies each shared block once where the row by row gather copies it for every row."""
+    g = torch.Generator().manual_seed(0)
+    pool = KVPool(ModelConfig(num_layers=2, num_heads=6, num_kv_heads=2, head_dim=8), 40, 4, torch.float64, "cpu")
+    pool.kv.normal_(generator=g)
+    ids = (torch.randperm(39, generator=g) + 1).tolist()  # distinct blocks, none of them block 0
+    shared = [ids[:2], [], ids[2:3]]
+    group_of, lengths = [0, 0, 0, 1, 2, 2], [13, 9, 16, 3, 10, 6]
+    own, blocks = iter(ids[3:]), []
+    for u, length in zip(group_of, lengths):  # each row's blocks cover its slots 0..length
+        blocks.append(shared[u] + [next(own) for _ in range(-(-(length + 1) // 4) - len(shared[u]))])
+    groups = [(len(shared[u]), [b for b, v in zip(blocks, group_of) if v == u]) for u in range(3)]
+    table = torch.tensor([b + [0] * (6 - len(b)) for b in blocks], dtype=torch.int32)
+    q = torch.randn(6, 6, 8, generator=g, dtype=torch.float64)
+    kv = torch.randn(6, 2, 2, 8, generator=g, dtype=torch.float64)
+    by_row = DecodeAttention(PagedRows(pool, table, torch.tensor(lengths)), span=24)
+    by_group = DecodeAttention(PagedRows(pool, table, torch.tensor(lengths), PromptGroups.of(groups, "cpu")), 24)
+    torch.testing.assert_close(by_group(1, q, kv), by_row(1, q, kv), rtol=0, atol=1e-12)
+    copied = by_group.gather.tolist()
+    assert [copied.count(block) for block in ids[:3]] == [1, 1, 1]
+    assert [by_row.gather.tolist().count(block) for block in ids[:3]] == [3, 3, 2]
+    # 3 groups of the longest key sequence: the first group's 2 shared blocks and 2 + 1 + 3 own; 6 x 6 by row
+    assert len(copied) == 3 * 8 and len(by_row.gather) == 6 * 6
+
+
 @pytest.mark.parametrize("rows", range(1, 7))
 @pytest.mark.parametrize("in_features", [48, 2048])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -174,6 +211,21 @@ def test_the_products_benchmark_prints_both_sides_per_shape_and_row_count(monkey
     rows = [line.split() for line in lines[2:]]
     assert [int(cells[0]) for cells in rows] == list(range(1, 7))
     assert all(len(cells) == 1 + 3 * 4 and [c[-1] for c in cells[4::4]] == ["x"] * 3 for cells in rows)
+
+
+def test_the_profile_prints_each_operators_share_of_one_call(monkeypatch, capsys, tiny_model_dir):
+    """bench/rollout.py --profile's table for one rollout.generate call of the tiny model: every operator's share
+    of the call's self CPU time, largest first and adding up to the whole, with its calls; the draw's
+    log_softmax runs once per decode step and once for the first tokens."""
+    bench = load_bench(monkeypatch, "rollout")
+    model, prompts = weights.from_pretrained(tiny_model_dir), [[5, 17, 42, 9], [100, 3, 77]]
+    out = bench.operator_shares(lambda: bench.ours_generate(model, prompts, 2, 6), top=10**4)
+    header, _, *lines = capsys.readouterr().out.splitlines()
+    assert re.match(r"self CPU time [0-9.]+ s \(load average [0-9.]+\), [0-9]+ minor page faults$", header)
+    shares = {name: (float(share[:-1]), int(calls)) for name, share, calls in (line.split() for line in lines)}
+    assert [share for share, _ in shares.values()] == sorted((share for share, _ in shares.values()), reverse=True)
+    assert abs(sum(share for share, _ in shares.values()) - 100) < 0.1 * len(shares)
+    assert out.stats.decode_steps == 5 and shares["aten::_log_softmax"][1] == 5 + 1
 
 
 def test_decode_weights_follow_the_adapters_in_place(tiny_model_dir):

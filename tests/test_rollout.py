@@ -1,8 +1,9 @@
 """Tests for rollout.py on tiny random checkpoints: parity with transformers' greedy generate,
 old_logp against a fresh forward pass, seeding and per-row random streams, the fixed-shape (CUDA)
-loop against the eager one, small pools that preempt, split calls, graphs (a stand-in) reused across
-calls, host syncs and operator counts, top-k/top-p sets, per-row stopping, bad input, and a CPU dry
-run of bench/gpu_check.py with its bytes model and budget."""
+loop against the eager one, small pools that preempt, split calls, the eager loop's copies by prompt
+group, the prefill passes, graphs (a stand-in) reused across calls, host syncs and operator counts,
+top-k/top-p sets, per-row stopping, bad input, and a CPU dry run of bench/gpu_check.py with its bytes
+model and budget."""
 
 import dataclasses
 import importlib.util
@@ -25,7 +26,7 @@ from conftest import make_tiny_checkpoint
 from engine import kv_cache, sampler
 from engine.graphs import EagerGraph
 from engine.pool import Pool
-from engine.scheduler import group_blocks
+from engine.scheduler import Group, Row, group_blocks
 from infra.weights import load_checkpoint_dir
 
 PROMPTS = [[5, 17, 42, 9], [100, 3, 77, 12, 250, 8, 61, 44, 19], [31]]  # different lengths: left padding
@@ -156,6 +157,69 @@ def test_split_calls_give_the_samples_of_one_call(model, fixed_shapes):
     # A process that draws the last two prompts of the step samples what the one call did for them.
     tail = sample(model, prompts=PROMPTS[1:], first_prompt=1, **kwargs)
     assert tail.completions == whole.completions[2:]
+
+
+def test_the_eager_loop_copies_each_prompts_blocks_once_a_step(model, monkeypatch):
+    """Over 4-slot blocks (prompt 1's 9 tokens fill two blocks, prompt 0's 4 one, which their 3 rows share), every
+    eager decode step's gather attention reads the rows by prompt group: a block held by several rows is copied
+    once; the fixed-shape loop copies the rows one by one. The two loops' samples are the same."""
+    steps = []
+    init = kv_cache.DecodeAttention.__init__
+
+    def recording(self, rows, span):
+        init(self, rows, span)
+        held = rows.table[rows.table > 0].tolist()
+        steps.append((rows.groups is not None, self.gather.tolist(), {b for b in held if held.count(b) > 1}))
+
+    monkeypatch.setattr(kv_cache.DecodeAttention, "__init__", recording)
+    kwargs = dict(samples_per_prompt=3, max_new_tokens=12, stop_ids=LONG_STOPS)
+    eager = sample(model, pool=Pool(model, 64, block_size=4), **kwargs)
+    assert len(steps) == eager.stats.decode_steps and all(grouped for grouped, _, _ in steps)
+    assert all(len(shared) == 3 and all(gather.count(b) == 1 for b in shared) for _, gather, shared in steps)
+    steps.clear()
+    fixed = sample(model, pool=Pool(model, 64, block_size=4), fixed_shapes=True, **kwargs)
+    assert not any(grouped for grouped, _, _ in steps) and all(
+        gather.count(b) == 3 for _, gather, s in steps for b in s
+    )
+    assert fixed.completions == eager.completions
+
+
+def test_rows_of_lopsided_groups_are_copied_one_by_one():
+    """Ten-block rows (two shared): two groups of four rows make key sequences of 2 + 4 x 8 blocks, 68 in all
+    against 80 row by row, so attention copies by group; one group of four beside six groups of one would pad
+    every sequence to 34 blocks, 238 against 100, so it copies the rows one by one."""
+    fresh = iter(range(1, 1000))
+
+    def group(prompt: int, members: int) -> Group:
+        g = Group(prompt, 30, list(range(members)), shared=[next(fresh), next(fresh)])
+        g.rows = [Row(g, m, 30, 1, g.shared + [next(fresh) for _ in range(8)]) for m in range(members)]
+        return g
+
+    balanced = [row for g in (group(0, 4), group(1, 4)) for row in g.rows]
+    lopsided = [row for g in [group(0, 4)] + [group(i, 1) for i in range(1, 7)] for row in g.rows]
+    groups = sampler.prompt_groups(balanced, torch.device("cpu"))
+    assert groups is not None and groups.blocks.shape == (2, 34)
+    assert sampler.prompt_groups(lopsided, torch.device("cpu")) is None
+
+
+def test_prefill_passes_take_prompts_longest_first_and_pad_little():
+    """The bench's eight prompt lengths make three passes whose padding stays within an eighth of their tokens
+    (one pass would pad 225 of its 728 tokens); a pass holds at most PREFILL_TOKENS."""
+    passes = sampler.prefill_batches([Group(i, n, [0]) for i, n in enumerate([69, 64, 91, 56, 44, 55, 45, 79])])
+    assert [[g.prompt_len for g in part] for part in passes] == [[91, 79, 69], [64, 56, 55], [45, 44]]
+    long = sampler.prefill_batches([Group(i, sampler.PREFILL_TOKENS // 2 - i, [0]) for i in range(3)])
+    assert [[g.prompt for g in part] for part in long] == [[0, 1], [2]]
+
+
+def test_prefill_passes_change_no_sample(model, monkeypatch):
+    """PROMPTS (4, 9 and 1 tokens) prefill in three passes; with any padding allowed, in one: the same samples."""
+    kwargs = dict(samples_per_prompt=2, stop_ids=MANY_STOPS, seed=1)
+    split = sample(model, **kwargs)
+    monkeypatch.setattr(sampler, "PREFILL_PADDING", 1.0)
+    whole = sample(model, **kwargs)
+    assert (split.stats.prefills, whole.stats.prefills) == (3, 1)
+    assert split.completions == whole.completions
+    torch.testing.assert_close(split.old_logp, whole.old_logp, rtol=0, atol=1e-5)
 
 
 def test_seed_and_prompt_index_pick_the_stream(model):
