@@ -2,8 +2,9 @@
 of one process with the whole batch, a run moves between world sizes, and mistakes fail clearly.
 
 Each test starts its ranks as fresh processes that meet through a local TCP port, as under torchrun. The step
-comparison starts them with torchrun itself, as two nodes of one rank each (run_nodes); the others spawn them
-(run_ranks), which costs two agents less.
+comparison starts them with torchrun itself, as two nodes of one rank each (run_nodes), in one launch with
+test_fsdp's sharded runs (two_nodes_launch); the others fork them from a server that imported the modules
+(run_ranks), which costs two agents and the imports less.
 """
 
 import json
@@ -211,27 +212,51 @@ def whole_rows(setattr) -> None:
 
 
 def step_worker(rank, model_dir, out_dir, result_file):
-    patch(setattr)
-    cfg, _, _ = config.parse_args(tiny_args(model_dir, out_dir, "step"))
-    with distributed.joined(config.resolve_device(cfg)[0], cfg.dist_timeout) as world:
-        results = {name: one_step(model_dir, out_dir, flags, world) for name, flags in STEP_CASES.items()}
-        whole_rows(setattr)
-        results |= {
-            f"{name}, whole rows": one_step(model_dir, out_dir, flags, world) for name, flags in STEP_CASES.items()
-        }
+    with pytest.MonkeyPatch.context() as monkeypatch:  # undone before the launch's next worker
+        patch(monkeypatch.setattr)
+        cfg, _, _ = config.parse_args(tiny_args(model_dir, out_dir, "step"))
+        with distributed.joined(config.resolve_device(cfg)[0], cfg.dist_timeout) as world:
+            results = {name: one_step(model_dir, out_dir, flags, world) for name, flags in STEP_CASES.items()}
+            whole_rows(monkeypatch.setattr)
+            results |= {
+                f"{name}, whole rows": one_step(model_dir, out_dir, flags, world) for name, flags in STEP_CASES.items()
+            }
     if rank == 0:
         torch.save(results, result_file)
+
+
+def nodes_worker(rank, fsdp_port, run_port, model_dir, out_dir):
+    """The two-node launch's rank: this module's steps (at the agent's store), then test_fsdp's sharded runs (at
+    fresh stores of the test's: a process group is made once per store)."""
+    import test_fsdp  # here, not above: test_fsdp imports this module
+
+    step_worker(rank, model_dir, out_dir, Path(out_dir, "steps.pt"))
+    os.environ["MASTER_PORT"] = str(fsdp_port)
+    fsdp_dir = Path(out_dir, "fsdp")
+    fsdp_dir.mkdir(exist_ok=True)
+    test_fsdp.ranks_worker(rank, run_port, model_dir, fsdp_dir, fsdp_dir / "results.pt")
+
+
+def two_nodes_launch(model_dir: Path, tmp_path_factory) -> dict:
+    """What the ranks of one torchrun launch of two simulated nodes of one rank each computed, for this module
+    (steps) and test_fsdp (fsdp: sharded steps, a counted micro-batch, the folder of a run that checkpoints):
+    the suite pays two agents and two rank processes once."""
+
+    def build(out_dir: Path) -> dict:
+        stores = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(2)]
+        run_nodes(nodes_worker, out_dir, *(store.port for store in stores), model_dir, out_dir)
+        del stores  # only now: the ranks are gone
+        fsdp_dir = out_dir / "fsdp"
+        fsdp = {**torch.load(fsdp_dir / "results.pt"), "split": fsdp_dir / "split"}
+        return {"steps": torch.load(out_dir / "steps.pt"), "fsdp": fsdp}
+
+    return built_once(tmp_path_factory, "two-nodes", build)
 
 
 @pytest.fixture(scope="module")
 def two_rank_steps(tiny_model_dir, tmp_path_factory) -> dict:
     """The steps of two simulated nodes of one rank each, started by torchrun."""
-
-    def build(out_dir: Path) -> dict:
-        run_nodes(step_worker, out_dir, tiny_model_dir, out_dir, out_dir / "steps.pt")
-        return torch.load(out_dir / "steps.pt")
-
-    return built_once(tmp_path_factory, "two-nodes", build)
+    return two_nodes_launch(tiny_model_dir, tmp_path_factory)["steps"]
 
 
 @pytest.mark.parametrize("case", STEP_CASES)
