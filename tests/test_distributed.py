@@ -2,8 +2,9 @@
 of one process with the whole batch, a run moves between world sizes, and mistakes fail clearly.
 
 Each test starts its ranks as fresh processes that meet through a local TCP port, as under torchrun. The step
-comparison starts them with torchrun itself, as two nodes of one rank each (run_nodes); the others spawn them
-(run_ranks), which costs two agents less.
+comparison starts them with torchrun itself, as two nodes of one rank each (run_nodes), in one launch with
+test_fsdp's sharded runs (two_nodes_launch); the others fork them from a server that imported the modules
+(run_ranks), which costs two agents and the imports less.
 """
 
 import json
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from multiprocessing import forkserver
 from pathlib import Path
 
 import pytest
@@ -33,7 +35,7 @@ RANK_ENTRY = Path(__file__).with_name("rank_entry.py")
 def run_ranks(worker, size: int, *args) -> list[int]:
     """worker(rank, *args) in `size` fresh processes; their exit codes. Each is joined on its own, so one
     rank failing does not kill the others before they report. The ranks are forked from multiprocessing's
-    fork server, a single-threaded process that imported torch, the trainer and the worker's module once,
+    fork server, a process that imported torch, the trainer and the worker's module once (start_fork_server),
     so a rank does not import them again (the test's own process holds threads and must not fork).
 
     The ranks meet at a TCP store this process holds, as torchrun's agent holds it: its port is bound here
@@ -41,7 +43,7 @@ def run_ranks(worker, size: int, *args) -> list[int]:
     bind later leaves the port to whoever takes it first on a busy machine, and a store hosted by rank 0
     goes away when rank 0 exits, while rank 1 may still be shutting down.)"""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    mp.set_forkserver_preload([spawned.__module__, worker.__module__])
+    start_fork_server(spawned.__module__, worker.__module__)
     context = mp.start_processes(
         spawned, args=(size, store.port, worker, args), nprocs=size, join=False, start_method="forkserver"
     )
@@ -52,6 +54,18 @@ def run_ranks(worker, size: int, *args) -> list[int]:
             process.kill()
     del store  # only now: the ranks are gone
     return [process.exitcode for process in context.processes]
+
+
+def start_fork_server(*modules: str) -> None:
+    """Start multiprocessing's fork server (once per process) with `modules` and torch._dynamo imported. The
+    server is a fresh interpreter that imports its preload by name and skips, without a word, what fails to
+    import; Python 3.11's server does not take this process's sys.path, so the server starts with it as
+    PYTHONPATH (the tests' and the trainer's modules import there). torch._dynamo is what the first
+    torch.optim optimizer of a rank imports: in the server, a rank does not pay it again."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", os.pathsep.join(sys.path))
+        mp.set_forkserver_preload([*modules, "torch._dynamo"])
+        forkserver.ensure_running()
 
 
 def spawned(rank: int, size: int, port: int, worker, args: tuple) -> None:
@@ -198,27 +212,51 @@ def whole_rows(setattr) -> None:
 
 
 def step_worker(rank, model_dir, out_dir, result_file):
-    patch(setattr)
-    cfg, _, _ = config.parse_args(tiny_args(model_dir, out_dir, "step"))
-    with distributed.joined(config.resolve_device(cfg)[0], cfg.dist_timeout) as world:
-        results = {name: one_step(model_dir, out_dir, flags, world) for name, flags in STEP_CASES.items()}
-        whole_rows(setattr)
-        results |= {
-            f"{name}, whole rows": one_step(model_dir, out_dir, flags, world) for name, flags in STEP_CASES.items()
-        }
+    with pytest.MonkeyPatch.context() as monkeypatch:  # undone before the launch's next worker
+        patch(monkeypatch.setattr)
+        cfg, _, _ = config.parse_args(tiny_args(model_dir, out_dir, "step"))
+        with distributed.joined(config.resolve_device(cfg)[0], cfg.dist_timeout) as world:
+            results = {name: one_step(model_dir, out_dir, flags, world) for name, flags in STEP_CASES.items()}
+            whole_rows(monkeypatch.setattr)
+            results |= {
+                f"{name}, whole rows": one_step(model_dir, out_dir, flags, world) for name, flags in STEP_CASES.items()
+            }
     if rank == 0:
         torch.save(results, result_file)
+
+
+def nodes_worker(rank, fsdp_port, run_port, model_dir, out_dir):
+    """The two-node launch's rank: this module's steps (at the agent's store), then test_fsdp's sharded runs (at
+    fresh stores of the test's: a process group is made once per store)."""
+    import test_fsdp  # here, not above: test_fsdp imports this module
+
+    step_worker(rank, model_dir, out_dir, Path(out_dir, "steps.pt"))
+    os.environ["MASTER_PORT"] = str(fsdp_port)
+    fsdp_dir = Path(out_dir, "fsdp")
+    fsdp_dir.mkdir(exist_ok=True)
+    test_fsdp.ranks_worker(rank, run_port, model_dir, fsdp_dir, fsdp_dir / "results.pt")
+
+
+def two_nodes_launch(model_dir: Path, tmp_path_factory) -> dict:
+    """What the ranks of one torchrun launch of two simulated nodes of one rank each computed, for this module
+    (steps) and test_fsdp (fsdp: sharded steps, a counted micro-batch, the folder of a run that checkpoints):
+    the suite pays two agents and two rank processes once."""
+
+    def build(out_dir: Path) -> dict:
+        stores = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(2)]
+        run_nodes(nodes_worker, out_dir, *(store.port for store in stores), model_dir, out_dir)
+        del stores  # only now: the ranks are gone
+        fsdp_dir = out_dir / "fsdp"
+        fsdp = {**torch.load(fsdp_dir / "results.pt"), "split": fsdp_dir / "split"}
+        return {"steps": torch.load(out_dir / "steps.pt"), "fsdp": fsdp}
+
+    return built_once(tmp_path_factory, "two-nodes", build)
 
 
 @pytest.fixture(scope="module")
 def two_rank_steps(tiny_model_dir, tmp_path_factory) -> dict:
     """The steps of two simulated nodes of one rank each, started by torchrun."""
-
-    def build(out_dir: Path) -> dict:
-        run_nodes(step_worker, out_dir, tiny_model_dir, out_dir, out_dir / "steps.pt")
-        return torch.load(out_dir / "steps.pt")
-
-    return built_once(tmp_path_factory, "two-nodes", build)
+    return two_nodes_launch(tiny_model_dir, tmp_path_factory)["steps"]
 
 
 @pytest.mark.parametrize("case", STEP_CASES)

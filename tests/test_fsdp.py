@@ -3,8 +3,9 @@ the step of one unsharded process, one step equals the loss, autograd and AdamW 
 checkpoints move between world sizes and survive a kill mid-write, the export loads in transformers, and the
 per-rank memory plan counts what a real sharded step allocates.
 
-The two-rank runs share one launch, two simulated nodes of one rank each started by torchrun (run_nodes): the
-steps, a run that checkpoints, and a counted micro-batch.
+The two-rank runs share one launch, two simulated nodes of one rank each started by torchrun, with
+test_distributed's step comparison (two_nodes_launch): the steps, a run that checkpoints, and a counted
+micro-batch.
 """
 
 import dataclasses
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from test_distributed import TIMING_KEYS, metric_lines, patch, run_nodes, tiny_args
+from test_distributed import TIMING_KEYS, metric_lines, patch, tiny_args, two_nodes_launch
 from torch.distributed.tensor import DTensor
 
 import config
@@ -140,14 +141,8 @@ def ranks_worker(rank, second_port, model_dir, out_dir, result_file):
 
 @pytest.fixture(scope="module")
 def two_ranks(tiny_model_dir, tmp_path_factory) -> dict:
-    def build(out_dir: Path) -> dict:
-        result_file = out_dir / "results.pt"
-        second = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the run's
-        run_nodes(ranks_worker, out_dir, second.port, tiny_model_dir, out_dir, result_file)
-        del second  # only now: the ranks are gone
-        return {**torch.load(result_file), "split": out_dir / "split"}
-
-    return built_once(tmp_path_factory, "fsdp-ranks", build)
+    """ranks_worker's results in the two-node launch test_distributed's steps share."""
+    return two_nodes_launch(tiny_model_dir, tmp_path_factory)["fsdp"]
 
 
 @pytest.fixture(scope="module")
