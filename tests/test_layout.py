@@ -2,6 +2,7 @@
 included), it has no cycle, and the decoder and the sampling rules import none of the engine."""
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).parent.parent
@@ -43,6 +44,7 @@ def imports_of(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
     return found
 
 
+@functools.cache  # parsing every module takes a second; the tests only read the graph
 def import_graph() -> dict[str, set[str]]:
     modules = project_modules()
     return {name: imports_of(path, name, modules) for name, path in modules.items()}
