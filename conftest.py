@@ -7,6 +7,7 @@ Every test that needs a model builds one here with transformers' own classes and
 import atexit
 import fcntl
 import json
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -264,12 +265,50 @@ def run_training(argv: list[str]) -> dict:
     return train.train(cfg)
 
 
-def launch(args: list[str], log: Path) -> subprocess.Popen:
-    """train.py in its own process, so a test can signal it. Its stderr (progress bars, tracebacks) goes
-    to a file: a pipe nobody reads would fill up and stall the run."""
+class Command:
+    """A command forked by `launch`, with the part of subprocess.Popen's interface the tests use."""
+
+    def __init__(self, process: multiprocessing.Process):
+        self.process, self.pid = process, process.pid
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def send_signal(self, signum: int) -> None:
+        os.kill(self.pid, signum)
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.process.name, timeout)
+        return self.process.exitcode
+
+
+def launch(args: list[str], log: Path, script: str = "train.py") -> Command:
+    """`python SCRIPT ARGS` (train.py, sft.py) in its own process, so a test can signal it: forked from a fork
+    server that imported the commands' modules once (tests/forked.py), as test_distributed's ranks are. Its
+    stderr (progress bars, tracebacks) goes to a file: a pipe nobody reads would fill up and stall the run.
+    launch_as_typed starts the command itself."""
+    import forked
+
+    log.write_text("")
+    multiprocessing.set_forkserver_preload(forked.PRELOAD)
+    process = multiprocessing.get_context("forkserver").Process(
+        target=forked.run, args=(script, args, dict(os.environ), str(log)), name=script
+    )
+    process.start()
+    return Command(process)
+
+
+def launch_as_typed(args: list[str], log: Path, script: str = "train.py") -> subprocess.Popen:
+    """`python SCRIPT ARGS` started as a user types it: a fresh interpreter that imports everything itself."""
     with log.open("w") as stderr:
         return subprocess.Popen(
-            [sys.executable, "train.py", *args], cwd=Path(__file__).parent, stdout=subprocess.DEVNULL, stderr=stderr
+            [sys.executable, script, *args], cwd=Path(__file__).parent, stdout=subprocess.DEVNULL, stderr=stderr
         )
 
 
