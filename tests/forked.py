@@ -1,6 +1,6 @@
-"""The body of a command process that conftest.launch forks from multiprocessing's fork server: `python SCRIPT
-ARGS` (train.py, sft.py) as its own __main__, in the repository root, with the launching test's environment,
-stdout to /dev/null and stderr to a log file.
+"""The body of a command process that conftest.fork_command forks from multiprocessing's fork server: `python
+SCRIPT ARGS` or `python -m MODULE ARGS` (train.py, sft.py, research.counterfactual) as its own __main__, in the
+given folder and environment, with stdout and stderr appended to the given files.
 
 The fork server imports PRELOAD once; every command forked from it starts with torch, torch._dynamo (which
 torch.optim.AdamW imports) and transformers (the tokenizer's) already loaded, where a fresh interpreter pays
@@ -12,24 +12,27 @@ import atexit
 import os
 import runpy
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-PRELOAD = ["forked", "train", "sft", "torch._dynamo", "transformers"]
+PRELOAD = ["forked", "train", "sft", "research.study", "torch._dynamo", "transformers"]  # not a -m module itself
 
 
-def run(script: str, args: list[str], env: dict[str, str], log: str) -> None:
-    """SCRIPT ARGS as `python SCRIPT ARGS` runs it from the repository root; exit handlers run as at the end of
-    an interpreter (a multiprocessing child skips them), so pools of workers close as they would."""
+def run(argv: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: str) -> None:
+    """argv (what follows `python`) as the interpreter runs it: sys.path starts with the script's folder, or
+    with cwd under -m. Exit handlers run as at the end of an interpreter (a multiprocessing child skips
+    them), so pools of workers close as they would."""
     os.environ.clear()
     os.environ.update(env)
-    os.chdir(ROOT)
-    sys.path.insert(0, str(ROOT))
-    sys.argv = [script, *args]
-    devnull, stderr = os.open(os.devnull, os.O_WRONLY), os.open(log, os.O_WRONLY | os.O_APPEND)
-    os.dup2(devnull, 1)
-    os.dup2(stderr, 2)
+    os.chdir(cwd)
+    for fd, path in ((1, stdout), (2, stderr)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND), fd)
     try:
-        runpy.run_path(script, run_name="__main__")
+        if argv[0] == "-m":
+            sys.path.insert(0, cwd)
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            sys.argv = list(argv)
+            runpy.run_path(argv[0], run_name="__main__")
     finally:
         atexit._run_exitfuncs()
