@@ -342,8 +342,8 @@ def forked_commands(monkeypatch):
             and not kwargs
             and argv[0] == sys.executable
             and (argv[1] in COMMANDS or argv[1] == "-m" and argv[2].startswith("research."))
-            and hasattr(stdout, "name")
-            and (stderr == subprocess.STDOUT or hasattr(stderr, "name"))
+            and isinstance(getattr(stdout, "name", None), str)  # a file opened by its path
+            and (stderr == subprocess.STDOUT or isinstance(getattr(stderr, "name", None), str))
         )
         if not project:
             return real_popen(argv, *args, stdout=stdout, stderr=stderr, cwd=cwd, **kwargs)
