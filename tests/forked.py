@@ -13,7 +13,8 @@ import os
 import runpy
 import sys
 
-PRELOAD = ["forked", "train", "sft", "research.study", "torch._dynamo", "transformers"]  # not a -m module itself
+# research.counterfactual, run with -m, is left to the child: runpy warns when a module it runs is imported already
+PRELOAD = ["forked", "train", "sft", "research.study", "torch._dynamo", "transformers"]
 
 
 def run(argv: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: str) -> None:
@@ -22,6 +23,10 @@ def run(argv: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: str
     them), so pools of workers close as they would."""
     os.environ.clear()
     os.environ.update(env)
+    if "OMP_NUM_THREADS" in env:  # torch read it when the fork server imported it; a fresh interpreter reads it now
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     os.chdir(cwd)
     for fd, path in ((1, stdout), (2, stderr)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND), fd)
