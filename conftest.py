@@ -5,10 +5,13 @@ Every test that needs a model builds one here with transformers' own classes and
 """
 
 import atexit
+import contextlib
 import fcntl
 import json
+import multiprocessing
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -18,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-SHARED_DATA = Path(__file__).resolve().parent.parent / "shared" / "data"
+ROOT = Path(__file__).resolve().parent
+SHARED_DATA = ROOT.parent / "shared" / "data"
 
 # Experiment trackers under test write into one temporary folder, never to the network or a user's home:
 # W&B offline, and trackio's local database (whose folder trackio reads once, when it is imported).
@@ -264,13 +268,90 @@ def run_training(argv: list[str]) -> dict:
     return train.train(cfg)
 
 
-def launch(args: list[str], log: Path) -> subprocess.Popen:
-    """train.py in its own process, so a test can signal it. Its stderr (progress bars, tracebacks) goes
-    to a file: a pipe nobody reads would fill up and stall the run."""
+class Command:
+    """A command forked by fork_command, with the part of subprocess.Popen's interface the tests and the
+    study scripts use."""
+
+    def __init__(self, process: multiprocessing.Process):
+        self.process, self.pid = process, process.pid
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def send_signal(self, signum: int) -> None:
+        """As Popen's: nothing once the process has ended."""
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):  # it ended just now
+                os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.process.name, timeout)
+        return self.process.exitcode
+
+
+def fork_command(argv: list[str], stdout: Path, stderr: Path, cwd: Path = ROOT) -> Command:
+    """`python ARGV` (a script of the project, or -m MODULE) in a process of its own, forked from a fork server
+    that imported the commands' modules once (tests/forked.py), as test_distributed's ranks are; its stdout
+    and stderr appended to the two files (the same one for both is fine)."""
+    import forked
+
+    multiprocessing.set_forkserver_preload(forked.PRELOAD)
+    process = multiprocessing.get_context("forkserver").Process(
+        target=forked.run, args=(argv, dict(os.environ), str(cwd), str(stdout), str(stderr)), name=argv[0]
+    )
+    process.start()
+    return Command(process)
+
+
+def launch(args: list[str], log: Path, script: str = "train.py") -> Command:
+    """`python SCRIPT ARGS` (train.py, sft.py) in its own process (fork_command), so a test can signal it. Its
+    stderr (progress bars, tracebacks) goes to a file: a pipe nobody reads would fill up and stall the run.
+    launch_as_typed starts the command itself."""
+    log.write_text("")
+    return fork_command([script, *args], Path(os.devnull), log)
+
+
+def launch_as_typed(args: list[str], log: Path, script: str = "train.py") -> subprocess.Popen:
+    """`python SCRIPT ARGS` started as a user types it: a fresh interpreter that imports everything itself."""
     with log.open("w") as stderr:
-        return subprocess.Popen(
-            [sys.executable, "train.py", *args], cwd=Path(__file__).parent, stdout=subprocess.DEVNULL, stderr=stderr
+        return subprocess.Popen([sys.executable, script, *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
+
+
+COMMANDS = {str(ROOT / script) for script in ("train.py", "sft.py", "eval.py")}
+
+
+@pytest.fixture
+def forked_commands(monkeypatch):
+    """subprocess.Popen starts the project's own commands (`python train.py ...`, `python -m research.NAME ...`,
+    their output to a file) through fork_command; anything else it starts as it would."""
+    real_popen = subprocess.Popen
+
+    def popen(argv, *args, stdout=None, stderr=None, cwd=None, **kwargs):
+        project = (
+            isinstance(argv, list)
+            and not args
+            and not kwargs
+            and argv[0] == sys.executable
+            and (argv[1] in COMMANDS or argv[1] == "-m" and argv[2].startswith("research."))
+            and isinstance(getattr(stdout, "name", None), str)  # a file opened by its path
+            and (stderr == subprocess.STDOUT or isinstance(getattr(stderr, "name", None), str))
         )
+        if not project:
+            return real_popen(argv, *args, stdout=stdout, stderr=stderr, cwd=cwd, **kwargs)
+        out = Path(stdout.name)
+        err = out if stderr == subprocess.STDOUT else Path(stderr.name)
+        return fork_command(argv[1:], out, err, Path(cwd or os.getcwd()))
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
 
 
 def metric_lines(run_dir: Path) -> list[dict]:

@@ -16,6 +16,7 @@ import pytest
 
 import config
 import loss
+import train
 
 ROOT = Path(config.__file__).parent
 PRESET_TABLE = ROOT / "docs" / "presets.md"
@@ -160,9 +161,7 @@ def test_every_setting_is_a_flag_and_presets_yield_to_flags():
     assert cfg.loss.rule == "atr" and cfg.loss.delta == 0.07 and cfg.lora_rank == 32
     assert cfg.lr == 1e-5 and cfg.model is None and given == {"preset", "lr", "model"}
     assert config.parse_args(["--plan"])[2] is True
-    usage = subprocess.run(
-        [sys.executable, "train.py", "--help"], cwd=Path(config.__file__).parent, capture_output=True, text=True
-    ).stdout
+    usage = parsed(train.main, "--help").stdout  # train.py's own main(), with its description
     for name in [*config.TRAIN_FIELDS, *config.LOSS_FIELDS]:
         assert "--" + name.replace("_", "-") in usage, name
 

@@ -197,9 +197,10 @@ def test_rollouts_that_share_a_prompt_are_one_cluster():
     assert summary["gaps"]["atr"]["kl"].n == summary["units"] == 3 and summary["rollouts"] == 6
 
 
+@pytest.mark.usefixtures("forked_commands")
 def test_points_run_in_worker_processes_and_a_failed_one_is_named(tiny_model_dir, tmp_path, monkeypatch):
-    """Workers are processes of their own, where the random model's rewards are all zero: every draw is
-    skipped, the worker gives up, and the study says which point and where its output is."""
+    """Workers are processes of their own, where the random model's rewards are all zero: the one draw allowed
+    is skipped, the worker gives up, and the study says which point and where its output is."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / "cf"
     argv = [
@@ -214,7 +215,7 @@ def test_points_run_in_worker_processes_and_a_failed_one_is_named(tiny_model_dir
         "--workers",
         "2",
         "--max-draws",
-        "2",
+        "1",
         *study_flags(tiny_model_dir),
         "--",
         "--lora-rank",

@@ -7,8 +7,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import transformers
 
 import lora
 import train
-from conftest import event_lines, latest_step, launch, metric_lines, run_training, tiny_args
+from conftest import event_lines, latest_step, launch, launch_as_typed, metric_lines, run_training, tiny_args
 from infra import weights
 
 pytestmark = pytest.mark.usefixtures("varied_rewards")
@@ -83,7 +81,7 @@ def test_ctrl_c_checkpoints_the_step_in_progress_and_resumes(tiny_model_dir, tmp
         "--eval-k",
         "1",
     )
-    proc = launch(args, tmp_path / "interrupted.log")
+    proc = launch_as_typed(args, tmp_path / "interrupted.log")  # as typed: one run in a fresh interpreter
     metrics = tmp_path / "interrupted" / "metrics.jsonl"
     deadline = time.time() + 120
     while not metrics.exists() or len(metrics.read_text().splitlines()) < 2:
@@ -388,15 +386,13 @@ def test_a_resume_with_another_rule_takes_its_sizes_and_records_them(tiny_model_
         "event": "resume",
         "changed": {"steps": [1, 2], "rule": ["grpo", "dapo"], "delta_high": [0.2, 0.28]},
     }
-    printed = subprocess.run(
-        [sys.executable, "train.py", "--resume", str(run_dir), "--steps", "3", "--print-config"],
-        cwd=Path(train.__file__).parent,
-        capture_output=True,
-        text=True,
-    )
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--resume", str(run_dir), "--steps", "3", "--print-config"])
+    printed = capsys.readouterr().out
     assert (
-        'rule = "dapo"  # ' in printed.stdout
-        and "# delta_high = 0.28  (derived: from --delta 0.2 x rule dapo's" in printed.stdout
+        exit_info.value.code == 0
+        and 'rule = "dapo"  # ' in printed
+        and "# delta_high = 0.28  (derived: from --delta 0.2 x rule dapo's" in printed
     )
 
 

@@ -3,8 +3,6 @@ checkpoints and resumes exactly, and its adapter is one train.py starts from."""
 
 import json
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import config
 import lora
 import sft
 import train
+from conftest import launch
 from data import render_prompt, render_solution
 from infra import weights
 
@@ -210,10 +209,7 @@ def test_ctrl_c_exits_130_with_a_checkpoint_and_the_adapter_so_far(tiny_model_di
     run_dir = tmp_path / "stopped"
     args = tiny_args(tiny_model_dir, tmp_path, "stopped", "--max-steps", "100000", "--checkpoint-every", "100000")
     log = tmp_path / "sft.log"
-    with log.open("w") as stderr:
-        process = subprocess.Popen(
-            [sys.executable, "sft.py", *args], cwd=Path(sft.__file__).parent, stdout=subprocess.DEVNULL, stderr=stderr
-        )
+    process = launch(args, log, script="sft.py")
     deadline = time.monotonic() + 300
     while not ((run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").read_text().strip()):
         assert process.poll() is None and time.monotonic() < deadline, log.read_text()

@@ -344,6 +344,7 @@ def test_the_study_task_is_held_out_and_balanced():
     assert all(0 <= int(p["answer"]) <= 108 for p in train + test)
 
 
+@pytest.mark.usefixtures("forked_commands")
 def test_a_tiny_study_runs_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # a tiny model's ops are too small to share among threads
     out = tmp_path / "study"
