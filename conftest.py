@@ -298,13 +298,29 @@ class Command:
         return self.process.exitcode
 
 
+def start_fork_server() -> None:
+    """Start multiprocessing's fork server, once per test process, for both of its users: fork_command's
+    commands and test_distributed's ranks (a process has one server, so it preloads what both need:
+    tests/forked.py's list and the ranks' workers in test_fsdp and test_distributed, which test_fsdp imports).
+    The server is a fresh interpreter that imports its preload by name and skips, without a word, what fails
+    to import; Python 3.11's server does not take this process's sys.path, so it starts with it as PYTHONPATH."""
+    from multiprocessing import forkserver
+
+    import forked
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", os.pathsep.join(sys.path))
+        multiprocessing.set_forkserver_preload([*forked.PRELOAD, "test_fsdp"])
+        forkserver.ensure_running()
+
+
 def fork_command(argv: list[str], stdout: Path, stderr: Path, cwd: Path = ROOT) -> Command:
     """`python ARGV` (a script of the project, or -m MODULE) in a process of its own, forked from a fork server
     that imported the commands' modules once (tests/forked.py), as test_distributed's ranks are; its stdout
     and stderr appended to the two files (the same one for both is fine)."""
     import forked
 
-    multiprocessing.set_forkserver_preload(forked.PRELOAD)
+    start_fork_server()
     process = multiprocessing.get_context("forkserver").Process(
         target=forked.run, args=(argv, dict(os.environ), str(cwd), str(stdout), str(stderr)), name=argv[0]
     )

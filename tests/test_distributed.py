@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-from multiprocessing import forkserver
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ import torch.multiprocessing as mp
 import config
 import loss
 import train
-from conftest import RecordingSGD, assert_equal_to, built_once
+from conftest import RecordingSGD, assert_equal_to, built_once, start_fork_server
 from engine import sizes
 from infra import distributed
 
@@ -35,15 +34,16 @@ RANK_ENTRY = Path(__file__).with_name("rank_entry.py")
 def run_ranks(worker, size: int, *args) -> list[int]:
     """worker(rank, *args) in `size` fresh processes; their exit codes. Each is joined on its own, so one
     rank failing does not kill the others before they report. The ranks are forked from multiprocessing's
-    fork server, a process that imported torch, the trainer and the worker's module once (start_fork_server),
-    so a rank does not import them again (the test's own process holds threads and must not fork).
+    fork server, a process that imported torch, the trainer and the workers' modules once
+    (conftest.start_fork_server), so a rank does not import them again (the test's own process holds threads
+    and must not fork).
 
     The ranks meet at a TCP store this process holds, as torchrun's agent holds it: its port is bound here
     before any rank starts and stays open until every rank has ended. (Picking a free port for rank 0 to
     bind later leaves the port to whoever takes it first on a busy machine, and a store hosted by rank 0
     goes away when rank 0 exits, while rank 1 may still be shutting down.)"""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    start_fork_server(spawned.__module__, worker.__module__)
+    start_fork_server()
     context = mp.start_processes(
         spawned, args=(size, store.port, worker, args), nprocs=size, join=False, start_method="forkserver"
     )
@@ -54,18 +54,6 @@ def run_ranks(worker, size: int, *args) -> list[int]:
             process.kill()
     del store  # only now: the ranks are gone
     return [process.exitcode for process in context.processes]
-
-
-def start_fork_server(*modules: str) -> None:
-    """Start multiprocessing's fork server (once per process) with `modules` and torch._dynamo imported. The
-    server is a fresh interpreter that imports its preload by name and skips, without a word, what fails to
-    import; Python 3.11's server does not take this process's sys.path, so the server starts with it as
-    PYTHONPATH (the tests' and the trainer's modules import there). torch._dynamo is what the first
-    torch.optim optimizer of a rank imports: in the server, a rank does not pay it again."""
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("PYTHONPATH", os.pathsep.join(sys.path))
-        mp.set_forkserver_preload([*modules, "torch._dynamo"])
-        forkserver.ensure_running()
 
 
 def spawned(rank: int, size: int, port: int, worker, args: tuple) -> None:
