@@ -564,7 +564,6 @@ def sandbox_processes(pool) -> list[str]:
 USER_RUNNER = r"""
 import json, os, sys, time
 from pathlib import Path
-from conftest import workers_root
 from grading import sandbox
 job = json.load(sys.stdin)
 limits = sandbox.Limits(**job["limits"])
