@@ -177,7 +177,6 @@ GGUF_BLOCK = {
 def convert_gguf(gguf_file: Path, out_dir: Path) -> None:
     """Write a Llama-architecture GGUF file into out_dir as config.json, fp32 model.safetensors and tokenizer."""
     import numpy as np
-    from gguf.quants import dequantize
     from transformers import TokenizersBackend
 
     metadata, raw_tensors = read_gguf(gguf_file)
@@ -195,7 +194,7 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> None:
     heads, kv_heads = meta("llama.attention.head_count"), meta("llama.attention.head_count_kv")
     tensors = {}
     for gguf_name, (ggml_type, data) in raw_tensors.items():
-        weight = torch.from_numpy(np.array(dequantize(data, ggml_type), dtype=np.float32))
+        weight = dequantize(data, ggml_type)
         name = _hf_tensor_name(gguf_name, gguf_file)
         # llama.cpp interleaves the two rotary halves of every q/k head; Hugging Face keeps them as halves.
         if name.endswith("q_proj.weight"):
@@ -316,6 +315,32 @@ def read_gguf(gguf_file: Path) -> tuple[dict, dict]:
         rows = blob[start:end].reshape(*shape[:-1], row_bytes)
         tensors[name] = (ggml_type, rows.view(float_types[ggml_type]) if ggml_type in float_types else rows)
     return metadata, tensors
+
+
+def dequantize(data, ggml_type) -> torch.Tensor:
+    """fp32 values of one tensor's raw data from read_gguf. The 4- and 8-bit block types of most Llama GGUF files
+    run vectorized over blocks in torch (the same float32 operations as gguf.quants, so the same values); any
+    other type goes to gguf.quants.dequantize. Block layouts: Q8_0 = fp16 scale d, 32 int8 q: d q. Q4_0 = d,
+    16 bytes of nibbles (low nibbles first): d (q - 8). Q4_1 = d, fp16 offset m, the nibbles: d q + m."""
+    import numpy as np
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.constants import GGMLQuantizationType as Q
+    from gguf.quants import dequantize as gguf_dequantize
+
+    if ggml_type not in (Q.Q8_0, Q.Q4_0, Q.Q4_1):
+        return torch.from_numpy(gguf_dequantize(data, ggml_type).astype(np.float32, copy=False))
+    blocks = torch.from_numpy(data).reshape(-1, GGML_QUANT_SIZES[ggml_type][1])  # [blocks, bytes of a block]
+    scale = blocks[:, :2].contiguous().view(torch.float16).float()  # [blocks, 1]
+    if ggml_type == Q.Q8_0:
+        values = blocks[:, 2:].view(torch.int8).float().mul_(scale)
+    else:
+        nibbles = blocks[:, 4:] if ggml_type == Q.Q4_1 else blocks[:, 2:]  # [blocks, 16]
+        q = torch.cat([nibbles & 15, nibbles >> 4], dim=1).float()  # [blocks, 32]
+        if ggml_type == Q.Q4_0:
+            values = q.sub_(8).mul_(scale)
+        else:
+            values = q.mul_(scale).add_(blocks[:, 2:4].contiguous().view(torch.float16).float())
+    return values.reshape(*data.shape[:-1], -1)  # [..., values per row]
 
 
 def _hf_tensor_name(gguf_name: str, gguf_file: Path) -> str:

@@ -236,7 +236,7 @@ def write_gguf(path: Path):
 
 
 def test_gguf_reading_matches_the_gguf_package(tmp_path):
-    """read_gguf's metadata and raw tensors against gguf.GGUFReader's."""
+    """read_gguf's metadata and raw tensors against gguf.GGUFReader's, and dequantize against gguf.quants'."""
     import gguf
     import numpy as np
 
@@ -254,7 +254,10 @@ def test_gguf_reading_matches_the_gguf_package(tmp_path):
     for t in reference.tensors:
         ggml_type, data = tensors[t.name]
         assert ggml_type == t.tensor_type and data.dtype == t.data.dtype and np.array_equal(data, t.data)
-        assert gguf.quants.dequantize(data, ggml_type).shape == values.shape[-t.data.ndim :]
+        expected = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)))
+        ours = weights.dequantize(data, ggml_type)
+        assert ours.dtype == torch.float32 and ours.shape == values.shape[-t.data.ndim :]
+        assert torch.equal(ours, expected.float()), t.name  # the same float32 operations: the same values
 
 
 def test_bad_gguf_files_are_named(tmp_path):
