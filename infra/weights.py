@@ -20,11 +20,15 @@ import struct
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 import lora
 from model import ModelConfig, Transformer
+
+if TYPE_CHECKING:  # numpy and gguf are imported where a GGUF file is read
+    import numpy as np
 
 # ----------------------------------------------------------------------------- loading
 
@@ -317,7 +321,7 @@ def read_gguf(gguf_file: Path) -> tuple[dict, dict]:
     return metadata, tensors
 
 
-def dequantize(data, ggml_type) -> torch.Tensor:
+def dequantize(data: np.ndarray, ggml_type: int) -> torch.Tensor:
     """fp32 values of one tensor's raw data from read_gguf. The 4- and 8-bit block types of most Llama GGUF files
     run vectorized over blocks in torch (the same float32 operations as gguf.quants, so the same values); any
     other type goes to gguf.quants.dequantize. Block layouts: Q8_0 = fp16 scale d, 32 int8 q: d q. Q4_0 = d,
