@@ -291,6 +291,8 @@ class Node:
 
 
 _SCAN_RE = re.compile(r"\\[a-zA-Z]+|\\.|\s+|.", re.S)
+# the tokens of _SCAN_RE that _split_top needs: commands, escapes, brackets and the one-character separators
+_SPLIT_RE = re.compile(r"\\[a-zA-Z]+|\\.|[()\[\]{},;=<>]", re.S)
 _OPENERS, _CLOSERS = {"(", "[", "{", "\\{"}, {")", "]", "}", "\\}"}
 _RELATIONS = {"=", "<", ">", "\\le", "\\ge", "\\ne"}
 _FLIPPED = {">": "<", "\\ge": "\\le"}  # a > b is b < a
@@ -315,13 +317,16 @@ def _names_a_value(lhs: str, rhs: str) -> bool:
 
 
 def _split_top(s: str, separators: set[str]) -> tuple[list[str], list[str]]:
-    """Split s at separators outside any brackets; returns (parts, separators found)."""
+    """Split s at separators outside any brackets; returns (parts, separators found). A separator is a LaTeX
+    command or one of , ; = < >: the scan reads _SCAN_RE's tokens but steps over every one that is neither
+    a bracket nor such a separator (runs of digits and letters are most of a long answer)."""
     parts, found, depth, start = [], [], 0, 0
-    for m in _SCAN_RE.finditer(s):
-        depth += (m.group() in _OPENERS) - (m.group() in _CLOSERS)
-        if depth == 0 and m.group() in separators:  # no separator is a bracket
+    for m in _SPLIT_RE.finditer(s):
+        token = m.group()
+        depth += (token in _OPENERS) - (token in _CLOSERS)
+        if depth == 0 and token in separators:  # no separator is a bracket
             parts.append(s[start : m.start()].strip())
-            found.append(m.group())
+            found.append(token)
             start = m.end()
     return parts + [s[start:].strip()], found
 

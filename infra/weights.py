@@ -12,17 +12,23 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
+import struct
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 import lora
 from model import ModelConfig, Transformer
+
+if TYPE_CHECKING:  # numpy and gguf are imported where a GGUF file is read
+    import numpy as np
 
 # ----------------------------------------------------------------------------- loading
 
@@ -140,7 +146,7 @@ def converted_gguf(gguf_file: Path, out_dir: Path) -> Path:
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     print(
-        f"converting {gguf_file.name} to a Hugging Face checkpoint in {out_dir} (once, about 10 s)",
+        f"converting {gguf_file.name} to a Hugging Face checkpoint in {out_dir} (once, a few seconds)",
         file=sys.stderr,
         flush=True,
     )
@@ -174,16 +180,14 @@ GGUF_BLOCK = {
 
 def convert_gguf(gguf_file: Path, out_dir: Path) -> None:
     """Write a Llama-architecture GGUF file into out_dir as config.json, fp32 model.safetensors and tokenizer."""
-    import gguf
     import numpy as np
-    from gguf.quants import dequantize
-    from transformers import AutoTokenizer
+    from transformers import TokenizersBackend
 
-    reader = gguf.GGUFReader(gguf_file)
+    metadata, raw_tensors = read_gguf(gguf_file)
 
     def meta(key: str, required: bool = True):
-        if key in reader.fields:
-            return reader.fields[key].contents()
+        if key in metadata:
+            return metadata[key]
         if required:
             raise ValueError(f"{gguf_file}: GGUF metadata lacks {key!r}")
         return None
@@ -193,9 +197,9 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> None:
         raise ValueError(f"{gguf_file}: GGUF architecture {architecture!r} is not supported (only 'llama')")
     heads, kv_heads = meta("llama.attention.head_count"), meta("llama.attention.head_count_kv")
     tensors = {}
-    for t in reader.tensors:
-        weight = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
-        name = _hf_tensor_name(t.name, gguf_file)
+    for gguf_name, (ggml_type, data) in raw_tensors.items():
+        weight = dequantize(data, ggml_type)
+        name = _hf_tensor_name(gguf_name, gguf_file)
         # llama.cpp interleaves the two rotary halves of every q/k head; Hugging Face keeps them as halves.
         if name.endswith("q_proj.weight"):
             weight = _unpermute_rope(weight, heads)
@@ -224,10 +228,123 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> None:
     config = {**cfg.to_hf(), "dtype": "float32"}  # dequantized values are exact in fp32, not in bf16
     lora.save_safetensors(tensors, out_dir / "model.safetensors")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    # The class AutoTokenizer picks for a llama config. Naming it skips AutoTokenizer's own pass over the
+    # file for a config, which decodes every metadata string with the gguf package's slow reader.
+    tokenizer = TokenizersBackend.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
     if tokenizer.chat_template is None or tokenizer.eos_token_id != cfg.eos_token_id:
         raise ValueError(f"{gguf_file}: tokenizer lost its chat template or eos token in conversion")
     tokenizer.save_pretrained(out_dir)
+
+
+# GGUF metadata value types with a fixed width: type id -> struct format.
+GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+GGUF_STRING, GGUF_ARRAY = 8, 9
+
+
+def read_gguf(gguf_file: Path) -> tuple[dict, dict]:
+    """(metadata, {GGUF tensor name: (ggml type, raw data)}) of a GGUF v2/v3 file, read in one pass.
+
+    The raw data is what gguf.quants.dequantize takes: numbers in their float type, quantized blocks as
+    uint8 rows. Arrays of strings (the vocabulary, the merges) are stepped over, not decoded: the tokenizer
+    reads them itself. gguf.GGUFReader, by contrast, builds numpy views of every string of the vocabulary.
+    """
+    import numpy as np
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    blob = np.fromfile(gguf_file, dtype=np.uint8)  # [file bytes]
+    pos = 0
+
+    def take(fmt: str) -> tuple:
+        nonlocal pos
+        values = struct.unpack_from("<" + fmt, blob, pos)
+        pos += struct.calcsize("<" + fmt)
+        return values
+
+    def string() -> str:
+        nonlocal pos
+        (length,) = take("Q")
+        pos += length
+        return bytes(blob[pos - length : pos]).decode()
+
+    def value(kind: int):
+        nonlocal pos
+        if kind in GGUF_SCALARS:
+            return take(GGUF_SCALARS[kind])[0]
+        if kind == GGUF_STRING:
+            return string()
+        if kind != GGUF_ARRAY:
+            raise ValueError(f"{gguf_file}: GGUF metadata value of unknown type {kind} at byte {pos}")
+        element_kind, count = take("IQ")
+        if element_kind in GGUF_SCALARS:
+            return list(take(f"{count}{GGUF_SCALARS[element_kind]}"))
+        if element_kind != GGUF_STRING:
+            raise ValueError(f"{gguf_file}: GGUF metadata array of unknown type {element_kind} at byte {pos}")
+        for _ in range(count):
+            (length,) = take("Q")
+            pos += length
+        return None
+
+    if bytes(blob[:4]) != b"GGUF":
+        raise ValueError(f"{gguf_file}: not a GGUF file (it does not start with the GGUF magic bytes)")
+    metadata, table = {}, []
+    try:
+        _, version, tensor_count, field_count = take("4sIQQ")
+        if version not in (2, 3):
+            raise ValueError(f"{gguf_file}: GGUF version {version} is not supported (only 2 and 3)")
+        for _ in range(field_count):
+            key = string()
+            field = value(*take("I"))
+            if field is not None:
+                metadata[key] = field
+        for _ in range(tensor_count):
+            name = string()
+            dims = take(f"{take('I')[0]}Q")
+            ggml_type, offset = take("IQ")
+            table.append((name, tuple(reversed(dims)), ggml_type, offset))  # GGUF lists the fastest dim first
+    except struct.error as err:
+        raise ValueError(f"{gguf_file}: the GGUF header ends early, at byte {pos} ({err})") from err
+    alignment = metadata.get("general.alignment", 32)
+    data_start = -(-pos // alignment) * alignment
+    float_types = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
+    tensors = {}
+    for name, shape, type_id, offset in table:
+        if type_id not in GGML_QUANT_SIZES:
+            raise ValueError(f"{gguf_file}: tensor {name!r} has unknown ggml type {type_id}")
+        ggml_type = GGMLQuantizationType(type_id)
+        block_size, block_bytes = GGML_QUANT_SIZES[ggml_type]
+        row_bytes = shape[-1] // block_size * block_bytes
+        start, end = data_start + offset, data_start + offset + math.prod(shape[:-1]) * row_bytes
+        if end > blob.size:
+            raise ValueError(f"{gguf_file}: tensor {name!r} runs past the end of the file (truncated?)")
+        rows = blob[start:end].reshape(*shape[:-1], row_bytes)
+        tensors[name] = (ggml_type, rows.view(float_types[ggml_type]) if ggml_type in float_types else rows)
+    return metadata, tensors
+
+
+def dequantize(data: np.ndarray, ggml_type: int) -> torch.Tensor:
+    """fp32 values of one tensor's raw data from read_gguf. The 4- and 8-bit block types of most Llama GGUF files
+    run vectorized over blocks in torch (the same float32 operations as gguf.quants, so the same values); any
+    other type goes to gguf.quants.dequantize. Block layouts: Q8_0 = fp16 scale d, 32 int8 q: d q. Q4_0 = d,
+    16 bytes of nibbles (low nibbles first): d (q - 8). Q4_1 = d, fp16 offset m, the nibbles: d q + m."""
+    import numpy as np
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.constants import GGMLQuantizationType as Q
+    from gguf.quants import dequantize as gguf_dequantize
+
+    if ggml_type not in (Q.Q8_0, Q.Q4_0, Q.Q4_1):
+        return torch.from_numpy(gguf_dequantize(data, ggml_type).astype(np.float32, copy=False))
+    blocks = torch.from_numpy(data).reshape(-1, GGML_QUANT_SIZES[ggml_type][1])  # [blocks, bytes of a block]
+    scale = blocks[:, :2].contiguous().view(torch.float16).float()  # [blocks, 1]
+    if ggml_type == Q.Q8_0:
+        values = blocks[:, 2:].view(torch.int8).float().mul_(scale)
+    else:
+        nibbles = blocks[:, 4:] if ggml_type == Q.Q4_1 else blocks[:, 2:]  # [blocks, 16]
+        q = torch.cat([nibbles & 15, nibbles >> 4], dim=1).float()  # [blocks, 32]
+        if ggml_type == Q.Q4_0:
+            values = q.sub_(8).mul_(scale)
+        else:
+            values = q.mul_(scale).add_(blocks[:, 2:4].contiguous().view(torch.float16).float())
+    return values.reshape(*data.shape[:-1], -1)  # [..., values per row]
 
 
 def _hf_tensor_name(gguf_name: str, gguf_file: Path) -> str:

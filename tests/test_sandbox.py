@@ -332,21 +332,38 @@ MALFORMED_TESTS_FILES = [  # (the tests file's text, what its one line of error 
 ]
 
 
-def test_command_line_malformed_tests_files_exit_2_with_one_line(tmp_path):
+def exit_of_main(capsys, *args) -> tuple[int, str]:
+    """sandbox.main(args) in this process, for a refusal that comes before any grading: (exit status, stderr)."""
+    with pytest.raises(SystemExit) as exited:
+        sandbox.main(list(args))
+    return exited.value.code, capsys.readouterr().err
+
+
+def test_command_line_malformed_tests_files_exit_2_with_one_line(tmp_path, capsys):
+    """Each refusal through main() in this process; the first tests file and the first bad arguments also as
+    typed, in a process of their own (as tests/test_command_lines.py runs others)."""
     (tmp_path / "add.py").write_text(ADD)
     (tmp_path / "good.json").write_text(json.dumps(STDIO["tests"]))
     for i, (text, message) in enumerate(MALFORMED_TESTS_FILES):
         (tmp_path / f"{i}.json").write_text(text)
-        done = cli(str(tmp_path / "add.py"), "--tests", str(tmp_path / f"{i}.json"))
-        assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, (text[:80], done.stderr[-500:])
-        assert message in done.stderr and done.stderr.startswith("sandbox.py: "), (text[:80], done.stderr)
-    for args, message in [
+        status, stderr = exit_of_main(capsys, str(tmp_path / "add.py"), "--tests", str(tmp_path / f"{i}.json"))
+        assert status == 2 and len(stderr.splitlines()) == 1, (text[:80], stderr[-500:])
+        assert message in stderr and stderr.startswith("sandbox.py: "), (text[:80], stderr)
+    bad_arguments = [
         (["missing.py", "--tests", str(tmp_path / "0.json")], "missing.py"),
         ([str(tmp_path / "add.py")], "--tests"),
         ([str(tmp_path / "add.py"), "--tests", str(tmp_path / "good.json"), "--tolerance", "inf"], "finite"),
+    ]
+    for args, message in bad_arguments:
+        status, stderr = exit_of_main(capsys, *args)
+        assert status == 2 and message in stderr and len(stderr.splitlines()) == 1, stderr
+    for args, message in [
+        ([str(tmp_path / "add.py"), "--tests", str(tmp_path / "0.json")], MALFORMED_TESTS_FILES[0][1]),
+        *bad_arguments[:2],
     ]:
         done = cli(*args)
         assert done.returncode == 2 and message in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+        assert done.stderr.startswith("sandbox.py: "), done.stderr
 
 
 # ----------------------------------------------------------------------------- hostile programs
@@ -564,7 +581,6 @@ def sandbox_processes(pool) -> list[str]:
 USER_RUNNER = r"""
 import json, os, sys, time
 from pathlib import Path
-from conftest import workers_root
 from grading import sandbox
 job = json.load(sys.stdin)
 limits = sandbox.Limits(**job["limits"])

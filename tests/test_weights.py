@@ -183,17 +183,91 @@ def test_the_default_tokenizer_is_the_one_autotokenizer_picks(smollm2_dir):
 
 @needs_smollm2
 def test_gguf_rope_permutation_is_undone_as_transformers_does(smollm2_dir):
-    import gguf
     from gguf.quants import dequantize
     from safetensors import safe_open
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
-    reader = gguf.GGUFReader(Path(next(iter(SMOLLM2.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf")
-    raw = {t.name: dequantize(t.data, t.tensor_type) for t in reader.tensors if t.name.startswith("blk.0.attn_")}
+    _, tensors = weights.read_gguf(
+        Path(next(iter(SMOLLM2.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    )
     processor = LlamaTensorProcessor(config={"num_attention_heads": 9, "num_key_value_heads": 3})
     with safe_open(smollm2_dir / "model.safetensors", framework="pt") as converted:
         for gguf_name, hf_name in [("blk.0.attn_q.weight", "q_proj"), ("blk.0.attn_k.weight", "k_proj")]:
-            expected = torch.from_numpy(processor.process(raw[gguf_name], gguf_name).weights)
+            raw = dequantize(tensors[gguf_name][1], tensors[gguf_name][0])
+            expected = torch.from_numpy(processor.process(raw, gguf_name).weights)
             ours = converted.get_tensor(f"model.layers.0.self_attn.{hf_name}.weight")
-            assert not torch.equal(ours, torch.from_numpy(raw[gguf_name]))  # the permutation is not a no-op
+            assert not torch.equal(ours, torch.from_numpy(raw))  # the permutation is not a no-op
             assert torch.equal(ours, expected)
+
+
+def write_gguf(path: Path):
+    """A GGUF file that gguf.GGUFWriter writes with every kind of value and the tensor types a Llama GGUF
+    holds (a shape with three dimensions included); returns the float values the tensors were made from."""
+    import gguf
+    import numpy as np
+    from gguf.quants import quantize
+
+    Q = gguf.GGMLQuantizationType
+    values = np.random.default_rng(0).standard_normal((4, 3, 64)).astype(np.float32)
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_uint32("llama.block_count", 3)
+    writer.add_int8("a.i8", -7)
+    writer.add_uint8("a.u8", 200)
+    writer.add_int32("a.i32", -(2**31))
+    writer.add_uint32("a.u32", 2**32 - 1)
+    writer.add_uint64("a.u64", 2**40 + 3)
+    writer.add_float32("a.f32", 1e-5)
+    writer.add_float64("a.f64", 0.1)
+    writer.add_bool("a.bool", True)
+    writer.add_string("a.text", "ünïcode ✓")
+    writer.add_array("a.ints", [3, -1, 4])
+    writer.add_array("a.words", ["<s>", "ünï", ""])
+    writer.add_array("a.empty", [])
+    writer.add_uint32("a.after_the_arrays", 9)
+    writer.add_tensor("f32", values[0])
+    writer.add_tensor("f16", values[1].astype(np.float16))
+    for name, qtype in [("q8_0", Q.Q8_0), ("q4_1", Q.Q4_1), ("q4_0", Q.Q4_0)]:
+        writer.add_tensor(name, quantize(values, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return values
+
+
+def test_gguf_reading_matches_the_gguf_package(tmp_path):
+    """read_gguf's metadata and raw tensors against gguf.GGUFReader's, and dequantize against gguf.quants'."""
+    import gguf
+    import numpy as np
+
+    values = write_gguf(tmp_path / "m.gguf")
+    metadata, tensors = weights.read_gguf(tmp_path / "m.gguf")
+    reference = gguf.GGUFReader(tmp_path / "m.gguf")
+    expected = {k: f.contents() for k, f in reference.fields.items() if not k.startswith("GGUF.")}
+    strings = {
+        k for k, f in reference.fields.items() if f.types[:2] == [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING]
+    }
+    assert strings == {"a.words"}  # stepped over, not decoded
+    assert metadata == {k: v for k, v in expected.items() if k not in strings}
+    assert metadata["a.f32"] == np.float32(1e-5) and metadata["a.text"] == "ünïcode ✓"
+    assert list(tensors) == [t.name for t in reference.tensors]
+    for t in reference.tensors:
+        ggml_type, data = tensors[t.name]
+        assert ggml_type == t.tensor_type and data.dtype == t.data.dtype and np.array_equal(data, t.data)
+        expected = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)))
+        ours = weights.dequantize(data, ggml_type)
+        assert ours.dtype == torch.float32 and ours.shape == values.shape[-t.data.ndim :]
+        assert torch.equal(ours, expected.float()), t.name  # the same float32 operations: the same values
+
+
+def test_bad_gguf_files_are_named(tmp_path):
+    (tmp_path / "notes.gguf").write_text("not a model")
+    with pytest.raises(ValueError, match="notes.gguf: not a GGUF file"):
+        weights.read_gguf(tmp_path / "notes.gguf")
+    write_gguf(tmp_path / "m.gguf")
+    (tmp_path / "cut.gguf").write_bytes((tmp_path / "m.gguf").read_bytes()[:200])
+    with pytest.raises(ValueError, match="cut.gguf: the GGUF header ends early"):
+        weights.read_gguf(tmp_path / "cut.gguf")
+    (tmp_path / "cut.gguf").write_bytes((tmp_path / "m.gguf").read_bytes()[:-40])
+    with pytest.raises(ValueError, match="cut.gguf: tensor 'q4_0' runs past the end of the file"):
+        weights.read_gguf(tmp_path / "cut.gguf")
