@@ -763,10 +763,31 @@ def simulate_rollout(
         if not sched.running:
             return stats
         steps = sched.chunk_steps()
+        if not preempted:  # and the syncs that would decide nothing, at once
+            steps += chunk * _quiet_chunks(sched, lengths, G, steps)
         stats.decode_steps += steps
         stats.row_steps += steps * len(sched.running)
         stats.rows_max = max(stats.rows_max, len(sched.running))
         sched.advance(steps)
+
+
+def _quiet_chunks(sched: Scheduler, lengths: list[int], G: int, steps: int) -> int:
+    """Whole chunks after the next `steps` decode steps whose syncs change nothing, after a sync that preempted
+    nothing: no row reaches its length, none outgrows its blocks, chunk_steps stays a chunk, and the first
+    waiting group stays refused (while no block moves, the free blocks and the rows' needs at full length
+    stay and their growth at the sync after next only rises: _admits stays False)."""
+    chunk, cap = sched.chunk, sched.new_tokens
+    quiet = (max(cap - g.rows[0].position for g in sched.admitted) - steps) // chunk
+    for group in sched.admitted:
+        first = group.rows[0]
+        room = len(first.blocks) * sched.block_size  # slots its blocks hold
+        if room < group.prompt_len + cap - 1:
+            quiet = min(quiet, (room - first.length - steps) // chunk)
+        end = min(lengths[row.out_row(G)] for row in group.rows)
+        quiet = min(quiet, (end - first.position - steps - 1) // chunk + 1)
+        if quiet <= 0:
+            return 0
+    return quiet
 
 
 # ----------------------------------------------------------------------------- the plan
