@@ -64,8 +64,10 @@ Where the meta run differs from the code it stands for:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
+import operator
 import time
 import weakref
 from contextlib import contextmanager
@@ -77,7 +79,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -287,6 +289,8 @@ class Workload:
 
 # ----------------------------------------------------------------------------- counting
 
+_nbytes = operator.methodcaller("nbytes")
+
 
 class LiveBytes(TorchDispatchMode):
     """Bytes of the tensor storages that operators created while this mode was active and that are
@@ -308,7 +312,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        inputs = list(_tensors((args, kwargs.values())))
+        inputs = _tensors((args, kwargs.values()))
         if func is torch.ops.aten.equal.default and _no_data(inputs[0]):
             return True
         out = _meta_result(func, args, kwargs, inputs)
@@ -318,7 +322,7 @@ class LiveBytes(TorchDispatchMode):
             if id(storage) not in seen and id(storage) not in self._alive:
                 self._count(storage)
         if self.resizable:
-            self.peak = max(self.peak, self.live + sum(s.nbytes() for s in self.resizable))
+            self.peak = max(self.peak, self.live + sum(map(_nbytes, self.resizable)))
         return out
 
     def _count(self, storage) -> None:
@@ -337,11 +341,14 @@ class LiveBytes(TorchDispatchMode):
 
 # On meta tensors most operators run torch's meta kernels written in Python (torch._refs), a few milliseconds
 # each; a planner runs thousands of them. A functional operator's outputs are new tensors whose shapes, strides
-# and dtypes depend only on its arguments' (no data exists), so on plain meta tensors each distinct call is run
-# once and later ones get fresh empty tensors of the same layout. Views, in-place operators, random or
-# data-dependent ones always run.
+# and dtypes depend only on its arguments' (no data exists), so on plain meta tensors, and on FakeTensorMode's
+# (whose dispatch hashes every argument), each distinct call is run once and later ones get fresh empty tensors
+# of the same layout. Views, in-place operators, random or data-dependent ones always run, and so do calls on
+# DTensors or on fake tensors that hold a constant.
 _META_LAYOUTS: dict[tuple, tuple[tuple, ...]] = {}
 _ALWAYS_RUN = {torch.Tag.nondeterministic_seeded, torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_DICT_VALUES = type({}.values())
 
 
 def _meta_result(func, args, kwargs, inputs: list[torch.Tensor]):
@@ -352,10 +359,23 @@ def _meta_result(func, args, kwargs, inputs: list[torch.Tensor]):
     if layouts is None:
         out = func(*args, **kwargs)
         outputs = (out,) if isinstance(out, torch.Tensor) else out
-        _META_LAYOUTS[key] = tuple((t.shape, t.stride(), t.dtype) for t in outputs)
+        made = [id(t.untyped_storage()) for t in outputs]  # aten._unsafe_view returns its input's storage
+        new = len(set(made)) == len(made) and {id(t.untyped_storage()) for t in inputs}.isdisjoint(made)
+        if new and all(type(t) in _PLAIN or (type(t) is FakeTensor and t.constant is None) for t in outputs):
+            _META_LAYOUTS[key] = tuple((t.shape, t.stride(), t.dtype, t.device) for t in outputs)
         return out
-    outputs = tuple(torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in layouts)
+    mode = inputs[0].fake_mode if type(inputs[0]) is FakeTensor else None
+    outputs = tuple(_empty(shape, stride, dtype, device, mode) for shape, stride, dtype, device in layouts)
     return outputs[0] if isinstance(func._schema.returns[0].type, torch.TensorType) and len(outputs) == 1 else outputs
+
+
+def _empty(shape, stride, dtype, device, mode: FakeTensorMode | None) -> torch.Tensor:
+    """A new tensor of that layout: on meta, or a FakeTensor of `mode` on `device` (meta storage, as the mode
+    makes them)."""
+    if mode is None:
+        return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    with in_kernel_invocation_manager(mode):
+        return FakeTensor(mode, torch.empty_strided(shape, stride, dtype=dtype, device="meta"), device)
 
 
 def _layout_key(func, args, kwargs, inputs: list[torch.Tensor]) -> tuple | None:
@@ -367,7 +387,7 @@ def _layout_key(func, args, kwargs, inputs: list[torch.Tensor]) -> tuple | None:
         or not schema.returns
         or any(r.alias_info is not None or not isinstance(r.type, torch.TensorType) for r in schema.returns)
         or _ALWAYS_RUN.intersection(func.tags)
-        or any(type(t) not in (torch.Tensor, torch.nn.Parameter) or not t.is_meta for t in inputs)
+        or not (_all_meta(inputs) or _all_fake(inputs))
     ):
         return None
     try:
@@ -378,9 +398,23 @@ def _layout_key(func, args, kwargs, inputs: list[torch.Tensor]) -> tuple | None:
     return key
 
 
+def _all_meta(inputs: list[torch.Tensor]) -> bool:
+    return all(type(t) in _PLAIN and t.is_meta for t in inputs)
+
+
+def _all_fake(inputs: list[torch.Tensor]) -> bool:
+    """Fake tensors of one mode, none holding a constant (whose results the mode computes)."""
+    mode = getattr(inputs[0], "fake_mode", None)
+    return all(type(t) is FakeTensor and t.fake_mode is mode and t.constant is None for t in inputs)
+
+
 def _arg_key(x):
+    """An argument as the key of _META_LAYOUTS; TypeError for a tensor subclass the memo does not cover
+    (a DTensor dispatches its own way)."""
     if isinstance(x, torch.Tensor):
-        return ("tensor", x.shape, x.stride(), x.storage_offset(), x.dtype)
+        if type(x) not in (*_PLAIN, FakeTensor):
+            raise TypeError(f"no layout key for a {type(x).__name__}")
+        return ("tensor", x.shape, x.stride(), x.storage_offset(), x.dtype, x.device)
     if isinstance(x, (tuple, list)):
         return tuple(_arg_key(item) for item in x)
     return x
@@ -391,16 +425,20 @@ def _no_data(t: torch.Tensor) -> bool:
     return t.is_meta or isinstance(t, FakeTensor)
 
 
-def _tensors(x):
+def _tensors(x) -> list[torch.Tensor]:
     """The tensors in an operator's arguments or results (nested tuples and lists, as foreach ops take); a
     DTensor is its local shard."""
-    if fsdp.is_dtensor(x):
-        yield x.to_local()
-    elif isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (tuple, list, type({}.values()))):
+    found = []
+    _collect_tensors(x, found)
+    return found
+
+
+def _collect_tensors(x, found: list[torch.Tensor]) -> None:
+    if isinstance(x, torch.Tensor):
+        found.append(x.to_local() if type(x) not in _PLAIN and fsdp.is_dtensor(x) else x)
+    elif isinstance(x, (tuple, list, _DICT_VALUES)):
         for item in x:
-            yield from _tensors(item)
+            _collect_tensors(item, found)
 
 
 class _FlashAttentionOnMeta(torch.autograd.Function):
@@ -763,10 +801,31 @@ def simulate_rollout(
         if not sched.running:
             return stats
         steps = sched.chunk_steps()
+        if not preempted:  # and the syncs that would decide nothing, at once
+            steps += chunk * _quiet_chunks(sched, lengths, G, steps)
         stats.decode_steps += steps
         stats.row_steps += steps * len(sched.running)
         stats.rows_max = max(stats.rows_max, len(sched.running))
         sched.advance(steps)
+
+
+def _quiet_chunks(sched: Scheduler, lengths: list[int], G: int, steps: int) -> int:
+    """Whole chunks after the next `steps` decode steps whose syncs change nothing, after a sync that preempted
+    nothing: no row reaches its length, none outgrows its blocks, chunk_steps stays a chunk, and the first
+    waiting group stays refused (while no block moves, the free blocks and the rows' needs at full length
+    stay and their growth at the sync after next only rises: _admits stays False)."""
+    chunk, cap = sched.chunk, sched.new_tokens
+    quiet = (max(cap - g.rows[0].position for g in sched.admitted) - steps) // chunk
+    for group in sched.admitted:
+        first = group.rows[0]
+        room = len(first.blocks) * sched.block_size  # slots its blocks hold
+        if room < group.prompt_len + cap - 1:
+            quiet = min(quiet, (room - first.length - steps) // chunk)
+        end = min(lengths[row.out_row(G)] for row in group.rows)
+        quiet = min(quiet, (end - first.position - steps - 1) // chunk + 1)
+        if quiet <= 0:
+            return 0
+    return quiet
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -1151,17 +1210,25 @@ def _budget(work: Workload, micro: int, free: tuple[str, ...]) -> int:
 def rollout_estimate(planner: Planner, work: Workload) -> SamplerStats:
     """simulate_rollout of one step with the plan's pool: the step's prompts, each as long as the longest,
     and completion lengths from long_tail_lengths."""
-    rows = work.step_rows
-    lengths = long_tail_lengths(rows, work.max_new_tokens)
-    return simulate_rollout(
-        [work.prompt_len] * work.prompts_per_step,
+    stats = _long_tail_rollout(
+        work.prompt_len,
+        work.prompts_per_step,
         work.group_size,
-        lengths,
+        work.max_new_tokens,
         work.pool_blocks,
         planner.block_size,
-        work.rollout_prompts * work.group_size,
-        work.max_new_tokens,
+        work.rollout_prompts,
     )
+    return dataclasses.replace(stats)
+
+
+@functools.lru_cache(maxsize=64)
+def _long_tail_rollout(
+    P: int, prompts: int, G: int, C: int, blocks: int, block_size: int, in_flight: int
+) -> SamplerStats:
+    """rollout_estimate's simulation, kept: report asks again for the one fit chose."""
+    lengths = long_tail_lengths(prompts * G, C)
+    return simulate_rollout([P] * prompts, G, lengths, blocks, block_size, in_flight * G, C)
 
 
 class TrainingPasses(NamedTuple):

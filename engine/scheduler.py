@@ -46,7 +46,9 @@ def group_blocks(prompt_len: int, G: int, new_tokens: int, block_size: int) -> i
 
 @dataclass(eq=False)
 class Group:
-    """A prompt and the samples of it still to draw; while admitted, its running rows and shared blocks."""
+    """A prompt and the samples of it still to draw; while admitted, its running rows and shared blocks. Its rows
+    are admitted together and advance together, so they hold the same length, position and number of blocks:
+    the Scheduler decides for the group by its first row."""
 
     prompt: int  # index in the call's prompts
     prompt_len: int
@@ -141,9 +143,10 @@ class Scheduler:
         admitted). An admitted group's rows start at length = prompt, position 1 (the prefill draws one)."""
         preempted = []
         while True:
-            running = self.running
-            needs = [self._blocks(row.group.prompt_len, row.length + self.chunk) - len(row.blocks) for row in running]
-            if sum(needs) <= len(self.free):
+            needs = [
+                self._blocks(g.prompt_len, g.rows[0].length + self.chunk) - len(g.rows[0].blocks) for g in self.admitted
+            ]
+            if sum(n * len(g.rows) for g, n in zip(self.admitted, needs)) <= len(self.free):
                 break
             if len(self.admitted) == 1:
                 raise RuntimeError(
@@ -151,46 +154,55 @@ class Scheduler:
                 )
             preempted.append(self.admitted[-1])
             self._preempt(self.admitted[-1])
-        for row, n in zip(running, needs):
+        for group, n in zip(self.admitted, needs):
             if n:
-                row.blocks += self._take(n)
+                for row in group.rows:
+                    row.blocks += self._take(n)
         admitted = []
-        while self.waiting and not preempted:
-            group = self.waiting[0]
-            p, m = group.prompt_len, len(group.members)
+        while self.waiting and not preempted and self._admits(self.waiting[0]):
+            group = self.waiting.popleft()
+            p = group.prompt_len
             shared = p // self.block_size
             own = self._blocks(p, p + self.chunk) - shared
-            if len(running) + m > self.max_rows:
-                break
-            # a group whose rows can all run to full length beside the others' needs no reserve
-            full = group_blocks(p, m, self.new_tokens, self.block_size) + self._to_full_length(running)
-            reserve = self._next_growth(running) + m * self._growth(p, p) + int(ADMIT_WATERMARK * self.blocks)
-            if full > len(self.free) and shared + m * own + reserve > len(self.free):
-                break
-            self.waiting.popleft()
             group.shared = self._take(shared)
             group.rows = [Row(group, member, p, 1, group.shared + self._take(own)) for member in group.members]
             self.admitted.append(group)
             admitted.append(group)
-            running = running + group.rows
         return preempted, admitted
+
+    def _admits(self, group: Group) -> bool:
+        """Whether the waiting group fits beside the running rows: within max_rows, and its prompt and first chunk
+        leave the reserve free, unless all its rows can run to full length beside the running ones'."""
+        p, m = group.prompt_len, len(group.members)
+        if sum(len(g.rows) for g in self.admitted) + m > self.max_rows:
+            return False
+        free = len(self.free)
+        # a group whose rows can all run to full length beside the others' needs no reserve
+        if group_blocks(p, m, self.new_tokens, self.block_size) + self._to_full_length() <= free:
+            return True
+        shared = p // self.block_size
+        own = self._blocks(p, p + self.chunk) - shared
+        reserve = self._next_growth() + m * self._growth(p, p) + int(ADMIT_WATERMARK * self.blocks)
+        return shared + m * own + reserve <= free
 
     def _growth(self, prompt_len: int, length: int) -> int:
         """Blocks a row of `length` slots asks for at the sync after next (none past its full length)."""
         return self._blocks(prompt_len, length + 2 * self.chunk) - self._blocks(prompt_len, length + self.chunk)
 
-    def _next_growth(self, rows: list[Row]) -> int:
-        return sum(self._growth(row.group.prompt_len, row.length) for row in rows)
+    def _next_growth(self) -> int:
+        """Blocks the running rows ask for at the sync after next."""
+        return sum(len(g.rows) * self._growth(g.prompt_len, g.rows[0].length) for g in self.admitted)
 
-    def _to_full_length(self, rows: list[Row]) -> int:
-        """Blocks the rows still ask for until each reaches its full length."""
+    def _to_full_length(self) -> int:
+        """Blocks the running rows still ask for until each reaches its full length."""
         return sum(
-            self._blocks(row.group.prompt_len, row.group.prompt_len + self.new_tokens) - len(row.blocks) for row in rows
+            len(g.rows) * (self._blocks(g.prompt_len, g.prompt_len + self.new_tokens) - len(g.rows[0].blocks))
+            for g in self.admitted
         )
 
     def chunk_steps(self) -> int:
         """Decode steps until the next sync: a chunk, or fewer when every running row reaches its cap sooner."""
-        return min(self.chunk, max(self.new_tokens - row.position for row in self.running))
+        return min(self.chunk, max(self.new_tokens - group.rows[0].position for group in self.admitted))
 
     def advance(self, steps: int) -> None:
         """The host's view of `steps` decode steps: every running row wrote and drew that many tokens (a row

@@ -4,6 +4,7 @@ their rollout estimates against the calls before the pool), fit's choices, the s
 batching and the errors when nothing fits."""
 
 import dataclasses
+import random
 import re
 
 import pytest
@@ -13,9 +14,9 @@ import config
 import lora
 import loss
 import rollout
-from engine import memory, sizes
+from engine import memory, sampler, sizes
 from engine.pool import Pool
-from engine.scheduler import group_blocks
+from engine.scheduler import Group, SamplerStats, Scheduler, group_blocks
 from engine.shared_prompts import hidden_shared
 from model import ModelConfig, Transformer
 
@@ -77,6 +78,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
+def atr_planner():
+    """The Qwen3-1.7B plan of ATR, shared by the tests that only read its phases."""
+    return memory.Planner(memory.model_config("Qwen/Qwen3-1.7B"), ATR)
+
+
+@pytest.fixture(scope="module")
 def small_model():
     torch.manual_seed(0)
     model = Transformer(SMALL)
@@ -94,6 +101,17 @@ def test_live_bytes_counts_storages_once_and_forgets_freed_ones():
     assert (tracker.live, tracker.peak) == (4000, 8000)
     del x, view
     assert tracker.live == 0
+
+
+def test_a_view_counts_nothing_however_often_it_runs():
+    """aten._unsafe_view returns its input's storage without saying so in its schema: the layout memo must not
+    hand out a new storage for it on a second call with the same layout."""
+    x = torch.zeros(4, 8, device="meta")
+    for _ in range(2):
+        with memory.LiveBytes() as tracker:
+            y = torch.ops.aten._unsafe_view(x, (32,))
+            z = x * 2  # 128 bytes of its own
+        assert (tracker.peak, y.untyped_storage().nbytes(), z.shape) == (128, 128, (4, 8))
 
 
 def ready_to_train(model, checkpointing: bool):
@@ -239,9 +257,8 @@ def test_two_and_three_blocks_extend_exactly_to_the_full_depth():
         assert planner.measure(name, size) == full.measure(name, size), name
 
 
-def test_qwen3_1_7b_weights_and_kv_pool():
-    cfg = memory.model_config("Qwen/Qwen3-1.7B")
-    planner = memory.Planner(cfg, ATR)
+def test_qwen3_1_7b_weights_and_kv_pool(atr_planner):
+    planner = atr_planner
     H, I, L, V = 2048, 6144, 28, 151936
     params = V * H + L * (2 * H * 16 * 128 + 2 * H * 8 * 128 + 3 * H * I + 2 * H + 2 * 128) + H  # tied head
     assert planner.peak("weights") == 2 * params  # bfloat16
@@ -309,9 +326,8 @@ def test_preset_plans_fit(preset, gpu_gb, chosen, before_calls, rows_at_least, f
     assert by_rows == cfg.updates_per_rollout * chosen["grad_accum"] and packed < by_rows / 2, (packed, by_rows)
 
 
-def test_the_plan_counts_old_hidden_and_the_evaluation_prompts():
-    cfg = memory.model_config("Qwen/Qwen3-1.7B")
-    planner = memory.Planner(cfg, ATR)
+def test_the_plan_counts_old_hidden_and_the_evaluation_prompts(atr_planner):
+    cfg, planner = memory.model_config("Qwen/Qwen3-1.7B"), atr_planner
     with_hidden = memory.Planner(cfg, dataclasses.replace(ATR, old_hidden=True))
     # kl_full keeps the sampling policy's final states [N, C, hidden] in bf16 through the step
     grown = with_hidden.peak("train", 4) - planner.peak("train", 4)
@@ -320,13 +336,14 @@ def test_the_plan_counts_old_hidden_and_the_evaluation_prompts():
     plain = config.parse_args(["--preset", "atr-grpo-qwen3-1.7b"])[0]
     assert sizes.workload(rule).old_hidden and not sizes.workload(plain).old_hidden
     longer_eval = dataclasses.replace(ATR, eval_prompt_len=1500)
-    assert memory.Planner(cfg, longer_eval).floor_blocks(longer_eval) > planner.floor_blocks(ATR)
-    assert memory.Planner(cfg, longer_eval).peak("eval", 30) > planner.peak("eval", 30)
+    longer = memory.Planner(cfg, longer_eval)
+    assert longer.floor_blocks(longer_eval) > planner.floor_blocks(ATR)
+    assert longer.peak("eval", 30) > planner.peak("eval", 30)
 
 
 def test_fit_gives_the_pool_what_the_other_phases_leave():
     work = dataclasses.replace(SMALL_WORK, prompts_per_step=8, rollout_prompts=8, micro_batch_rows=8)
-    planner = memory.Planner(SMALL, work)
+    planner = memory.Planner.of(SMALL, work)  # the one fit's planning() finds
     budget = 2 * 10**9
     chosen = memory.fit(SMALL, work, budget)
     usable = memory.usable_bytes(budget)
@@ -352,11 +369,51 @@ def test_simulation_of_continuous_batching():
     assert (joins.rows_max, joins.preempted, joins.decode_steps) == (12, 0, C - 1)
 
 
+def stepwise_rollout(prompt_lens, G, lengths, blocks, block_size, max_rows, new_tokens, chunk) -> SamplerStats:
+    """simulate_rollout without its jumps: the Scheduler synced after every chunk, as the sampler's loop does."""
+    sched = Scheduler(blocks - 1, block_size, chunk, max_rows, new_tokens)
+    for i, prompt_len in enumerate(prompt_lens):
+        sched.add(Group(i, prompt_len, list(range(G))))
+    stats = SamplerStats()
+    while True:
+        sched.finish([row for row in sched.running if row.position >= lengths[row.out_row(G)]])
+        preempted, admitted = sched.sync()
+        stats.preempted += len(preempted)
+        stats.prefills += len(sampler.prefill_batches(admitted))
+        if not sched.running:
+            return stats
+        steps = sched.chunk_steps()
+        stats.decode_steps += steps
+        stats.row_steps += steps * len(sched.running)
+        stats.rows_max = max(stats.rows_max, len(sched.running))
+        sched.advance(steps)
+
+
+def test_the_simulation_jumps_only_over_syncs_that_decide_nothing():
+    """Random pools, prompts, lengths and chunks: the counts of simulate_rollout are those of syncing at every
+    chunk (preemptions, waits for the watermark and for max_rows included)."""
+    rng = random.Random(0)
+    for _ in range(150):
+        bs, chunk, G, new_tokens = (
+            rng.choice([2, 8, 32]),
+            rng.choice([1, 3, 16]),
+            rng.choice([1, 2, 4]),
+            rng.randint(1, 150),
+        )
+        prompt_lens = [rng.randint(1, 100) for _ in range(rng.randint(1, 8))]
+        lengths = [rng.choice([rng.randint(1, new_tokens), new_tokens]) for _ in range(len(prompt_lens) * G)]
+        floor = 1 + max(group_blocks(p, G, new_tokens, bs) for p in prompt_lens)
+        blocks = floor + rng.choice([0, 2, rng.randint(0, 4 * floor)])
+        max_rows = rng.choice([G, rng.randint(G, len(prompt_lens) * G), 10**6])
+        case = (prompt_lens, G, lengths, blocks, bs, max_rows, new_tokens, chunk)
+        assert memory.simulate_rollout(*case) == stepwise_rollout(*case), case
+
+
 def test_fit_names_what_cannot_fit():
     with pytest.raises(ValueError, match=r"weights needs 16\.4 GB.*smaller model"):
         memory.fit(memory.model_config("Qwen/Qwen3-8B"), GPPO, 16 * memory.GB)
     work = dataclasses.replace(SMALL_WORK, group_size=64)  # a prompt's 64 rows x 127 slots outweigh training
-    planner = memory.Planner(SMALL, work)
+    planner = memory.Planner.of(SMALL, work)  # the one fit's planning() finds
     budget = int((planner.peak("train", 1) + memory.RESERVED) / (1 - memory.SLACK)) + 10**6
     with pytest.raises(
         ValueError,
@@ -499,9 +556,8 @@ def test_the_plan_counts_the_attention_path_the_sampler_takes():
         memory.Workload(attention="paged")
 
 
-def test_the_plan_counts_the_rollouts_dynamic_sampling_holds():
-    cfg = memory.model_config("Qwen/Qwen3-1.7B")
-    planner = memory.Planner(cfg, ATR)
+def test_the_plan_counts_the_rollouts_dynamic_sampling_holds(atr_planner):
+    cfg, planner = memory.model_config("Qwen/Qwen3-1.7B"), atr_planner
     oversampled = memory.Planner(cfg, dataclasses.replace(ATR, sampler_calls=3))
     # the last of 3 calls finds the 2 earlier rollouts held: their [N, P + C] ids and [N, C] ids and log-probs
     grown = oversampled.peak("rollout", 4) - planner.peak("rollout", 4)
