@@ -726,7 +726,8 @@ def sampling_phase(
     device, C = model.device, work.max_new_tokens
     G, P = (work.eval_k, work.eval_len) if eval else (work.group_size, work.prompt_len)
     temperature = work.eval_temperature if eval else work.temperature
-    call_prompts = work.eval_prompts if eval else work.prompts_per_step
+    # an evaluation call holds its --eval-batch prompts, all of them in flight; a training call the step's prompts
+    call_prompts = prompts_in_flight if eval else work.prompts_per_step
     rows = min(prompts_in_flight, call_prompts) * G
     pool = Pool(
         model, 2, max_len=P + C, attention=work.attention

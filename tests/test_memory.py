@@ -341,6 +341,13 @@ def test_the_plan_counts_old_hidden_and_the_evaluation_prompts(atr_planner):
     assert longer.peak("eval", 30) > planner.peak("eval", 30)
 
 
+def test_an_evaluation_call_is_measured_at_the_size_asked(atr_planner):
+    """fit tries --eval-batch sizes other than the workload's (30 here): a call of more prompts holds more rows,
+    results and logits, whatever the planner was built with."""
+    own = [atr_planner.measure("eval", size)[1] for size in (15, 30, 60)]
+    assert own[0] < own[1] < own[2], own
+
+
 def test_fit_gives_the_pool_what_the_other_phases_leave():
     work = dataclasses.replace(SMALL_WORK, prompts_per_step=8, rollout_prompts=8, micro_batch_rows=8)
     planner = memory.Planner.of(SMALL, work)  # the one fit's planning() finds
