@@ -12,9 +12,9 @@ Two length modes, the same on both sides, so both produce the same token count:
   lengths. A rare stop token (the last id) is forced at that length, so finished rows leave ours
   (compaction) and stay padded in transformers'.
 --fixed-shapes runs our CUDA decode loop (span and row buckets) on the CPU.
---products times only the decode step's matrix products on the CPU: engine/decode_weights.py's decode_linear
-against F.linear for every projection shape of SmolLM2-135M and Qwen3-1.7B (random fp32 weights) at 1 to 6
-rows: the measurements its operand order (WEIGHT_LEFT_ROWS) follows; docs/engine.md keeps the table.
+--products times only the decode step's matrix products on the CPU: F.linear against the packed oneDNN product
+engine/decode_weights.py runs (packed_linear) for every projection shape of SmolLM2-135M and Qwen3-1.7B (random
+fp32 weights) at 1 to 32 rows: the measurements the CPU's choice follows; docs/engine.md keeps the table.
 --profile prints the self CPU time by operator of one CPU call of each sampler, as shares of the call's (usable
 on a shared machine, where seconds are not), and the minor page faults the call took.
 
@@ -247,7 +247,7 @@ def bench_cpu(repeats: int, dtype: torch.dtype, long_tail: bool, fixed_shapes: b
         "transformers generate": lambda: hf_generate(hf, prompts, samples, new_tokens, pad_id, lengths),
     }
     if lengths is None:
-        runs["decode matrix products alone"] = lambda: decode_matmuls(ours, prompts_n * samples, new_tokens - 1)
+        runs["our decode products alone"] = lambda: decode_products(ours, prompts_n * samples, new_tokens - 1)
     compare(runs, prompts_n * samples * new_tokens if lengths is None else sum(lengths), device, repeats)
 
 
@@ -296,44 +296,55 @@ def profile_cpu(dtype: torch.dtype, long_tail: bool) -> None:
 
 
 @torch.inference_mode()
-def decode_matmuls(model, rows: int, steps: int) -> None:
-    """Only the matrix products of `steps` decode steps: every linear layer and the vocabulary
-    projection on [rows, in_features] inputs. Any sampler on these weights does at least this
-    work per step; its time against both samplers' shows how much of a step is left to win."""
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = {n: torch.randn(rows, n, dtype=model.dtype) for n in {m.in_features for m in linears}}
+def decode_products(model, rows: int, steps: int) -> None:
+    """Only the matrix products of `steps` of our decode steps, as decode_step runs them (DecodeWeights: each
+    projection group's and the vocabulary projection, packed on the CPU in fp32) on [rows, in_features] inputs.
+    Its time against our sampler's is the share of a call that is not the products: attention, norms, the draw,
+    the prefill."""
+    decode = decode_weights.DecodeWeights(model)
+    widths = {group.modules[0].weight.shape[1] for group in decode.groups + [decode.vocabulary]}
+    inputs = {n: torch.randn(rows, n, dtype=model.dtype) for n in widths}
     for _ in range(steps):
-        for linear in linears:
-            linear(inputs[linear.in_features])
+        for index, group in enumerate(decode.groups):
+            decode.project(index, inputs[group.modules[0].weight.shape[1]])
+        decode.logits(inputs[model.config.hidden_size])
 
 
 PRODUCT_SHAPES = {  # (out, in) of each distinct projection, and how many of it one decode step runs
     "SmolLM2-135M": {(576, 576): 60, (192, 576): 60, (1536, 576): 60, (576, 1536): 30, (49152, 576): 1},
     "Qwen3-1.7B": {(2048, 2048): 56, (1024, 2048): 56, (6144, 2048): 56, (2048, 6144): 28, (151936, 2048): 1},
 }
+PRODUCT_ROWS = (1, 2, 4, 8, 16, 32)
 
 
 @torch.inference_mode()
 def bench_products(repeats: int) -> None:
-    """Seconds of one decode step's matrix products, F.linear against decode_linear, per shape and rows.
-    Each shape runs on as many distinct random matrices as the model has of it, so the weights stream from
-    memory as in a decode step, not from the cache. Best of `repeats` rounds, interleaved."""
-    print(
-        f"CPU, {torch.get_num_threads()} threads, fp32: one decode step's products, F.linear / "
-        f"decode_linear in ms (weight on the left at rows: in_features up to {decode_weights.WEIGHT_LEFT_ROWS})"
-    )
+    """Seconds of one decode step's matrix products, F.linear (MKL, the weight laid out again at every call)
+    against packed_linear on each weight packed once for oneDNN (the decode step's CPU path), per shape and
+    rows. Each shape runs on as many distinct random matrices as the model has of it, so the weights stream
+    from memory as in a decode step, not from the cache. Best of `repeats` rounds, interleaved."""
+    if not decode_weights.packs_weights(torch.device("cpu"), torch.float32):
+        raise SystemExit("bench/rollout.py --products: this torch runs no packed oneDNN linear, nothing to compare")
+    print(f"CPU, {torch.get_num_threads()} threads, fp32: one decode step's products, F.linear / packed in ms")
     torch.manual_seed(0)
+    products = (
+        lambda x, weight, packed: F.linear(x, weight),
+        lambda x, weight, packed: decode_weights.packed_linear(x, packed),
+    )
     for name, shapes in PRODUCT_SHAPES.items():
         print(f"{name:>14} rows " + "".join(f"{f'{o}x{i}':>20}" for o, i in shapes) + f"{'step':>20}")
-        matrices = {shape: [torch.randn(shape) for _ in range(count)] for shape, count in shapes.items()}
-        for rows in range(1, 7):
+        matrices = {
+            shape: [(w, decode_weights.PackedWeights.of([w], [None])) for w in torch.randn(count, *shape)]
+            for shape, count in shapes.items()
+        }
+        for rows in PRODUCT_ROWS:
             cells, totals = [], [0.0, 0.0]
-            for (_, in_features), weights_ in matrices.items():
+            for (_, in_features), pairs in matrices.items():
                 x = torch.randn(rows, in_features)
                 best = [float("inf"), float("inf")]
                 for _ in range(repeats):
-                    for side, product in enumerate((F.linear, decode_weights.decode_linear)):
-                        seconds, _ = timed(lambda: [product(x, w) for w in weights_], torch.device("cpu"))
+                    for side, product in enumerate(products):
+                        seconds, _ = timed(lambda: [product(x, w, p) for w, p in pairs], torch.device("cpu"))
                         best[side] = min(best[side], seconds)
                 totals = [total + b for total, b in zip(totals, best)]
                 cells.append(best)
@@ -442,7 +453,7 @@ def main() -> None:
     parser.add_argument(
         "--products",
         action="store_true",
-        help="CPU: time only the decode step's matrix products, decode_linear against F.linear",
+        help="CPU: time only the decode step's matrix products, packed against F.linear",
     )
     parser.add_argument(
         "--profile",

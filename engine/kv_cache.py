@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.decode_weights import DecodeWeights, decode_linear
+from engine.decode_weights import DecodeWeights
 from model import ModelConfig, Transformer, leading_pads, rope_rotation
 
 ATTENTION_KINDS = ("flash", "flex", "gather")
@@ -359,7 +359,7 @@ def decode_step(
         x = weights.project(4 * i + 1, out, residual=x)
         gate, up = weights.project(4 * i + 2, block.post_attention_layernorm.fused(x)).chunk(2, dim=1)
         x = weights.project(4 * i + 3, F.silu(gate) * up, residual=x)
-    return decode_linear(model.model.norm.fused(x), model.lm_head.weight)
+    return weights.logits(model.model.norm.fused(x))
 
 
 def rotate(x: torch.Tensor, rotation: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

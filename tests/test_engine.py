@@ -1,7 +1,7 @@
 """Tests for the engine's decode path on tiny random checkpoints: the paged KV cache's prefill and decode
 step against the full forward pass, gather attention by prompt group against the row by row one,
-decode_linear and its operand order against the benchmark's table, the benchmark's profile, the decode
-weights following the adapters, the shared-prompt training pass against whole rows, and the CUDA graph
+the decode step's products (packed on the CPU) against F.linear, the benchmarks' plumbing, the decode
+weights following the adapters and the weights, the shared-prompt training pass against whole rows, and the CUDA graph
 capture's calls. The sampler end to end (scheduler, preemption, graphs): test_rollout.py."""
 
 import contextlib
@@ -9,6 +9,7 @@ import dataclasses
 import importlib.util
 import re
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import lora
 from conftest import assert_equal_to
 from engine import memory
-from engine.decode_weights import DecodeWeights, decode_linear, weight_on_the_left
+from engine.decode_weights import DecodeWeights, PackedWeights, decode_linear, packed_linear, packs_weights
 from engine.graphs import CudaGraph
 from engine.kv_cache import (
     DecodeAttention,
@@ -35,6 +36,9 @@ from infra import weights
 from model import ModelConfig, Transformer
 
 ROOT = Path(__file__).parent.parent
+needs_packing = pytest.mark.skipif(
+    not packs_weights(torch.device("cpu"), torch.float32), reason="this torch runs no packed oneDNN linear"
+)
 
 
 def load_bench(monkeypatch, name: str):
@@ -94,8 +98,8 @@ def test_paged_prefill_and_decode_equal_the_full_forward(checkpoint, adapted, at
 @pytest.mark.parametrize("attention", available_paths())
 @pytest.mark.parametrize("rows", range(1, 6))
 def test_a_decode_step_of_a_few_rows_equals_the_full_forward(tiny_model_dir, rows, attention):
-    """One to five rows, the counts at which decode_linear's operand order changes on the CPU, on each attention
-    path: each row's logits after its prompt are the plain forward pass's."""
+    """One to five rows (a long tail's last steps) on each attention path: each row's logits after its prompt are
+    the plain forward pass's."""
     model = weights.from_pretrained(tiny_model_dir).eval()
     prompts = random_rows([3 + r for r in range(rows)], model.config.vocab_size, seed=rows)
     pool = KVPool(model.config, 1 + 2 * rows, 4, model.dtype, model.device, attention)
@@ -137,80 +141,110 @@ def test_grouped_gather_attention_reads_each_prompt_once_and_equals_the_row_by_r
     assert len(copied) == 3 * 8 and len(by_row.gather) == 6 * 6
 
 
-@pytest.mark.parametrize("rows", range(1, 7))
-@pytest.mark.parametrize("in_features", [48, 2048])
+@pytest.mark.parametrize("rows", [1, 3, 32])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_decode_linear_is_linear_up_to_rounding(rows, in_features, with_bias):
-    """Whichever side the weight takes, decode_linear gives F.linear's [rows, out], contiguous (the decode step
-    views it per head), to fp32 rounding; so it does written into a column slice of a wider output (the
-    group's side-by-side outputs, the columns beside it untouched) and with a residual added."""
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=needs_packing)])
+def test_the_decode_products_are_linear_up_to_rounding(rows, with_bias, packed):
+    """decode_linear on the parameters, and packed_linear on the same weights packed side by side in two parts
+    (a group's q and k, say), give F.linear's [rows, out], contiguous (the decode step views it per head), to fp32
+    rounding, with a residual added too; decode_linear also writes into a column slice of a wider output (the
+    group's side-by-side outputs, the columns beside it untouched). A packed product reads a strided input."""
     generator = torch.Generator().manual_seed(rows)
-    x, weight = torch.randn(rows, in_features, generator=generator), torch.randn(40, in_features, generator=generator)
+    x, weight = torch.randn(rows, 2 * 48, generator=generator)[:, ::2], torch.randn(40, 48, generator=generator)
     bias = torch.randn(40, generator=generator) if with_bias else None
     expected = torch.nn.functional.linear(x, weight, bias)
-    out = decode_linear(x, weight, bias)
+    residual = torch.randn(rows, 40, generator=generator)
+    if packed:
+        pack = PackedWeights.of([weight[:30], weight[30:]], [None if bias is None else bias[:30], None])
+        if bias is not None:  # the second part has no bias of its own: zeros stand in for it
+            expected[:, 30:] -= bias[30:]
+        product = partial(packed_linear, x, pack)
+    else:
+        product = partial(decode_linear, x, weight, bias)
+    out = product()
     assert out.shape == (rows, 40) and out.is_contiguous()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
-    wide = torch.full((rows, 50), 7.0)
-    decode_linear(x, weight, bias, out=wide[:, 5:45])
-    torch.testing.assert_close(wide[:, 5:45], expected, rtol=1e-5, atol=1e-4)
-    assert (wide[:, :5] == 7).all() and (wide[:, 45:] == 7).all()
-    residual = torch.randn(rows, 40, generator=generator)
-    torch.testing.assert_close(
-        decode_linear(x, weight, bias, residual=residual), residual + expected, rtol=1e-5, atol=1e-4
-    )
+    torch.testing.assert_close(product(residual=residual), residual + expected, rtol=1e-5, atol=1e-4)
+    if not packed:
+        wide = torch.full((rows, 50), 7.0)
+        decode_linear(x, weight, bias, out=wide[:, 5:45])
+        torch.testing.assert_close(wide[:, 5:45], expected, rtol=1e-5, atol=1e-4)
+        assert (wide[:, :5] == 7).all() and (wide[:, 45:] == 7).all()
 
 
-def measured_speedups() -> dict[str, dict[int, list[float]]]:
-    """docs/engine.md's table of `bench/rollout.py --products`: per model, per row count, F.linear's time over
-    decode_linear's at each thread count measured."""
-    text = (ROOT / "docs" / "engine.md").read_text()
-    header = next(line for line in text.splitlines() if line.startswith("| rows |"))
-    columns = [cell.strip() for cell in header.strip("|").split("|")][1:]
-    table = text[text.index(header) :].splitlines()[2:]
-    speedups: dict[str, dict[int, list[float]]] = {}
-    for line in table:
-        if not line.startswith("|"):
-            break
-        cells = [cell.strip() for cell in line.strip("|").split("|")]
-        for column, cell in zip(columns, cells[1:]):
-            model = column.split(",")[0]
-            ratio = float(re.search(r"\(([0-9.]+)x\)", cell).group(1))
-            speedups.setdefault(model, {}).setdefault(int(cells[0]), []).append(ratio)
-    return speedups
+def test_products_are_packed_in_fp32_on_the_cpu_alone():
+    """packs_weights: fp32 on a CPU with oneDNN; never in float64 (the exact reference), bf16 or on meta (the
+    plan's device, standing in for CUDA), whose decode steps read the parameters themselves."""
+    assert packs_weights(torch.device("cpu"), torch.float32) == torch.backends.mkldnn.is_available()
+    assert not packs_weights(torch.device("cpu"), torch.float64)
+    assert not packs_weights(torch.device("cpu"), torch.bfloat16)
+    assert not packs_weights(torch.device("meta"), torch.float32)
+    meta = DecodeWeights(Transformer(ModelConfig(num_layers=1, vocab_size=64)).to("meta"))
+    assert not meta.packs and all(group.packed is None for group in meta.groups + [meta.vocabulary])
 
 
-@pytest.mark.skipif(
-    not torch.backends.mkl.is_available(), reason="decode_linear reorders products only where measured: MKL"
-)
-def test_the_operand_order_is_the_one_the_benchmark_measured_faster(monkeypatch):
-    """Per model and row count of the benchmark's table: where the weight on the left was faster at every
-    thread count (by more than 10%), each of the model's products takes it; where it gained nothing, none
-    does. In bf16 and on meta, as on CUDA, decode_linear is F.linear."""
-    shapes = load_bench(monkeypatch, "rollout").PRODUCT_SHAPES
-    speedups = measured_speedups()
-    assert set(speedups) == set(shapes) and all(set(rows) == set(range(1, 6)) for rows in speedups.values())
-    for model, by_rows in speedups.items():
-        for rows, ratios in by_rows.items():
-            if min(ratios) > 1.1 or max(ratios) < 1.1:
-                for _, in_features in shapes[model]:
-                    expected = min(ratios) > 1.1
-                    assert weight_on_the_left(torch.zeros(rows, in_features)) == expected, (model, rows, in_features)
-    for other in (torch.zeros(2, 576, dtype=torch.bfloat16), torch.zeros(2, 576, device="meta")):
-        assert not weight_on_the_left(other)
+@needs_packing
+@torch.no_grad()
+def test_packed_weights_are_packed_again_when_a_weight_changes(tiny_model_dir):
+    """A full-parameter update changes the weights in place between rollouts, and loading assigns new tensors:
+    refresh packs again exactly the groups whose weights changed either way, so the decode step's logits stay
+    the full forward's; with no change it packs nothing."""
+    model = weights.from_pretrained(tiny_model_dir).eval()
+    prompt = random_rows([5], model.config.vocab_size, seed=3)[0]
+    decode = DecodeWeights(model)
+    assert decode.packs and all(group.packed is not None for group in decode.groups + [decode.vocabulary])
+
+    def packed_objects():
+        return [group.packed for group in decode.groups + [decode.vocabulary]]
+
+    def last_logits() -> torch.Tensor:
+        pool = KVPool(model.config, 3, 4, model.dtype, model.device)
+        rows = PagedRows(pool, torch.tensor([[1, 2]], dtype=torch.int32), torch.zeros(1, dtype=torch.long))
+        prefill(model, torch.tensor([prompt[:-1]]), torch.ones(1, len(prompt) - 1, dtype=torch.bool), rows)
+        rows.length += len(prompt) - 1
+        return decode_step(model, torch.tensor(prompt[-1:]), rows, span=8, weights=decode)[0]
+
+    before = packed_objects()
+    decode.refresh(model)
+    assert all(a is b for a, b in zip(packed_objects(), before))
+    model.model.layers[1].mlp.up_proj.weight.mul_(-2.0)  # in place, as an optimizer step
+    o_proj = model.model.layers[0].self_attn.o_proj
+    o_proj.weight = torch.nn.Parameter(torch.randn_like(o_proj.weight))  # a new tensor, as loading assigns
+    decode.refresh(model)
+    changed = [i for i, (a, b) in enumerate(zip(packed_objects(), before)) if a is not b]
+    assert changed == [1, 4 + 2]  # layer 0's o_proj group, layer 1's gate/up group
+    assert (last_logits() - model(torch.tensor([prompt]))[0, -1]).abs().max() < 1e-4
+    model.lm_head.weight.add_(1.0)  # tied to the embedding in the tiny model: the vocabulary is packed again
+    decode.refresh(model)
+    assert decode.vocabulary.packed is not before[-1]
+    assert (last_logits() - model(torch.tensor([prompt]))[0, -1]).abs().max() < 1e-4
 
 
+@needs_packing
 def test_the_products_benchmark_prints_both_sides_per_shape_and_row_count(monkeypatch, capsys):
-    """bench/rollout.py --products on two small shapes: per row count, each shape's F.linear / decode_linear
-    times and their ratio, and the step's total."""
+    """bench/rollout.py --products on two small shapes: per row count, each shape's F.linear / packed times and
+    their ratio, and the step's total."""
     bench = load_bench(monkeypatch, "rollout")
     monkeypatch.setattr(bench, "PRODUCT_SHAPES", {"tiny": {(24, 16): 3, (16, 24): 2}})
     bench.bench_products(repeats=1)
     lines = capsys.readouterr().out.splitlines()
     assert "24x16" in lines[1] and "16x24" in lines[1] and lines[1].rstrip().endswith("step")
     rows = [line.split() for line in lines[2:]]
-    assert [int(cells[0]) for cells in rows] == list(range(1, 7))
+    assert [int(cells[0]) for cells in rows] == list(bench.PRODUCT_ROWS)
     assert all(len(cells) == 1 + 3 * 4 and [c[-1] for c in cells[4::4]] == ["x"] * 3 for cells in rows)
+
+
+def test_the_decode_products_alone_are_those_of_a_decode_step(monkeypatch, tiny_model_dir):
+    """bench/rollout.py's "our decode products alone" runs, per step, the products decode_step runs: each projection
+    group's and the vocabulary projection, once each."""
+    bench = load_bench(monkeypatch, "rollout")
+    model = weights.from_pretrained(tiny_model_dir).eval()
+    calls = []
+    monkeypatch.setattr(DecodeWeights, "project", lambda self, index, x, residual=None: calls.append(index))
+    monkeypatch.setattr(DecodeWeights, "logits", lambda self, x: calls.append("vocabulary"))
+    bench.decode_products(model, rows=3, steps=2)
+    step = list(range(4 * model.config.num_layers)) + ["vocabulary"]
+    assert calls == step + step
 
 
 def test_the_profile_prints_each_operators_share_of_one_call(monkeypatch, capsys, tiny_model_dir):

@@ -14,7 +14,7 @@ import config
 import lora
 import loss
 import rollout
-from engine import memory, sampler, sizes
+from engine import decode_weights, memory, sampler, sizes
 from engine.pool import Pool
 from engine.scheduler import Group, SamplerStats, Scheduler, group_blocks
 from engine.shared_prompts import hidden_shared
@@ -218,10 +218,12 @@ def test_a_pass_of_whole_groups_plans_less_memory_than_rows_alone():
     assert by_groups.measure("frozen", 8)[1] < by_rows.measure("train", 8)[1]
 
 
-def test_plan_matches_a_real_cpu_rollout():
+def test_plan_matches_a_real_cpu_rollout(monkeypatch):
     """The planned sampler call against rollout.generate's fixed-shape path (CUDA's, run eagerly) over a pool
     made beforehand (the pool is resident: the plan counts it apart), every row running to the cap. With
-    graphs the plan adds what they hold: the static logits of two row buckets and the step's temporaries."""
+    graphs the plan adds what they hold: the static logits of two row buckets and the step's temporaries. As on
+    CUDA, the products read the parameters: the CPU's packed copy of them is not made."""
+    monkeypatch.setattr(decode_weights, "packs_weights", lambda device, dtype: False)
     cfg = dataclasses.replace(SMALL, tie_word_embeddings=False)
     run = memory._MetaRun(memory.meta_model(cfg, SMALL_WORK), SMALL_WORK)
     with memory.flash_attention_on_meta():
