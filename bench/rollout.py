@@ -317,6 +317,15 @@ PRODUCT_SHAPES = {  # (out, in) of each distinct projection, and how many of it 
 PRODUCT_ROWS = (1, 2, 4, 8, 16, 32)
 
 
+@torch.no_grad()
+def random_linears(shape: tuple[int, int], count: int) -> list[torch.nn.Linear]:
+    """count bias-free linear layers of weight shape (out, in), random normal weights."""
+    layers = [torch.nn.utils.skip_init(torch.nn.Linear, shape[1], shape[0], bias=False) for _ in range(count)]
+    for layer in layers:
+        layer.weight.normal_()
+    return layers
+
+
 @torch.inference_mode()
 def bench_products(repeats: int) -> None:
     """Seconds of one decode step's matrix products, F.linear (MKL, the weight laid out again at every call)
@@ -333,8 +342,8 @@ def bench_products(repeats: int) -> None:
     )
     for name, shapes in PRODUCT_SHAPES.items():
         print(f"{name:>14} rows " + "".join(f"{f'{o}x{i}':>20}" for o, i in shapes) + f"{'step':>20}")
-        matrices = {
-            shape: [(w, decode_weights.PackedWeights.of([w], [None])) for w in torch.randn(count, *shape)]
+        matrices = {  # (weight, its packed copy) pairs
+            shape: [(m.weight, decode_weights.PackedWeights.of([m])) for m in random_linears(shape, count)]
             for shape, count in shapes.items()
         }
         for rows in PRODUCT_ROWS:

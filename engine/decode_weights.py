@@ -43,23 +43,27 @@ def packs_weights(device: torch.device, dtype: torch.dtype) -> bool:
 def _packed_linear_works() -> bool:
     if not torch.backends.mkldnn.is_available():
         return False
-    generator = torch.Generator().manual_seed(0)
-    x, weight, bias = (torch.randn(*shape, generator=generator) for shape in ((3, 40), (24, 40), (24,)))
-    residual = torch.randn(3, 24, generator=generator)
+    generator = torch.Generator().manual_seed(0)  # not the global stream, which the run's own draws use
+    linear = torch.nn.utils.skip_init(nn.Linear, 40, 24)
+    with torch.no_grad():
+        linear.weight.normal_(generator=generator)
+        linear.bias.normal_(generator=generator)
+    x, residual = torch.randn(3, 40, generator=generator), torch.randn(3, 24, generator=generator)
     try:
-        packed = PackedWeights.of([weight], [bias])
+        packed = PackedWeights.of([linear])
         plain, added = packed_linear(x, packed), packed_linear(x, packed, residual=residual)
     except (RuntimeError, AttributeError, NotImplementedError):  # a build without the operators
         return False
-    expected = F.linear(x, weight, bias)
+    expected = F.linear(x, linear.weight, linear.bias).detach()
     return torch.allclose(plain, expected, atol=1e-4) and torch.allclose(added, expected + residual, atol=1e-4)
 
 
 @dataclass
 class PackedWeights:
     """The weights [out_i, in] of some projections side by side, [sum of out_i, in], in oneDNN's packed layout,
-    with their biases side by side (None if none has one), and what they were packed from: each tensor (weakly)
-    with its version counter when packed, so stale() sees an update in place or another tensor."""
+    with their biases side by side (None if none has one; zeros stand in for a missing one), and what they were
+    packed from: each weight and bias (weakly) with its version counter when packed, so stale() sees an update
+    in place or another tensor."""
 
     weight: torch.Tensor  # opaque oneDNN layout: only packed_linear reads it
     bias: torch.Tensor | None
@@ -67,22 +71,26 @@ class PackedWeights:
 
     @classmethod
     @torch.no_grad()
-    def of(cls, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> PackedWeights:
-        whole = torch.cat(weights) if len(weights) > 1 else weights[0].contiguous()
+    def of(cls, modules: list[nn.Module]) -> PackedWeights:
+        """The packed weights of these projections (modules with `weight` [out, in] and `bias`, nn.Linear's)."""
+        whole = torch.cat([m.weight for m in modules]) if len(modules) > 1 else modules[0].weight.contiguous()
         packed = torch.ops.mkldnn._reorder_linear_weight(whole.detach(), PACK_ROWS)
         bias = None
-        if any(b is not None for b in biases):
-            bias = torch.cat([b.detach() if b is not None else w.new_zeros(len(w)) for w, b in zip(weights, biases)])
-        sources = [(weakref.ref(t), _version(t)) for t in weights + biases if t is not None]
-        return cls(packed, bias, sources)
+        if any(m.bias is not None for m in modules):
+            bias = torch.cat([m.weight.new_zeros(len(m.weight)) if m.bias is None else m.bias for m in modules])
+        return cls(packed, bias, [(weakref.ref(t), _version(t)) for t in _packed_tensors(modules)])
 
-    def stale(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> bool:
-        """Whether these tensors are not, or no longer hold, what was packed."""
-        current = [t for t in weights + biases if t is not None]
+    def stale(self, modules: list[nn.Module]) -> bool:
+        """Whether these projections' weights and biases are not, or no longer hold, what was packed."""
+        current = _packed_tensors(modules)
         return len(current) != len(self.sources) or any(
             ref() is not t or version is None or _version(t) != version
             for t, (ref, version) in zip(current, self.sources)
         )
+
+
+def _packed_tensors(modules: list[nn.Module]) -> list[torch.Tensor]:
+    return [t for m in modules for t in (m.weight, m.bias) if t is not None]
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -134,10 +142,6 @@ class Group:
     A: torch.Tensor | None
     B: torch.Tensor | None
     packed: PackedWeights | None = None  # where packs_weights: the base weights side by side
-
-    def tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """The modules' current weights and biases."""
-        return [m.weight for m in self.modules], [m.bias for m in self.modules]
 
     def base(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The base products of input x [rows, in], side by side, plus residual (a one-projection group)."""
@@ -213,8 +217,8 @@ class DecodeWeights:
                     row += len(a)
                 column += size
         for group in (self.groups + [self.vocabulary]) if self.packs else []:
-            if group.packed is None or group.packed.stale(*group.tensors()):
-                group.packed = PackedWeights.of(*group.tensors())
+            if group.packed is None or group.packed.stale(group.modules):
+                group.packed = PackedWeights.of(group.modules)
         for weight, block in zip(self.qk_norms, model.model.layers):
             heads = model.config.num_heads
             weight[:heads].copy_(block.self_attn.q_norm.weight)

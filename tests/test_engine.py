@@ -155,10 +155,14 @@ def test_the_decode_products_are_linear_up_to_rounding(rows, with_bias, packed):
     expected = torch.nn.functional.linear(x, weight, bias)
     residual = torch.randn(rows, 40, generator=generator)
     if packed:
-        pack = PackedWeights.of([weight[:30], weight[30:]], [None if bias is None else bias[:30], None])
-        if bias is not None:  # the second part has no bias of its own: zeros stand in for it
-            expected[:, 30:] -= bias[30:]
-        product = partial(packed_linear, x, pack)
+        parts = [torch.nn.Linear(48, 30, bias=with_bias), torch.nn.Linear(48, 10, bias=False)]
+        with torch.no_grad():
+            parts[0].weight.copy_(weight[:30])
+            parts[1].weight.copy_(weight[30:])
+            if bias is not None:  # the second part has no bias of its own: zeros stand in for it
+                parts[0].bias.copy_(bias[:30])
+                expected[:, 30:] -= bias[30:]
+        product = partial(packed_linear, x, PackedWeights.of(parts))
     else:
         product = partial(decode_linear, x, weight, bias)
     out = product()
