@@ -23,7 +23,7 @@ GPU they run one after the other. The best of --steps timed steps counts. Memory
 - CUDA: torch.cuda.max_memory_allocated, reset after the warm-up step; includes the weights.
 - CPU: the peak resident set size (VmHWM in /proc/self/status), reset after the warm-up step by
   writing 5 to /proc/self/clear_refs (Linux); includes the weights and the Python/torch runtime.
-  "step" is the most bytes of tensors that one more step holds at once, counted by memory.LiveBytes
+  "step" is the most bytes of tensors that one more step holds at once, counted by counting.LiveBytes
   (the planner's counter) on an untimed step: what a step adds. (The resident size is a poor measure
   of it: the allocator keeps freed memory, so a step's rise above the warm-up's varies from run to run.)
 
@@ -47,7 +47,7 @@ from qwen3_shapes import QWEN3, QWEN3_COMMON, QWEN3_TINY  # noqa: E402
 import lora  # noqa: E402
 import loss  # noqa: E402
 import model as modeling  # noqa: E402
-from engine import memory  # noqa: E402
+from engine import counting, memory  # noqa: E402
 from engine.shared_prompts import hidden_shared  # noqa: E402
 from infra import weights  # noqa: E402
 
@@ -191,9 +191,9 @@ def count_grpo_on_meta() -> dict[str, tuple[float, int]]:
     model, batch, counts = build_demo("meta"), demo_batch("meta"), {}
     for side in GRPO_SIDES:
         # attention counted as the math kernel's matrix products (LiveBytes answers the padding check on meta)
-        with memory.LiveBytes(), FlopCounterMode(display=False) as flops:
+        with counting.LiveBytes(), FlopCounterMode(display=False) as flops:
             grpo_step(model, batch, shared=side == GRPO_SIDES[0])
-        with memory.flash_attention_on_meta(), memory.LiveBytes() as tracker:  # and as the fused kernels allocate
+        with counting.flash_attention_on_meta(), counting.LiveBytes() as tracker:  # and as the fused kernels allocate
             grpo_step(model, batch, shared=side == GRPO_SIDES[0])
         counts[side] = (flops.get_total_flops() / 1e9, tracker.peak)
     return counts
@@ -267,7 +267,7 @@ def worker(side: str, model_name: str, device_name: str, batch: int, seq: int, c
     if device.type == "cuda":
         added = peak - in_use
     else:  # the tensors one more (untimed) step allocates at its peak, counted as the memory plan counts them
-        with memory.LiveBytes() as tracker:
+        with counting.LiveBytes() as tracker:
             step()
         added = tracker.peak
     conn.send({"peak": peak, "step": added})

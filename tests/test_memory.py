@@ -14,7 +14,7 @@ import config
 import lora
 import loss
 import rollout
-from engine import decode_weights, memory, sampler, sizes
+from engine import counting, decode_weights, memory, sampler, sizes
 from engine.pool import Pool
 from engine.scheduler import Group, SamplerStats, Scheduler, group_blocks
 from engine.shared_prompts import hidden_shared
@@ -92,7 +92,7 @@ def small_model():
 
 
 def test_live_bytes_counts_storages_once_and_forgets_freed_ones():
-    with memory.LiveBytes() as tracker:
+    with counting.LiveBytes() as tracker:
         x = torch.zeros(1000)  # 4000 bytes
         view = x[10:].view(10, 99)
         y = x * 2  # another 4000
@@ -108,7 +108,7 @@ def test_a_view_counts_nothing_however_often_it_runs():
     hand out a new storage for it on a second call with the same layout."""
     x = torch.zeros(4, 8, device="meta")
     for _ in range(2):
-        with memory.LiveBytes() as tracker:
+        with counting.LiveBytes() as tracker:
             y = torch.ops.aten._unsafe_view(x, (32,))
             z = x * 2  # 128 bytes of its own
         assert (tracker.peak, y.untyped_storage().nbytes(), z.shape) == (128, 128, (4, 8))
@@ -132,7 +132,7 @@ def test_plan_matches_a_real_cpu_training_micro_batch(small_model, checkpointing
 
     model = ready_to_train(small_model, checkpointing)
     prompt_lens, completion_lens = torch.tensor([32, 20, 32, 8]), torch.tensor([96, 50, 70, 96])
-    with memory.LiveBytes() as tracker:
+    with counting.LiveBytes() as tracker:
         ids = torch.randint(0, SMALL.vocab_size, (ROWS, P + C))
         position = torch.arange(P + C)
         pad = (position >= P - prompt_lens[:, None]) & (position < P + completion_lens[:, None])
@@ -152,7 +152,7 @@ def test_plan_matches_a_real_cpu_micro_batch_of_one_prompt_group(small_model, ne
     planned = memory.Planner(SMALL, work).measure("train", ROWS)[1]
     model = ready_to_train(small_model, True)
     lengths = torch.tensor([new_tokens, 50, 7, new_tokens - 1])
-    with memory.LiveBytes() as tracker:
+    with counting.LiveBytes() as tracker:
         prompt_ids = torch.randint(0, SMALL.vocab_size, (1, P))
         prompt_mask = torch.arange(P)[None] >= 6
         completion_ids = torch.randint(0, SMALL.vocab_size, (ROWS, new_tokens))
@@ -226,7 +226,7 @@ def test_plan_matches_a_real_cpu_rollout(monkeypatch):
     monkeypatch.setattr(decode_weights, "packs_weights", lambda device, dtype: False)
     cfg = dataclasses.replace(SMALL, tie_word_embeddings=False)
     run = memory._MetaRun(memory.meta_model(cfg, SMALL_WORK), SMALL_WORK)
-    with memory.flash_attention_on_meta():
+    with counting.flash_attention_on_meta():
         planned = memory.sampling_phase(run.model, SMALL_WORK, 2, graphs=False)
         with_graphs = memory.sampling_phase(run.model, SMALL_WORK, 2)
     assert with_graphs - planned >= 2 * 8 * cfg.vocab_size * 4  # logits [8 + 4, V] fp32, and the step's temporaries
@@ -235,7 +235,7 @@ def test_plan_matches_a_real_cpu_rollout(monkeypatch):
     lora.inject(model, SMALL_WORK.lora_rank, 32.0)
     prompts = [list(range(1, 33)), list(range(5, 25))]
     pool = Pool(model, 200, max_len=P + C)
-    with memory.LiveBytes() as tracker:
+    with counting.LiveBytes() as tracker:
         out = rollout.generate(
             model,
             prompts,
@@ -610,6 +610,6 @@ def test_a_packed_plan_holds_every_micro_batch_its_budget_admits():
     for rows in (64, 65, 80, 100, 128, 180, 248):
         completion = memory.TRAIN_TOKENS // rows - P
         for prompts in memory.prompts_per_pass(chosen, rows, "train"):
-            with memory.flash_attention_on_meta():
+            with counting.flash_attention_on_meta():
                 own = memory.train_phase(planner.runs[0].model, rows, chosen, prompts=prompts, completion=completion)
             assert own <= planned, (rows, completion, prompts, own, planned)

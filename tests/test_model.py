@@ -7,7 +7,7 @@ import torch
 import lora
 import model as modeling
 from conftest import hf_model
-from engine.memory import LiveBytes
+from engine.counting import LiveBytes
 from infra import weights
 
 
