@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import lora
 from conftest import assert_equal_to
-from engine import memory
+from engine import decode_weights, memory
 from engine.decode_weights import DecodeWeights, PackedWeights, decode_linear, packed_linear, packs_weights
 from engine.graphs import CudaGraph
 from engine.kv_cache import (
@@ -418,6 +418,43 @@ def test_a_decode_step_of_qwen3_with_lora_launches_at_most_25_operators_a_layer(
     total, per_layer = launches_per_layer(cfg, adapted=True)
     assert per_layer <= 25, per_layer
     assert total - cfg.num_layers * per_layer <= 32, total
+
+
+@needs_packing
+def test_packed_products_run_each_group_as_one_operator(monkeypatch):
+    """On the CPU in fp32 the packed path runs q, k and v as one product and gate and up as one, the residual
+    as the product's post-op: per layer three operators fewer than the products on the parameters (counted
+    as test_a_decode_step_of_qwen3_with_lora_launches_at_most_25_operators_a_layer counts, on the gather path),
+    with or without adapters."""
+    cfg = ModelConfig(
+        model_type="qwen3",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        qk_norm=True,
+    )
+
+    def per_layer(adapted: bool) -> int:
+        counts = []
+        for layers in (1, 2):
+            model = Transformer(dataclasses.replace(cfg, num_layers=layers)).eval()
+            if adapted:
+                lora.inject(model, 4, 8.0)
+            pool = KVPool(model.config, 5, 4, torch.float32, "cpu")
+            paged = PagedRows(pool, torch.arange(1, 5, dtype=torch.int32).view(2, 2), torch.tensor([2, 5]))
+            decode = DecodeWeights(model)
+            with torch.inference_mode(), LaunchedOperators() as launched:
+                decode_step(model, torch.tensor([3, 7]), paged, 8, decode)
+            counts.append(len(launched.names))
+        return counts[1] - counts[0]
+
+    packed = {adapted: per_layer(adapted) for adapted in (False, True)}
+    monkeypatch.setattr(decode_weights, "packs_weights", lambda device, dtype: False)
+    plain = {adapted: per_layer(adapted) for adapted in (False, True)}
+    assert packed == {adapted: plain[adapted] - 3 for adapted in (False, True)}, (packed, plain)
 
 
 @pytest.mark.parametrize("name", ["Qwen/Qwen3-1.7B", None], ids=["Qwen3-1.7B", "SmolLM2-135M"])
