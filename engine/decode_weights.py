@@ -30,8 +30,8 @@ _packs: bool | None = None  # packs_weights' check, made once per process
 
 def packs_weights(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether decode steps on this device and dtype run their products on prepacked oneDNN weights: fp32 on the
-    CPU, where this torch has oneDNN and its packed linear gives F.linear's result on a small check (made once).
-    Other dtypes and devices use decode_linear on the parameters."""
+    CPU, where this torch has oneDNN on x86 and its packed linear gives F.linear's result on a small check (made
+    once). Other dtypes and devices use decode_linear on the parameters."""
     global _packs
     if torch.device(device).type != "cpu" or dtype != torch.float32:
         return False
@@ -41,7 +41,12 @@ def packs_weights(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _packed_linear_works() -> bool:
-    if not torch.backends.mkldnn.is_available():
+    # oneDNN's x86 kernels are what was measured; an Arm build runs oneDNN over the Arm Compute Library, where
+    # torch.compile's CPU backend does not pack linear weights either
+    try:
+        if not torch.backends.mkldnn.is_available() or torch.ops.mkldnn._is_mkldnn_acl_supported():
+            return False
+    except (RuntimeError, AttributeError):  # a build without the operator
         return False
     generator = torch.Generator().manual_seed(0)  # not the global stream, which the run's own draws use
     linear = torch.nn.utils.skip_init(nn.Linear, 40, 24)
